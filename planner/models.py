@@ -1,0 +1,189 @@
+"""Model architectures (Llama-style decoders) and their tensor inventory.
+
+Each tensor carries the rule that says how tensor parallelism splits it; the EMU geometry
+(transitions/) and the RL engine (agent/) both derive their shards from these rules, so what the
+planner counts, what transitions move and what the engine holds are one thing. Names follow the
+Hugging Face layout so safetensors checkpoints load by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from functools import cached_property
+
+from planner.errors import SpecError, unknown_preset
+
+
+class Parallel(str, Enum):
+    """How tensor parallelism splits a tensor (weights are [out_features, in_features])."""
+
+    COLUMN = "column"  # dim 0 split: q/k/v/gate/up projections, lm_head (over the vocabulary)
+    ROW = "row"  # dim 1 split: o_proj, down_proj
+    VOCAB = "vocab"  # dim 0 split of the embedding table (vocabulary-parallel)
+    REPLICATED = "replicated"  # norms, scalar/value heads
+
+
+class Head(str, Enum):
+    """What sits on top of the decoder: the LM head (actor, reference) or a scalar head."""
+
+    LM = "lm"
+    VALUE = "value"  # critic value head and reward-model score head: one output per token
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    parallel: Parallel
+    layer: int | None  # decoder layer index; None for embedding, final norm and heads
+    # for GQA-aware splits of k/v: the number of heads along dim 0 (None = not head-structured)
+    num_heads: int | None = None
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelSpec:
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    vocab_size: int
+    tie_word_embeddings: bool = False
+    qk_norm: bool = False  # Qwen3 normalises q and k per head
+    rope_theta: float = 500_000.0
+    rms_norm_eps: float = 1e-5
+    bytes_per_param: int = 2  # bf16 weights
+
+    def __post_init__(self) -> None:
+        for field in ("num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "head_dim",
+                      "ffn_hidden_size", "vocab_size"):
+            if getattr(self, field) < 1:
+                raise SpecError(f"model.{field}", f"must be >= 1, got {getattr(self, field)}")
+        if self.num_attention_heads % self.num_kv_heads:
+            raise SpecError(
+                "model.num_kv_heads",
+                f"{self.num_kv_heads} does not divide num_attention_heads={self.num_attention_heads}",
+            )
+
+    # --- tensor inventory ---------------------------------------------------------------------------
+    def tensors(self, head: Head = Head.LM) -> tuple[TensorSpec, ...]:
+        """Every parameter tensor, in order (embedding, layers, final norm, head)."""
+        h, hd = self.hidden_size, self.head_dim
+        q_out, kv_out = self.num_attention_heads * hd, self.num_kv_heads * hd
+        out: list[TensorSpec] = [
+            TensorSpec("model.embed_tokens.weight", (self.vocab_size, h), Parallel.VOCAB, None)
+        ]
+        for i in range(self.num_layers):
+            p = f"model.layers.{i}."
+            out += [
+                TensorSpec(p + "input_layernorm.weight", (h,), Parallel.REPLICATED, i),
+                TensorSpec(p + "self_attn.q_proj.weight", (q_out, h), Parallel.COLUMN, i,
+                           self.num_attention_heads),
+                TensorSpec(p + "self_attn.k_proj.weight", (kv_out, h), Parallel.COLUMN, i, self.num_kv_heads),
+                TensorSpec(p + "self_attn.v_proj.weight", (kv_out, h), Parallel.COLUMN, i, self.num_kv_heads),
+                TensorSpec(p + "self_attn.o_proj.weight", (h, q_out), Parallel.ROW, i,
+                           self.num_attention_heads),
+            ]
+            if self.qk_norm:
+                out += [
+                    TensorSpec(p + "self_attn.q_norm.weight", (hd,), Parallel.REPLICATED, i),
+                    TensorSpec(p + "self_attn.k_norm.weight", (hd,), Parallel.REPLICATED, i),
+                ]
+            out += [
+                TensorSpec(p + "post_attention_layernorm.weight", (h,), Parallel.REPLICATED, i),
+                TensorSpec(p + "mlp.gate_proj.weight", (self.ffn_hidden_size, h), Parallel.COLUMN, i),
+                TensorSpec(p + "mlp.up_proj.weight", (self.ffn_hidden_size, h), Parallel.COLUMN, i),
+                TensorSpec(p + "mlp.down_proj.weight", (h, self.ffn_hidden_size), Parallel.ROW, i),
+            ]
+        out.append(TensorSpec("model.norm.weight", (h,), Parallel.REPLICATED, None))
+        if head is Head.LM:
+            if not self.tie_word_embeddings:
+                out.append(TensorSpec("lm_head.weight", (self.vocab_size, h), Parallel.COLUMN, None))
+        else:
+            out.append(TensorSpec("score.weight", (1, h), Parallel.REPLICATED, None))
+        return tuple(out)
+
+    def num_params(self, head: Head = Head.LM) -> int:
+        return sum(t.numel for t in self.tensors(head))
+
+    @cached_property
+    def params_per_layer(self) -> int:
+        return sum(t.numel for t in self.tensors() if t.layer == 0)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV cache bytes per token, whole model, bf16: 2 (k and v) * L * kv_heads * head_dim * 2."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.bytes_per_param
+
+    # --- layout validation -------------------------------------------------------------------------
+    def check_tp(self, tp: int) -> None:
+        """TP must divide the attention heads; k/v heads are split when tp <= kv heads and
+        replicated in groups (GQA) when kv heads divide tp."""
+        if tp < 1 or self.num_attention_heads % tp:
+            raise SpecError("tp", f"{tp} does not divide num_attention_heads={self.num_attention_heads}",
+                            _divisors_text(self.num_attention_heads))
+        if self.num_kv_heads % tp and tp % self.num_kv_heads:
+            raise SpecError("tp", f"{tp} and num_kv_heads={self.num_kv_heads} do not divide one another")
+        if self.ffn_hidden_size % tp:
+            raise SpecError("tp", f"{tp} does not divide ffn_hidden_size={self.ffn_hidden_size}")
+
+    def check_pp(self, pp: int) -> None:
+        if pp < 1 or pp > self.num_layers:
+            raise SpecError("pp", f"{pp} must be between 1 and num_layers={self.num_layers}")
+
+    def valid_tp(self, tp: int) -> bool:
+        try:
+            self.check_tp(tp)
+        except SpecError:
+            return False
+        return True
+
+
+def _divisors_text(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+# --- presets: architecture from each model's published config.json --------------------------------
+LLAMA_31_8B = ModelSpec(name="llama-3.1-8b", num_layers=32, hidden_size=4096, num_attention_heads=32,
+                        num_kv_heads=8, head_dim=128, ffn_hidden_size=14336, vocab_size=128256)
+QWEN3_14B = ModelSpec(name="qwen3-14b", num_layers=40, hidden_size=5120, num_attention_heads=40,
+                      num_kv_heads=8, head_dim=128, ffn_hidden_size=17408, vocab_size=151936,
+                      qk_norm=True, rope_theta=1_000_000.0, rms_norm_eps=1e-6)
+QWEN3_32B = ModelSpec(name="qwen3-32b", num_layers=64, hidden_size=5120, num_attention_heads=64,
+                      num_kv_heads=8, head_dim=128, ffn_hidden_size=25600, vocab_size=151936,
+                      qk_norm=True, rope_theta=1_000_000.0, rms_norm_eps=1e-6)
+LLAMA_33_70B = ModelSpec(name="llama-3.3-70b", num_layers=80, hidden_size=8192, num_attention_heads=64,
+                         num_kv_heads=8, head_dim=128, ffn_hidden_size=28672, vocab_size=128256)
+# Tiny real architectures for CPU runs (randomly initialised; no weights can be downloaded here).
+TINY_3M = ModelSpec(name="tiny-3m", num_layers=4, hidden_size=256, num_attention_heads=8, num_kv_heads=4,
+                    head_dim=32, ffn_hidden_size=688, vocab_size=512, tie_word_embeddings=False,
+                    rope_theta=10_000.0)
+TINY_25M = ModelSpec(name="tiny-25m", num_layers=8, hidden_size=512, num_attention_heads=8, num_kv_heads=4,
+                     head_dim=64, ffn_hidden_size=1536, vocab_size=2048, rope_theta=10_000.0)
+
+MODELS: dict[str, ModelSpec] = {m.name: m for m in (LLAMA_31_8B, QWEN3_14B, QWEN3_32B, LLAMA_33_70B,
+                                                   TINY_3M, TINY_25M)}
+# Published parameter counts (model cards), for the 1% check in the tests.
+PUBLISHED_PARAMS: dict[str, float] = {
+    "llama-3.1-8b": 8.03e9,
+    "qwen3-14b": 14.8e9,
+    "qwen3-32b": 32.8e9,
+    "llama-3.3-70b": 70.6e9,
+}
+
+
+def model_preset(name: str) -> ModelSpec:
+    key = name.lower()
+    if key not in MODELS:
+        raise unknown_preset("model", name, list(MODELS))
+    return MODELS[key]
