@@ -1,0 +1,212 @@
+"""EMU geometry: which exact slice of which tensor, in which state kind, a unit-local rank holds.
+
+Every shard is computed from the ModelSpec's per-tensor rules, never stored by hand, and the same
+functions are what the RL engine's DTensor / pipelining layouts hold:
+
+- PP: decoder layers are spread over stages in balanced contiguous runs (``layer_stages``); the
+  embedding sits on the first stage, the final norm and the head on the last (a tied embedding is held
+  by both the first and the last stage).
+- TP: COLUMN splits dim 0, ROW dim 1, VOCAB dim 0, as DTensor's ``Shard(0)`` / ``Shard(1)`` do
+  (``torch.chunk`` semantics: chunks of ceil(n / tp), the last ones shorter or empty, so uneven sizes
+  are allowed); REPLICATED tensors are held whole. k/v projections are GQA-aware: split by kv heads
+  when tp <= kv heads (equal to ``Shard(0)``), and when kv heads divide tp each rank holds the whole
+  kv head of its query-head group (``tp // kv_heads`` consecutive ranks share one head).
+
+A unit's ranks are ``pp_rank * tp + tp_rank`` (planner.plan.Layout). Pure: no torch, no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from planner.errors import SpecError
+from planner.models import Head, ModelSpec, Parallel, TensorSpec
+from planner.plan import Layout
+from planner.workflow import StageKind
+
+FP32_BYTES = 4
+
+
+class StateKind(str, Enum):
+    """One kind of per-tensor state a unit holds (mixed-precision Adam, ZeRO-0 inside a unit)."""
+
+    PARAM = "param"  # bf16 weights (model.bytes_per_param)
+    MASTER = "master"  # fp32 master weights
+    EXP_AVG = "exp_avg"  # fp32 Adam first moment
+    EXP_AVG_SQ = "exp_avg_sq"  # fp32 Adam second moment
+    GRAD = "grad"  # bf16 gradients, only where a stage keeps them across the transition
+
+    def bytes_per_element(self, model: ModelSpec) -> int:
+        return model.bytes_per_param if self in (StateKind.PARAM, StateKind.GRAD) else FP32_BYTES
+
+
+INFERENCE_KINDS: tuple[StateKind, ...] = (StateKind.PARAM,)
+TRAINING_KINDS: tuple[StateKind, ...] = (
+    StateKind.PARAM, StateKind.MASTER, StateKind.EXP_AVG, StateKind.EXP_AVG_SQ,
+)
+
+
+def state_kinds(stage_kind: StageKind, keep_grads: bool = False) -> tuple[StateKind, ...]:
+    """State kinds a unit of a model-stage of this kind holds: generation/inference hold parameters
+    only; training also holds fp32 master weights and Adam moments (and gradients if asked)."""
+    if stage_kind is not StageKind.TRAINING:
+        return INFERENCE_KINDS
+    return TRAINING_KINDS + ((StateKind.GRAD,) if keep_grads else ())
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Shard:
+    """The box ``offsets .. offsets+lengths`` of one tensor's state kind, stored row-major contiguous."""
+
+    tensor: str
+    kind: StateKind
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+    bytes_per_element: int
+
+    def __post_init__(self) -> None:
+        if not (len(self.global_shape) == len(self.offsets) == len(self.lengths)):
+            raise SpecError("shard.offsets", f"rank mismatch for {self.tensor}: shape {self.global_shape}, "
+                            f"offsets {self.offsets}, lengths {self.lengths}")
+        for dim, (n, o, k) in enumerate(zip(self.global_shape, self.offsets, self.lengths)):
+            if o < 0 or k < 0 or o + k > n:
+                raise SpecError("shard.lengths", f"{self.tensor} dim {dim}: [{o}, {o + k}) outside [0, {n})")
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for k in self.lengths:
+            n *= k
+        return n
+
+    @property
+    def num_bytes(self) -> int:
+        return self.numel * self.bytes_per_element
+
+    @property
+    def slices(self) -> tuple[slice, ...]:
+        return tuple(slice(o, o + k) for o, k in zip(self.offsets, self.lengths))
+
+    @property
+    def key(self) -> tuple[str, StateKind]:
+        return (self.tensor, self.kind)
+
+
+# --- pipeline parallelism -------------------------------------------------------------------------
+
+
+def layer_stages(num_layers: int, pp: int) -> tuple[int, ...]:
+    """PP stage of each decoder layer: contiguous runs, the first ``num_layers % pp`` stages one longer."""
+    if pp < 1 or pp > num_layers:
+        raise SpecError("pp", f"{pp} must be between 1 and num_layers={num_layers}")
+    base, extra = divmod(num_layers, pp)
+    out: list[int] = []
+    for stage in range(pp):
+        out += [stage] * (base + (1 if stage < extra else 0))
+    return tuple(out)
+
+
+def stage_layers(num_layers: int, pp: int, pp_rank: int) -> range:
+    """The decoder layers of one PP stage (what the engine's pipeline stage module holds)."""
+    base, extra = divmod(num_layers, pp)
+    start = pp_rank * base + min(pp_rank, extra)
+    return range(start, start + base + (1 if pp_rank < extra else 0))
+
+
+def tensor_stages(tensor: TensorSpec, model: ModelSpec, pp: int) -> tuple[int, ...]:
+    """Every PP stage holding ``tensor``: one, except a tied embedding (first and last stage)."""
+    model.check_pp(pp)
+    if tensor.layer is not None:
+        return (layer_stages(model.num_layers, pp)[tensor.layer],)
+    if tensor.name == "model.embed_tokens.weight":
+        return (0, pp - 1) if model.tie_word_embeddings and pp > 1 else (0,)
+    return (pp - 1,)  # final norm and head
+
+
+def tensor_stage(tensor: TensorSpec, model: ModelSpec, pp: int) -> int:
+    """The PP stage owning ``tensor`` (for a tied embedding, the first; see ``tensor_stages``)."""
+    return tensor_stages(tensor, model, pp)[0]
+
+
+# --- tensor parallelism ---------------------------------------------------------------------------
+
+
+def chunk_range(size: int, num_chunks: int, index: int) -> tuple[int, int]:
+    """(offset, length) of chunk ``index`` of ``size`` split as torch.chunk / DTensor Shard do."""
+    if size % num_chunks == 0:
+        step = size // num_chunks
+        return step * index, step
+    step = -(-size // num_chunks)
+    start = min(size, step * index)
+    return start, max(0, min(size, step * (index + 1)) - start)
+
+
+def tp_box(tensor: TensorSpec, model: ModelSpec, tp: int, tp_rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(offsets, lengths) of the global box TP rank ``tp_rank`` of ``tp`` holds of ``tensor``."""
+    if not 0 <= tp_rank < tp:
+        raise SpecError("tp_rank", f"{tp_rank} outside [0, {tp})")
+    shape = tensor.shape
+    offsets = [0] * len(shape)
+    lengths = list(shape)
+    if tensor.parallel is Parallel.REPLICATED or tp == 1:
+        return tuple(offsets), tuple(lengths)
+    dim = 1 if tensor.parallel is Parallel.ROW else 0
+    heads = tensor.num_heads
+    if heads is not None and tensor.parallel is Parallel.COLUMN and tp > heads and tp % heads == 0:
+        # GQA: fewer kv heads than ranks; each group of tp // heads ranks shares one whole head
+        head = tp_rank // (tp // heads)
+        per_head = shape[0] // heads
+        offsets[0], lengths[0] = head * per_head, per_head
+    else:
+        offsets[dim], lengths[dim] = chunk_range(shape[dim], tp, tp_rank)
+    return tuple(offsets), tuple(lengths)
+
+
+def tp_slice(tensor: TensorSpec, model: ModelSpec, tp: int, tp_rank: int) -> tuple[slice, ...]:
+    """The exact global slice TP rank ``tp_rank`` holds (equal to DTensor's local shard for Shard dims)."""
+    offsets, lengths = tp_box(tensor, model, tp, tp_rank)
+    return tuple(slice(o, o + k) for o, k in zip(offsets, lengths))
+
+
+# --- unit shards ----------------------------------------------------------------------------------
+
+
+def check_layout(model: ModelSpec, layout: Layout) -> None:
+    model.check_tp(layout.tp)
+    model.check_pp(layout.pp)
+
+
+def unit_shards(
+    model: ModelSpec,
+    head: Head,
+    layout: Layout,
+    rank: int,
+    kinds: tuple[StateKind, ...] = INFERENCE_KINDS,
+) -> list[Shard]:
+    """Every non-empty shard unit-local ``rank`` of a ``layout`` unit holds, tensor-major, kinds in order.
+
+    Empty chunks of uneven splits (e.g. vocab 5 over tp 4) hold no bytes and are left out.
+    """
+    check_layout(model, layout)
+    if not 0 <= rank < layout.size:
+        raise SpecError("rank", f"{rank} outside unit of {layout.size} GPUs ({layout})")
+    tp_rank, pp_rank = layout.coords(rank)
+    out: list[Shard] = []
+    for tensor in model.tensors(head):
+        if pp_rank not in tensor_stages(tensor, model, layout.pp):
+            continue
+        offsets, lengths = tp_box(tensor, model, layout.tp, tp_rank)
+        if 0 in lengths:
+            continue
+        for kind in kinds:
+            out.append(Shard(tensor=tensor.name, kind=kind, global_shape=tensor.shape, offsets=offsets,
+                             lengths=lengths, bytes_per_element=kind.bytes_per_element(model)))
+    return out
+
+
+def unit_rank_bytes(model: ModelSpec, head: Head, layout: Layout, rank: int,
+                    kinds: tuple[StateKind, ...] = INFERENCE_KINDS) -> int:
+    """Bytes of state unit-local ``rank`` holds."""
+    return sum(s.num_bytes for s in unit_shards(model, head, layout, rank, kinds))
