@@ -1,0 +1,386 @@
+"""The daemon's durable store: SQLite in WAL mode, schema versioned with ordered migrations.
+
+Tables: jobs, nodes, allocations, plans, decisions, transitions, measurements, events, and one
+``status_history`` that keeps every state change of a job, node or transition with its time and
+reason. Allowed state changes are the tables ``JOB_EDGES``, ``NODE_EDGES`` and ``TRANSITION_EDGES``;
+an edge not listed raises ``StateError`` (a logged, typed error, never an assert).
+
+Every write commits before the call returns, so after ``kill -9`` and a restart every record is
+back (WAL with synchronous=NORMAL survives a process crash; FULL is used so a power cut does too).
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from planner.errors import NereusError, SpecError
+
+
+class StateError(NereusError):
+    """A state change that the edge table does not allow."""
+
+
+# Allowed state changes; every edge says why it exists.
+JOB_EDGES: dict[tuple[str, str], str] = {
+    ("pending", "running"): "the first agent registered",
+    ("running", "transitioning"): "a transition was ordered",
+    ("transitioning", "running"): "every agent reported its part done (or the transition failed)",
+    ("running", "lost"): "every node of the job is lost",
+    ("transitioning", "lost"): "every node was lost mid-transition",
+    ("lost", "running"): "an agent reconnected",
+    ("pending", "cancelled"): "cancelled before it started",
+    ("running", "finished"): "the allocation source reports normal completion",
+    ("running", "cancelled"): "cancelled by the user or an admin",
+    ("running", "failed"): "Slurm or the driver reports failure",
+    ("lost", "failed"): "the allocation ended while no node was alive",
+    ("lost", "cancelled"): "cancelled while no node was alive",
+    ("transitioning", "failed"): "the allocation failed mid-transition",
+    ("transitioning", "cancelled"): "cancelled mid-transition",
+}
+NODE_EDGES: dict[tuple[str, str], str] = {
+    ("alive", "lost"): "heartbeats missed past control.heartbeat_timeout_s",
+    ("lost", "alive"): "the agent heartbeated or registered again",
+    ("alive", "released"): "the member job was released or Slurm took the node",
+    ("lost", "released"): "a lost node's allocation ended",
+    ("released", "alive"): "an agent registered again on a node that was handed back",
+}
+TRANSITION_EDGES: dict[tuple[str, str], str] = {
+    ("planned", "ordered"): "each agent was sent its part",
+    ("planned", "cancelled"): "superseded before it was ordered",
+    ("ordered", "done"): "every part reported done",
+    ("ordered", "failed"): "a part failed or a node was lost mid-transition",
+}
+TERMINAL_JOB_STATES = frozenset({"finished", "failed", "cancelled"})
+
+_MIGRATIONS: tuple[str, ...] = (
+    # 1: the initial schema
+    """
+    CREATE TABLE jobs (
+        job_id TEXT PRIMARY KEY, user TEXT NOT NULL, slurm_job_id TEXT, state TEXT NOT NULL,
+        spec TEXT NOT NULL, plan_version INTEGER NOT NULL DEFAULT 0,
+        created_at REAL NOT NULL, updated_at REAL NOT NULL);
+    CREATE TABLE nodes (
+        job_id TEXT NOT NULL REFERENCES jobs(job_id), node TEXT NOT NULL, state TEXT NOT NULL,
+        slurm_job_id TEXT, host TEXT, incarnation TEXT, devices TEXT NOT NULL,
+        registered_at REAL NOT NULL, last_heartbeat REAL NOT NULL, PRIMARY KEY (job_id, node));
+    CREATE TABLE status_history (
+        id INTEGER PRIMARY KEY, kind TEXT NOT NULL, key TEXT NOT NULL, at REAL NOT NULL,
+        from_state TEXT, to_state TEXT NOT NULL, reason TEXT NOT NULL);
+    CREATE INDEX status_history_key ON status_history(kind, key);
+    CREATE TABLE allocations (
+        id INTEGER PRIMARY KEY, job_id TEXT NOT NULL, at REAL NOT NULL, gpus INTEGER NOT NULL,
+        nodes TEXT NOT NULL, source TEXT NOT NULL, reason TEXT NOT NULL);
+    CREATE TABLE plans (
+        job_id TEXT NOT NULL, version INTEGER NOT NULL, at REAL NOT NULL, plan TEXT NOT NULL,
+        prediction TEXT NOT NULL, PRIMARY KEY (job_id, version));
+    CREATE TABLE decisions (
+        id INTEGER PRIMARY KEY, job_id TEXT NOT NULL, at REAL NOT NULL, trigger TEXT NOT NULL,
+        urgent INTEGER NOT NULL, admitted INTEGER NOT NULL, rule TEXT NOT NULL, reason TEXT NOT NULL,
+        from_version INTEGER, to_version INTEGER, delta_l_s REAL, l_tran_s REAL, h_x REAL, gamma REAL,
+        decision_ms REAL, inputs TEXT NOT NULL);
+    CREATE TABLE transitions (
+        id INTEGER PRIMARY KEY, job_id TEXT NOT NULL, decision_id INTEGER REFERENCES decisions(id),
+        state TEXT NOT NULL, from_version INTEGER NOT NULL, to_version INTEGER NOT NULL,
+        dag TEXT NOT NULL, bytes_moved INTEGER NOT NULL, predicted_s REAL NOT NULL, measured_s REAL,
+        parts_pending TEXT NOT NULL, created_at REAL NOT NULL, updated_at REAL NOT NULL);
+    CREATE TABLE measurements (
+        id INTEGER PRIMARY KEY, job_id TEXT NOT NULL, node TEXT NOT NULL, at REAL NOT NULL,
+        step INTEGER NOT NULL, plan_version INTEGER NOT NULL, step_latency_s REAL NOT NULL,
+        predicted_step_s REAL, stage_times TEXT NOT NULL, peak_memory TEXT NOT NULL, response_tokens REAL);
+    CREATE INDEX measurements_job ON measurements(job_id, step);
+    CREATE TABLE events (
+        id INTEGER PRIMARY KEY, at REAL NOT NULL, job_id TEXT, kind TEXT NOT NULL, data TEXT NOT NULL);
+    CREATE INDEX events_job ON events(job_id);
+    """,
+    # 2: decisions and transitions are listed per job, newest first
+    """
+    CREATE INDEX decisions_job ON decisions(job_id, id);
+    CREATE INDEX transitions_job ON transitions(job_id, id);
+    """,
+)
+SCHEMA_VERSION = len(_MIGRATIONS)
+_JSON_COLUMNS = frozenset({"spec", "devices", "nodes", "plan", "prediction", "inputs", "dag", "parts_pending",
+                           "stage_times", "peak_memory", "data"})
+
+
+def _row(cur: sqlite3.Cursor, values: tuple[Any, ...]) -> dict[str, Any]:
+    out = {}
+    for (name, *_), value in zip(cur.description, values):
+        out[name] = json.loads(value) if name in _JSON_COLUMNS and value is not None else value
+    return out
+
+
+class Store:
+    def __init__(self, path: Path, clock=time.time) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._clock = clock
+        self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=30)
+        self.db.row_factory = _row
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=FULL")
+        self.db.execute("PRAGMA foreign_keys=ON")
+        self.migrated_from = self._migrate()
+
+    def close(self) -> None:
+        self.db.close()
+
+    def _migrate(self) -> int:
+        version = self.db.execute("PRAGMA user_version").fetchone()["user_version"]
+        if version > SCHEMA_VERSION:
+            raise SpecError("store", f"{self.path} has schema version {version}, newer than this "
+                            f"nereusd ({SCHEMA_VERSION})", "upgrade nereusd, or point daemon.state_dir elsewhere")
+        for target in range(version + 1, SCHEMA_VERSION + 1):
+            try:  # one migration = one transaction, version bump included
+                self.db.executescript("BEGIN IMMEDIATE;" + _MIGRATIONS[target - 1]
+                                      + f"PRAGMA user_version={target}; COMMIT;")
+            except sqlite3.Error:
+                if self.db.in_transaction:
+                    self.db.execute("ROLLBACK")
+                raise
+        return version
+
+    def _tx(self):
+        return _Transaction(self.db)
+
+    def _one(self, sql: str, *args: Any) -> dict[str, Any] | None:
+        return self.db.execute(sql, args).fetchone()
+
+    def _all(self, sql: str, *args: Any) -> list[dict[str, Any]]:
+        return self.db.execute(sql, args).fetchall()
+
+    # --- status history ---------------------------------------------------------------------------
+    def _change(self, kind: str, key: str, edges: dict[tuple[str, str], str], old: str | None, new: str,
+                reason: str, now: float) -> None:
+        if old is not None and old != new and (old, new) not in edges:
+            allowed = ", ".join(b for (a, b) in edges if a == old) or "none (terminal)"
+            raise StateError(f"{kind} {key}: {old} -> {new} is not allowed (from {old}: {allowed})")
+        self.db.execute("INSERT INTO status_history(kind, key, at, from_state, to_state, reason) "
+                        "VALUES (?,?,?,?,?,?)", (kind, key, now, old, new, reason))
+
+    def history(self, kind: str, key: str) -> list[dict[str, Any]]:
+        return self._all("SELECT at, from_state, to_state, reason FROM status_history WHERE kind=? AND key=? "
+                         "ORDER BY id", kind, key)
+
+    # --- jobs -------------------------------------------------------------------------------------
+    def add_job(self, *, job_id: str, user: str, spec: dict[str, Any], slurm_job_id: str | None = None,
+                reason: str = "submitted") -> None:
+        now = self._clock()
+        with self._tx():
+            if self.job(job_id) is not None:
+                raise SpecError("job_id", f"job {job_id!r} exists", "a new job id")
+            self.db.execute("INSERT INTO jobs(job_id, user, slurm_job_id, state, spec, created_at, updated_at) "
+                            "VALUES (?,?,?,?,?,?,?)", (job_id, user, slurm_job_id, "pending", json.dumps(spec),
+                                                       now, now))
+            self._change("job", job_id, JOB_EDGES, None, "pending", reason, now)
+
+    def job(self, job_id: str) -> dict[str, Any] | None:
+        return self._one("SELECT * FROM jobs WHERE job_id=?", job_id)
+
+    def jobs(self, include_terminal: bool = True) -> list[dict[str, Any]]:
+        rows = self._all("SELECT * FROM jobs ORDER BY created_at")
+        return rows if include_terminal else [r for r in rows if r["state"] not in TERMINAL_JOB_STATES]
+
+    def set_job_state(self, job_id: str, state: str, reason: str) -> bool:
+        """Move a job to ``state``; False when it already was there (no history row)."""
+        now = self._clock()
+        with self._tx():
+            job = self.job(job_id)
+            if job is None:
+                raise SpecError("job_id", f"no job {job_id!r}")
+            if job["state"] == state:
+                return False
+            self._change("job", job_id, JOB_EDGES, job["state"], state, reason, now)
+            self.db.execute("UPDATE jobs SET state=?, updated_at=? WHERE job_id=?", (state, now, job_id))
+        return True
+
+    # --- nodes ------------------------------------------------------------------------------------
+    def register_node(self, *, job_id: str, node: str, devices: list[dict[str, Any]], slurm_job_id: str | None,
+                      host: str, incarnation: str) -> str:
+        """Insert or refresh a node; returns 'new', 'reconnected' (same agent) or 'restarted' (new agent)."""
+        now = self._clock()
+        with self._tx():
+            old = self._one("SELECT * FROM nodes WHERE job_id=? AND node=?", job_id, node)
+            if old is None:
+                self.db.execute("INSERT INTO nodes VALUES (?,?,?,?,?,?,?,?,?)",
+                                (job_id, node, "alive", slurm_job_id, host, incarnation, json.dumps(devices),
+                                 now, now))
+                self._change("node", f"{job_id}/{node}", NODE_EDGES, None, "alive", "registered", now)
+                return "new"
+            kind = "reconnected" if old["incarnation"] == incarnation else "restarted"
+            if old["state"] != "alive":
+                self._change("node", f"{job_id}/{node}", NODE_EDGES, old["state"], "alive", f"agent {kind}", now)
+            self.db.execute("UPDATE nodes SET state='alive', slurm_job_id=?, host=?, incarnation=?, devices=?, "
+                            "last_heartbeat=? WHERE job_id=? AND node=?",
+                            (slurm_job_id, host, incarnation, json.dumps(devices), now, job_id, node))
+            return kind
+
+    def nodes(self, job_id: str) -> list[dict[str, Any]]:
+        return self._all("SELECT * FROM nodes WHERE job_id=? ORDER BY node", job_id)
+
+    def all_nodes(self) -> list[dict[str, Any]]:
+        return self._all("SELECT * FROM nodes ORDER BY job_id, node")
+
+    def set_node_state(self, job_id: str, node: str, state: str, reason: str) -> bool:
+        now = self._clock()
+        with self._tx():
+            old = self._one("SELECT state FROM nodes WHERE job_id=? AND node=?", job_id, node)
+            if old is None:
+                raise SpecError("node", f"no node {node!r} in job {job_id!r}")
+            if old["state"] == state:
+                return False
+            self._change("node", f"{job_id}/{node}", NODE_EDGES, old["state"], state, reason, now)
+            self.db.execute("UPDATE nodes SET state=? WHERE job_id=? AND node=?", (state, job_id, node))
+        return True
+
+    def touch_heartbeats(self, seen: Iterable[tuple[str, str, float]]) -> None:
+        """Persist last-heartbeat times in one transaction (the daemon batches them; 1 Hz x 1,024 nodes)."""
+        with self._tx():
+            self.db.executemany("UPDATE nodes SET last_heartbeat=? WHERE job_id=? AND node=?",
+                                [(t, j, n) for j, n, t in seen])
+
+    # --- allocations, plans, measurements, events -------------------------------------------------
+    def add_allocation(self, *, job_id: str, gpus: int, nodes: list[str], source: str, reason: str) -> int:
+        with self._tx():
+            cur = self.db.execute("INSERT INTO allocations(job_id, at, gpus, nodes, source, reason) "
+                                  "VALUES (?,?,?,?,?,?)", (job_id, self._clock(), gpus, json.dumps(nodes),
+                                                           source, reason))
+        return int(cur.lastrowid or 0)
+
+    def allocations(self, job_id: str | None = None) -> list[dict[str, Any]]:
+        if job_id is None:
+            return self._all("SELECT * FROM allocations ORDER BY id")
+        return self._all("SELECT * FROM allocations WHERE job_id=? ORDER BY id", job_id)
+
+    def latest_allocation(self, job_id: str) -> dict[str, Any] | None:
+        return self._one("SELECT * FROM allocations WHERE job_id=? ORDER BY id DESC LIMIT 1", job_id)
+
+    def add_plan(self, *, job_id: str, version: int, plan: dict[str, Any], prediction: dict[str, Any]) -> None:
+        with self._tx():
+            self.db.execute("INSERT INTO plans VALUES (?,?,?,?,?)", (job_id, version, self._clock(),
+                                                                   json.dumps(plan), json.dumps(prediction)))
+
+    def commit_plan_version(self, job_id: str, version: int) -> None:
+        with self._tx():
+            self.db.execute("UPDATE jobs SET plan_version=?, updated_at=? WHERE job_id=?",
+                            (version, self._clock(), job_id))
+
+    def plan(self, job_id: str, version: int | None = None) -> dict[str, Any] | None:
+        if version is None:
+            job = self.job(job_id)
+            if job is None:
+                return None
+            version = job["plan_version"]
+        return self._one("SELECT * FROM plans WHERE job_id=? AND version=?", job_id, version)
+
+    def max_plan_version(self, job_id: str) -> int:
+        row = self._one("SELECT MAX(version) AS v FROM plans WHERE job_id=?", job_id)
+        return int(row["v"]) if row and row["v"] is not None else 0
+
+    def add_measurement(self, *, job_id: str, node: str, step: int, plan_version: int, step_latency_s: float,
+                        predicted_step_s: float | None, stage_times: dict[str, float],
+                        peak_memory: dict[str, int], response_tokens: float | None) -> None:
+        with self._tx():
+            self.db.execute("INSERT INTO measurements(job_id, node, at, step, plan_version, step_latency_s, "
+                            "predicted_step_s, stage_times, peak_memory, response_tokens) VALUES (?,?,?,?,?,?,?,?,?,?)",
+                            (job_id, node, self._clock(), step, plan_version, step_latency_s, predicted_step_s,
+                             json.dumps(stage_times), json.dumps(peak_memory), response_tokens))
+
+    def measurements(self, job_id: str, limit: int = 100) -> list[dict[str, Any]]:
+        rows = self._all("SELECT * FROM measurements WHERE job_id=? ORDER BY id DESC LIMIT ?", job_id, limit)
+        return rows[::-1]
+
+    def add_event(self, kind: str, data: dict[str, Any], job_id: str | None = None) -> None:
+        with self._tx():
+            self.db.execute("INSERT INTO events(at, job_id, kind, data) VALUES (?,?,?,?)",
+                            (self._clock(), job_id, kind, json.dumps(data)))
+
+    def events(self, job_id: str | None = None, limit: int = 200) -> list[dict[str, Any]]:
+        if job_id is None:
+            rows = self._all("SELECT * FROM events ORDER BY id DESC LIMIT ?", limit)
+        else:
+            rows = self._all("SELECT * FROM events WHERE job_id=? ORDER BY id DESC LIMIT ?", job_id, limit)
+        return rows[::-1]
+
+    # --- decisions and transitions ----------------------------------------------------------------
+    def add_decision(self, *, job_id: str, trigger: str, urgent: bool, admitted: bool, rule: str, reason: str,
+                     from_version: int | None, to_version: int | None, delta_l_s: float | None,
+                     l_tran_s: float | None, h_x: float | None, gamma: float | None, decision_ms: float,
+                     inputs: dict[str, Any]) -> int:
+        with self._tx():
+            cur = self.db.execute(
+                "INSERT INTO decisions(job_id, at, trigger, urgent, admitted, rule, reason, from_version, "
+                "to_version, delta_l_s, l_tran_s, h_x, gamma, decision_ms, inputs) "
+                "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                (job_id, self._clock(), trigger, int(urgent), int(admitted), rule, reason, from_version, to_version,
+                 delta_l_s, l_tran_s, h_x, gamma, decision_ms, json.dumps(inputs)))
+        return int(cur.lastrowid or 0)
+
+    def decisions(self, job_id: str) -> list[dict[str, Any]]:
+        return self._all("SELECT * FROM decisions WHERE job_id=? ORDER BY id", job_id)
+
+    def decision(self, decision_id: int) -> dict[str, Any] | None:
+        return self._one("SELECT * FROM decisions WHERE id=?", decision_id)
+
+    def add_transition(self, *, job_id: str, decision_id: int | None, from_version: int, to_version: int,
+                       dag: dict[str, Any], bytes_moved: int, predicted_s: float, parts: list[str]) -> int:
+        now = self._clock()
+        with self._tx():
+            cur = self.db.execute(
+                "INSERT INTO transitions(job_id, decision_id, state, from_version, to_version, dag, bytes_moved, "
+                "predicted_s, parts_pending, created_at, updated_at) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                (job_id, decision_id, "planned", from_version, to_version, json.dumps(dag), bytes_moved,
+                 predicted_s, json.dumps(sorted(parts)), now, now))
+            tid = int(cur.lastrowid or 0)
+            self._change("transition", str(tid), TRANSITION_EDGES, None, "planned", f"decision {decision_id}", now)
+        return tid
+
+    def transition(self, transition_id: int) -> dict[str, Any] | None:
+        return self._one("SELECT * FROM transitions WHERE id=?", transition_id)
+
+    def transitions(self, job_id: str) -> list[dict[str, Any]]:
+        return self._all("SELECT * FROM transitions WHERE job_id=? ORDER BY id", job_id)
+
+    def open_transitions(self) -> list[dict[str, Any]]:
+        return self._all("SELECT * FROM transitions WHERE state IN ('planned', 'ordered') ORDER BY id")
+
+    def set_transition_state(self, transition_id: int, state: str, reason: str, *,
+                             measured_s: float | None = None, parts_pending: list[str] | None = None) -> None:
+        now = self._clock()
+        with self._tx():
+            row = self.transition(transition_id)
+            if row is None:
+                raise SpecError("transition", f"no transition {transition_id}")
+            if row["state"] != state:
+                self._change("transition", str(transition_id), TRANSITION_EDGES, row["state"], state, reason, now)
+            pending = row["parts_pending"] if parts_pending is None else sorted(parts_pending)
+            measured = row["measured_s"] if measured_s is None else measured_s
+            self.db.execute("UPDATE transitions SET state=?, measured_s=?, parts_pending=?, updated_at=? WHERE id=?",
+                            (state, measured, json.dumps(pending), now, transition_id))
+
+
+class _Transaction:
+    """BEGIN IMMEDIATE ... COMMIT/ROLLBACK; re-entrant, so store methods compose inside one another."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db = db
+        self.outer = False
+
+    def __enter__(self) -> _Transaction:
+        if not self.db.in_transaction:
+            self.db.execute("BEGIN IMMEDIATE")
+            self.outer = True
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if not self.outer:
+            return
+        if exc_type is None:
+            self.db.execute("COMMIT")
+        else:
+            self.db.execute("ROLLBACK")
