@@ -1,0 +1,74 @@
+"""Shared RL losses: token log-probs, GAE, clipped policy loss, clipped value loss, KL terms.
+
+All per-token losses take a ``weight`` tensor (response mask divided by the number of response tokens
+in the whole mini-batch): summing micro-batch losses then gives the token mean over the global batch,
+whatever the DP degree, micro-batch size or pipeline schedule.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def token_logprobs(logits: torch.Tensor, next_tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log p(next_tokens[b, t] | prefix up to t) from ``logits[b, t]``; shapes [B, T, V], [B, T]."""
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return logp.gather(-1, next_tokens.long().unsqueeze(-1)).squeeze(-1)
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    n = mask.sum().clamp(min=1)
+    mean = (x * mask).sum() / n
+    var = (((x - mean) * mask) ** 2).sum() / n
+    return (x - mean) * torch.rsqrt(var + eps) * mask
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
+        lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over response tokens; returns (advantages, returns).
+
+    ``rewards``, ``values``, ``mask``: [B, T] aligned to action tokens; masked positions are skipped
+    (their value and reward are treated as absent, so trailing padding does not leak into the return).
+    """
+    b, t = rewards.shape
+    adv = torch.zeros_like(rewards)
+    last = torch.zeros(b, dtype=rewards.dtype)
+    next_value = torch.zeros(b, dtype=rewards.dtype)
+    for i in reversed(range(t)):
+        m = mask[:, i]
+        delta = rewards[:, i] + gamma * next_value - values[:, i]
+        last_new = delta + gamma * lam * last
+        adv[:, i] = last_new * m
+        last = torch.where(m > 0, last_new, last)
+        next_value = torch.where(m > 0, values[:, i], next_value)
+    return adv, adv + values * mask
+
+
+def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, weight: torch.Tensor,
+                clip: float) -> torch.Tensor:
+    """PPO clipped surrogate, summed with ``weight``."""
+    ratio = torch.exp(logp - old_logp)
+    surr = torch.minimum(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv)
+    return -(surr * weight).sum()
+
+
+def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Unbiased, non-negative estimator of KL(pi || ref) per token (Schulman's k3)."""
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, weight: torch.Tensor,
+               clip: float) -> torch.Tensor:
+    """Clipped value loss (0.5 * max of squared errors), summed with ``weight``."""
+    clipped = old_values + (values - old_values).clamp(-clip, clip)
+    err = torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)
+    return 0.5 * (err * weight).sum()
+
+
+def kl_shaped_rewards(scores: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor,
+                      mask: torch.Tensor, beta: float) -> torch.Tensor:
+    """PPO's KL reward: -beta * (log pi - log ref) per token, the sequence score on the last token."""
+    r = -beta * (old_logp - ref_logp) * mask
+    last = (mask.cumsum(-1) == mask.sum(-1, keepdim=True)) & (mask > 0)
+    return r + scores[:, None] * last
