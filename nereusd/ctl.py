@@ -21,9 +21,13 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
 
 
 def _subcommands() -> list[ModuleType]:
-    from nereusd import whatif
-
-    mods: list[ModuleType] = [whatif]
+    mods: list[ModuleType] = []
+    try:  # the what-if planner (`nereusctl plan`), present once the planner lands
+        from nereusd import whatif  # type: ignore[attr-defined,unused-ignore]
+    except ImportError:
+        pass
+    else:
+        mods.append(whatif)
     try:  # admin subcommands that talk to the daemon (present once the daemon lands)
         from nereusd import admin_cli
     except ImportError:

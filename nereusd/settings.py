@@ -35,8 +35,8 @@ class DaemonSection(_Section):
 
 class ControlSection(_Section):
     bind_host: str = "127.0.0.1"
-    port: int = Field(7501, ge=1, le=65535)  # agents (ZeroMQ ROUTER, CURVE)
-    admin_port: int = Field(7502, ge=1, le=65535)  # nereusctl
+    port: int = Field(7501, ge=0, le=65535)  # agents (ZeroMQ ROUTER, CURVE); 0: a free port
+    admin_port: int = Field(7502, ge=0, le=65535)  # nereusctl; 0: a free port (see endpoints.json)
     max_message_bytes: int = Field(1 << 20, ge=1024)
     heartbeat_interval_s: float = Field(1.0, gt=0)
     heartbeat_timeout_s: float = Field(10.0, gt=0)

@@ -1,0 +1,144 @@
+"""The ``nereusd`` console script.
+
+    nereusd serve [--config /etc/nereus/nereusd.toml]
+    nereusd keys init    [--config PATH | --state-dir DIR]
+    nereusd keys create NAME --user USER [--role agent|admin] --out DIR [--config PATH | --state-dir DIR]
+    nereusd keys list    [--config PATH | --state-dir DIR]
+    nereusd keys revoke NAME [--config PATH | --state-dir DIR]
+
+Exit codes: 0 ok, 1 runtime failure, 2 bad configuration or arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from planner.errors import NereusError, SpecError
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+def _settings(args: argparse.Namespace) -> Any:
+    from nereusd.settings import load_settings
+
+    overrides: dict[str, Any] = {}
+    if getattr(args, "state_dir", None):
+        overrides["daemon"] = {"state_dir": args.state_dir}
+    return load_settings(args.config, **overrides)
+
+
+def make_source(settings: Any, log: Any) -> Any:
+    """The allocation source the settings ask for; None (logged) where none is available."""
+    try:
+        from nereusd import sources  # type: ignore[attr-defined]
+    except ImportError:
+        log.warning("no-allocation-source", reason="nereusd.sources is not installed; jobs are driven by agents")
+        return None
+    return sources.make_source(settings, log)
+
+
+def make_planner(log: Any) -> tuple[Any, str]:
+    try:
+        from nereusd import planning  # type: ignore[attr-defined]
+    except ImportError:
+        log.warning("no-planner", reason="nereusd.planning is not installed; decisions are recorded as infeasible")
+        return None, "none"
+    return planning.PlannerBinding(), "planner.search"
+
+
+def serve(args: argparse.Namespace) -> int:
+    from nereusd.daemon import Daemon
+    from nereusd.logs import configure_logging, get_logger
+
+    settings = _settings(args)
+    configure_logging(settings.daemon.log_format, settings.daemon.log_level)
+    log = get_logger("daemon")
+    planner, planner_name = make_planner(log)
+    daemon = Daemon(settings, source=make_source(settings, log), planner=planner, planner_name=planner_name)
+
+    def stop(signum: int, _frame: Any) -> None:
+        log.info("signal", signal=signal.Signals(signum).name)
+        daemon.stopping.set()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        daemon.serve()
+    finally:
+        daemon.close()
+    return EXIT_OK
+
+
+def keys(args: argparse.Namespace) -> int:
+    from nereusd.keys import KeyStore
+
+    store = KeyStore(Path(_settings(args).daemon.state_dir) / "keys")
+    if args.keys_command == "init":
+        created = store.init()
+        print(f"{'created' if created else 'kept existing'} server keypair in {store.root}")
+    elif args.keys_command == "create":
+        store.init()
+        key = store.create_client(name=args.name, user=args.user, role=args.role, out_dir=Path(args.out))
+        print(f"created {key.role} key {key.name!r} for user {key.user!r}; bundle in {args.out} "
+              f"(client.key_secret is mode 0600: hand it to {key.user} only)")
+    elif args.keys_command == "list":
+        rows = [{"name": k.name, "user": k.user, "role": k.role, "public_key": k.public_key} for k in store.clients()]
+        if args.json:
+            print(json.dumps(rows))
+        else:
+            for r in rows:
+                print(f"{r['name']:<20} {r['user']:<16} {r['role']:<6} {r['public_key']}")
+    elif args.keys_command == "revoke":
+        store.revoke(args.name)
+        print(f"revoked {args.name!r}; connected clients using it are refused from their next connection")
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nereusd", description="The Nereus daemon")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = sub.add_parser("serve", help="run the daemon (systemd: Type=notify)")
+    p.add_argument("--config", help="settings TOML (default: $NEREUS_CONFIG or /etc/nereus/nereusd.toml)")
+    p.set_defaults(handler=serve)
+    k = sub.add_parser("keys", help="CURVE keys: server keypair and client (agent/admin) keys")
+    ksub = k.add_subparsers(dest="keys_command", required=True, metavar="KEYS_COMMAND")
+    for name, help_ in (("init", "create the server keypair"), ("create", "create and authorise a client key"),
+                        ("list", "list authorised client keys"), ("revoke", "revoke a client key")):
+        kp = ksub.add_parser(name, help=help_)
+        kp.add_argument("--config", help="settings TOML (its daemon.state_dir holds the keys)")
+        kp.add_argument("--state-dir", help="daemon state directory (overrides the config)")
+        kp.set_defaults(handler=keys)
+        if name in ("create", "revoke"):
+            kp.add_argument("name", help="key name (letters, digits, _ . -)")
+        if name == "create":
+            kp.add_argument("--user", required=True, help="the Unix/Slurm user the key acts for")
+            kp.add_argument("--role", choices=("agent", "admin"), default="agent")
+            kp.add_argument("--out", required=True, help="directory for the client bundle")
+        if name == "list":
+            kp.add_argument("--json", action="store_true")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.handler(args))
+    except SpecError as exc:
+        print(f"nereusd: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except NereusError as exc:
+        print(f"nereusd: failed: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except OSError as exc:
+        print(f"nereusd: failed: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,308 @@
+"""The per-job controller: passive sync first, then active steps (DESIGN.md, "The control loop").
+
+Passive (called as things arrive): allocation events from the allocation source, agents joining and
+being lost, step measurements and transition reports. Each is stored before anything acts on it.
+Active (``step``): calibrate -> triggers -> replan -> admit -> order the transition, and record
+every decision, admitted or not, with its reasons (planner.admission makes the verdict).
+
+The planner's search, prediction and calibration and the transition DAG/cost are reached through
+``PlannerPort`` (nereusd/planning.py binds it to planner/ and transitions/), so this module never
+imports the numerical code and tests can hand it a port of their own.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from nereusd import protocol
+from nereusd.allocation import AllocationEvent, EventKind
+from nereusd.metrics import Metrics
+from nereusd.store import Store
+from planner import admission
+from planner.errors import InfeasibleError, NereusError, SpecError
+from planner.plan import GlobalPlan, Layout, StagePlan
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TransitionSketch:
+    """What the transition layer says about moving from one plan to another."""
+
+    predicted_s: float  # L_tran: critical path of the DAG
+    bytes_moved: int
+    dag: dict[str, Any]  # summary for nereusctl (primitives, transfers per node)
+    parts: dict[str, dict[str, Any]] = field(default_factory=dict)  # node -> that node's part
+
+
+class PlannerPort(Protocol):
+    """The numerical side of a decision (bound to planner/ and transitions/ in nereusd/planning.py)."""
+
+    def search(self, job: dict[str, Any], pool: frozenset[int], version: int) -> admission.Candidate:
+        """Best plan for the job spec on ``pool``; raises InfeasibleError when nothing fits."""
+
+    def predict(self, job: dict[str, Any], pool: frozenset[int], plan: GlobalPlan) -> Any | None:
+        """Prediction of ``plan`` on ``pool``; None when it does not fit (memory, GPUs gone)."""
+
+    def calibrate(self, job: dict[str, Any], measurement: protocol.Measurement, plan: GlobalPlan) -> None:
+        """Feed one step's measured stage times into the efficiency fit."""
+
+    def transition(self, job: dict[str, Any], old: GlobalPlan | None, new: GlobalPlan,
+                   node_of_gpu: Callable[[int], str]) -> TransitionSketch:
+        """Build the global DAG old -> new (old None: initial placement), its cost and per-node parts."""
+
+
+# --- plans as stored data -------------------------------------------------------------------------
+
+
+def plan_to_dict(plan: GlobalPlan) -> dict[str, Any]:
+    return {"version": plan.version, "stages": [
+        {"model_stage": s.model_stage, "tp": s.layout.tp, "pp": s.layout.pp,
+         "gpu_sets": [list(g) for g in s.gpu_sets], "micro_batch_size": s.micro_batch_size,
+         "grad_accum": s.grad_accum, "recompute": s.recompute} for s in plan.stages]}
+
+
+def plan_from_dict(data: dict[str, Any]) -> GlobalPlan:
+    return GlobalPlan(version=int(data["version"]), stages=tuple(
+        StagePlan(model_stage=s["model_stage"], layout=Layout(int(s["tp"]), int(s["pp"])),
+                  gpu_sets=tuple(tuple(int(g) for g in gs) for gs in s["gpu_sets"]),
+                  micro_batch_size=int(s["micro_batch_size"]), grad_accum=int(s["grad_accum"]),
+                  recompute=bool(s.get("recompute", False))) for s in data["stages"]))
+
+
+def _latency(prediction: Any) -> float | None:
+    return None if prediction is None else float(prediction.step_latency_s)
+
+
+class JobController:
+    """One elastic job. Owns no socket: it orders transitions through ``send_order``."""
+
+    def __init__(self, *, job_id: str, store: Store, metrics: Metrics, planner: PlannerPort | None,
+                 gamma: float, thresholds: dict[admission.Signal, float], log: Any,
+                 send_order: Callable[[str, protocol.TransitionOrder], bool], clock=time.time) -> None:
+        self.job_id = job_id
+        self.store = store
+        self.metrics = metrics
+        self.planner = planner
+        self.gamma = gamma
+        self.thresholds = thresholds
+        self.log = log.bind(job=job_id)
+        self.send_order = send_order
+        self.clock = clock
+        self.trigger_state: admission.TriggerState | None = None
+        self.last_step = 0
+        self.signals: dict[admission.Signal, float] = {}
+        self.pool_dirty = True  # recompute the pool on the next step (membership or allocation changed)
+        self.pool: frozenset[int] = frozenset()
+        self.gpu_owner: dict[int, str] = {}
+        row = store.plan(job_id)
+        self.plan: GlobalPlan | None = plan_from_dict(row["plan"]) if row else None
+        self.prediction: Any = None
+        self._pending_prediction: Any = None  # the candidate's prediction, until its transition is done
+
+    # --- passive sync -------------------------------------------------------------------------------
+    @property
+    def job(self) -> dict[str, Any]:
+        row = self.store.job(self.job_id)
+        if row is None:
+            raise SpecError("job_id", f"job {self.job_id!r} vanished from the store")
+        return row
+
+    def on_allocation(self, event: AllocationEvent) -> None:
+        names = [n.node for n in event.nodes]
+        self.store.add_allocation(job_id=self.job_id, gpus=event.num_gpus, nodes=names, source=event.kind.value,
+                                  reason=event.reason or event.kind.value)
+        self.store.add_event("allocation", event.to_dict(), job_id=self.job_id)
+        job = self.job
+        if event.kind in (EventKind.NODE_DOWN, EventKind.SHRUNK, EventKind.PREEMPTED):
+            for name in names:
+                if any(n["node"] == name for n in self.store.nodes(self.job_id)):
+                    self.store.set_node_state(self.job_id, name, "released", f"{event.kind.value}: {event.reason}")
+        elif event.kind in (EventKind.RELEASED, EventKind.COMPLETED, EventKind.CANCELLED, EventKind.FAILED,
+                            EventKind.TIME_LIMIT) and event.slurm_job_id in (None, job["slurm_job_id"]):
+            final = {EventKind.COMPLETED: "finished", EventKind.RELEASED: "finished",
+                     EventKind.CANCELLED: "cancelled"}.get(event.kind, "failed")
+            self._set_state(final, f"{event.kind.value}: {event.reason}")
+        self.pool_dirty = True
+
+    def on_node_joined(self, node: str, how: str) -> None:
+        self.pool_dirty = True
+        if self.job["state"] in ("pending", "lost"):
+            self._set_state("running", f"node {node} {how}")
+
+    def on_node_lost(self, node: str, reason: str) -> None:
+        self.pool_dirty = True
+        for t in self.store.transitions(self.job_id):
+            if t["state"] == "ordered" and node in t["parts_pending"]:
+                self._finish_transition(t, ok=False, reason=f"node {node} lost mid-transition: {reason}")
+        if not any(n["state"] == "alive" for n in self.store.nodes(self.job_id)):
+            self._set_state("lost", f"every node is lost (last: {node})")
+
+    def on_measurement(self, msg: protocol.Measurement) -> None:
+        predicted = _latency(self.prediction) if msg.plan_version == self.job["plan_version"] else None
+        self.store.add_measurement(job_id=self.job_id, node=msg.node, step=msg.step, plan_version=msg.plan_version,
+                                   step_latency_s=msg.step_latency_s, predicted_step_s=predicted,
+                                   stage_times=msg.stage_times_s, peak_memory=msg.peak_memory_bytes,
+                                   response_tokens=msg.response_tokens)
+        self.metrics.step_latency.labels(self.job_id, "measured").set(msg.step_latency_s)
+        self.last_step = max(self.last_step, msg.step)
+        if msg.response_tokens:
+            prompt = float(self.job["spec"].get("workload", {}).get("prompt_tokens", 0))
+            self.signals[admission.Signal.SEQUENCE_LENGTH] = prompt + msg.response_tokens
+        if self.planner is not None and self.plan is not None and msg.plan_version == self.plan.version:
+            try:
+                self.planner.calibrate(self.job["spec"], msg, self.plan)
+            except NereusError as exc:
+                self.log.warning("calibration-skipped", error=str(exc))
+
+    def on_transition_report(self, msg: protocol.TransitionReport) -> None:
+        t = self.store.transition(msg.transition_id)
+        if t is None or t["job_id"] != self.job_id or t["state"] != "ordered":
+            self.log.warning("stale-transition-report", transition=msg.transition_id, node=msg.node)
+            return
+        if not msg.ok:
+            self._finish_transition(t, ok=False, reason=f"node {msg.node}: {msg.error}")
+            return
+        pending = [n for n in t["parts_pending"] if n != msg.node]
+        measured = max(float(t["measured_s"] or 0.0), msg.measured_s)
+        self.store.set_transition_state(t["id"], "ordered", f"{msg.node} done", measured_s=measured,
+                                        parts_pending=pending)
+        if not pending:
+            self._finish_transition(self.store.transition(t["id"]) or t, ok=True, reason="every part done")
+
+    # --- active steps -------------------------------------------------------------------------------
+    def step(self) -> int | None:
+        """One active pass; returns the id of a decision taken, if any."""
+        job = self.job
+        if job["state"] not in ("running", "lost"):
+            return None  # pending: no agent yet; transitioning: wait for the parts; terminal: nothing
+        if self.pool_dirty:
+            self._refresh_pool()
+        if not self.pool:
+            return None
+        obs = admission.Observation(step=self.last_step, gpu_pool=self.pool, signals=dict(self.signals))
+        if self.trigger_state is None:
+            self.trigger_state = admission.initial_state(obs, self.thresholds)
+            if self.plan is not None:  # restarted daemon: keep the committed plan, re-arm the triggers
+                self.prediction = self._predict(self.plan)
+                return None
+            trigger = admission.Trigger(kind=admission.TriggerKind.URGENT, step=obs.step,
+                                        reasons=(f"initial placement on {len(self.pool)} GPUs",))
+        else:
+            # No plan yet (the initial search failed): only a change of the pool retries, via observe().
+            self.trigger_state, fired = admission.observe(self.trigger_state, obs)
+            if fired is None:
+                return None
+            trigger = fired
+        return self._decide(trigger, obs)
+
+    def _decide(self, trigger: admission.Trigger, obs: admission.Observation) -> int:
+        job = self.job
+        version = self.store.max_plan_version(self.job_id) + 1
+        current_pred = self._predict(self.plan) if self.plan is not None else None
+        t0 = time.perf_counter()
+        sketch: dict[str, TransitionSketch] = {}
+
+        def replan() -> admission.Candidate:
+            if self.planner is None:
+                raise InfeasibleError("no planner is bound to the daemon (planner.search missing)")
+            return self.planner.search(job["spec"], self.pool, version)
+
+        def l_tran(old: Any, new: Any) -> float:
+            assert self.planner is not None  # replan() succeeded, so a planner is bound
+            sketch["s"] = self.planner.transition(job["spec"], old, new, self._node_of_gpu)
+            return sketch["s"].predicted_s
+
+        decision = admission.decide(trigger=trigger, current_plan=self.plan, current_prediction=current_pred,
+                                    replan=replan, transition_s=l_tran, gamma=self.gamma)
+        decision_s = time.perf_counter() - t0
+        self.trigger_state = admission.after_replan(self.trigger_state or admission.initial_state(obs), obs)
+        v = decision.verdict
+        did = self.store.add_decision(
+            job_id=self.job_id, trigger=trigger.kind.value, urgent=trigger.kind is admission.TriggerKind.URGENT,
+            admitted=v.admitted, rule=v.rule.value, reason=v.reason,
+            from_version=self.plan.version if self.plan else None,
+            to_version=version if decision.candidate_plan is not None else None,
+            delta_l_s=v.saving_s_per_step, l_tran_s=v.transition_s, h_x=v.h_steps, gamma=v.gamma,
+            decision_ms=decision_s * 1e3, inputs=decision.to_dict())
+        self.metrics.decision_time.observe(decision_s)
+        self.metrics.decisions.labels(self.job_id, str(v.admitted).lower()).inc()
+        self.log.info("decision", id=did, trigger=trigger.kind.value, admitted=v.admitted, rule=v.rule.value,
+                      reason=v.reason, decision_ms=round(decision_s * 1e3, 3))
+        if v.admitted and decision.candidate_plan is not None:
+            new_plan: GlobalPlan = decision.candidate_plan
+            if self.plan is None:  # initial placement: the DAG was not built by admission (nothing to move)
+                sketch["s"] = self.planner.transition(job["spec"], None, new_plan, self._node_of_gpu) \
+                    if self.planner else TransitionSketch(predicted_s=0.0, bytes_moved=0, dag={})
+            self.store.add_plan(job_id=self.job_id, version=new_plan.version, plan=plan_to_dict(new_plan),
+                                prediction=admission._plain(decision.candidate_prediction))
+            self._order(did, new_plan, decision.candidate_prediction, sketch.get("s"))
+        return did
+
+    def _order(self, decision_id: int, new_plan: GlobalPlan, prediction: Any, sketch: TransitionSketch | None) -> None:
+        sketch = sketch or TransitionSketch(predicted_s=0.0, bytes_moved=0, dag={})
+        alive = [n["node"] for n in self.store.nodes(self.job_id) if n["state"] == "alive"]
+        from_version = self.plan.version if self.plan else 0
+        tid = self.store.add_transition(job_id=self.job_id, decision_id=decision_id, from_version=from_version,
+                                        to_version=new_plan.version, dag=sketch.dag, bytes_moved=sketch.bytes_moved,
+                                        predicted_s=sketch.predicted_s, parts=alive)
+        self.metrics.transition_cost.labels("predicted").observe(sketch.predicted_s)
+        self._pending_prediction = prediction
+        for node in alive:
+            part = {"plan": plan_to_dict(new_plan), **sketch.parts.get(node, {})}
+            self.send_order(node, protocol.TransitionOrder(job_id=self.job_id, transition_id=tid,
+                                                           from_version=from_version, to_version=new_plan.version,
+                                                           part=part))
+        self.store.set_transition_state(tid, "ordered", f"sent to {len(alive)} node(s)")
+        self._set_state("transitioning", f"transition {tid} ordered (v{from_version} -> v{new_plan.version})")
+
+    def _finish_transition(self, t: dict[str, Any], *, ok: bool, reason: str) -> None:
+        self.store.set_transition_state(t["id"], "done" if ok else "failed", reason)
+        self.metrics.transitions.labels(self.job_id, "done" if ok else "failed").inc()
+        if ok:
+            self.metrics.transition_cost.labels("measured").observe(float(t["measured_s"] or 0.0))
+            self.metrics.transition_bytes.labels(self.job_id).inc(int(t["bytes_moved"]))
+            row = self.store.plan(self.job_id, t["to_version"])
+            if row is not None:
+                self.plan = plan_from_dict(row["plan"])
+                self.store.commit_plan_version(self.job_id, self.plan.version)
+                self.prediction = self._pending_prediction or self._predict(self.plan)
+                if self.prediction is not None:
+                    self.metrics.step_latency.labels(self.job_id, "predicted").set(_latency(self.prediction) or 0)
+        else:
+            self.pool_dirty = True  # a lost node changes the pool, which triggers the next replan
+        if self.job["state"] == "transitioning":
+            alive = any(n["state"] == "alive" for n in self.store.nodes(self.job_id))
+            self._set_state("running" if alive else "lost", f"transition {t['id']} {'done' if ok else 'failed'}")
+
+    # --- helpers ------------------------------------------------------------------------------------
+    def _set_state(self, state: str, reason: str) -> None:
+        if self.store.set_job_state(self.job_id, state, reason):
+            self.log.info("job-state", state=state, reason=reason)
+
+    def _refresh_pool(self) -> None:
+        """GPU ids: node rank (by registration) * gpus_per_node + device index, for alive nodes only."""
+        nodes = sorted(self.store.nodes(self.job_id), key=lambda n: (n["registered_at"], n["node"]))
+        per_node = int(self.job["spec"].get("gpus_per_node") or max((len(n["devices"]) for n in nodes), default=1))
+        owner: dict[int, str] = {}
+        for rank, n in enumerate(nodes):
+            if n["state"] != "alive":
+                continue
+            for d in n["devices"][:per_node]:
+                owner[rank * per_node + int(d["index"]) % per_node] = n["node"]
+        self.gpu_owner = owner
+        self.pool = frozenset(owner)
+        self.pool_dirty = False
+        self.metrics.gpus_held.labels(self.job_id).set(len(self.pool))
+
+    def _node_of_gpu(self, gpu: int) -> str:
+        return self.gpu_owner.get(gpu, "?")
+
+    def _predict(self, plan: GlobalPlan) -> Any | None:
+        if self.planner is None or not plan.gpus <= self.pool:
+            return None  # the plan uses GPUs that are gone: infeasible on this pool
+        try:
+            return self.planner.predict(self.job["spec"], self.pool, plan)
+        except (InfeasibleError, SpecError):
+            return None
