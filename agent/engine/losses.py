@@ -72,3 +72,38 @@ def kl_shaped_rewards(scores: torch.Tensor, old_logp: torch.Tensor, ref_logp: to
     r = -beta * (old_logp - ref_logp) * mask
     last = (mask.cumsum(-1) == mask.sum(-1, keepdim=True)) & (mask > 0)
     return r + scores[:, None] * last
+
+
+# --- packed per-token targets --------------------------------------------------------------------
+# A pipeline schedule hands the loss function one target tensor per micro-batch, so every per-token
+# input of a loss travels packed as float columns [B, T, k]; token ids stay exact in float32 up to 2**24.
+ACTOR_COLUMNS = ("next_token", "old_logp", "advantage", "ref_logp", "weight")
+CRITIC_COLUMNS = ("old_value", "return", "weight")
+
+
+def pack(*columns: torch.Tensor) -> torch.Tensor:
+    return torch.stack([c.float() for c in columns], dim=-1)
+
+
+class ActorLoss:
+    """Clipped policy loss plus an optional k3 KL-to-reference term (GRPO), on packed targets."""
+
+    def __init__(self, *, clip: float, kl_coef: float = 0.0, temperature: float = 1.0) -> None:
+        self.clip, self.kl_coef, self.temperature = clip, kl_coef, temperature
+
+    def __call__(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        next_token, old_logp, adv, ref_logp, weight = target.unbind(-1)
+        logp = token_logprobs(logits, next_token.long(), self.temperature)
+        loss = policy_loss(logp, old_logp, adv, weight, self.clip)
+        if self.kl_coef:
+            loss = loss + self.kl_coef * (kl_k3(logp, ref_logp) * weight).sum()
+        return loss
+
+
+class CriticLoss:
+    def __init__(self, *, clip: float) -> None:
+        self.clip = clip
+
+    def __call__(self, values: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        old_values, returns, weight = target.unbind(-1)
+        return value_loss(values.float(), old_values, returns, weight, self.clip)
