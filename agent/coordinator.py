@@ -1,0 +1,325 @@
+"""The control interface between whoever drives transitions and the workers, and a local driver.
+
+Workers obey a handful of commands (join a generation, initialise state, prepare a transition, commit
+or abort it, dump, checkpoint save/load, exit) and answer each with one ``Reply``. ``Coordinator`` is
+the small interface a driver offers; the daemon's ZeroMQ plane (through the node agents) implements
+the same one later, so the executor never knows who drives it. ``LocalCoordinator`` runs the workers
+as spawned processes on this machine, talks to them over pipes and hosts the generations' TCPStore:
+it is what tests, benchmarks and the local allocation source use.
+
+A transition is two-phase: every worker prepares its new state beside the old (transfers), then, only
+if all succeeded, all commit; otherwise survivors abort (keeping their old state), a new generation is
+formed without the dead, and the stages whose last copy died are reported as needing the checkpoint.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import multiprocessing.connection as mpc
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from planner.errors import NereusError, SpecError
+from transitions.channel import GenerationSpec
+from transitions.executor import StagePlacement, StepReport, lost_state
+
+# --- commands and replies (plain frozen data: pickled on local pipes, msgpack on the daemon plane) ---
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Join:
+    spec: GenerationSpec
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class InitState:
+    """Random state (deterministic in ``seed``) for this worker's ranks of ``placements``."""
+
+    placements: tuple[StagePlacement, ...]
+    seed: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Prepare:
+    """Run this worker's part of old -> new; keep the result pending until Commit or Abort."""
+
+    old: tuple[StagePlacement, ...]
+    new: tuple[StagePlacement, ...]
+    max_bucket_bytes: int = 32 << 20
+    kill_at: tuple[str, int] | None = None  # fault injection: SIGKILL self before (model_stage, round)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Commit:
+    pass
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Abort:
+    pass
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Dump:
+    """Every shard this worker holds (tests reassemble logical state from them)."""
+
+    stages: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SaveCheckpoint:
+    url: str
+    tag: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LoadCheckpoint:
+    url: str
+    tag: str
+    placements: tuple[StagePlacement, ...]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Call:
+    """Run ``fn(worker_context, **kwargs)`` in the worker (tests, benchmarks, engine hooks)."""
+
+    fn: Callable[..., Any]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Exit:
+    pass
+
+
+Command = Join | InitState | Prepare | Commit | Abort | Dump | SaveCheckpoint | LoadCheckpoint | Call | Exit
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Reply:
+    worker: int
+    ok: bool
+    value: Any = None
+    error: str | None = None
+    seconds: float = 0.0
+
+
+class WorkerDied(NereusError):
+    pass
+
+
+# --- the interface a driver offers -----------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TransitionOutcome:
+    committed: bool
+    generation: int  # the generation the survivors are in afterwards
+    dead_workers: tuple[int, ...]
+    errors: dict[int, str]
+    reports: dict[int, list[StepReport]]  # per worker: measured and predicted time per step
+    lost: dict[str, list[str]]  # model-stage -> tensors whose last copy died (checkpoint needed)
+    seconds: float
+
+    @property
+    def needs_checkpoint(self) -> bool:
+        return bool(self.lost)
+
+
+class Coordinator(Protocol):
+    """What drives the workers of one job: local pipes here, the daemon's ZeroMQ plane in production."""
+
+    @property
+    def alive(self) -> tuple[int, ...]: ...
+
+    def form_generation(self, members: Iterable[int] | None = None) -> GenerationSpec: ...
+
+    def init_state(self, placements: Iterable[StagePlacement], seed: int) -> None: ...
+
+    def transition(self, old: Iterable[StagePlacement], new: Iterable[StagePlacement],
+                   max_bucket_bytes: int = 32 << 20) -> TransitionOutcome: ...
+
+    def dump(self) -> dict[int, Any]: ...
+
+    def close(self) -> None: ...
+
+
+# --- the local coordinator -------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Proc:
+    process: Any  # multiprocessing SpawnProcess
+    conn: mpc.Connection
+
+
+class LocalCoordinator:
+    """Spawns ``num_workers`` worker processes on this machine and drives them over pipes."""
+
+    def __init__(self, num_workers: int, *, timeout_s: float = 30.0, device: str = "cpu",
+                 threads_per_worker: int = 1, worker_ids: Iterable[int] | None = None) -> None:
+        import torch.distributed as dist  # the store lives here; workers only connect to it
+
+        from agent.worker import worker_main
+
+        if num_workers < 1:
+            raise SpecError("num_workers", f"must be >= 1, got {num_workers}")
+        self.timeout_s = timeout_s
+        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                    timeout=_td(timeout_s))
+        self.store_port = self._store.port
+        self.generation = -1
+        self.spec: GenerationSpec | None = None
+        ctx = mp.get_context("spawn")
+        ids = list(worker_ids) if worker_ids is not None else list(range(num_workers))
+        self._procs: dict[int, _Proc] = {}
+        for wid in ids:
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=worker_main, args=(wid, child, device, threads_per_worker),
+                               name=f"nereus-worker-{wid}", daemon=True)
+            proc.start()
+            child.close()
+            self._procs[wid] = _Proc(process=proc, conn=parent)
+
+    # --- plumbing ---
+    @property
+    def alive(self) -> tuple[int, ...]:
+        return tuple(w for w, p in self._procs.items() if p.process.is_alive())
+
+    def pid(self, worker: int) -> int:
+        return int(self._procs[worker].process.pid)
+
+    def request(self, commands: dict[int, Command], timeout_s: float | None = None) -> dict[int, Reply]:
+        """Send each worker its command and wait for every reply; a dead worker yields ok=False."""
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        replies: dict[int, Reply] = {}
+        waiting: dict[int, _Proc] = {}
+        for wid, cmd in commands.items():
+            proc = self._procs[wid]
+            try:
+                proc.conn.send(cmd)
+                waiting[wid] = proc
+            except (BrokenPipeError, OSError) as exc:
+                replies[wid] = Reply(worker=wid, ok=False, error=f"worker died: {exc}")
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                for wid in waiting:
+                    replies[wid] = Reply(worker=wid, ok=False, error="no reply before the timeout")
+                break
+            handles: list[Any] = [p.conn for p in waiting.values()]
+            handles += [p.process.sentinel for p in waiting.values()]
+            ready = mpc.wait(handles, timeout=left)
+            for wid, proc in list(waiting.items()):
+                if proc.conn in ready:
+                    try:
+                        replies[wid] = proc.conn.recv()
+                    except (EOFError, OSError):
+                        replies[wid] = Reply(worker=wid, ok=False, error="worker died (pipe closed)")
+                    del waiting[wid]
+                elif proc.process.sentinel in ready and not proc.conn.poll():
+                    proc.process.join(1.0)
+                    replies[wid] = Reply(worker=wid, ok=False,
+                                         error=f"worker died (exit code {proc.process.exitcode})")
+                    del waiting[wid]
+        return replies
+
+    def request_all(self, cmd: Command, workers: Iterable[int] | None = None,
+                    timeout_s: float | None = None) -> dict[int, Reply]:
+        targets = tuple(workers) if workers is not None else self.alive
+        return self.request({w: cmd for w in targets}, timeout_s)
+
+    def _check(self, replies: dict[int, Reply], what: str) -> dict[int, Reply]:
+        bad = {w: r.error for w, r in replies.items() if not r.ok}
+        if bad:
+            raise WorkerDied(f"{what} failed on workers {sorted(bad)}: {bad}")
+        return replies
+
+    # --- the Coordinator interface ---
+    def form_generation(self, members: Iterable[int] | None = None) -> GenerationSpec:
+        members_t = tuple(members) if members is not None else self.alive
+        self.generation += 1
+        spec = GenerationSpec(generation=self.generation, members=members_t, store_host="127.0.0.1",
+                              store_port=self.store_port, timeout_s=self.timeout_s)
+        self._check(self.request_all(Join(spec=spec), members_t), f"join generation {self.generation}")
+        self.spec = spec
+        return spec
+
+    def init_state(self, placements: Iterable[StagePlacement], seed: int) -> None:
+        self._check(self.request_all(InitState(placements=tuple(placements), seed=seed)), "init state")
+
+    def transition(self, old: Iterable[StagePlacement], new: Iterable[StagePlacement],
+                   max_bucket_bytes: int = 32 << 20,
+                   kill_at: dict[int, tuple[str, int]] | None = None) -> TransitionOutcome:
+        start = time.perf_counter()
+        old_t, new_t = tuple(old), tuple(new)
+        members = self.spec.members if self.spec is not None else self.alive
+        cmds: dict[int, Command] = {
+            w: Prepare(old=old_t, new=new_t, max_bucket_bytes=max_bucket_bytes,
+                       kill_at=(kill_at or {}).get(w))
+            for w in members
+        }
+        prepared = self.request(cmds)
+        if all(r.ok for r in prepared.values()):
+            self._check(self.request_all(Commit(), members), "commit")
+            return TransitionOutcome(committed=True, generation=self.generation, dead_workers=(),
+                                     errors={}, reports={w: r.value for w, r in prepared.items()}, lost={},
+                                     seconds=time.perf_counter() - start)
+        # abort: survivors drop what they prepared and keep their old state; re-form without the dead
+        errors = {w: r.error or "" for w, r in prepared.items() if not r.ok}
+        dead = tuple(sorted(w for w in members if not self._procs[w].process.is_alive()))
+        survivors = tuple(w for w in members if w not in dead)
+        self._check(self.request_all(Abort(), survivors), "abort")
+        self.form_generation(survivors)
+        return TransitionOutcome(committed=False, generation=self.generation, dead_workers=dead,
+                                 errors=errors, reports={}, lost=lost_state(old_t, dead),
+                                 seconds=time.perf_counter() - start)
+
+    def dump(self, workers: Iterable[int] | None = None) -> dict[int, Any]:
+        replies = self._check(self.request_all(Dump(), workers), "dump")
+        return {w: r.value for w, r in replies.items()}
+
+    def save_checkpoint(self, url: str, tag: str) -> dict[int, Reply]:
+        return self._check(self.request_all(SaveCheckpoint(url=url, tag=tag)), "checkpoint save")
+
+    def load_checkpoint(self, url: str, tag: str, placements: Iterable[StagePlacement]) -> dict[int, Reply]:
+        cmd = LoadCheckpoint(url=url, tag=tag, placements=tuple(placements))
+        return self._check(self.request_all(cmd), "checkpoint load")
+
+    def call(self, fn: Callable[..., Any], workers: Iterable[int] | None = None,
+             **kwargs: Any) -> dict[int, Any]:
+        replies = self._check(self.request_all(Call(fn=fn, kwargs=kwargs), workers), f"call {fn.__name__}")
+        return {w: r.value for w, r in replies.items()}
+
+    def close(self) -> None:
+        """Ask every live worker to exit; terminate (then kill) any that does not within the timeout."""
+        for proc in self._procs.values():
+            if proc.process.is_alive():
+                try:
+                    proc.conn.send(Exit())
+                except (BrokenPipeError, OSError):
+                    pass
+        deadline = time.monotonic() + min(self.timeout_s, 10.0)
+        for proc in self._procs.values():
+            proc.process.join(max(0.0, deadline - time.monotonic()))
+            if proc.process.is_alive():
+                proc.process.terminate()
+                proc.process.join(2.0)
+            if proc.process.is_alive():
+                proc.process.kill()
+                proc.process.join(2.0)
+            proc.conn.close()
+
+    def __enter__(self) -> LocalCoordinator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _td(seconds: float) -> Any:
+    from datetime import timedelta
+
+    return timedelta(seconds=seconds)

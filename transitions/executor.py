@@ -1,0 +1,654 @@
+"""The executor: moves live EMU state between layouts over the data channel, bit-exactly.
+
+A worker's state for one model-stage is a ``RankState``: ONE flat byte buffer holding every shard of
+its unit rank (every state kind, plus the unit's counters), each shard a typed view at a fixed,
+16-byte-aligned offset. Flat buffers make the common moves (Extend, Move) zero-copy: a run of shards
+that is contiguous on both sides is sent straight from the old buffer into the new one.
+
+``plan_transition`` (pure: no I/O, deterministic) turns the old and new placements into steps, one
+per model-stage that changes, each a list of pieces (source worker, destination worker, tensor box).
+Every worker computes the same plan and runs only its own part (``run_transition``): local copies,
+then rounds of one ``batch_isend_irecv`` each. Pieces a pair exchanges are coalesced into direct
+runs (no copy) or packed into buckets of at most ``max_bucket_bytes`` per pair per round, which is
+the memory the transition adds beyond the old and new state; buckets are freed once unpacked.
+
+Nothing old is freed until ``PendingTransition.commit``: a transition that stops halfway (a peer
+died, a timeout) is aborted and every surviving worker still holds its old state, so no logical
+state is lost unless its last copy died (see ``lost_state``).
+
+Until the transition DAG (transitions/dag.py) drives it, steps come from geometry alone and are
+labelled with the primitive they amount to; each records measured time next to a predicted L_tran.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from planner.errors import SpecError
+from planner.models import Head, ModelSpec
+from planner.plan import Layout
+from transitions.channel import DataChannel, P2POp
+from transitions.geometry import StateKind, check_layout, unit_shards
+
+ALIGN_BYTES = 16
+COUNTERS = "_meta.counters"  # per unit: version, optimizer step, minibatch position, spare
+COUNTERS_KIND = "counters"
+NUM_COUNTERS = 4
+DIRECT_MIN_BYTES = 64 * 1024  # smaller contiguous runs go through a bucket: one message beats many
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, lengths) in the global tensor
+Run = tuple[tuple[int, int], tuple[int, int]]  # (src byte range, dst byte range) of a zero-copy move
+
+
+# --- placements -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StagePlacement:
+    """Where one model-stage's units live: layout, one worker set per DP replica (unit rank order)."""
+
+    model_stage: str
+    model: ModelSpec
+    head: Head
+    kinds: tuple[StateKind, ...]
+    layout: Layout
+    gpu_sets: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self) -> None:
+        check_layout(self.model, self.layout)
+        if not self.kinds or len(set(self.kinds)) != len(self.kinds):
+            raise SpecError(f"{self.model_stage}.kinds", f"must be non-empty and distinct, got {self.kinds}",
+                            ", ".join(k.value for k in StateKind))
+        if not self.gpu_sets:
+            raise SpecError(f"{self.model_stage}.gpu_sets", "needs at least one replica")
+        for i, gpus in enumerate(self.gpu_sets):
+            if len(gpus) != self.layout.size:
+                raise SpecError(f"{self.model_stage}.gpu_sets[{i}]",
+                                f"has {len(gpus)} workers, layout {self.layout} needs {self.layout.size}")
+        flat = [g for s in self.gpu_sets for g in s]
+        if len(set(flat)) != len(flat):
+            raise SpecError(f"{self.model_stage}.gpu_sets", f"a worker appears twice: {self.gpu_sets}")
+
+    @property
+    def dp(self) -> int:
+        return len(self.gpu_sets)
+
+    @property
+    def workers(self) -> frozenset[int]:
+        return frozenset(g for s in self.gpu_sets for g in s)
+
+    def position(self, worker: int) -> tuple[int, int] | None:
+        """(replica, unit rank) of ``worker``, or None if it holds no unit of this stage."""
+        for replica, gpus in enumerate(self.gpu_sets):
+            if worker in gpus:
+                return replica, gpus.index(worker)
+        return None
+
+    def same_state_as(self, other: StagePlacement) -> bool:
+        return (self.model == other.model and self.head is other.head and self.kinds == other.kinds)
+
+
+# --- flat per-rank state --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Slot:
+    """One shard inside a rank's flat buffer: a global box of one tensor's state kind."""
+
+    tensor: str
+    kind: str
+    dtype: torch.dtype
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+    byte_offset: int
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.tensor, self.kind)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for k in self.lengths:
+            n *= k
+        return n
+
+    @property
+    def element_bytes(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def num_bytes(self) -> int:
+        return self.numel * self.element_bytes
+
+
+def dtype_of(kind: StateKind, model: ModelSpec) -> torch.dtype:
+    if kind in (StateKind.PARAM, StateKind.GRAD):
+        return {2: torch.bfloat16, 4: torch.float32}[model.bytes_per_param]
+    return torch.float32
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN_BYTES) * ALIGN_BYTES
+
+
+def rank_slots(placement: StagePlacement, rank: int) -> tuple[tuple[Slot, ...], int]:
+    """The slots of unit rank ``rank`` in buffer order, and the buffer's size in bytes."""
+    slots: list[Slot] = []
+    offset = 0
+    entries: list[tuple[str, str, torch.dtype, tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = [
+        (COUNTERS, COUNTERS_KIND, torch.int64, (NUM_COUNTERS,), (0,), (NUM_COUNTERS,))
+    ]
+    for s in unit_shards(placement.model, placement.head, placement.layout, rank, placement.kinds):
+        entries.append((s.tensor, s.kind.value, dtype_of(s.kind, placement.model), s.global_shape,
+                        s.offsets, s.lengths))
+    for tensor, kind, dtype, shape, offs, lens in entries:
+        slot = Slot(tensor=tensor, kind=kind, dtype=dtype, global_shape=shape, offsets=offs, lengths=lens,
+                    byte_offset=offset)
+        slots.append(slot)
+        offset = _align(offset + slot.num_bytes)
+    return tuple(slots), offset
+
+
+@dataclass(slots=True)
+class RankState:
+    """The live state one worker holds for one model-stage: a flat buffer and typed views into it."""
+
+    placement: StagePlacement
+    replica: int
+    rank: int
+    flat: torch.Tensor  # uint8, 1-D
+    slots: dict[tuple[str, str], Slot]
+
+    @classmethod
+    def allocate(cls, placement: StagePlacement, replica: int, rank: int,
+                 device: torch.device) -> RankState:
+        slots, size = rank_slots(placement, rank)
+        flat = torch.zeros(size, dtype=torch.uint8, device=device)
+        return cls(placement=placement, replica=replica, rank=rank, flat=flat,
+                   slots={s.key: s for s in slots})
+
+    def view(self, tensor: str, kind: str) -> torch.Tensor:
+        slot = self.slots[(tensor, kind)]
+        raw = self.flat[slot.byte_offset: slot.byte_offset + slot.num_bytes]
+        return raw.view(slot.dtype).view(slot.lengths)
+
+    @property
+    def counters(self) -> torch.Tensor:
+        return self.view(COUNTERS, COUNTERS_KIND)
+
+    def shards(self) -> Iterable[tuple[Slot, torch.Tensor]]:
+        for slot in self.slots.values():
+            yield slot, self.view(slot.tensor, slot.kind)
+
+
+# --- box arithmetic (pure) ------------------------------------------------------------------------
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    offs, lens = [], []
+    for ao, al, bo, bl in zip(a[0], a[1], b[0], b[1]):
+        lo, hi = max(ao, bo), min(ao + al, bo + bl)
+        if hi <= lo:
+            return None
+        offs.append(lo)
+        lens.append(hi - lo)
+    return tuple(offs), tuple(lens)
+
+
+def _numel(lengths: tuple[int, ...]) -> int:
+    n = 1
+    for k in lengths:
+        n *= k
+    return n
+
+
+def contiguous_range(slot: Slot, box: Box) -> tuple[int, int] | None:
+    """Byte range [start, end) of ``box`` inside the flat buffer holding ``slot``, if contiguous."""
+    local = [o - so for o, so in zip(box[0], slot.offsets)]
+    lens = box[1]
+    # row-major: dims before the first partial dim must have length 1, dims after it must be full
+    first_partial = next((d for d in range(len(lens)) if lens[d] != slot.lengths[d]), len(lens))
+    if any(lens[d] != slot.lengths[d] for d in range(first_partial + 1, len(lens))):
+        return None
+    if any(lens[d] != 1 for d in range(first_partial)):
+        return None
+    linear = 0
+    for d in range(len(lens)):
+        linear = linear * slot.lengths[d] + local[d]
+    start = slot.byte_offset + linear * slot.element_bytes
+    return start, start + _numel(lens) * slot.element_bytes
+
+
+# --- the plan (pure) -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Piece:
+    """One box of one tensor's state kind copied from a source rank's buffer to a destination's."""
+
+    src_worker: int
+    dst_worker: int
+    src_slot: Slot
+    dst_slot: Slot
+    box: Box
+
+    @property
+    def num_bytes(self) -> int:
+        return _numel(self.box[1]) * self.src_slot.element_bytes
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Message:
+    """What one pair (src -> dst) exchanges in one round: one direct run, or one packed bucket."""
+
+    src_worker: int
+    dst_worker: int
+    round: int
+    tag: int
+    direct: Run | None  # zero-copy: (src byte range, dst byte range)
+    pieces: tuple[Piece, ...]  # for packed buckets, in packing order
+
+    @property
+    def num_bytes(self) -> int:
+        if self.direct is not None:
+            return self.direct[0][1] - self.direct[0][0]
+        return sum(_align(p.num_bytes) for p in self.pieces)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Step:
+    """The part of a transition that concerns one model-stage (one DAG node once the DAG drives it)."""
+
+    model_stage: str
+    primitive: str  # Split, Merge, Extend, Destroy, Move, Reshard, or a '+' joined combination
+    local: tuple[Piece, ...]
+    messages: tuple[Message, ...]
+    predicted_s: float
+
+    @property
+    def num_rounds(self) -> int:
+        return 1 + max((m.round for m in self.messages), default=-1)
+
+    @property
+    def bytes_moved(self) -> int:
+        return sum(m.num_bytes for m in self.messages)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TransitionPlan:
+    old: tuple[StagePlacement, ...]
+    new: tuple[StagePlacement, ...]
+    steps: tuple[Step, ...]
+    max_bucket_bytes: int
+
+    @property
+    def predicted_s(self) -> float:
+        return sum(s.predicted_s for s in self.steps)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LinkModel:
+    """The predicted L_tran of a step: rounds x latency + the busiest worker's bytes / bandwidth.
+    Stands in for transitions' cost model until the DAG carries its own prediction."""
+
+    bandwidth_bytes_per_s: float = 3.0e9  # gloo loopback p2p measured on this kind of machine
+    latency_s: float = 2.0e-4
+    copy_bandwidth_bytes_per_s: float = 12.0e9  # local copies (memcpy)
+
+    def predict(self, local: tuple[Piece, ...], messages: tuple[Message, ...], num_rounds: int) -> float:
+        sent: dict[int, int] = defaultdict(int)
+        recv: dict[int, int] = defaultdict(int)
+        copied: dict[int, int] = defaultdict(int)
+        for m in messages:
+            sent[m.src_worker] += m.num_bytes
+            recv[m.dst_worker] += m.num_bytes
+        for p in local:
+            copied[p.dst_worker] += p.num_bytes
+        busiest = max([*sent.values(), *recv.values(), 0]) / self.bandwidth_bytes_per_s
+        return num_rounds * self.latency_s + busiest + max([*copied.values(), 0]) / self.copy_bandwidth_bytes_per_s
+
+
+def primitive_of(old: StagePlacement, new: StagePlacement) -> str:
+    """The primitive (or combination) a stage's change amounts to, in the paper's vocabulary."""
+    if old.layout == new.layout:
+        kept = set(old.gpu_sets) & set(new.gpu_sets)
+        names = []
+        if len(kept) < len(old.gpu_sets):
+            names.append("Destroy")
+        if len(kept) < len(new.gpu_sets):
+            names.append("Extend")
+        return "+".join(names) if names else "Keep"
+    if new.layout.size < old.layout.size:
+        return "Split"
+    if new.layout.size > old.layout.size:
+        return "Merge"
+    return "Reshard"
+
+
+def kept_in_place(old: StagePlacement, new: StagePlacement, worker: int) -> bool:
+    """Whether ``worker`` keeps its buffer as is: same layout, same unit rank (any replica: replicas
+    of one layout hold identical state at identical ranks)."""
+    before, after = old.position(worker), new.position(worker)
+    return (before is not None and after is not None and old.layout == new.layout
+            and before[1] == after[1])
+
+
+def _holders(old: StagePlacement) -> list[dict[tuple[str, str], list[tuple[Box, list[tuple[int, Slot]]]]]]:
+    """Per old replica, per slot key: distinct boxes and every (worker, slot) holding each."""
+    out = []
+    for gpus in old.gpu_sets:
+        per_key: dict[tuple[str, str], list[tuple[Box, list[tuple[int, Slot]]]]] = defaultdict(list)
+        for rank, worker in enumerate(gpus):
+            slots, _ = rank_slots(old, rank)
+            for slot in slots:
+                box = (slot.offsets, slot.lengths)
+                for existing_box, holders in per_key[slot.key]:
+                    if existing_box == box:
+                        holders.append((worker, slot))
+                        break
+                else:
+                    per_key[slot.key].append((box, [(worker, slot)]))
+        out.append(per_key)
+    return out
+
+
+def _stage_pieces(old: StagePlacement, new: StagePlacement) -> list[Piece]:
+    """Every piece each new rank needs, sourced locally where possible, else from the least loaded."""
+    holders = _holders(old)
+    load: dict[int, int] = defaultdict(int)  # bytes each source worker sends
+    replica_load: list[int] = [0] * old.dp
+    pieces: list[Piece] = []
+    for gpus in new.gpu_sets:
+        for rank, worker in enumerate(gpus):
+            if kept_in_place(old, new, worker):
+                continue  # the same unit rank stays on this worker: nothing copied
+            slots, _ = rank_slots(new, rank)
+            where = old.position(worker)
+            # one source replica per destination rank: the one it sits in, else the least loaded
+            src_replica = where[0] if where is not None else min(range(old.dp), key=lambda r: replica_load[r])
+            for slot in slots:
+                need = (slot.offsets, slot.lengths)
+                covered = 0
+                for box, owners in holders[src_replica][slot.key]:
+                    part = intersect(box, need)
+                    if part is None:
+                        continue
+                    local = [o for o in owners if o[0] == worker]
+                    src_worker, src_slot = local[0] if local else min(owners, key=lambda o: load[o[0]])
+                    piece = Piece(src_worker=src_worker, dst_worker=worker, src_slot=src_slot, dst_slot=slot,
+                                  box=part)
+                    if src_worker != worker:
+                        load[src_worker] += piece.num_bytes
+                        replica_load[src_replica] += piece.num_bytes
+                    pieces.append(piece)
+                    covered += _numel(part[1])
+                if covered != slot.numel:
+                    raise SpecError(f"{new.model_stage}.layout",
+                                    f"{slot.tensor}/{slot.kind}: old replica {src_replica} covers {covered} "
+                                    f"of {slot.numel} elements")
+    return pieces
+
+
+def _coalesce(pieces: list[Piece]) -> list[tuple[Run | None, list[Piece]]]:
+    """Merge pieces contiguous on both sides into byte runs; a piece that is not stays alone (None)."""
+    out: list[tuple[Run | None, list[Piece]]] = []
+    for p in pieces:
+        src = contiguous_range(p.src_slot, p.box)
+        dst = contiguous_range(p.dst_slot, p.box)
+        if src is None or dst is None:
+            out.append((None, [p]))
+            continue
+        if out and out[-1][0] is not None:
+            (s0, s1), (d0, d1) = out[-1][0]
+            gap_src, gap_dst = src[0] - s1, dst[0] - d1
+            # alignment padding between shards is identical on both sides: copy it along
+            if gap_src == gap_dst and 0 <= gap_src < ALIGN_BYTES:
+                out[-1] = (((s0, src[1]), (d0, dst[1])), out[-1][1] + [p])
+                continue
+        out.append(((src, dst), [p]))
+    return out
+
+
+def _split_piece(p: Piece, max_bytes: int) -> list[Piece]:
+    """Split a piece along its first dimension so each part fits in a bucket (one row at least)."""
+    if p.num_bytes <= max_bytes or p.box[1][0] <= 1:
+        return [p]
+    row_bytes = p.num_bytes // p.box[1][0]
+    rows = max(1, max_bytes // row_bytes)
+    out = []
+    for start in range(0, p.box[1][0], rows):
+        n = min(rows, p.box[1][0] - start)
+        box = ((p.box[0][0] + start, *p.box[0][1:]), (n, *p.box[1][1:]))
+        out.append(Piece(src_worker=p.src_worker, dst_worker=p.dst_worker, src_slot=p.src_slot,
+                         dst_slot=p.dst_slot, box=box))
+    return out
+
+
+def _messages(pieces: list[Piece], max_bucket_bytes: int) -> list[Message]:
+    by_pair: dict[tuple[int, int], list[Piece]] = defaultdict(list)
+    for p in pieces:
+        by_pair[(p.src_worker, p.dst_worker)].append(p)
+    out: list[Message] = []
+    for (src, dst), pair_pieces in sorted(by_pair.items()):
+        direct: list[Run] = []
+        packed: list[Piece] = []
+        for run, members in _coalesce(pair_pieces):
+            if run is not None and run[0][1] - run[0][0] >= DIRECT_MIN_BYTES:
+                direct.append(run)
+            else:
+                for p in members:
+                    packed.extend(_split_piece(p, max_bucket_bytes))
+        tag = 0
+        # direct runs need no buffer: all of them go in round 0, with the first bucket
+        for run in direct:
+            out.append(Message(src_worker=src, dst_worker=dst, round=0, tag=tag, direct=run, pieces=()))
+            tag += 1
+        bucket: list[Piece] = []
+        size = 0
+        rnd = 0
+        for p in packed:
+            if bucket and size + _align(p.num_bytes) > max_bucket_bytes:
+                out.append(Message(src_worker=src, dst_worker=dst, round=rnd, tag=tag, direct=None,
+                                   pieces=tuple(bucket)))
+                tag, rnd, bucket, size = tag + 1, rnd + 1, [], 0
+            bucket.append(p)
+            size += _align(p.num_bytes)
+        if bucket:
+            out.append(Message(src_worker=src, dst_worker=dst, round=rnd, tag=tag, direct=None,
+                               pieces=tuple(bucket)))
+    return out
+
+
+def plan_transition(old: Iterable[StagePlacement], new: Iterable[StagePlacement],
+                    max_bucket_bytes: int = 32 << 20, link: LinkModel | None = None) -> TransitionPlan:
+    """Steps moving every model-stage from ``old`` to ``new`` placements (same stages, same state)."""
+    old_t, new_t = tuple(old), tuple(new)
+    if max_bucket_bytes < 1024:
+        raise SpecError("max_bucket_bytes", f"must be >= 1024, got {max_bucket_bytes}")
+    old_by = {p.model_stage: p for p in old_t}
+    new_by = {p.model_stage: p for p in new_t}
+    if set(old_by) != set(new_by):
+        raise SpecError("placements", f"old stages {sorted(old_by)} differ from new {sorted(new_by)}")
+    link = link or LinkModel()
+    steps = []
+    for name in sorted(new_by):
+        o, n = old_by[name], new_by[name]
+        if not o.same_state_as(n):
+            raise SpecError(f"{name}.model", "a transition keeps the model, head and state kinds")
+        pieces = _stage_pieces(o, n)
+        local = tuple(p for p in pieces if p.src_worker == p.dst_worker)
+        messages = tuple(_messages([p for p in pieces if p.src_worker != p.dst_worker], max_bucket_bytes))
+        rounds = 1 + max((m.round for m in messages), default=-1)
+        steps.append(Step(model_stage=name, primitive=primitive_of(o, n), local=local, messages=messages,
+                          predicted_s=link.predict(local, messages, rounds)))
+    return TransitionPlan(old=old_t, new=new_t, steps=tuple(steps), max_bucket_bytes=max_bucket_bytes)
+
+
+# --- running one worker's part ---------------------------------------------------------------------
+
+
+@dataclass(kw_only=True, slots=True)
+class StepReport:
+    model_stage: str
+    primitive: str
+    predicted_s: float
+    measured_s: float
+    bytes_sent: int
+    bytes_received: int
+    bytes_copied_locally: int
+    peak_bucket_bytes: int  # transient buffer memory this worker held at once
+
+
+@dataclass(kw_only=True, slots=True)
+class PendingTransition:
+    """A worker's new state, built beside the old; nothing old is freed until ``commit``."""
+
+    worker: int
+    new_states: dict[str, RankState]
+    dropped: list[str]
+    reports: list[StepReport] = field(default_factory=list)
+
+    def commit(self, states: dict[str, RankState]) -> None:
+        """Swap the new state in; the old buffers (Destroy) are freed with their last reference."""
+        for name in self.dropped:
+            states.pop(name, None)
+        states.update(self.new_states)
+        self.new_states = {}
+
+
+def _piece_view(state: RankState, slot: Slot, box: Box) -> torch.Tensor:
+    full = state.view(slot.tensor, slot.kind)
+    idx = tuple(slice(o - so, o - so + k) for o, so, k in zip(box[0], slot.offsets, box[1]))
+    return full[idx]
+
+
+def _bucket_layout(pieces: tuple[Piece, ...]) -> list[tuple[Piece, int]]:
+    out, offset = [], 0
+    for p in pieces:
+        out.append((p, offset))
+        offset += _align(p.num_bytes)
+    return out
+
+
+def _typed(buf: torch.Tensor, offset: int, p: Piece) -> torch.Tensor:
+    return buf[offset: offset + p.num_bytes].view(p.src_slot.dtype).view(p.box[1])
+
+
+def run_transition(plan: TransitionPlan, worker: int, states: dict[str, RankState], channel: DataChannel,
+                   timeout_s: float | None = None,
+                   on_round: Callable[[str, int], None] | None = None) -> PendingTransition:
+    """Run ``worker``'s part of ``plan``: allocate its new ranks, copy locally, exchange messages.
+
+    Raises ChannelBroken if any exchange fails; ``states`` is then untouched (abort = drop the pending).
+    ``on_round(model_stage, round)`` is called before each round (progress reports, fault injection).
+    """
+    device = channel.device
+    new_by = {p.model_stage: p for p in plan.new}
+    old_by = {p.model_stage: p for p in plan.old}
+    new_states: dict[str, RankState] = {}
+    dropped: list[str] = []
+    for name, placement in new_by.items():
+        pos = placement.position(worker)
+        held = states.get(name)
+        if pos is None:
+            if held is not None:
+                dropped.append(name)
+            continue
+        if held is not None and kept_in_place(old_by[name], placement, worker):
+            # same buffer, no copy; only its place in the plan (replica index) is updated
+            new_states[name] = RankState(placement=placement, replica=pos[0], rank=pos[1], flat=held.flat,
+                                         slots=held.slots)
+            continue
+        new_states[name] = RankState.allocate(placement, pos[0], pos[1], device)
+    pending = PendingTransition(worker=worker, new_states=new_states, dropped=dropped)
+
+    for step in plan.steps:
+        start = time.perf_counter()
+        target = new_states.get(step.model_stage)
+        source = states.get(step.model_stage)
+        copied = 0
+        for p in step.local:
+            if p.dst_worker != worker:
+                continue
+            assert source is not None and target is not None
+            _piece_view(target, p.dst_slot, p.box).copy_(_piece_view(source, p.src_slot, p.box))
+            copied += p.num_bytes
+        sent = received = peak = 0
+        for rnd in range(step.num_rounds):
+            if on_round is not None:
+                on_round(step.model_stage, rnd)
+            ops: list[P2POp] = []
+            unpack: list[tuple[Message, torch.Tensor]] = []
+            transient = 0
+            for m in step.messages:
+                if m.round != rnd or worker not in (m.src_worker, m.dst_worker):
+                    continue
+                if m.src_worker == worker:
+                    assert source is not None
+                    if m.direct is not None:
+                        buf = source.flat[m.direct[0][0]: m.direct[0][1]]
+                    else:
+                        buf = torch.empty(m.num_bytes, dtype=torch.uint8, device=device)
+                        transient += m.num_bytes
+                        for p, off in _bucket_layout(m.pieces):
+                            _typed(buf, off, p).copy_(_piece_view(source, p.src_slot, p.box))
+                    ops.append(P2POp(peer=m.dst_worker, tensor=buf, is_send=True))
+                    sent += m.num_bytes
+                else:
+                    assert target is not None
+                    if m.direct is not None:
+                        buf = target.flat[m.direct[1][0]: m.direct[1][1]]
+                    else:
+                        buf = torch.empty(m.num_bytes, dtype=torch.uint8, device=device)
+                        transient += m.num_bytes
+                        unpack.append((m, buf))
+                    ops.append(P2POp(peer=m.src_worker, tensor=buf, is_send=False))
+                    received += m.num_bytes
+            peak = max(peak, transient)
+            channel.exchange(ops, timeout_s)
+            for m, buf in unpack:
+                for p, off in _bucket_layout(m.pieces):
+                    _piece_view(target, p.dst_slot, p.box).copy_(_typed(buf, off, p))  # type: ignore[arg-type]
+            del ops, unpack  # buckets are freed as soon as their reader has copied them out
+        pending.reports.append(StepReport(
+            model_stage=step.model_stage, primitive=step.primitive, predicted_s=step.predicted_s,
+            measured_s=time.perf_counter() - start, bytes_sent=sent, bytes_received=received,
+            bytes_copied_locally=copied, peak_bucket_bytes=peak))
+    return pending
+
+
+# --- what survives a failure (pure) ----------------------------------------------------------------
+
+
+def lost_state(placements: Iterable[StagePlacement], dead_workers: Iterable[int]) -> dict[str, list[str]]:
+    """Per model-stage, the tensors/kinds whose every copy sat on a dead worker (checkpoint needed).
+
+    A stage with a surviving full replica loses nothing; otherwise a box is lost when no surviving
+    rank of any replica covers it (replicas of one layout hold the same boxes at the same ranks).
+    """
+    dead = set(dead_workers)
+    out: dict[str, list[str]] = {}
+    for placement in placements:
+        lost: list[str] = []
+        alive_boxes: dict[tuple[str, str], set[Box]] = defaultdict(set)
+        all_boxes: dict[tuple[str, str], set[Box]] = defaultdict(set)
+        for gpus in placement.gpu_sets:
+            for rank, worker in enumerate(gpus):
+                for slot in rank_slots(placement, rank)[0]:
+                    box = (slot.offsets, slot.lengths)
+                    all_boxes[slot.key].add(box)
+                    if worker not in dead:
+                        alive_boxes[slot.key].add(box)
+        for key, boxes in all_boxes.items():
+            if not boxes <= alive_boxes[key]:
+                lost.append(f"{key[0]}/{key[1]}")
+        if lost:
+            out[placement.model_stage] = sorted(lost)
+    return out
