@@ -242,8 +242,9 @@ class AllocationSource(Protocol):
 
     name: str  # "slurm" or "local"
 
-    def track(self, job: ElasticJob) -> None:
-        """Start following ``job`` (idempotent; a restarted daemon calls it again for stored jobs)."""
+    def track(self, job: ElasticJob, allocation: Allocation | None = None) -> None:
+        """Start following ``job`` (idempotent). A restarted daemon passes the stored ``allocation`` so
+        that only real changes since then become events."""
 
     def untrack(self, job_id: str) -> None:
         """Stop following the job (nothing is cancelled)."""
