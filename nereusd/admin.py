@@ -119,7 +119,8 @@ class AdminOps:
 
     def decisions(self, args: dict[str, Any]) -> list[dict[str, Any]]:
         j = self._job(args)
-        return [{k: v for k, v in d.items() if k != "inputs"} for d in self.d.store.decisions(j["job_id"])]
+        return [{**{k: v for k, v in d.items() if k != "inputs"}, "admitted": bool(d["admitted"]),
+                 "urgent": bool(d["urgent"])} for d in self.d.store.decisions(j["job_id"])]
 
     def transitions(self, args: dict[str, Any]) -> list[dict[str, Any]]:
         j = self._job(args)
@@ -138,7 +139,7 @@ class AdminOps:
         if d is None:
             raise AdminError("not-found", f"no decision {did}")
         trans = [t["id"] for t in self.d.store.transitions(d["job_id"]) if t["decision_id"] == did]
-        return {**d, "transitions": trans}
+        return {**d, "admitted": bool(d["admitted"]), "urgent": bool(d["urgent"]), "transitions": trans}
 
     def alloc(self, args: dict[str, Any]) -> dict[str, Any]:
         """Show allocations; with ``grow``/``shrink`` ask the allocation source for a change."""

@@ -29,7 +29,7 @@ class AuthRefused(NereusError):
 class CurveClient:
     def __init__(self, endpoint: str, bundle: ClientBundle, *, identity: bytes | None = None,
                  context: zmq.Context | None = None, max_message_bytes: int = 64 << 20,
-                 encoding: protocol.Encoding = "msgpack") -> None:
+                 encoding: protocol.Encoding = "msgpack", immediate: bool = False) -> None:
         self.ctx = context or zmq.Context.instance()
         self.endpoint = endpoint
         self.encoding: protocol.Encoding = encoding
@@ -41,6 +41,9 @@ class CurveClient:
         if identity is not None:
             self.sock.identity = identity  # stable across reconnects: the daemon can find the session again
         self.sock.linger = 0
+        # immediate: queue nothing while disconnected (an agent's stale heartbeats must not pile up and
+        # flood a restarted daemon); a one-shot CLI request wants the message queued until connected.
+        self.sock.immediate = immediate
         self.sock.reconnect_ivl = 100
         self.sock.reconnect_ivl_max = 2000
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH
@@ -64,8 +67,13 @@ class CurveClient:
             else:
                 self.auth_failed = f"handshake refused by {self.endpoint} (ZMTP status {ev['value']})"
 
-    def send(self, msg: BaseModel) -> None:
-        self.sock.send(protocol.encode(msg, self.encoding))
+    def send(self, msg: BaseModel) -> bool:
+        """False when the message could not be queued (no connection, with ``immediate``)."""
+        try:
+            self.sock.send(protocol.encode(msg, self.encoding), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        return True
 
     def send_raw(self, frame: bytes) -> None:
         self.sock.send(frame)

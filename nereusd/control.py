@@ -80,6 +80,8 @@ class CurveRouter:
         self.sock.zap_domain = domain.encode()
         self.sock.linger = 0
         self.sock.router_mandatory = False  # replies to peers that went away are dropped, not raised
+        # An agent keeps its routing id across reconnects; a restarted agent process takes the id over.
+        self.sock.router_handover = True
         # A hard guard far above the protocol limit: messages between the two get an ErrorReply, only
         # absurd ones make ZeroMQ drop the connection (which must not buffer a gigabyte first).
         self.sock.setsockopt(zmq.MAXMSGSIZE, 16 * max_message_bytes)

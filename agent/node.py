@@ -1,0 +1,310 @@
+"""The node agent: one per node of a job; registers with nereusd, heartbeats, supervises workers.
+
+    python -m agent.node --endpoint tcp://HEAD:7501 --keys DIR --job JOB [--node NAME]
+        [--slurm-job-id ID] [--cpu-slots N] [--worker-cmd 'python -m agent.worker --device {device}']
+        [--ack-orders]
+
+Defaults come from the environment where Slurm or the launcher set it (SLURMD_NODENAME, SLURM_JOB_ID,
+NEREUS_ENDPOINT, NEREUS_KEYS, NEREUS_JOB_ID). Devices: GPUs from NVML when it is present, else CPU
+worker slots (psutil). One worker process per device; the agent restarts a worker that fails (up to
+``max_restarts``) and reports worker states in every heartbeat.
+
+Relays: the job driver and the workers PUSH Measurement and TransitionReport messages to the
+agent's local ipc socket ($NEREUS_AGENT_IPC), which forwards them to the daemon; transition orders
+from the daemon are PUBlished on $NEREUS_AGENT_ORDERS (workers SUBscribe). ``--ack-orders`` reports
+every order done at once (simulated nodes, tests, benchmarks: no executor attached).
+
+After a daemon restart the agent's connection comes back by itself (same CURVE key, same routing id);
+the daemon answers the first heartbeat with ``unknown-session`` and the agent registers again,
+without restarting anything. ``forbidden`` or ``unknown-job`` on register is fatal (exit 3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import zmq
+
+from nereusd import protocol
+from nereusd.client import AuthRefused, CurveClient
+from nereusd.keys import ClientBundle, load_bundle
+from nereusd.logs import configure_logging, get_logger
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_REFUSED = 0, 1, 2, 3
+
+
+class AgentRefused(Exception):
+    """The daemon refused this agent for good (forbidden, unknown job, key refused)."""
+
+
+def discover_devices(cpu_slots: int | None = None) -> tuple[protocol.Device, ...]:
+    """GPUs through NVML when the library is importable and finds some; else CPU worker slots."""
+    if cpu_slots is None:
+        try:
+            import pynvml  # type: ignore[import-not-found]
+
+            pynvml.nvmlInit()
+            try:
+                out = []
+                for i in range(pynvml.nvmlDeviceGetCount()):
+                    h = pynvml.nvmlDeviceGetHandleByIndex(i)
+                    name = pynvml.nvmlDeviceGetName(h)
+                    out.append(protocol.Device(index=i, kind="gpu",
+                                               name=name.decode() if isinstance(name, bytes) else str(name),
+                                               memory_bytes=int(pynvml.nvmlDeviceGetMemoryInfo(h).total)))
+                if out:
+                    return tuple(out)
+            finally:
+                pynvml.nvmlShutdown()
+        except Exception:  # no NVML library, no driver, no GPU: fall back to CPU slots
+            pass
+    slots = cpu_slots or psutil.cpu_count(logical=False) or 1
+    mem = psutil.virtual_memory().total // slots
+    return tuple(protocol.Device(index=i, kind="cpu", name="cpu", memory_bytes=mem) for i in range(slots))
+
+
+@dataclass(slots=True)
+class _Worker:
+    device: protocol.Device
+    proc: subprocess.Popen[bytes] | None = None
+    state: str = "starting"
+    exit_code: int | None = None
+    restarts: int = 0
+
+
+@dataclass(kw_only=True, slots=True)
+class AgentConfig:
+    endpoint: str
+    bundle: ClientBundle
+    job_id: str
+    node: str
+    slurm_job_id: str | None = None
+    devices: tuple[protocol.Device, ...] = ()
+    worker_cmd: Sequence[str] = ()  # '{device}' is replaced by the device index; empty: no workers
+    max_restarts: int = 3
+    ack_orders: bool = False
+    ipc_dir: Path = field(default_factory=lambda: Path(tempfile.gettempdir()))
+    silent_after_s: float = 10.0  # no reply for this long: log that the daemon is silent, keep trying
+
+
+class NodeAgent:
+    def __init__(self, cfg: AgentConfig, on_order: Callable[[protocol.TransitionOrder], None] | None = None) -> None:
+        self.cfg = cfg
+        self.log = get_logger("agent", job=cfg.job_id, node=cfg.node)
+        self.incarnation = uuid.uuid4().hex
+        self.ctx = zmq.Context()
+        self.client = CurveClient(cfg.endpoint, cfg.bundle, identity=f"{cfg.job_id}/{cfg.node}".encode(),
+                                  context=self.ctx, immediate=True)
+        tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.ipc_in = f"ipc://{cfg.ipc_dir}/nereus-agent-{tag}.in"
+        self.ipc_orders = f"ipc://{cfg.ipc_dir}/nereus-agent-{tag}.orders"
+        self.relay_in = self.ctx.socket(zmq.PULL)
+        self.relay_in.bind(self.ipc_in)
+        self.orders_out = self.ctx.socket(zmq.PUB)
+        self.orders_out.bind(self.ipc_orders)
+        self.on_order = on_order
+        self.workers = [_Worker(device=d) for d in cfg.devices] if cfg.worker_cmd else []
+        self.stop = threading.Event()
+        self.registered = threading.Event()
+        self.welcomes = 0  # how many times the daemon welcomed us (1 + reconnections)
+        self.plan_version = 0
+        self.seq = 0
+        self.orders: list[protocol.TransitionOrder] = []
+
+    # --- workers ------------------------------------------------------------------------------------
+    def _spawn(self, w: _Worker) -> None:
+        cmd = [a.replace("{device}", str(w.device.index)) for a in self.cfg.worker_cmd]
+        env = {**os.environ, "NEREUS_JOB_ID": self.cfg.job_id, "NEREUS_NODE": self.cfg.node,
+               "NEREUS_DEVICE": str(w.device.index), "NEREUS_AGENT_IPC": self.ipc_in,
+               "NEREUS_AGENT_ORDERS": self.ipc_orders}
+        if w.device.kind == "gpu":
+            env["CUDA_VISIBLE_DEVICES"] = str(w.device.index)
+        w.proc = subprocess.Popen(cmd, env=env)
+        w.state = "running"
+        self.log.info("worker-started", device=w.device.index, pid=w.proc.pid)
+
+    def _supervise(self) -> None:
+        for w in self.workers:
+            if w.proc is None:
+                self._spawn(w)
+                continue
+            code = w.proc.poll()
+            if code is None or w.state in ("exited", "failed"):
+                continue
+            w.exit_code = code
+            if code == 0:
+                w.state = "exited"
+            elif w.restarts < self.cfg.max_restarts:
+                w.restarts += 1
+                self.log.warning("worker-restart", device=w.device.index, exit_code=code, restarts=w.restarts)
+                self._spawn(w)
+            else:
+                w.state = "failed"
+                self.log.error("worker-failed", device=w.device.index, exit_code=code)
+
+    def _stop_workers(self) -> None:
+        for w in self.workers:
+            if w.proc is not None and w.proc.poll() is None:
+                w.proc.terminate()
+        for w in self.workers:
+            if w.proc is not None:
+                try:
+                    w.proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    w.proc.kill()
+                    w.proc.wait()
+
+    # --- daemon conversation ------------------------------------------------------------------------
+    def _register(self) -> None:
+        self.client.send(protocol.Register(job_id=self.cfg.job_id, node=self.cfg.node,
+                                           slurm_job_id=self.cfg.slurm_job_id, host=socket.gethostname(),
+                                           pid=os.getpid(), incarnation=self.incarnation, devices=self.cfg.devices))
+
+    def _heartbeat(self) -> None:
+        workers = tuple(protocol.WorkerState(device=w.device.index, pid=w.proc.pid if w.proc else 0,
+                                             state=w.state, exit_code=w.exit_code,  # type: ignore[arg-type]
+                                             restarts=w.restarts) for w in self.workers)
+        self.seq += 1
+        self.client.send(protocol.Heartbeat(job_id=self.cfg.job_id, node=self.cfg.node, seq=self.seq,
+                                            workers=workers))
+
+    def _handle(self, msg: Any) -> None:
+        if isinstance(msg, protocol.Welcome):
+            self.welcomes += 1
+            self.plan_version = msg.plan_version
+            self.interval_s = msg.heartbeat_interval_s
+            self.registered.set()
+            self.log.info("registered", reconnected=msg.reconnected, plan_version=msg.plan_version)
+        elif isinstance(msg, protocol.ErrorReply):
+            if msg.code == "unknown-session":
+                self.registered.clear()
+                self.log.info("re-registering", reason=msg.message)
+                self._register()
+            elif msg.code in ("forbidden", "unknown-job"):
+                raise AgentRefused(f"{msg.code}: {msg.message}")
+            else:
+                self.log.warning("daemon-error", code=msg.code, error=msg.message)
+        elif isinstance(msg, protocol.TransitionOrder):
+            self.orders.append(msg)
+            self.log.info("transition-order", transition=msg.transition_id, to_version=msg.to_version)
+            self.orders_out.send(protocol.encode(msg))
+            if self.on_order is not None:
+                self.on_order(msg)
+            if self.cfg.ack_orders:
+                self.plan_version = msg.to_version
+                self.client.send(protocol.TransitionReport(job_id=self.cfg.job_id, node=self.cfg.node,
+                                                           transition_id=msg.transition_id, ok=True, measured_s=0.0))
+
+    def report(self, msg: protocol.Measurement | protocol.TransitionReport) -> bool:
+        """Send a report from this process (the driver on node 0 may run inside the agent)."""
+        return self.client.send(msg)
+
+    def run(self) -> int:
+        self.interval_s = 1.0
+        poller = zmq.Poller()
+        poller.register(self.client.sock, zmq.POLLIN)
+        poller.register(self.client.monitor, zmq.POLLIN)
+        poller.register(self.relay_in, zmq.POLLIN)
+        last_reply = time.monotonic()
+        next_beat = time.monotonic()
+        silent_logged = False
+        try:
+            while not self.stop.is_set():
+                now = time.monotonic()
+                if now >= next_beat:
+                    if self.registered.is_set():
+                        self._heartbeat()
+                    else:
+                        self._register()
+                    self._supervise()
+                    # until welcomed, retry soon: the first register may go out before the connection is up
+                    next_beat = now + (self.interval_s if self.registered.is_set() else min(0.2, self.interval_s))
+                    if now - last_reply > self.cfg.silent_after_s and not silent_logged:
+                        self.log.warning("daemon-silent", seconds=round(now - last_reply, 1))
+                        silent_logged = True
+                ready = dict(poller.poll(max(1, int((next_beat - time.monotonic()) * 1e3))))
+                if self.client.monitor in ready:
+                    self.client._drain_monitor()
+                    if self.client.auth_failed:
+                        raise AgentRefused(self.client.auth_failed)
+                if self.client.sock in ready:
+                    while self.client.sock.get(zmq.EVENTS) & zmq.POLLIN:
+                        try:
+                            msg = protocol.decode(self.client.sock.recv(), self.client.max_message_bytes)
+                        except protocol.ProtocolError as exc:
+                            self.log.warning("bad-daemon-message", error=str(exc))
+                            continue
+                        last_reply, silent_logged = time.monotonic(), False
+                        self._handle(msg)
+                if self.relay_in in ready:
+                    while self.relay_in.get(zmq.EVENTS) & zmq.POLLIN:
+                        frame = self.relay_in.recv()
+                        try:
+                            msg = protocol.decode(frame, self.client.max_message_bytes)
+                        except protocol.ProtocolError as exc:
+                            self.log.warning("bad-local-report", error=str(exc))
+                            continue
+                        if isinstance(msg, (protocol.Measurement, protocol.TransitionReport)):
+                            self.client.send(msg)
+            return EXIT_OK
+        except (AgentRefused, AuthRefused) as exc:
+            self.log.error("refused", error=str(exc))
+            return EXIT_REFUSED
+        finally:
+            self._stop_workers()
+            self.close()
+
+    def close(self) -> None:
+        self.client.close()
+        self.relay_in.close(linger=0)
+        self.orders_out.close(linger=0)
+        self.ctx.term()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    env = os.environ
+    p = argparse.ArgumentParser(prog="python -m agent.node", description="Nereus node agent")
+    p.add_argument("--endpoint", default=env.get("NEREUS_ENDPOINT"), help="tcp://HEAD:PORT of nereusd's agents")
+    p.add_argument("--keys", default=env.get("NEREUS_KEYS"), help="agent key bundle directory")
+    p.add_argument("--job", default=env.get("NEREUS_JOB_ID"), help="the Nereus job id")
+    p.add_argument("--node", default=env.get("SLURMD_NODENAME") or socket.gethostname())
+    p.add_argument("--slurm-job-id", default=env.get("SLURM_JOB_ID"))
+    p.add_argument("--cpu-slots", type=int, help="use N CPU worker slots instead of GPUs")
+    p.add_argument("--worker-cmd", default="", help="worker command; {device} is the device index")
+    p.add_argument("--max-restarts", type=int, default=3)
+    p.add_argument("--ack-orders", action="store_true", help="report every order done (no executor)")
+    p.add_argument("--log-format", choices=("auto", "json", "console"), default="auto")
+    args = p.parse_args(argv)
+    missing = [n for n in ("endpoint", "keys", "job") if not getattr(args, n)]
+    if missing:
+        print(f"agent: missing {', '.join('--' + m for m in missing)} (or NEREUS_ENDPOINT/NEREUS_KEYS/"
+              "NEREUS_JOB_ID)", file=sys.stderr)
+        return EXIT_USAGE
+    configure_logging(args.log_format)
+    cfg = AgentConfig(endpoint=args.endpoint, bundle=load_bundle(Path(args.keys)), job_id=args.job, node=args.node,
+                      slurm_job_id=args.slurm_job_id, devices=discover_devices(args.cpu_slots),
+                      worker_cmd=shlex.split(args.worker_cmd), max_restarts=args.max_restarts,
+                      ack_orders=args.ack_orders)
+    agent = NodeAgent(cfg)
+    signal.signal(signal.SIGTERM, lambda *_: agent.stop.set())
+    signal.signal(signal.SIGINT, lambda *_: agent.stop.set())
+    return agent.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
