@@ -14,6 +14,7 @@ formed without the dead, and the stages whose last copy died are reported as nee
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import time
@@ -297,10 +298,8 @@ class LocalCoordinator:
         """Ask every live worker to exit; terminate (then kill) any that does not within the timeout."""
         for proc in self._procs.values():
             if proc.process.is_alive():
-                try:
+                with contextlib.suppress(BrokenPipeError, OSError):
                     proc.conn.send(Exit())
-                except (BrokenPipeError, OSError):
-                    pass
         deadline = time.monotonic() + min(self.timeout_s, 10.0)
         for proc in self._procs.values():
             proc.process.join(max(0.0, deadline - time.monotonic()))

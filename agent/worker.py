@@ -11,6 +11,7 @@ Started by ``LocalCoordinator`` (spawn) or by the node agent: ``worker_main(work
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -163,7 +164,5 @@ def worker_main(worker_id: int, link: Any, device: str = "cpu", threads: int = 1
             link.send(reply)
         except (BrokenPipeError, OSError):
             break
-    try:
+    with contextlib.suppress(Exception):  # exiting anyway: a broken group may fail to tear down
         ctx.channel.leave()
-    except Exception:  # noqa: BLE001 - exiting anyway
-        pass

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from planner.models import TINY_3M, Head, ModelSpec
+from planner.models import Head, ModelSpec
 from planner.plan import Layout
 from transitions.executor import StagePlacement
 from transitions.geometry import INFERENCE_KINDS, TRAINING_KINDS
