@@ -1,0 +1,211 @@
+"""Per-GPU peak memory of a model-stage candidate and of a whole plan, term by term.
+
+A GPU holds the *resident* state of every model-stage placed on it for the whole RL step (weights of
+generation/inference model-stages; weights, gradients and mixed-precision Adam state of training ones,
+ZeRO-0 inside a DP replica), and, while a model-stage runs, its *transient* memory (activations or KV
+cache). Peak = all residents + the largest transient + workspace, plus 10% headroom.
+
+Public figures the tests check: mixed-precision Adam = 16 bytes/param (bf16 weight 2 + bf16 grad 2 +
+fp32 master, m, v 12); Llama-3.1-8B KV cache = 2 * 32 layers * 8 kv heads * 128 * 2 B = 128 KiB/token.
+Activations follow Korthikanti et al. (2022) with flash attention (no s^2 term), sequence parallelism
+(everything divided by TP) and, with recomputation, only each layer's input kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from functools import lru_cache
+
+from planner.models import Head, ModelSpec, Parallel
+from planner.plan import GlobalPlan, Layout
+from planner.workflow import JobSpec, ModelStage, StageKind, Workload
+
+HEADROOM_FRACTION = 0.10  # share of the other terms added on top (allocator fragmentation, spikes)
+WORKSPACE_BYTES = 2 * 1024**3  # CUDA context, cuBLAS/NCCL workspaces and buffers per GPU
+BYTES_BF16 = 2
+BYTES_FP32 = 4
+# Adam with bf16 weights: fp32 master copy + first and second moment.
+OPTIMIZER_BYTES_PER_PARAM = 3 * BYTES_FP32
+TRAINING_BYTES_PER_PARAM = BYTES_BF16 + BYTES_BF16 + OPTIMIZER_BYTES_PER_PARAM  # 16
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryBreakdown:
+    """Bytes on one GPU by term; ``total_bytes`` is the peak including headroom."""
+
+    params_bytes: int = 0
+    grads_bytes: int = 0
+    optimizer_bytes: int = 0
+    activations_bytes: int = 0
+    kv_cache_bytes: int = 0
+    co_resident_bytes: int = 0  # resident state of the other model-stages on this GPU
+    workspace_bytes: int = 0
+    headroom_bytes: int = 0
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+    def as_dict(self) -> dict[str, int]:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["total_bytes"] = self.total_bytes
+        return out
+
+
+def stage_layer_counts(num_layers: int, pp: int) -> tuple[int, ...]:
+    """Decoder layers per PP stage: contiguous, the first ``num_layers % pp`` stages one longer
+    (the same split as transitions.geometry.layer_stages)."""
+    base, extra = divmod(num_layers, pp)
+    return tuple(base + (1 if r < extra else 0) for r in range(pp))
+
+
+@lru_cache(maxsize=4096)
+def shard_params(model: ModelSpec, head: Head, tp: int) -> tuple[int, int, int]:
+    """(params of one decoder layer, of the embedding, of final norm + head) held by one TP rank."""
+    layer = embed = top = 0
+    for t in model.tensors(head):
+        if t.parallel is Parallel.REPLICATED:
+            n = t.numel
+        else:
+            # k/v with fewer heads than TP ranks are replicated in groups (GQA): each rank holds one head
+            ways = tp if t.num_heads is None else min(tp, t.num_heads)
+            n = -(-t.numel // ways)
+        if t.layer == 0:
+            layer += n
+        elif t.layer is None and t.parallel is Parallel.VOCAB:
+            embed += n
+        elif t.layer is None:
+            top += n
+    return layer, embed, top
+
+
+@lru_cache(maxsize=4096)
+def params_per_gpu(model: ModelSpec, head: Head, layout: Layout) -> int:
+    """Parameters on the most loaded GPU of a unit (worst PP rank, one TP rank)."""
+    layer, embed, top = shard_params(model, head, layout.tp)
+    counts = stage_layer_counts(model.num_layers, layout.pp)
+    worst = 0
+    for r, n in enumerate(counts):
+        p = n * layer + (embed if r == 0 else 0) + (top if r == layout.pp - 1 else 0)
+        if model.tie_word_embeddings and layout.pp > 1 and r == layout.pp - 1:
+            p += embed
+        worst = max(worst, p)
+    return worst
+
+
+def resident_bytes(model: ModelSpec, ms: ModelStage, layout: Layout) -> MemoryBreakdown:
+    """State a model-stage keeps on each of its GPUs for the whole step (worst GPU of a unit)."""
+    n = params_per_gpu(model, ms.role.head, layout)
+    if ms.kind is StageKind.TRAINING:
+        return MemoryBreakdown(params_bytes=n * BYTES_BF16, grads_bytes=n * BYTES_BF16,
+                               optimizer_bytes=n * OPTIMIZER_BYTES_PER_PARAM)
+    return MemoryBreakdown(params_bytes=n * model.bytes_per_param)
+
+
+def kv_bytes_per_token_per_gpu(model: ModelSpec, layout: Layout) -> int:
+    """KV cache per token on one GPU: kv heads split by TP (replicated when TP > kv heads), layers by PP."""
+    kv_heads = -(-model.num_kv_heads // min(layout.tp, model.num_kv_heads))
+    layers = stage_layer_counts(model.num_layers, layout.pp)[0]
+    return 2 * layers * kv_heads * model.head_dim * model.bytes_per_param
+
+
+def _layer_activation_bytes_per_token(model: ModelSpec, tp: int) -> float:
+    """Bytes kept for backward per token per decoder layer (bf16, flash attention, SP: all / tp).
+
+    Attention: norm input, qkv input, q/k/v, attention output + fp32 softmax stats, o_proj input,
+    residual. MLP: norm input, gate/up input, gate and up outputs, activation output, down input.
+    For a standard GPT (ffn 4h, no GQA) this is ~34h bytes/token, Korthikanti's figure.
+    """
+    h, q, kv, f = model.hidden_size, model.num_attention_heads * model.head_dim, \
+        model.num_kv_heads * model.head_dim, model.ffn_hidden_size
+    attn = BYTES_BF16 * (3 * h + q + 2 * kv + 2 * q) + BYTES_FP32 * model.num_attention_heads
+    mlp = BYTES_BF16 * (2 * h + 2 * f + f + f)
+    return (attn + mlp) / tp
+
+
+def transient_bytes(model: ModelSpec, ms: ModelStage, layout: Layout, workload: Workload,
+                    micro_batch_size: int, grad_accum: int, recompute: bool) -> MemoryBreakdown:
+    """Memory a model-stage needs only while it runs (worst GPU of a unit)."""
+    tp, pp = layout.tp, layout.pp
+    layers = stage_layer_counts(model.num_layers, pp)[0]
+    b = micro_batch_size
+    if ms.kind is StageKind.GENERATION:
+        # vLLM-style: KV cache sized for every concurrent sequence at its maximum length
+        tokens = b * workload.max_tokens_per_sequence
+        kv = tokens * kv_bytes_per_token_per_gpu(model, layout)
+        # logits of the batch being sampled (fp32) and one layer's prefill activations of one sequence
+        logits = b * model.vocab_size // tp * BYTES_FP32
+        prefill = int(workload.prompt_tokens * _layer_activation_bytes_per_token(model, tp))
+        return MemoryBreakdown(kv_cache_bytes=kv, activations_bytes=logits + prefill)
+    s = workload.max_tokens_per_sequence
+    per_layer = b * s * _layer_activation_bytes_per_token(model, tp)
+    # log-probs / loss over the vocabulary: bf16 logits plus an fp32 copy for the softmax
+    logits = b * s * (model.vocab_size // tp) * (BYTES_BF16 + BYTES_FP32) if ms.role.head is Head.LM else 0
+    if ms.kind is StageKind.INFERENCE:
+        return MemoryBreakdown(activations_bytes=int(per_layer + logits))
+    # 1F1B: the first PP stage keeps min(pp, micro-batches) micro-batches in flight
+    in_flight = min(pp, grad_accum)
+    if recompute:
+        kept = in_flight * layers * b * s * model.hidden_size * BYTES_BF16 / tp
+        act = kept + per_layer  # one layer rematerialised at a time
+    else:
+        act = in_flight * layers * per_layer
+    return MemoryBreakdown(activations_bytes=int(act + logits))
+
+
+def with_headroom(m: MemoryBreakdown, workspace_bytes: int = WORKSPACE_BYTES) -> MemoryBreakdown:
+    """Add the workspace and 10% headroom on top of the state terms."""
+    base = m.total_bytes - m.workspace_bytes - m.headroom_bytes + workspace_bytes
+    return MemoryBreakdown(
+        params_bytes=m.params_bytes, grads_bytes=m.grads_bytes, optimizer_bytes=m.optimizer_bytes,
+        activations_bytes=m.activations_bytes, kv_cache_bytes=m.kv_cache_bytes,
+        co_resident_bytes=m.co_resident_bytes, workspace_bytes=workspace_bytes,
+        headroom_bytes=int(base * HEADROOM_FRACTION))
+
+
+def combine(resident: MemoryBreakdown, transient: MemoryBreakdown, co_resident_bytes: int) -> MemoryBreakdown:
+    """A running model-stage's own terms plus the other model-stages' resident state, with headroom."""
+    return with_headroom(MemoryBreakdown(
+        params_bytes=resident.params_bytes, grads_bytes=resident.grads_bytes,
+        optimizer_bytes=resident.optimizer_bytes, activations_bytes=transient.activations_bytes,
+        kv_cache_bytes=transient.kv_cache_bytes, co_resident_bytes=co_resident_bytes))
+
+
+def peak_total(resident_sum: int, transient_max: int) -> int:
+    """Peak with workspace and headroom, from the sums the search works with."""
+    return int((resident_sum + transient_max + WORKSPACE_BYTES) * (1 + HEADROOM_FRACTION))
+
+
+def plan_memory(job: JobSpec, plan: GlobalPlan) -> tuple[dict[int, int], dict[str, MemoryBreakdown]]:
+    """(GPU -> peak bytes, model-stage -> breakdown on its fullest GPU while it runs).
+
+    Every model-stage placed on a GPU keeps its resident state there all step long; a GPU peaks while
+    the model-stage with the largest transient memory on it runs.
+    """
+    workload = job.workload
+    res: dict[str, MemoryBreakdown] = {}
+    trans: dict[str, MemoryBreakdown] = {}
+    resident_on: dict[int, int] = {}
+    for sp in plan:
+        ms = job.workflow.stage(sp.model_stage)
+        model = job.model_of(ms)
+        res[sp.model_stage] = resident_bytes(model, ms, sp.layout)
+        trans[sp.model_stage] = transient_bytes(model, ms, sp.layout, workload, sp.micro_batch_size,
+                                                sp.grad_accum, sp.recompute)
+        r = res[sp.model_stage].total_bytes
+        for g in sp.gpus:
+            resident_on[g] = resident_on.get(g, 0) + r
+    per_gpu: dict[int, int] = {}
+    per_stage: dict[str, MemoryBreakdown] = {}
+    for sp in plan:
+        own = res[sp.model_stage]
+        # co-resident bytes take few distinct values across a model-stage's GPUs: combine once per value
+        by_co: dict[int, MemoryBreakdown] = {}
+        for g in sp.gpus:
+            co = resident_on[g] - own.total_bytes
+            m = by_co.get(co)
+            if m is None:
+                m = by_co[co] = combine(own, trans[sp.model_stage], co)
+            per_gpu[g] = max(per_gpu.get(g, 0), m.total_bytes)
+        per_stage[sp.model_stage] = max(by_co.values(), key=lambda m: m.total_bytes)
+    return per_gpu, per_stage

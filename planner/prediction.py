@@ -1,0 +1,122 @@
+"""Predict a whole plan: step latency on the execution-overlap graph, per-GPU peak memory, breakdowns.
+
+Stages run generation -> inference -> training. Inside a stage, model-stages placed on disjoint GPUs
+overlap and model-stages sharing a GPU serialise (in plan order); a model-stage takes its slowest
+replica. The step latency is the critical path of that graph. Every figure keeps the terms behind it so
+a decision can be explained (and calibration can turn measured times back into per-class records).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from planner.cost import PRIORS, Links, OpClass, OpTerm, StageCost, stage_cost
+from planner.hardware import ClusterSpec
+from planner.memory import MemoryBreakdown, plan_memory
+from planner.plan import GlobalPlan, StagePlan
+from planner.workflow import JobSpec, StageKind
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Prediction:
+    step_latency_s: float
+    stage_seconds: Mapping[str, float]  # model-stage -> seconds of its slowest replica
+    stage_start_s: Mapping[str, float]  # model-stage -> start time on the critical-path schedule
+    kind_seconds: Mapping[str, float]  # generation / inference / training -> span in the step
+    breakdown: Mapping[str, Mapping[str, float]]  # model-stage -> op class (or pipeline_bubble) -> s
+    terms: Mapping[str, tuple[OpTerm, ...]]  # model-stage -> terms of its slowest replica
+    peak_memory_bytes: Mapping[int, int]  # GPU -> peak bytes (headroom included)
+    memory: Mapping[str, MemoryBreakdown]  # model-stage -> breakdown on its fullest GPU while it runs
+    memory_capacity_bytes: int
+
+    @property
+    def max_peak_memory_bytes(self) -> int:
+        return max(self.peak_memory_bytes.values(), default=0)
+
+    @property
+    def feasible(self) -> bool:
+        return self.max_peak_memory_bytes <= self.memory_capacity_bytes
+
+    def memory_over(self) -> dict[str, int]:
+        """model-stage -> bytes over capacity on its fullest GPU (only those over)."""
+        return {k: m.total_bytes - self.memory_capacity_bytes for k, m in self.memory.items()
+                if m.total_bytes > self.memory_capacity_bytes}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "step_latency_s": self.step_latency_s,
+            "stage_seconds": dict(self.stage_seconds),
+            "stage_start_s": dict(self.stage_start_s),
+            "kind_seconds": dict(self.kind_seconds),
+            "breakdown": {k: dict(v) for k, v in self.breakdown.items()},
+            "max_peak_memory_bytes": self.max_peak_memory_bytes,
+            "memory_capacity_bytes": self.memory_capacity_bytes,
+            "memory": {k: m.as_dict() for k, m in self.memory.items()},
+            "feasible": self.feasible,
+        }
+
+
+def replica_links(sp: StagePlan, gpus: tuple[int, ...], cluster: ClusterSpec) -> Links:
+    tp, pp = sp.layout.tp, sp.layout.pp
+    node = cluster.node_of
+    tp_intra = all(len({node(g) for g in gpus[r * tp:(r + 1) * tp]}) == 1 for r in range(pp))
+    pp_intra = all(node(gpus[r * tp]) == node(gpus[(r + 1) * tp]) for r in range(pp - 1))
+    dp_intra = len({node(g) for s in sp.gpu_sets for g in s}) == 1
+    return Links(tp_intra=tp_intra, pp_intra=pp_intra, dp_intra=dp_intra)
+
+
+def predict_stage(job: JobSpec, cluster: ClusterSpec, sp: StagePlan, eff: Mapping[OpClass, float]) -> StageCost:
+    """The slowest replica of one model-stage (replicas differ only in which links their groups use)."""
+    ms = job.workflow.stage(sp.model_stage)
+    model = job.model_of(ms)
+    worst: StageCost | None = None
+    seen: set[Links] = set()
+    for gpus in sp.gpu_sets:
+        links = replica_links(sp, gpus, cluster)
+        if links in seen:
+            continue
+        seen.add(links)
+        c = stage_cost(model, ms, sp.layout, job.workload, micro_batch_size=sp.micro_batch_size,
+                       grad_accum=sp.grad_accum, recompute=sp.recompute, dp=sp.dp, cluster=cluster,
+                       links=links, eff=eff)
+        if worst is None or c.seconds > worst.seconds:
+            worst = c
+    assert worst is not None  # a StagePlan has at least one replica
+    return worst
+
+
+def predict(job: JobSpec, cluster: ClusterSpec, plan: GlobalPlan,
+            eff: Mapping[OpClass, float] = PRIORS) -> Prediction:
+    costs = {sp.model_stage: predict_stage(job, cluster, sp, eff) for sp in plan}
+    starts: dict[str, float] = {}
+    kind_seconds: dict[str, float] = {}
+    t = 0.0
+    for kind in sorted(StageKind, key=lambda k: k.order):
+        members = [sp for sp in plan if job.workflow.stage(sp.model_stage).kind is kind]
+        ends: list[tuple[frozenset[int], float]] = []
+        kind_end = t
+        for sp in members:
+            gpus = sp.gpus
+            start = max([t] + [end for other, end in ends if other & gpus])
+            end = start + costs[sp.model_stage].seconds
+            starts[sp.model_stage] = start
+            ends.append((gpus, end))
+            kind_end = max(kind_end, end)
+        kind_seconds[kind.value] = kind_end - t
+        t = kind_end
+
+    per_gpu, stage_mem = plan_memory(job, plan)
+    return Prediction(
+        step_latency_s=t,
+        stage_seconds=MappingProxyType({k: c.seconds for k, c in costs.items()}),
+        stage_start_s=MappingProxyType(starts),
+        kind_seconds=MappingProxyType(kind_seconds),
+        breakdown=MappingProxyType({k: MappingProxyType(c.by_class(eff)) for k, c in costs.items()}),
+        terms=MappingProxyType({k: c.terms for k, c in costs.items()}),
+        peak_memory_bytes=MappingProxyType(per_gpu),
+        memory=MappingProxyType(stage_mem),
+        memory_capacity_bytes=cluster.device.memory_bytes,
+    )
