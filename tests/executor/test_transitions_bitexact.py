@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from executor_helpers import MICRO, assert_same_state, logical_state, placement
 
 from agent.coordinator import LocalCoordinator
 from planner.models import Head, ModelSpec
-from executor_helpers import MICRO, assert_same_state, logical_state, placement
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.xdist_group("executor-pool")]
 
