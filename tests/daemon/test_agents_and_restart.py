@@ -1,0 +1,101 @@
+"""Real agent processes: heartbeats, node-lost detection, and a daemon killed with SIGKILL and restarted."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from .conftest import DaemonHandle, wait_for
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _node(daemon: DaemonHandle, job: str, node: str) -> dict | None:
+    for n in daemon.admin("job", job=job)["nodes"]:
+        if n["node"] == node:
+            return n
+    return None
+
+
+def _registrations(daemon: DaemonHandle, job: str, node: str) -> list[str]:
+    return [e["data"]["how"] for e in daemon.admin("events", job=job)
+            if e["kind"] == "node-registered" and e["data"]["node"] == node]
+
+
+def test_heartbeats_keep_a_node_alive_and_silence_marks_it_lost(daemon: DaemonHandle) -> None:
+    daemon.start()
+    daemon.admin("job-add", job="j", user="alice")
+    a1 = daemon.agent("alice", "j", "n1", "--worker-cmd", "sleep 600")
+    a2 = daemon.agent("alice", "j", "n2")
+    try:
+        wait_for(lambda: daemon.admin("status")["nodes"]["alive"] == 2, what="two nodes alive")
+        first = _node(daemon, "j", "n1")["last_heartbeat"]  # type: ignore[index]
+        # heartbeats are persisted in batches; the node stays alive well past the 1.5 s time-out
+        wait_for(lambda: _node(daemon, "j", "n1")["last_heartbeat"] > first + 2, timeout_s=15,  # type: ignore[index]
+                 what="a later heartbeat in the store")
+        assert _node(daemon, "j", "n1")["state"] == "alive"  # type: ignore[index]
+        assert daemon.admin("jobs")[0]["state"] == "running"
+        a2.send_signal(signal.SIGKILL)  # no goodbye: only missed heartbeats can tell
+        a2.wait(10)
+        wait_for(lambda: _node(daemon, "j", "n2")["state"] == "lost", timeout_s=10, what="n2 lost")  # type: ignore[index]
+        assert _node(daemon, "j", "n1")["state"] == "alive"  # type: ignore[index]
+        hist = daemon.admin("job", job="j")["history"]
+        assert hist[-1]["to_state"] == "running"  # one node left: still running
+        a1.send_signal(signal.SIGKILL)
+        a1.wait(10)
+        wait_for(lambda: daemon.admin("jobs")[0]["state"] == "lost", timeout_s=10, what="job lost")
+        reasons = [h["reason"] for h in daemon.admin("job", job="j")["history"]]
+        assert any("every node is lost" in r for r in reasons)
+    finally:
+        for a in (a1, a2):
+            if a.poll() is None:
+                a.kill()
+                a.wait()
+
+
+def test_sigkill_and_restart_loses_nothing_and_agents_reconnect(daemon: DaemonHandle) -> None:
+    daemon.start()
+    daemon.admin("job-add", job="j", user="alice", spec={"workload": {"prompt_tokens": 100}})
+    agents = [daemon.agent("alice", "j", f"n{i}") for i in (1, 2)]
+    try:
+        wait_for(lambda: daemon.admin("status")["nodes"]["alive"] == 2, what="two nodes alive")
+        wait_for(lambda: daemon.admin("decisions", job="j"), what="the initial decision")
+        before = {op: daemon.admin(op, job="j") for op in ("decisions", "transitions", "job")}
+        events_before = daemon.admin("events", job="j")
+        pids = [a.pid for a in agents]
+        old_pid = daemon.proc.pid  # type: ignore[union-attr]
+
+        daemon.kill9()
+        daemon.start()
+        assert daemon.proc.pid != old_pid  # type: ignore[union-attr]
+
+        # every record is back
+        # (a job without a committed plan may decide again after the restart: compare what existed)
+        assert daemon.admin("decisions", job="j")[:len(before["decisions"])] == before["decisions"]
+        assert daemon.admin("transitions", job="j")[:len(before["transitions"])] == before["transitions"]
+        job = daemon.admin("job", job="j")
+        assert job["state"] == before["job"]["state"] == "running"
+        assert job["history"][:len(before["job"]["history"])] == before["job"]["history"]
+        assert daemon.admin("events", job="j")[:len(events_before)] == events_before
+        # the same agent processes come back on their own: a reconnection, not a new registration
+        for node in ("n1", "n2"):
+            wait_for(lambda node=node: _registrations(daemon, "j", node)[-1:] == ["reconnected"], timeout_s=15,
+                     what=f"{node} reconnected")
+        assert [a.pid for a in agents] == pids and all(a.poll() is None for a in agents)
+        assert daemon.admin("status")["agents_connected"] == 2
+        assert all(n["state"] == "alive" for n in daemon.admin("job", job="j")["nodes"])
+        # no node was marked lost across the restart (the restarted daemon granted a fresh grace period)
+        assert not [e for e in daemon.admin("events", job="j") if e["kind"] == "node-lost"]
+    finally:
+        for a in agents:
+            a.kill()
+            a.wait()
+
+
+def test_agent_of_another_user_exits_refused(daemon: DaemonHandle) -> None:
+    daemon.start()
+    daemon.admin("job-add", job="j", user="alice")
+    bob = daemon.agent("bob", "j", "n1")
+    assert bob.wait(20) == 3  # EXIT_REFUSED: fail fast, let the scheduler decide
+    assert daemon.admin("job", job="j")["nodes"] == []
