@@ -112,6 +112,13 @@ class SlurmPoller:
         if job_id not in self._watches:
             self._watches[job_id] = _Watch(job_id=job_id, submitted_at_s=submitted_at_s, name=name,
                                            comment=comment)
+            if job_id in self._all_jobs:  # already in the last squeue: known at once, no extra call
+                self._update(self._watches[job_id], self._all_jobs[job_id])
+
+    def poll_soon(self) -> None:
+        """Make the next ``refresh`` poll (after the daemon changed something and wants to see it)."""
+        if self.consecutive_failures == 0:
+            self._next_at = self.clock()
 
     def unwatch(self, job_id: str) -> None:
         for table in (self._watches, self._infos, self._terminal):

@@ -1,6 +1,6 @@
 """Submit an elastic job's anchor and member jobs through submitit; each runs one node agent per node.
 
-Every job runs ``python -m agent.node --job JOB --daemon ADDR`` once per node through srun (submitit's
+Every job runs ``python -m agent.node --endpoint ADDR --job JOB [--keys DIR]`` once per node through srun (submitit's
 sbatch script + ``submitit.helpers.CommandFunction``). The anchor is started ``--no-kill`` so that it
 survives losing a node; members are one node each, ``--no-requeue`` (the daemon decides whether to
 grow again), and carry the comment ``nereus:JOB`` so a restarted daemon finds them again.
@@ -9,7 +9,7 @@ sbatch runs through ``timeout`` (a hung slurmctld must not hang the daemon) and 
 SLURM_CONF. Growth never uses Slurm job expansion: it fails for jobs holding GRES in 22.05.
 
     launcher = SubmititLauncher(LaunchSpec(job_id="grpo-8b", folder="/shared/nereus/grpo-8b",
-                                           gpus_per_node=8, daemon_address="tcp://head:7501"))
+                                           gpus_per_node=8, endpoint="tcp://head:7501"))
     anchor = launcher.submit(role="anchor", nodes=2)
     member = launcher.submit(role="member", nodes=1)
 """
@@ -47,13 +47,15 @@ class LaunchSpec:
     job_id: str  # Nereus' name for the elastic job (agents register with it)
     folder: str  # shared folder for submitit's scripts, pickles and logs (%j is the Slurm job id)
     gpus_per_node: int
-    daemon_address: str  # where agents reach nereusd, e.g. tcp://head:7501
+    endpoint: str  # where agents reach nereusd, e.g. tcp://head:7501
+    keys_dir: str | None = None  # the agents' CURVE key bundle (nereusctl keys), readable on the nodes
     partition: str | None = None
     time_limit_min: int | None = None  # None: the partition's limit
     account: str | None = None
     qos: str | None = None
     python: str | None = None  # interpreter on the compute nodes (default: this one)
-    agent_argv: tuple[str, ...] | None = None  # default: python -m agent.node --job JOB --daemon ADDR
+    agent_argv: tuple[str, ...] | None = None  # default: python -m agent.node --endpoint ADDR --job JOB
+    agent_args: tuple[str, ...] = ()  # appended to the default agent command (e.g. --cpu-slots 2)
     setup: tuple[str, ...] = ()  # shell lines run in the batch script before srun
     sbatch_timeout_s: float = 20.0
     extra_sbatch: Mapping[str, Any] = field(default_factory=dict)  # more #SBATCH flags
@@ -65,8 +67,8 @@ class LaunchSpec:
             raise SpecError("launch.gpus_per_node", f"must be >= 0, got {self.gpus_per_node}")
         if self.time_limit_min is not None and self.time_limit_min < 1:
             raise SpecError("launch.time_limit_min", f"must be >= 1 or None, got {self.time_limit_min}")
-        if not self.daemon_address:
-            raise SpecError("launch.daemon_address", "must say where agents reach nereusd (tcp://host:port)")
+        if not self.endpoint.startswith(("tcp://", "ipc://")):
+            raise SpecError("launch.endpoint", f"got {self.endpoint!r}", "tcp://HOST:PORT where agents reach nereusd")
         if self.sbatch_timeout_s <= 0:
             raise SpecError("launch.sbatch_timeout_s", f"must be > 0, got {self.sbatch_timeout_s}")
 
@@ -77,7 +79,9 @@ class LaunchSpec:
     def agent_command(self) -> list[str]:
         if self.agent_argv is not None:
             return list(self.agent_argv)
-        return [self.interpreter, "-m", "agent.node", "--job", self.job_id, "--daemon", self.daemon_address]
+        keys = ["--keys", self.keys_dir] if self.keys_dir else []
+        return [self.interpreter, "-m", "agent.node", "--endpoint", self.endpoint, "--job", self.job_id, *keys,
+                *self.agent_args]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -138,8 +142,10 @@ class SubmititLauncher:
 
     def sbatch_text(self, role: Role, nodes: int) -> str:
         """The batch script submitit generates for this job (tests compare it with a reference)."""
-        ex = self.executor(role, nodes)
-        return str(ex._make_submission_file_text(ex._submitit_command_str, "reference"))
+        from submitit.slurm.slurm import _make_sbatch_string  # the text SlurmExecutor writes, without srun
+
+        command = f"{shlex.quote(self.spec.interpreter)} -u -m submitit.core._submit {shlex.quote(self.spec.folder)}"
+        return str(_make_sbatch_string(command=command, folder=self.spec.folder, **self.parameters(role, nodes)))
 
     def submit(self, role: Role, nodes: int) -> SubmittedJob:
         import submitit

@@ -311,8 +311,8 @@ class SlurmLab:
         for node, state in self.node_states().items():
             if state.rstrip("*") not in ("idle", "allocated", "mixed"):
                 self.run("scontrol", "update", f"NodeName={node}", "State=RESUME", check=False)
-        wait_for(lambda: all(s.rstrip("*") in ("idle", "allocated", "mixed")
-                             for s in self.node_states().values()), 30, "nodes to return to service", 0.2)
+        wait_for(lambda: all(s in ("idle", "allocated", "mixed") for s in self.node_states().values()),
+                 30, "nodes to return to service (and respond)", 0.2)
 
     def cancel_all(self) -> None:
         self.run("scancel", "--full", "--user", "root", check=False)
