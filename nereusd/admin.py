@@ -104,7 +104,7 @@ class AdminOps:
         measured = last[0] if last else None
         stages = []
         if row:
-            pred_stages = (row["prediction"] or {}).get("stage_times_s") or {}
+            pred_stages = (row["prediction"] or {}).get("stage_seconds") or {}
             for s in row["plan"]["stages"]:
                 name = s["model_stage"]
                 stages.append({"model_stage": name, "tp": s["tp"], "pp": s["pp"], "dp": len(s["gpu_sets"]),

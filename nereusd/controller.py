@@ -48,7 +48,7 @@ class PlannerPort(Protocol):
     def calibrate(self, job: dict[str, Any], measurement: protocol.Measurement, plan: GlobalPlan) -> None:
         """Feed one step's measured stage times into the efficiency fit."""
 
-    def transition(self, job: dict[str, Any], old: GlobalPlan | None, new: GlobalPlan,
+    def transition(self, job: dict[str, Any], old: GlobalPlan | None, new: GlobalPlan, pool: frozenset[int],
                    node_of_gpu: Callable[[int], str]) -> TransitionSketch:
         """Build the global DAG old -> new (old None: initial placement), its cost and per-node parts."""
 
@@ -96,6 +96,11 @@ class JobController:
         self.pool_dirty = True  # recompute the pool on the next step (membership or allocation changed)
         self.pool: frozenset[int] = frozenset()
         self.gpu_owner: dict[int, str] = {}
+        workload = (store.job(job_id) or {}).get("spec", {}).get("workload") or {}
+        if "prompt_tokens" in workload and "response_tokens" in workload:
+            # the length the job was specified for is the reference that drift is measured against
+            self.signals[admission.Signal.SEQUENCE_LENGTH] = float(workload["prompt_tokens"]
+                                                                   + workload["response_tokens"])
         row = store.plan(job_id)
         self.plan: GlobalPlan | None = plan_from_dict(row["plan"]) if row else None
         self.prediction: Any = None
@@ -152,7 +157,7 @@ class JobController:
             self.signals[admission.Signal.SEQUENCE_LENGTH] = prompt + msg.response_tokens
         if self.planner is not None and self.plan is not None and msg.plan_version == self.plan.version:
             try:
-                self.planner.calibrate(self.job["spec"], msg, self.plan)
+                self.planner.calibrate(self._spec_now(), msg, self.plan)
             except NereusError as exc:
                 self.log.warning("calibration-skipped", error=str(exc))
 
@@ -198,7 +203,7 @@ class JobController:
         return self._decide(trigger, obs)
 
     def _decide(self, trigger: admission.Trigger, obs: admission.Observation) -> int:
-        job = self.job
+        spec = self._spec_now()
         version = self.store.max_plan_version(self.job_id) + 1
         current_pred = self._predict(self.plan) if self.plan is not None else None
         t0 = time.perf_counter()
@@ -207,15 +212,19 @@ class JobController:
         def replan() -> admission.Candidate:
             if self.planner is None:
                 raise InfeasibleError("no planner is bound to the daemon (planner.search missing)")
-            return self.planner.search(job["spec"], self.pool, version)
+            return self.planner.search(spec, self.pool, version)
 
         def l_tran(old: Any, new: Any) -> float:
             assert self.planner is not None  # replan() succeeded, so a planner is bound
-            sketch["s"] = self.planner.transition(job["spec"], old, new, self._node_of_gpu)
+            sketch["s"] = self.planner.transition(spec, old, new, self.pool, self._node_of_gpu)
             return sketch["s"].predicted_s
 
-        decision = admission.decide(trigger=trigger, current_plan=self.plan, current_prediction=current_pred,
-                                    replan=replan, transition_s=l_tran, gamma=self.gamma)
+        try:
+            decision = admission.decide(trigger=trigger, current_plan=self.plan, current_prediction=current_pred,
+                                        replan=replan, transition_s=l_tran, gamma=self.gamma)
+        except InfeasibleError as exc:  # replan() is caught inside decide(): this is the DAG (last copy lost)
+            self.trigger_state = admission.after_replan(self.trigger_state or admission.initial_state(obs), obs)
+            return self._record_unbuildable(trigger, exc, time.perf_counter() - t0)
         decision_s = time.perf_counter() - t0
         self.trigger_state = admission.after_replan(self.trigger_state or admission.initial_state(obs), obs)
         v = decision.verdict
@@ -233,11 +242,24 @@ class JobController:
         if v.admitted and decision.candidate_plan is not None:
             new_plan: GlobalPlan = decision.candidate_plan
             if self.plan is None:  # initial placement: the DAG was not built by admission (nothing to move)
-                sketch["s"] = self.planner.transition(job["spec"], None, new_plan, self._node_of_gpu) \
+                sketch["s"] = self.planner.transition(spec, None, new_plan, self.pool, self._node_of_gpu) \
                     if self.planner else TransitionSketch(predicted_s=0.0, bytes_moved=0, dag={})
             self.store.add_plan(job_id=self.job_id, version=new_plan.version, plan=plan_to_dict(new_plan),
                                 prediction=admission._plain(decision.candidate_prediction))
             self._order(did, new_plan, decision.candidate_prediction, sketch.get("s"))
+        return did
+
+    def _record_unbuildable(self, trigger: admission.Trigger, exc: InfeasibleError, decision_s: float) -> int:
+        reason = ("no transition can reach the new plan: fall back to checkpoint/restart ("
+                  + str(exc).splitlines()[0] + ")")
+        did = self.store.add_decision(
+            job_id=self.job_id, trigger=trigger.kind.value, urgent=trigger.kind is admission.TriggerKind.URGENT,
+            admitted=False, rule=admission.Rule.CHECKPOINT_RESTART.value, reason=reason,
+            from_version=self.plan.version if self.plan else None, to_version=None, delta_l_s=None, l_tran_s=None,
+            h_x=trigger.h_steps, gamma=self.gamma, decision_ms=decision_s * 1e3,
+            inputs={"trigger": admission._plain(trigger), "infeasible_reasons": list(exc.reasons) or [str(exc)]})
+        self.metrics.decisions.labels(self.job_id, "false").inc()
+        self.log.warning("decision", id=did, admitted=False, rule="checkpoint-restart", reason=reason)
         return did
 
     def _order(self, decision_id: int, new_plan: GlobalPlan, prediction: Any, sketch: TransitionSketch | None) -> None:
@@ -296,6 +318,17 @@ class JobController:
         self.pool_dirty = False
         self.metrics.gpus_held.labels(self.job_id).set(len(self.pool))
 
+    def _spec_now(self) -> dict[str, Any]:
+        """The job spec with the workload as measured now (the planner plans for today's lengths)."""
+        spec = dict(self.job["spec"])
+        seq = self.signals.get(admission.Signal.SEQUENCE_LENGTH)
+        workload = spec.get("workload")
+        if seq is not None and isinstance(workload, dict) and "prompt_tokens" in workload:
+            response = max(1, round(seq - float(workload["prompt_tokens"])))
+            spec["workload"] = {**workload, "response_tokens": response,
+                                "max_response_tokens": max(response, int(workload.get("max_response_tokens") or 0))}
+        return spec
+
     def _node_of_gpu(self, gpu: int) -> str:
         return self.gpu_owner.get(gpu, "?")
 
@@ -303,6 +336,6 @@ class JobController:
         if self.planner is None or not plan.gpus <= self.pool:
             return None  # the plan uses GPUs that are gone: infeasible on this pool
         try:
-            return self.planner.predict(self.job["spec"], self.pool, plan)
+            return self.planner.predict(self._spec_now(), self.pool, plan)
         except (InfeasibleError, SpecError):
             return None

@@ -1,0 +1,120 @@
+"""Binds the controller's PlannerPort to planner/ (search, prediction, calibration) and transitions/
+(global DAG, cost). Pure parts only: no torch.
+
+A job spec (stored with the job) names presets and the workload:
+
+    {"model": "tiny-3m", "algo": "grpo", "device": "cpu", "gpus_per_node": 2,
+     "workload": {"prompts_per_step": 8, "prompt_tokens": 32, "response_tokens": 64}}
+
+GPU ids are the controller's: node rank * gpus_per_node + device index, so the cluster handed to the
+planner has as many nodes as the highest node rank in the pool (lost nodes are simply absent).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from functools import lru_cache
+from typing import Any
+
+from nereusd import protocol
+from nereusd.controller import TransitionSketch
+from planner import admission
+from planner.errors import SpecError
+from planner.hardware import ClusterSpec, cluster_preset
+from planner.models import model_preset
+from planner.plan import GlobalPlan
+from planner.workflow import JobSpec, Workload, same_model_job, workflow_preset
+
+SPEC_KEYS = ("model", "algo", "device", "gpus_per_node", "workload", "learned_reward", "elastic")
+
+
+@lru_cache(maxsize=256)
+def _job(spec_json: str) -> JobSpec:
+    spec = json.loads(spec_json)
+    unknown = sorted(set(spec) - set(SPEC_KEYS))
+    if unknown:
+        raise SpecError("job.spec", f"unknown keys {unknown}", ", ".join(SPEC_KEYS))
+    for key in ("model", "algo", "workload"):
+        if key not in spec:
+            raise SpecError(f"job.spec.{key}", "is required to plan the job")
+    return same_model_job(workflow_preset(spec["algo"], bool(spec.get("learned_reward", True))),
+                          model_preset(spec["model"]), Workload(**spec["workload"]))
+
+
+def job_spec(spec: dict[str, Any]) -> JobSpec:
+    return _job(json.dumps(spec, sort_keys=True))
+
+
+def cluster_for(spec: dict[str, Any], pool: frozenset[int]) -> ClusterSpec:
+    per_node = int(spec.get("gpus_per_node") or 1)
+    nodes = max(pool) // per_node + 1 if pool else 1
+    return cluster_preset(str(spec.get("device", "cpu")), nodes * per_node, gpus_per_node=per_node)
+
+
+class PlannerBinding:
+    """The controller's PlannerPort over the real planner and transition layer."""
+
+    def __init__(self) -> None:
+        self.efficiency: dict[str, Any] = {}  # job spec key -> fitted per-op-class efficiencies
+
+    def _eff(self, spec: dict[str, Any]) -> Any:
+        from planner.cost import PRIORS
+
+        return self.efficiency.get(json.dumps(spec, sort_keys=True), PRIORS)
+
+    def search(self, job: dict[str, Any], pool: frozenset[int], version: int) -> admission.Candidate:
+        from planner.search import search
+
+        res = search(job_spec(job), cluster_for(job, pool), pool=sorted(pool), eff=self._eff(job), version=version)
+        return admission.Candidate(plan=res.plan, prediction=res.prediction)
+
+    def predict(self, job: dict[str, Any], pool: frozenset[int], plan: GlobalPlan) -> Any | None:
+        from planner.prediction import predict
+
+        pred = predict(job_spec(job), cluster_for(job, pool), plan, self._eff(job))
+        return pred if pred.feasible else None
+
+    def calibrate(self, job: dict[str, Any], measurement: protocol.Measurement, plan: GlobalPlan) -> None:
+        try:
+            from planner import calibration  # type: ignore[attr-defined,unused-ignore]
+        except ImportError:
+            return  # no fit yet: the priors stay
+        fit = getattr(calibration, "fit_from_stage_times", None)
+        if fit is not None:
+            key = json.dumps(job, sort_keys=True)
+            self.efficiency[key] = fit(job_spec(job), plan, measurement.stage_times_s, self.efficiency.get(key))
+
+    def transition(self, job: dict[str, Any], old: GlobalPlan | None, new: GlobalPlan, pool: frozenset[int],
+                   node_of_gpu: Callable[[int], str]) -> TransitionSketch:
+        from transitions.cost import transition_cost
+        from transitions.global_dag import build_transition
+
+        if old is None:  # initial placement: units are built from the job's initial weights, nothing moves
+            parts: dict[str, dict[str, Any]] = {}
+            for gpu in sorted(new.gpus):
+                parts.setdefault(node_of_gpu(gpu), {"gpus": []})["gpus"].append(gpu)
+            dag = {"kind": "initial-placement", "new_version": new.version,
+                   "units": {s.model_stage: f"{len(s.gpu_sets)} x {s.layout}" for s in new.stages}}
+            return TransitionSketch(predicted_s=0.0, bytes_moved=0, dag=dag, parts=parts)
+        everything = pool | new.gpus | old.gpus
+        cluster = cluster_for(job, everything)
+        dag = build_transition(job_spec(job), cluster, old, new, lost_gpus=old.gpus - pool)
+        cost = transition_cost(dag, cluster)
+        parts = {}
+        for gpu in sorted(new.gpus | (old.gpus & pool)):
+            node = node_of_gpu(gpu)
+            part = parts.setdefault(node, {"gpus": [], "dag_nodes": []})
+            part["gpus"].append(gpu)
+            part["dag_nodes"] = sorted(set(part["dag_nodes"]) | set(dag.nodes_on(gpu)))
+        summary: dict[str, Any] = {"kind": "transition", **dag.to_dict()}
+        summary["cost"] = cost.to_dict()
+        summary["primitives"] = _count(p["kind"] for p in summary["nodes"])
+        return TransitionSketch(predicted_s=cost.seconds, bytes_moved=dag.bytes_moved, dag=summary, parts=parts)
+
+
+def _count(kinds: Any) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for k in kinds:
+        out[k] = out.get(k, 0) + 1
+    return out

@@ -1,0 +1,121 @@
+"""The per-job controller in process, with the real planner and transition layer (tiny model, CPU
+"GPUs"): initial placement, an ordered and completed transition, a drift decision, a node loss."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from nereusd import protocol
+from nereusd.controller import JobController, plan_from_dict, plan_to_dict
+from nereusd.logs import get_logger
+from nereusd.metrics import Metrics
+from nereusd.planning import PlannerBinding, job_spec
+from nereusd.store import Store
+from planner import admission
+from planner.errors import SpecError
+
+SPEC = {"model": "tiny-3m", "algo": "grpo", "device": "cpu", "gpus_per_node": 2,
+        "workload": {"prompts_per_step": 8, "prompt_tokens": 32, "response_tokens": 64}}
+
+
+def _controller(tmp_path: Path, orders: list[tuple[str, protocol.TransitionOrder]]) -> tuple[JobController, Store]:
+    store = Store(tmp_path / "s.db")
+    store.add_job(job_id="j", user="alice", spec=SPEC)
+    ctl = JobController(job_id="j", store=store, metrics=Metrics(), planner=PlannerBinding(), gamma=0.5,
+                        thresholds=dict(admission.DEFAULT_THRESHOLDS), log=get_logger("test"),
+                        send_order=lambda node, order: orders.append((node, order)) is None)
+    return ctl, store
+
+
+def _join(ctl: JobController, store: Store, node: str) -> None:
+    devices = [{"index": i, "kind": "cpu", "name": "cpu", "memory_bytes": 1 << 33} for i in range(2)]
+    store.register_node(job_id="j", node=node, devices=devices, slurm_job_id=None, host="h", incarnation=node)
+    ctl.on_node_joined(node, "new")
+
+
+def _ack_all(ctl: JobController, orders: list[tuple[str, protocol.TransitionOrder]], measured_s: float) -> None:
+    for node, order in orders:
+        ctl.on_transition_report(protocol.TransitionReport(job_id="j", node=node, transition_id=order.transition_id,
+                                                           ok=True, measured_s=measured_s, bytes_moved=0))
+    orders.clear()
+
+
+def test_plan_round_trips_through_storage() -> None:
+    from planner.hardware import cluster_preset
+    from planner.search import search
+
+    plan = search(job_spec(SPEC), cluster_preset("cpu", 4, gpus_per_node=2), pool=[0, 1, 2, 3], version=3).plan
+    assert plan_from_dict(plan_to_dict(plan)) == plan
+    with pytest.raises(SpecError, match="unknown keys"):
+        job_spec({**SPEC, "modle": "x"})
+
+
+def test_initial_placement_drift_and_node_loss_are_decided_and_recorded(tmp_path: Path) -> None:
+    orders: list[tuple[str, protocol.TransitionOrder]] = []
+    ctl, store = _controller(tmp_path, orders)
+    _join(ctl, store, "n1")
+    _join(ctl, store, "n2")
+    assert store.job("j")["state"] == "running"  # type: ignore[index]
+
+    d1 = ctl.step()
+    assert d1 is not None
+    dec = store.decision(d1)
+    assert dec is not None and dec["admitted"] and dec["rule"] == "urgent-feasibility"
+    assert "initial placement on 4 GPUs" in str(dec["inputs"]["trigger"]["reasons"])
+    assert {n for n, _ in orders} == {"n1", "n2"}  # every node gets its part of the DAG
+    t1 = store.transitions("j")[0]
+    assert t1["state"] == "ordered" and store.job("j")["state"] == "transitioning"  # type: ignore[index]
+    assert all(o.part["plan"]["version"] == 1 for _, o in orders)
+    assert ctl.step() is None  # nothing is decided while a transition is in flight
+    _ack_all(ctl, orders, measured_s=0.5)
+    t1 = store.transitions("j")[0]
+    assert t1["state"] == "done" and t1["measured_s"] == 0.5 and t1["parts_pending"] == []
+    assert store.job("j")["plan_version"] == 1 and store.job("j")["state"] == "running"  # type: ignore[index]
+    assert ctl.step() is None  # no trigger, no decision
+
+    # sequence length drifts 32+64 -> 32+400 tokens: an opportunistic replan, judged by the payback rule
+    ctl.on_measurement(protocol.Measurement(job_id="j", node="n1", step=5, plan_version=1, step_latency_s=0.4,
+                                            stage_times_s={"actor-gen": 0.1}, response_tokens=400))
+    assert store.measurements("j")[-1]["predicted_step_s"] is not None
+    d2 = ctl.step()
+    assert d2 is not None
+    dec2 = store.decision(d2)
+    assert dec2 is not None and dec2["trigger"] == "opportunistic" and not dec2["urgent"]
+    assert dec2["rule"] in ("payback", "same-plan", "no-gain")
+    assert "sequence_length drifted" in str(dec2["inputs"]["trigger"]["reasons"])
+    if dec2["rule"] == "payback":
+        assert dec2["l_tran_s"] is not None and dec2["delta_l_s"] is not None and dec2["h_x"] >= 1
+    if orders:
+        _ack_all(ctl, orders, measured_s=0.1)
+
+    # a node is lost: urgent replan onto what is left, admitted on feasibility alone
+    store.set_node_state("j", "n2", "lost", "test")
+    ctl.on_node_lost("n2", "test")
+    d3 = ctl.step()
+    assert d3 is not None
+    dec3 = store.decision(d3)
+    assert dec3 is not None and dec3["urgent"] and dec3["admitted"] and dec3["rule"] == "urgent-feasibility"
+    assert "GPU pool changed: 4 -> 2 GPUs" in str(dec3["inputs"]["trigger"]["reasons"])
+    assert {n for n, _ in orders} == {"n1"}  # only the survivor is ordered
+    last = store.transitions("j")[-1]
+    assert last["dag"]["lost_units"] or last["dag"]["nodes"]  # the DAG rebuilds from intact units
+    _ack_all(ctl, orders, measured_s=0.2)
+    plan = plan_from_dict(store.plan("j")["plan"])  # type: ignore[index]
+    assert plan.gpus <= {0, 1}
+    assert [d["id"] for d in store.decisions("j")] == [d1, d2, d3]
+
+
+def test_failed_part_fails_the_transition_and_keeps_the_old_plan(tmp_path: Path) -> None:
+    orders: list[tuple[str, protocol.TransitionOrder]] = []
+    ctl, store = _controller(tmp_path, orders)
+    _join(ctl, store, "n1")
+    ctl.step()
+    (node, order), = orders
+    ctl.on_transition_report(protocol.TransitionReport(job_id="j", node=node, transition_id=order.transition_id,
+                                                       ok=False, measured_s=0.1, error="worker 0 died"))
+    t = store.transition(order.transition_id)
+    assert t is not None and t["state"] == "failed"
+    assert "worker 0 died" in store.history("transition", str(t["id"]))[-1]["reason"]
+    assert store.job("j")["plan_version"] == 0 and store.job("j")["state"] == "running"  # type: ignore[index]
