@@ -1,0 +1,141 @@
+"""Memory feasibility of a transition: a per-GPU timeline of state against capacity, and the greedy
+order that keeps every GPU under it.
+
+Each primitive, on each GPU it touches, allocates its new state (Split intermediates, Extend targets,
+Merge outputs) when it starts, holds its bucket buffers while it runs, and frees what it consumes
+when it ends (Split sources live until their readers end: they are freed by a later Destroy). The
+timeline starts from every intact unit of every model-stage (co-resident state included).
+
+``order_by_memory`` walks the DAG: ready releases first (rule 1), then acquisitions by stage order
+gen -> inf -> train (rule 2) and longest remaining path. An acquisition that does not fit waits on
+the GPU it is blocked on and is retried after the next release there; the release that made it fit
+becomes a resource edge. If nothing can run, InfeasibleError names the GPU and bytes.
+``policy="per_stage"`` is the naive per-model-stage migration: stages one after another, no waiting.
+Pure: no torch, no I/O.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+from planner.errors import InfeasibleError, SpecError
+from transitions.primitives import Footprint
+
+POLICIES = ("global", "per_stage")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryOrder:
+    order: tuple[int, ...]
+    resource_edges: tuple[tuple[int, int], ...]
+    peak_bytes: dict[int, int]
+
+
+def bottom_levels(num_nodes: int, edges: list[tuple[int, int]], weight: list[float]) -> list[float]:
+    """Longest path (sum of ``weight``) from each node to a sink; nodes are not assumed sorted."""
+    succ: list[list[int]] = [[] for _ in range(num_nodes)]
+    indeg = [0] * num_nodes
+    for a, b in edges:
+        succ[a].append(b)
+        indeg[b] += 1
+    topo = [i for i in range(num_nodes) if indeg[i] == 0]
+    for i in topo:
+        for j in succ[i]:
+            indeg[j] -= 1
+            if indeg[j] == 0:
+                topo.append(j)
+    if len(topo) != num_nodes:
+        raise AssertionError("transition DAG has a cycle")
+    level = list(weight)
+    for i in reversed(topo):
+        if succ[i]:
+            level[i] = weight[i] + max(level[j] for j in succ[i])
+    return level
+
+
+def order_by_memory(
+    fps: list[Footprint],
+    edges: list[tuple[int, int]],
+    stage_order: list[int],
+    initial_bytes: dict[int, int],
+    capacity_bytes: int,
+    policy: str = "global",
+) -> MemoryOrder:
+    if policy not in POLICIES:
+        raise SpecError("policy", f"unknown policy {policy!r}", ", ".join(POLICIES))
+    n = len(fps)
+    succ: list[list[int]] = [[] for _ in range(n)]
+    indeg = [0] * n
+    for a, b in edges:
+        succ[a].append(b)
+        indeg[b] += 1
+    level = bottom_levels(n, edges, [float(fp.moved_bytes + 1) for fp in fps])
+    acquire = [bool(fp.alloc_bytes or fp.buffer_bytes) for fp in fps]
+
+    def key(i: int) -> tuple[float, ...]:
+        if policy == "per_stage":
+            return (stage_order[i], 0 if not acquire[i] else 1, i)
+        return (0 if not acquire[i] else 1, stage_order[i], -level[i], i)
+
+    heap = [(key(i), i) for i in range(n) if indeg[i] == 0]
+    heapq.heapify(heap)
+    used = dict(initial_bytes)
+    peak = dict(initial_bytes)
+    blocked: dict[int, list[int]] = {}
+    blocked_on: dict[int, tuple[int, int]] = {}  # node -> (gpu, bytes it needed there)
+    last_release: dict[int, int] = {}
+    order: list[int] = []
+    resource: list[tuple[int, int]] = []
+    while heap:
+        _, i = heapq.heappop(heap)
+        fp = fps[i]
+        over = _first_over(fp, used, capacity_bytes)
+        if over is not None:
+            gpu, need = over
+            if policy == "per_stage":
+                raise _infeasible(i, gpu, need, used, capacity_bytes, "per-stage order cannot wait")
+            blocked.setdefault(gpu, []).append(i)
+            blocked_on[i] = (gpu, need)
+            continue
+        if i in blocked_on:
+            gpu = blocked_on.pop(i)[0]
+            if gpu in last_release:
+                resource.append((last_release[gpu], i))
+        order.append(i)
+        for g in fp.gpus:
+            during = used.get(g, 0) + fp.alloc_bytes.get(g, 0) + fp.buffer_bytes.get(g, 0)
+            if during > peak.get(g, 0):
+                peak[g] = during
+            used[g] = used.get(g, 0) + fp.alloc_bytes.get(g, 0) - fp.free_bytes.get(g, 0)
+        for g, freed in fp.free_bytes.items():
+            if freed > fp.alloc_bytes.get(g, 0):
+                last_release[g] = i
+                for j in blocked.pop(g, ()):
+                    heapq.heappush(heap, (key(j), j))
+        for j in succ[i]:
+            indeg[j] -= 1
+            if indeg[j] == 0:
+                heapq.heappush(heap, (key(j), j))
+    if len(order) < n:
+        if blocked_on:
+            i, (gpu, need) = min(blocked_on.items(), key=lambda kv: key(kv[0]))
+            raise _infeasible(i, gpu, need, used, capacity_bytes, "no executable release frees it")
+        raise AssertionError("transition DAG has a cycle")
+    return MemoryOrder(order=tuple(order), resource_edges=tuple(resource), peak_bytes=peak)
+
+
+def _first_over(fp: Footprint, used: dict[int, int], capacity: int) -> tuple[int, int] | None:
+    for g in sorted(set(fp.alloc_bytes) | set(fp.buffer_bytes)):
+        need = fp.alloc_bytes.get(g, 0) + fp.buffer_bytes.get(g, 0)
+        if used.get(g, 0) + need > capacity:
+            return g, need
+    return None
+
+
+def _infeasible(node: int, gpu: int, need: int, used: dict[int, int], capacity: int, why: str) -> InfeasibleError:
+    free = capacity - used.get(gpu, 0)
+    return InfeasibleError(
+        f"transition infeasible: GPU {gpu} needs {need} bytes for node {node} but has {free} free",
+        (f"GPU {gpu}: {need} bytes needed, {free} of {capacity} free ({why})",),
+    )

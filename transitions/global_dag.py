@@ -1,0 +1,236 @@
+"""The global transition DAG across model-stages and models, and ``build_transition``.
+
+Nodes are the local plans' primitives (transitions.local_dag). Data edges: a unit's producer before
+its readers, and every reader of a unit before the node that frees it (so no byte is dropped before
+it is copied, across model-stages too). The order is chosen greedily on a per-GPU memory timeline
+(transitions.feasibility): rule 1 release before acquire, rule 2 ties broken gen -> inf -> train. An
+acquisition that does not fit waits for a release on the GPU it is blocked on; the release that lets
+it run becomes a resource edge (it was executed earlier in the order, so the edge never closes a cycle).
+When nothing can run, the plan is infeasible and the error names the GPU and the bytes.
+
+Execution rule (what the executor and the cost model both follow): each GPU runs the primitives that
+touch it one at a time, in ``order``; hence its memory follows the checked timeline exactly.
+Pure: no torch, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from planner.errors import SpecError
+from planner.hardware import ClusterSpec
+from planner.plan import GlobalPlan
+from planner.workflow import JobSpec, StageKind
+from transitions.emu import EMU, UnitState, job_states
+from transitions.feasibility import MemoryOrder, order_by_memory
+from transitions.local_dag import LastCopyLostError, plan_stage, plan_units
+from transitions.primitives import Footprint, Primitive, footprint
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TransitionDAG:
+    """Frozen plan of a transition: primitives, edges, the checked order and its memory peaks."""
+
+    old_version: int
+    new_version: int
+    nodes: tuple[Primitive, ...]
+    stage_order: tuple[int, ...]  # per node: 0 generation, 1 inference, 2 training
+    data_edges: tuple[tuple[int, int], ...]
+    resource_edges: tuple[tuple[int, int], ...]
+    order: tuple[int, ...]
+    old_units: tuple[EMU, ...]  # intact units before the transition
+    lost_units: tuple[EMU, ...]  # units that had a GPU on a lost GPU
+    new_units: tuple[EMU, ...]
+    renamed: tuple[tuple[str, str], ...]  # (old uid, new uid) of units that stay as they are
+    stale_units: tuple[str, ...]  # old units dropped unread (refreshed by a weight sync)
+    capacity_bytes: int
+    peak_bytes: dict[int, int] = field(hash=False)  # per GPU touched: the highest point of its timeline
+    footprints: tuple[Footprint, ...] = field(hash=False, repr=False)
+
+    def nodes_on(self, gpu: int) -> list[int]:
+        """Node ids that touch ``gpu``, in execution order (what one worker runs)."""
+        return [i for i in self.order if gpu in self.footprints[i].gpus]
+
+    @property
+    def bytes_moved(self) -> int:
+        return sum(fp.moved_bytes for fp in self.footprints)
+
+    def to_dict(self) -> dict[str, Any]:
+        units: dict[str, dict[str, object]] = {}
+        for prim in self.nodes:
+            for u in (*prim.sources, *prim.targets, *prim.frees):
+                units.setdefault(u.uid, u.describe())
+        for u in (*self.old_units, *self.new_units, *self.lost_units):
+            units.setdefault(u.uid, u.describe())
+        return {
+            "old_version": self.old_version,
+            "new_version": self.new_version,
+            "nodes": [
+                {"id": i, "kind": p.kind.value, "sources": [u.uid for u in p.sources],
+                 "targets": [u.uid for u in p.targets], "frees": [u.uid for u in p.frees],
+                 "bytes_moved": self.footprints[i].moved_bytes}
+                for i, p in enumerate(self.nodes)
+            ],
+            "data_edges": [list(e) for e in self.data_edges],
+            "resource_edges": [list(e) for e in self.resource_edges],
+            "order": list(self.order),
+            "units": units,
+            "old_units": [u.uid for u in self.old_units],
+            "lost_units": [u.uid for u in self.lost_units],
+            "new_units": [u.uid for u in self.new_units],
+            "renamed": [list(r) for r in self.renamed],
+            "stale_units": list(self.stale_units),
+            "capacity_bytes": self.capacity_bytes,
+            "peak_bytes": {str(g): b for g, b in sorted(self.peak_bytes.items())},
+            "bytes_moved": self.bytes_moved,
+        }
+
+
+def data_edges(nodes: list[Primitive]) -> list[tuple[int, int]]:
+    producer: dict[str, int] = {}
+    readers: dict[str, list[int]] = {}
+    for i, p in enumerate(nodes):
+        for u in p.targets:
+            producer[u.uid] = i
+        for u in p.sources:
+            readers.setdefault(u.uid, []).append(i)
+    edges: set[tuple[int, int]] = set()
+    for i, p in enumerate(nodes):
+        for u in p.sources:
+            j = producer.get(u.uid)
+            if j is not None:
+                edges.add((j, i))
+        for u in p.frees:
+            j = producer.get(u.uid)
+            if j is not None and j != i:
+                edges.add((j, i))
+            for r in readers.get(u.uid, ()):
+                if r != i:
+                    edges.add((r, i))
+    return sorted(edges)
+
+
+def _states(job_or_models: JobSpec | Mapping[str, UnitState]) -> Mapping[str, UnitState]:
+    return job_states(job_or_models) if isinstance(job_or_models, JobSpec) else job_or_models
+
+
+def _fallback_for(state: UnitState, states: Mapping[str, UnitState], old_units: dict[str, list[EMU]],
+                  refresh_from: str | None) -> list[EMU]:
+    """Intact units of another model-stage that hold all of ``state``'s state (same model and head)."""
+    names = [refresh_from] if refresh_from else [
+        n for n, s in states.items() if s.role is state.role and s.stage_kind is StageKind.TRAINING]
+    out: list[EMU] = []
+    for name in names:
+        other = states[name]
+        if name != state.model_stage and other.model == state.model and other.head is state.head \
+                and set(state.kinds) <= set(other.kinds):
+            out += old_units.get(name, [])
+    return out
+
+
+def build_transition(
+    job_or_models: JobSpec | Mapping[str, UnitState],
+    cluster: ClusterSpec,
+    old: GlobalPlan | None,
+    new: GlobalPlan,
+    *,
+    lost_gpus: frozenset[int] = frozenset(),
+    refresh: Mapping[str, str] | None = None,
+    capacity_bytes: int | None = None,
+    policy: str = "global",
+) -> TransitionDAG:
+    """The checked DAG moving every model-stage's state from ``old`` to ``new``.
+
+    ``lost_gpus``: GPUs that died; units touching them are gone and are rebuilt from surviving
+    replicas (LastCopyLostError if none holds the state). ``refresh``: model-stage -> source stage
+    whose replicas overwrite it (the per-step actor-train -> actor-gen weight sync: {"actor-gen":
+    "actor-train"}). ``capacity_bytes`` defaults to the device memory. ``policy="per_stage"`` is the
+    naive per-model-stage order (for comparison only). Raises InfeasibleError naming GPU and bytes.
+    """
+    states = _states(job_or_models)
+    refresh = dict(refresh or {})
+    old_version = old.version if old is not None else -1
+    if new.version <= old_version:
+        raise SpecError("new.version", f"{new.version} must exceed the old plan's {old_version}")
+    for sp in (*(old or ()), *new):
+        if sp.model_stage not in states:
+            raise SpecError("plan.model_stage", f"{sp.model_stage!r} has no state description",
+                            ", ".join(states))
+        for g in sp.gpus:
+            if not 0 <= g < cluster.num_gpus:
+                raise SpecError(f"{sp.model_stage}.gpu_sets", f"GPU {g} outside the cluster",
+                                f"0..{cluster.num_gpus - 1}")
+    intact: dict[str, list[EMU]] = {}
+    lost: list[EMU] = []
+    for sp in old or ():
+        for u in plan_units(states[sp.model_stage], sp, old_version):
+            if lost_gpus.intersection(u.gpus):
+                lost.append(u)
+            else:
+                intact.setdefault(sp.model_stage, []).append(u)
+    old_names = [sp.model_stage for sp in old or ()]
+    names = old_names + [sp.model_stage for sp in new if sp.model_stage not in old_names]
+    nodes: list[Primitive] = []
+    new_units: list[EMU] = []
+    renamed: list[tuple[str, str]] = []
+    missing: list[str] = []
+    stale_uids: list[str] = []
+    new_names = {sp.model_stage for sp in new}
+    for name in names:
+        state = states[name]
+        target = plan_units(state, new.stage(name), new.version) if name in new_names else []
+        current, stale = intact.get(name, []), []
+        if name in refresh:
+            current, stale = [], current
+            stale_uids += [u.uid for u in stale]
+        fallback = _fallback_for(state, states, intact, refresh.get(name)) if not current and target else []
+        try:
+            local = plan_stage(state, current, target, fallback, stale)
+        except LastCopyLostError:
+            missing.append(name)
+            continue
+        nodes += local.primitives
+        new_units += local.new_units
+        renamed += local.renamed
+    if missing:
+        raise LastCopyLostError(tuple(missing), tuple(sorted(lost_gpus)))
+    edges = data_edges(nodes)
+    capacity = cluster.device.memory_bytes if capacity_bytes is None else capacity_bytes
+    fps = [footprint(p) for p in nodes]
+    initial: dict[int, int] = {}
+    for units in intact.values():
+        for u in units:
+            for g in u.gpus:
+                initial[g] = initial.get(g, 0) + u.bytes_on(g)
+    stage_order = [_stage_of(p, states) for p in nodes]
+    result: MemoryOrder = order_by_memory(fps, edges, stage_order, initial, capacity, policy=policy)
+    return TransitionDAG(
+        old_version=old_version, new_version=new.version, nodes=tuple(nodes), stage_order=tuple(stage_order),
+        data_edges=tuple(edges), resource_edges=tuple(result.resource_edges), order=tuple(result.order),
+        old_units=tuple(u for us in intact.values() for u in us), lost_units=tuple(lost),
+        new_units=tuple(new_units), renamed=tuple(renamed), stale_units=tuple(stale_uids), capacity_bytes=capacity,
+        peak_bytes=result.peak_bytes, footprints=tuple(fps),
+    )
+
+
+def _stage_of(prim: Primitive, states: Mapping[str, UnitState]) -> int:
+    units = (*prim.targets, *prim.frees, *prim.sources)
+    return states[units[0].model_stage].stage_order
+
+
+def build_weight_sync(
+    job_or_models: JobSpec | Mapping[str, UnitState],
+    cluster: ClusterSpec,
+    plan: GlobalPlan,
+    *,
+    train_stage: str = "actor-train",
+    gen_stage: str = "actor-gen",
+    capacity_bytes: int | None = None,
+) -> TransitionDAG:
+    """The per-step weight sync as a transition: the generation replicas are destroyed (stale) and
+    Extended again from the training replicas' parameters, layouts reshaped on the way."""
+    new = GlobalPlan(version=plan.version + 1, stages=plan.stages)
+    return build_transition(job_or_models, cluster, plan, new, refresh={gen_stage: train_stage},
+                            capacity_bytes=capacity_bytes)

@@ -1,0 +1,405 @@
+"""Split, Merge, Extend, Destroy: frozen data over EMUs that derive, per GPU, the bytes they move.
+
+- Split(unit -> parts): T_sub parts on the unit's own GPUs; a Destroy after all its readers frees it.
+- Merge(parts -> unit): the unit on the parts' GPUs; parts delivered in final shape are relabelled.
+- Extend(sources -> target): a replica (or part) on other GPUs, read from existing replicas.
+- Destroy(unit): drop a replica locally, no collectives.
+
+Every target shard on a GPU is covered, along its split dimension, first by what a source already
+holds on that same GPU (a local piece: never sent), then by the sources in order, starting at the
+rank-aligned holder so that each source rank feeds its own counterpart. ``transfers(gpu)`` is what one
+GPU derives on its own; ``buckets(gpu)`` packs all transfers between one GPU pair into one contiguous,
+16-byte aligned buffer. ``footprint`` is the per-GPU memory and traffic summary the DAG builder, the
+memory check and the cost model use; it is cached per relative shape (GPU ids relabelled), so the
+thousands of identical replicas of a large plan cost one derivation. Pure: no torch, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from enum import Enum
+from functools import lru_cache
+
+from planner.models import Parallel, TensorSpec
+from transitions.emu import EMU, Box, StateKey, UnitState
+from transitions.geometry import StateKind, tensor_stages
+
+BUFFER_ALIGN_BYTES = 16  # bucket items start 16-byte aligned, so any dtype can view its slot
+
+
+class PrimitiveKind(str, Enum):
+    SPLIT = "split"
+    MERGE = "merge"
+    EXTEND = "extend"
+    DESTROY = "destroy"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Transfer:
+    """One box of one tensor's state kind copied from a source unit's GPU to a target unit's GPU."""
+
+    src_gpu: int
+    dst_gpu: int
+    src_unit: str
+    dst_unit: str
+    tensor: str
+    kind: StateKind
+    offsets: tuple[int, ...]  # global box
+    lengths: tuple[int, ...]
+    src_offsets: tuple[int, ...]  # box start inside the source shard (local coordinates)
+    dst_offsets: tuple[int, ...]  # box start inside the destination shard
+    bytes_per_element: int
+
+    @property
+    def num_bytes(self) -> int:
+        n = self.bytes_per_element
+        for k in self.lengths:
+            n *= k
+        return n
+
+    @property
+    def is_local(self) -> bool:
+        return self.src_gpu == self.dst_gpu
+
+    @property
+    def src_slices(self) -> tuple[slice, ...]:
+        return tuple(slice(o, o + k) for o, k in zip(self.src_offsets, self.lengths))
+
+    @property
+    def dst_slices(self) -> tuple[slice, ...]:
+        return tuple(slice(o, o + k) for o, k in zip(self.dst_offsets, self.lengths))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Bucket:
+    """All transfers from ``src_gpu`` to ``dst_gpu`` of one primitive, packed in one buffer."""
+
+    src_gpu: int
+    dst_gpu: int
+    items: tuple[Transfer, ...]
+    offsets_bytes: tuple[int, ...]  # start of each item in the buffer
+    total_bytes: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Footprint:
+    """Per-GPU effect of a primitive: state allocated at start, freed at end, bucket buffers held while
+    it runs, bytes copied locally, and bytes sent per (src, dst) GPU pair."""
+
+    alloc_bytes: dict[int, int]
+    free_bytes: dict[int, int]
+    buffer_bytes: dict[int, int]
+    local_bytes: dict[int, int]
+    pair_bytes: dict[tuple[int, int], int]
+
+    @property
+    def gpus(self) -> frozenset[int]:
+        """GPUs the primitive occupies (memory change or traffic): the per-GPU FIFO resources."""
+        out = set(self.alloc_bytes) | set(self.free_bytes) | set(self.local_bytes)
+        for s, d in self.pair_bytes:
+            out.add(s)
+            out.add(d)
+        return frozenset(out)
+
+    @property
+    def moved_bytes(self) -> int:
+        return sum(self.pair_bytes.values())
+
+
+# --- the four primitives --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Split:
+    unit: EMU
+    parts: tuple[EMU, ...]
+
+    kind = PrimitiveKind.SPLIT
+
+    @property
+    def sources(self) -> tuple[EMU, ...]:
+        return (self.unit,)
+
+    @property
+    def targets(self) -> tuple[EMU, ...]:
+        return self.parts
+
+    @property
+    def frees(self) -> tuple[EMU, ...]:
+        return ()  # the source lives until every reader is done; a Destroy after them frees it
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Merge:
+    parts: tuple[EMU, ...]
+    unit: EMU
+
+    kind = PrimitiveKind.MERGE
+
+    @property
+    def sources(self) -> tuple[EMU, ...]:
+        return self.parts
+
+    @property
+    def targets(self) -> tuple[EMU, ...]:
+        return (self.unit,)
+
+    @property
+    def frees(self) -> tuple[EMU, ...]:
+        return self.parts
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Extend:
+    sources: tuple[EMU, ...]  # tried in order after same-GPU pieces; the first is the main source
+    target: EMU
+
+    kind = PrimitiveKind.EXTEND
+
+    @property
+    def targets(self) -> tuple[EMU, ...]:
+        return (self.target,)
+
+    @property
+    def frees(self) -> tuple[EMU, ...]:
+        return ()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Destroy:
+    unit: EMU
+
+    kind = PrimitiveKind.DESTROY
+
+    @property
+    def sources(self) -> tuple[EMU, ...]:
+        return ()
+
+    @property
+    def targets(self) -> tuple[EMU, ...]:
+        return ()
+
+    @property
+    def frees(self) -> tuple[EMU, ...]:
+        return (self.unit,)
+
+
+Primitive = Split | Merge | Extend | Destroy
+
+
+def relabels(prim: Primitive) -> bool:
+    """A Merge whose parts all arrive in final shape on the unit's GPUs moves and allocates nothing."""
+    return isinstance(prim, Merge) and all(p.final == prim.unit for p in prim.parts)
+
+
+# --- deriving transfers ---------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=256)
+def _tensor_index(state: UnitState) -> dict[str, TensorSpec]:
+    return {t.name: t for t in state.model.tensors(state.head)}
+
+
+def _split_dim(t: TensorSpec) -> int:
+    return 1 if t.parallel is Parallel.ROW else 0
+
+
+def _subtract(need: list[tuple[int, int]], lo: int, hi: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """Split intervals ``need`` by [lo, hi): (covered pieces, what is still needed)."""
+    got, rest = [], []
+    for a, b in need:
+        x, y = max(a, lo), min(b, hi)
+        if x >= y:
+            rest.append((a, b))
+            continue
+        got.append((x, y))
+        if a < x:
+            rest.append((a, x))
+        if y < b:
+            rest.append((y, b))
+    return got, rest
+
+
+def _piece(src: EMU, src_gpu: int, src_box: Box, dst: EMU, dst_gpu: int, dst_box: Box, key: StateKey,
+           dim: int, lo: int, hi: int, bpe: int) -> Transfer:
+    offsets = list(dst_box[0])
+    lengths = list(dst_box[1])
+    offsets[dim], lengths[dim] = lo, hi - lo
+    src_off = tuple(o - so for o, so in zip(offsets, src_box[0]))
+    dst_off = tuple(o - do for o, do in zip(offsets, dst_box[0]))
+    return Transfer(src_gpu=src_gpu, dst_gpu=dst_gpu, src_unit=src.uid, dst_unit=dst.uid, tensor=key[0],
+                    kind=key[1], offsets=tuple(offsets), lengths=tuple(lengths), src_offsets=src_off,
+                    dst_offsets=dst_off, bytes_per_element=bpe)
+
+
+def _remote_holders(src: EMU, tensor: TensorSpec, prefer_tp: int) -> Iterable[int]:
+    """Source GPUs holding ``tensor``, rank-aligned first (TP rank ``prefer_tp`` mod tp), then rotating."""
+    lay = src.layout
+    for stage in tensor_stages(tensor, src.state.model, lay.pp):
+        for i in range(lay.tp):
+            yield src.gpus[lay.rank_of((prefer_tp + i) % lay.tp, stage)]
+
+
+def derive_target(target: EMU, sources: tuple[EMU, ...], gpu: int) -> list[Transfer]:
+    """Pieces (local and remote) that fill everything ``target`` holds on ``gpu`` from ``sources``."""
+    index = _tensor_index(target.state)
+    tp_rank = target.layout.coords(target.rank_of(gpu))[0] if target.final is None \
+        else target.final.layout.coords(target.final.rank_of(gpu))[0]
+    local = [s for s in sources if s.holds(gpu)]
+    out: list[Transfer] = []
+    for shard in target.shards(gpu):
+        key = shard.key
+        box: Box = (shard.offsets, shard.lengths)
+        t = index[key[0]]
+        dim = _split_dim(t)
+        need = [(box[0][dim], box[0][dim] + box[1][dim])]
+        for s in local:
+            sb = s.boxes(gpu).get(key)
+            if sb is None:
+                continue
+            got, need = _subtract(need, sb[0][dim], sb[0][dim] + sb[1][dim])
+            out += [_piece(s, gpu, sb, target, gpu, box, key, dim, lo, hi, shard.bytes_per_element)
+                    for lo, hi in got]
+            if not need:
+                break
+        for s in sources:
+            if not need:
+                break
+            for g in _remote_holders(s, t, tp_rank):
+                sb = s.boxes(g).get(key)
+                if sb is None:
+                    continue
+                got, need = _subtract(need, sb[0][dim], sb[0][dim] + sb[1][dim])
+                out += [_piece(s, g, sb, target, gpu, box, key, dim, lo, hi, shard.bytes_per_element)
+                        for lo, hi in got]
+                if not need:
+                    break
+        if need:
+            raise AssertionError(f"{target.uid} on GPU {gpu}: {key} rows {need} held by no source")
+    return out
+
+
+def pieces(prim: Primitive, gpu: int | None = None) -> list[Transfer]:
+    """Every piece (local copies included) of ``prim``; with ``gpu``, those it sends or receives."""
+    if isinstance(prim, Destroy) or relabels(prim):
+        return []
+    out: list[Transfer] = []
+    for target in prim.targets:
+        if gpu is not None and not target.holds(gpu) and not any(s.holds(gpu) for s in prim.sources):
+            continue
+        for g in target.gpus:
+            if isinstance(prim, Merge) and any(p.final == target and p.holds(g) for p in prim.parts):
+                continue  # a part already in final shape on g: relabelled, nothing to copy
+            for p in derive_target(target, prim.sources, g):
+                if gpu is None or gpu in (p.src_gpu, p.dst_gpu):
+                    out.append(p)
+    return out
+
+
+def transfers(prim: Primitive, gpu: int | None = None) -> list[Transfer]:
+    """Pieces that cross GPUs (slices already on their target GPU are not copied)."""
+    return [p for p in pieces(prim, gpu) if not p.is_local]
+
+
+def _align(n: int) -> int:
+    return -(-n // BUFFER_ALIGN_BYTES) * BUFFER_ALIGN_BYTES
+
+
+def bucketize(items: Iterable[Transfer]) -> list[Bucket]:
+    """One contiguous buffer per (src, dst) pair; items keep derivation order, each 16-byte aligned."""
+    groups: dict[tuple[int, int], list[Transfer]] = {}
+    for t in items:
+        if not t.is_local:
+            groups.setdefault((t.src_gpu, t.dst_gpu), []).append(t)
+    out = []
+    for (src, dst), group in sorted(groups.items()):
+        offsets, cursor = [], 0
+        for t in group:
+            offsets.append(cursor)
+            cursor += _align(t.num_bytes)
+        out.append(Bucket(src_gpu=src, dst_gpu=dst, items=tuple(group), offsets_bytes=tuple(offsets),
+                          total_bytes=cursor))
+    return out
+
+
+def buckets(prim: Primitive, gpu: int | None = None) -> list[Bucket]:
+    return bucketize(transfers(prim, gpu))
+
+
+# --- footprints, cached per relative shape --------------------------------------------------------
+
+
+def _relabel(unit: EMU, labels: dict[int, int]) -> EMU:
+    for g in unit.gpus:
+        labels.setdefault(g, len(labels))
+    final = _relabel(unit.final, labels) if unit.final is not None else None
+    return replace(unit, uid="", gpus=tuple(labels[g] for g in unit.gpus), version=0, final=final)
+
+
+def _canonical(prim: Primitive) -> tuple[Primitive, list[int]]:
+    labels: dict[int, int] = {}
+    canon: Primitive
+    if isinstance(prim, Split):
+        canon = Split(unit=_relabel(prim.unit, labels), parts=tuple(_relabel(p, labels) for p in prim.parts))
+    elif isinstance(prim, Merge):
+        parts = tuple(_relabel(p, labels) for p in prim.parts)
+        canon = Merge(parts=parts, unit=_relabel(prim.unit, labels))
+    elif isinstance(prim, Extend):
+        target = _relabel(prim.target, labels)
+        canon = Extend(sources=tuple(_relabel(s, labels) for s in prim.sources), target=target)
+    else:
+        canon = Destroy(unit=_relabel(prim.unit, labels))
+    gpus = [0] * len(labels)
+    for g, i in labels.items():
+        gpus[i] = g
+    return canon, gpus
+
+
+@lru_cache(maxsize=16384)
+def _canonical_footprint(prim: Primitive) -> Footprint:
+    alloc: dict[int, int] = {}
+    free: dict[int, int] = {}
+    if not relabels(prim):
+        for t in prim.targets:
+            for g in t.gpus:
+                alloc[g] = alloc.get(g, 0) + t.bytes_on(g)
+        for f in prim.frees:
+            for g in f.gpus:
+                free[g] = free.get(g, 0) + f.bytes_on(g)
+        if isinstance(prim, Merge):  # parts in final shape become the unit: neither new nor freed
+            for p in prim.parts:
+                if p.final == prim.unit:
+                    for g in p.gpus:
+                        alloc[g] -= p.bytes_on(g)
+                        free[g] -= p.bytes_on(g)
+    local: dict[int, int] = {}
+    pair: dict[tuple[int, int], int] = {}
+    buffer: dict[int, int] = {}
+    all_pieces = pieces(prim)
+    for pc in all_pieces:
+        if pc.is_local:
+            local[pc.dst_gpu] = local.get(pc.dst_gpu, 0) + pc.num_bytes
+    for b in bucketize(all_pieces):
+        pair[(b.src_gpu, b.dst_gpu)] = pair.get((b.src_gpu, b.dst_gpu), 0) + sum(t.num_bytes for t in b.items)
+        buffer[b.src_gpu] = buffer.get(b.src_gpu, 0) + b.total_bytes
+        buffer[b.dst_gpu] = buffer.get(b.dst_gpu, 0) + b.total_bytes
+    return Footprint(alloc_bytes={g: v for g, v in alloc.items() if v},
+                     free_bytes={g: v for g, v in free.items() if v},
+                     buffer_bytes=buffer, local_bytes=local, pair_bytes=pair)
+
+
+def footprint(prim: Primitive) -> Footprint:
+    """Per-GPU memory and traffic of ``prim`` (exact: derived from its pieces and buckets)."""
+    if isinstance(prim, Destroy):
+        return Footprint(alloc_bytes={}, free_bytes={g: prim.unit.bytes_on(g) for g in prim.unit.gpus},
+                         buffer_bytes={}, local_bytes={}, pair_bytes={})
+    canon, gpus = _canonical(prim)
+    fp = _canonical_footprint(canon)
+    return Footprint(
+        alloc_bytes={gpus[g]: v for g, v in fp.alloc_bytes.items()},
+        free_bytes={gpus[g]: v for g, v in fp.free_bytes.items()},
+        buffer_bytes={gpus[g]: v for g, v in fp.buffer_bytes.items()},
+        local_bytes={gpus[g]: v for g, v in fp.local_bytes.items()},
+        pair_bytes={(gpus[s], gpus[d]): v for (s, d), v in fp.pair_bytes.items()},
+    )
