@@ -45,11 +45,12 @@ def make_source(settings: Any, log: Any) -> Any:
 
 def make_planner(log: Any) -> tuple[Any, str]:
     try:
-        from nereusd import planning  # type: ignore[attr-defined]
-    except ImportError:
-        log.warning("no-planner", reason="nereusd.planning is not installed; decisions are recorded as infeasible")
+        from nereusd.planning import PlannerBinding
+    except ImportError as exc:
+        log.warning("no-planner", reason=f"the planner cannot be imported ({exc}); decisions are recorded as "
+                    "infeasible")
         return None, "none"
-    return planning.PlannerBinding(), "planner.search"
+    return PlannerBinding(), "planner.search"
 
 
 def serve(args: argparse.Namespace) -> int:

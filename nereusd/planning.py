@@ -94,9 +94,9 @@ class PlannerBinding:
             parts: dict[str, dict[str, Any]] = {}
             for gpu in sorted(new.gpus):
                 parts.setdefault(node_of_gpu(gpu), {"gpus": []})["gpus"].append(gpu)
-            dag = {"kind": "initial-placement", "new_version": new.version,
-                   "units": {s.model_stage: f"{len(s.gpu_sets)} x {s.layout}" for s in new.stages}}
-            return TransitionSketch(predicted_s=0.0, bytes_moved=0, dag=dag, parts=parts)
+            initial = {"kind": "initial-placement", "new_version": new.version,
+                       "units": {s.model_stage: f"{len(s.gpu_sets)} x {s.layout}" for s in new.stages}}
+            return TransitionSketch(predicted_s=0.0, bytes_moved=0, dag=initial, parts=parts)
         everything = pool | new.gpus | old.gpus
         cluster = cluster_for(job, everything)
         dag = build_transition(job_spec(job), cluster, old, new, lost_gpus=old.gpus - pool)
