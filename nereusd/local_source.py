@@ -114,7 +114,7 @@ class _Tracked:
 class LocalSource:
     name = "local"
 
-    def __init__(self, *, num_nodes: int = 4, slots_per_node: int = 1,
+    def __init__(self, *, num_nodes: int = 4, slots_per_node: int = 8,
                  schedule: Sequence[ScheduleStep] = (), agent_argv: AgentArgv | None = None,
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
         if num_nodes < 1:
