@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
 from nereusd.allocation import ElasticJob
-from nereusd.slurm.submit import LaunchSpec, SubmititLauncher, SubmitError
+from nereusd.slurm.submit import LaunchSpec, SubmitError, SubmititLauncher
 from planner.errors import SpecError
 
 Register = Callable[[ElasticJob], None]
