@@ -212,7 +212,10 @@ class JobController:
         def replan() -> admission.Candidate:
             if self.planner is None:
                 raise InfeasibleError("no planner is bound to the daemon (planner.search missing)")
-            return self.planner.search(spec, self.pool, version)
+            try:
+                return self.planner.search(spec, self.pool, version)
+            except SpecError as exc:  # recorded as a decision like any other reason not to move
+                raise InfeasibleError(f"the job spec cannot be planned: {exc}") from None
 
         def l_tran(old: Any, new: Any) -> float:
             assert self.planner is not None  # replan() succeeded, so a planner is bound

@@ -8,6 +8,9 @@ import pytest
 
 from .conftest import DaemonHandle, wait_for
 
+SPEC = {"model": "tiny-3m", "algo": "grpo", "device": "cpu", "gpus_per_node": 2,
+        "workload": {"prompts_per_step": 8, "prompt_tokens": 32, "response_tokens": 64}}
+
 pytestmark = pytest.mark.multiprocess
 
 
@@ -56,11 +59,11 @@ def test_heartbeats_keep_a_node_alive_and_silence_marks_it_lost(daemon: DaemonHa
 
 def test_sigkill_and_restart_loses_nothing_and_agents_reconnect(daemon: DaemonHandle) -> None:
     daemon.start()
-    daemon.admin("job-add", job="j", user="alice", spec={"workload": {"prompt_tokens": 100}})
-    agents = [daemon.agent("alice", "j", f"n{i}") for i in (1, 2)]
+    daemon.admin("job-add", job="j", user="alice", spec=SPEC)
+    agents = [daemon.agent("alice", "j", f"n{i}", "--ack-orders") for i in (1, 2)]
     try:
         wait_for(lambda: daemon.admin("status")["nodes"]["alive"] == 2, what="two nodes alive")
-        wait_for(lambda: daemon.admin("decisions", job="j"), what="the initial decision")
+        wait_for(lambda: daemon.admin("job", job="j")["plan_version"] == 1, timeout_s=20, what="plan v1 committed")
         before = {op: daemon.admin(op, job="j") for op in ("decisions", "transitions", "job")}
         events_before = daemon.admin("events", job="j")
         pids = [a.pid for a in agents]
@@ -71,11 +74,11 @@ def test_sigkill_and_restart_loses_nothing_and_agents_reconnect(daemon: DaemonHa
         assert daemon.proc.pid != old_pid  # type: ignore[union-attr]
 
         # every record is back
-        # (a job without a committed plan may decide again after the restart: compare what existed)
-        assert daemon.admin("decisions", job="j")[:len(before["decisions"])] == before["decisions"]
-        assert daemon.admin("transitions", job="j")[:len(before["transitions"])] == before["transitions"]
+        assert daemon.admin("decisions", job="j") == before["decisions"]
+        assert daemon.admin("transitions", job="j") == before["transitions"]
         job = daemon.admin("job", job="j")
         assert job["state"] == before["job"]["state"] == "running"
+        assert job["plan_version"] == 1
         assert job["history"][:len(before["job"]["history"])] == before["job"]["history"]
         assert daemon.admin("events", job="j")[:len(events_before)] == events_before
         # the same agent processes come back on their own: a reconnection, not a new registration
@@ -87,6 +90,8 @@ def test_sigkill_and_restart_loses_nothing_and_agents_reconnect(daemon: DaemonHa
         assert all(n["state"] == "alive" for n in daemon.admin("job", job="j")["nodes"])
         # no node was marked lost across the restart (the restarted daemon granted a fresh grace period)
         assert not [e for e in daemon.admin("events", job="j") if e["kind"] == "node-lost"]
+        # and the restarted controller kept the committed plan: nothing was decided again
+        assert daemon.admin("decisions", job="j") == before["decisions"]
     finally:
         for a in agents:
             a.kill()
