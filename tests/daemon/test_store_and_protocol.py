@@ -1,0 +1,116 @@
+"""The durable store (migrations, state edges, histories) and the wire protocol (codes for bad frames)."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nereusd import protocol
+from nereusd.store import _MIGRATIONS, JOB_EDGES, SCHEMA_VERSION, StateError, Store
+from planner.errors import SpecError
+
+
+def test_fresh_store_is_at_the_latest_schema_in_wal_mode(tmp_path: Path) -> None:
+    s = Store(tmp_path / "s.db")
+    assert s.migrated_from == 0
+    assert s.db.execute("PRAGMA user_version").fetchone()["user_version"] == SCHEMA_VERSION
+    assert s.db.execute("PRAGMA journal_mode").fetchone()["journal_mode"] == "wal"
+
+
+def test_an_old_store_is_migrated_and_keeps_its_rows(tmp_path: Path) -> None:
+    db = sqlite3.connect(tmp_path / "s.db")
+    db.executescript(_MIGRATIONS[0] + "PRAGMA user_version=1;")
+    db.execute("INSERT INTO jobs VALUES ('old', 'alice', NULL, 'pending', '{}', 0, 1.0, 1.0)")
+    db.commit()
+    db.close()
+    s = Store(tmp_path / "s.db")
+    assert s.migrated_from == 1
+    assert s.job("old")["user"] == "alice"  # type: ignore[index]
+    indexes = {r["name"] for r in s.db.execute("SELECT name FROM sqlite_master WHERE type='index'")}
+    assert {"decisions_job", "transitions_job"} <= indexes
+
+
+def test_a_newer_store_is_refused(tmp_path: Path) -> None:
+    db = sqlite3.connect(tmp_path / "s.db")
+    db.execute(f"PRAGMA user_version={SCHEMA_VERSION + 1}")
+    db.close()
+    with pytest.raises(SpecError, match="newer than this nereusd"):
+        Store(tmp_path / "s.db")
+
+
+def test_state_edges_and_histories(tmp_path: Path) -> None:
+    s = Store(tmp_path / "s.db")
+    s.add_job(job_id="j", user="alice", spec={})
+    with pytest.raises(SpecError, match="exists"):
+        s.add_job(job_id="j", user="bob", spec={})
+    with pytest.raises(StateError, match="pending -> transitioning is not allowed"):
+        s.set_job_state("j", "transitioning", "skip ahead")
+    assert s.set_job_state("j", "running", "agent registered")
+    assert not s.set_job_state("j", "running", "again")  # no duplicate history row
+    assert s.set_job_state("j", "cancelled", "user")
+    with pytest.raises(StateError, match=r"none \(terminal\)"):
+        s.set_job_state("j", "running", "zombie")
+    assert [(h["from_state"], h["to_state"], h["reason"]) for h in s.history("job", "j")] == [
+        (None, "pending", "submitted"), ("pending", "running", "agent registered"), ("running", "cancelled", "user")]
+    assert all(a != b for a, b in JOB_EDGES)
+
+    assert s.register_node(job_id="j", node="n", devices=[], slurm_job_id=None, host="h", incarnation="a") == "new"
+    s.set_node_state("j", "n", "lost", "silent")
+    assert s.register_node(job_id="j", node="n", devices=[], slurm_job_id=None, host="h", incarnation="a") == \
+        "reconnected"
+    assert s.register_node(job_id="j", node="n", devices=[], slurm_job_id=None, host="h", incarnation="b") == \
+        "restarted"
+    assert [h["to_state"] for h in s.history("node", "j/n")] == ["alive", "lost", "alive"]
+
+
+def test_a_failed_write_rolls_back_whole(tmp_path: Path) -> None:
+    s = Store(tmp_path / "s.db")
+    s.add_job(job_id="j", user="alice", spec={})
+    tid = s.add_transition(job_id="j", decision_id=None, from_version=0, to_version=1, dag={}, bytes_moved=0,
+                           predicted_s=0.0, parts=["n"])
+    with pytest.raises(StateError):
+        s.set_transition_state(tid, "done", "skipping ordered")
+    assert s.transition(tid)["state"] == "planned"  # type: ignore[index]
+    assert len(s.history("transition", str(tid))) == 1
+    assert not s.db.in_transaction
+
+
+GOOD = protocol.Heartbeat(job_id="j", node="n", seq=1)
+
+
+@pytest.mark.parametrize("encoding", ["json", "msgpack"])
+def test_round_trip(encoding: protocol.Encoding) -> None:
+    msg = protocol.Register(job_id="j", node="n", devices=(protocol.Device(index=0, kind="gpu", name="h200",
+                                                                            memory_bytes=141 << 30),))
+    frame = protocol.encode(msg, encoding)
+    assert protocol.encoding_of(frame) == encoding
+    assert protocol.decode(frame, 4096) == msg
+
+
+@pytest.mark.parametrize(("frame", "code"), [
+    (b"", "malformed"), (b"{", "malformed"), (b"\xc1", "malformed"), (msgpack.packb([1, 2]), "malformed"),
+    (json.dumps({"type": "heartbeat"}).encode(), "wrong-version"),
+    (json.dumps({**GOOD.model_dump(), "v": 2}).encode(), "wrong-version"),
+    (json.dumps({**GOOD.model_dump(), "seq": "x"}).encode(), "invalid"),
+    (json.dumps({**GOOD.model_dump(), "type": "nope"}).encode(), "invalid"),
+    (json.dumps({**GOOD.model_dump(), "pad": "x" * 5000}).encode(), "oversized"),
+])
+def test_bad_frames_get_a_code(frame: bytes, code: str) -> None:
+    with pytest.raises(protocol.ProtocolError) as info:
+        protocol.decode(frame, 4096)
+    assert info.value.code == code and code in protocol.ERROR_CODES
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=300))
+def test_arbitrary_bytes_never_escape_as_anything_but_protocol_error(frame: bytes) -> None:
+    try:
+        protocol.decode(frame, 256)
+    except protocol.ProtocolError as exc:
+        assert exc.code in protocol.ERROR_CODES
