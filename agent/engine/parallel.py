@@ -25,7 +25,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.profiler import record_function
 
+from agent.engine.measure import DP_ALLREDUCE_RANGE, GATHER_RANGE
 from agent.engine.model import Decoder, KVCache, build_decoder
 from planner.errors import SpecError
 from planner.models import Head, ModelSpec
@@ -128,11 +130,30 @@ class StageEngine:
     def _group(self, dim: str) -> dist.ProcessGroup | None:
         return self.mesh.get_group(dim) if self.mesh is not None else None
 
-    def local_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, this rank's local shard) of every parameter held here; writable in place."""
+    def local_tensors(self, kind: str = "param") -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, this rank's local shard) of every parameter held here, or of one optimizer state
+        (``exp_avg``, ``exp_avg_sq``); writable in place."""
         assert self.module is not None
         for n, p in self.module.named_parameters():
-            yield n, (p.to_local() if isinstance(p, DTensor) else p).data
+            t = p if kind == "param" else self.optimizer_state(p)[kind]
+            yield n, (t.to_local() if isinstance(t, DTensor) else t).data
+
+    def optimizer_state(self, p: torch.nn.Parameter) -> dict[str, torch.Tensor]:
+        """AdamW's state of ``p``, created (zeros, step 0) if the optimizer has not stepped yet, so
+        that a new replica can receive the state of a running one before its first step."""
+        if self.optimizer is None:
+            raise SpecError(f"{self.name}.lr", "optimizer state exists only on a training model-stage")
+        st = self.optimizer.state[p]
+        if not st:
+            st["step"] = torch.tensor(0.0)
+            st["exp_avg"] = torch.zeros_like(p)
+            st["exp_avg_sq"] = torch.zeros_like(p)
+        return st
+
+    def set_optimizer_steps(self, steps: int) -> None:
+        assert self.module is not None
+        for p in self.module.parameters():
+            self.optimizer_state(p)["step"].fill_(float(steps))
 
     # --- forward-only --------------------------------------------------------------------------------
     @torch.no_grad()
@@ -172,7 +193,8 @@ class StageEngine:
     def gather(self, out: torch.Tensor) -> torch.Tensor:
         """Rows written by each replica's owner (zeros elsewhere) summed over the world."""
         if dist.is_initialized() and self.world > 1:
-            dist.all_reduce(out)
+            with record_function(GATHER_RANGE):
+                dist.all_reduce(out)
         return out
 
     # --- training -------------------------------------------------------------------------------
@@ -230,7 +252,8 @@ class StageEngine:
         grads = [(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)
                  for p in self.module.parameters() if p.grad is not None]
         flat = torch.cat([g.reshape(-1) for g in grads])  # one bucket: gloo is slow on many small tensors
-        dist.all_reduce(flat, group=self._group("dp"))
+        with record_function(DP_ALLREDUCE_RANGE):  # lets measure.classify tell DP from TP collectives
+            dist.all_reduce(flat, group=self._group("dp"))
         offset = 0
         for g in grads:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))

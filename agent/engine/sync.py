@@ -104,21 +104,23 @@ def _view(local: torch.Tensor, local_box: Box, t: Transfer) -> torch.Tensor:
     return v
 
 
-def _local_boxes(engine: StageEngine) -> dict[str, tuple[torch.Tensor, Box]]:
+def _local_boxes(engine: StageEngine, kind: str) -> dict[str, tuple[torch.Tensor, Box]]:
     if engine.coord is None:
         return {}
     lay = engine.plan.layout
     u = lay.rank_of(engine.coord.tp_rank, engine.coord.pp_rank)
     boxes = {s.tensor: (s.offsets, s.lengths) for s in unit_shards(engine.spec, engine.head, lay, u)}
-    return {n: (t, boxes[n]) for n, t in engine.local_tensors() if n in boxes}
+    return {n: (t, boxes[n]) for n, t in engine.local_tensors(kind) if n in boxes}
 
 
 @torch.no_grad()
-def sync_weights(src: StageEngine, dst: StageEngine, plan: tuple[Transfer, ...] | None = None) -> dict[str, int]:
-    """Run ``sync_plan`` (every rank calls); returns elements copied locally and sent by this rank."""
+def sync_weights(src: StageEngine, dst: StageEngine, plan: tuple[Transfer, ...] | None = None,
+                 kind: str = "param") -> dict[str, int]:
+    """Run ``sync_plan`` (every rank calls) for parameters or one optimizer state ``kind``;
+    returns the elements this rank copied locally, sent and received."""
     plan = plan if plan is not None else sync_plan(src.spec, src.head, src.plan, dst.plan)
     rank = dist.get_rank() if dist.is_initialized() else 0
-    mine_src, mine_dst = _local_boxes(src), _local_boxes(dst)
+    mine_src, mine_dst = _local_boxes(src, kind), _local_boxes(dst, kind)
     sends: dict[int, list[Transfer]] = defaultdict(list)
     recvs: dict[int, list[Transfer]] = defaultdict(list)
     copied = 0
@@ -132,13 +134,14 @@ def sync_weights(src: StageEngine, dst: StageEngine, plan: tuple[Transfer, ...] 
             sends[t.dst_rank].append(t)
         elif t.dst_rank == rank and not t.is_local:
             recvs[t.src_rank].append(t)
-    ops, bufs = [], []
+    ops: list[dist.P2POp] = []
+    bufs: list[tuple[torch.Tensor, list[Transfer]]] = []
     for peer, ts in sorted(sends.items()):
         flat = torch.cat([_view(*mine_src[t.tensor], t).reshape(-1) for t in ts])
         ops.append(dist.P2POp(dist.isend, flat, peer))
     for peer, ts in sorted(recvs.items()):
         n = sum(t.numel for t in ts)
-        buf = torch.empty(n, dtype=next(iter(mine_dst.values()))[0].dtype)
+        buf = torch.empty(n, dtype=mine_dst[ts[0].tensor][0].dtype)
         bufs.append((buf, ts))
         ops.append(dist.P2POp(dist.irecv, buf, peer))
     if ops:
@@ -152,3 +155,16 @@ def sync_weights(src: StageEngine, dst: StageEngine, plan: tuple[Transfer, ...] 
             off += t.numel
     return {"copied_elems": copied, "sent_elems": sum(t.numel for ts in sends.values() for t in ts),
             "recv_elems": sum(t.numel for ts in recvs.values() for t in ts)}
+
+
+def move_training_state(src: StageEngine, dst: StageEngine, optimizer_steps: int) -> dict[str, int]:
+    """Parameters and AdamW moments of a training model-stage onto a new layout or DP degree (a
+    replan), so training continues as if the layout had never changed."""
+    plan = sync_plan(src.spec, src.head, src.plan, dst.plan)
+    stats = sync_weights(src, dst, plan)
+    for kind in ("exp_avg", "exp_avg_sq"):
+        for k, v in sync_weights(src, dst, plan, kind).items():
+            stats[k] += v
+    if dst.is_member:
+        dst.set_optimizer_steps(optimizer_steps)
+    return stats

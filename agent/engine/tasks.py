@@ -105,16 +105,25 @@ def problems_for_step(task: Task, seed: int, step: int, count: int) -> list[Prob
 
 
 def rule_reward(problem: Problem, response_ids: list[int], tok: ByteTokenizer) -> float:
-    """Partial credit for each right character in place (0.9) plus 0.1 for the exact, stopped answer.
+    """Format (0.2: share of answer-alphabet characters), accuracy (0.7: right characters in place) and
+    the exact, stopped answer (0.1).
 
-    Partial credit gives a randomly initialised policy a gradient to climb; the exact bonus makes the
-    optimum the verifiable answer.
+    The format term is the usual verifiable-RL shaping: it gives a randomly initialised policy a dense
+    signal; accuracy then needs the task solved, and the optimum is the verifiable answer.
     """
     text = tok.decode(response_ids)
     ans = problem.answer
-    right = sum(1 for a, b in zip(text, ans) if a == b)
+    alphabet = set("0123456789")
+    fmt = sum(1 for ch in text if ch in alphabet) / max(len(text), len(ans), 1)
+    right = sum(1 for a, b in zip(text, ans) if a == b) / max(len(ans), len(text), 1)
     exact = text == ans and tok.terminated(response_ids)
-    return 0.9 * right / max(len(ans), len(text), 1) + (0.1 if exact else 0.0)
+    return 0.2 * fmt + 0.7 * right + (0.1 if exact else 0.0)
+
+
+def accuracy(problem: Problem, response_ids: list[int], tok: ByteTokenizer) -> float:
+    """Share of answer characters right in place (the task part of the reward, without format)."""
+    text = tok.decode(response_ids)
+    return sum(1 for a, b in zip(text, problem.answer) if a == b) / max(len(problem.answer), len(text), 1)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,299 @@
+"""Driver-side RL step loop (PPO, GRPO, ReMax) over per-model-stage engines, SPMD on every rank.
+
+Each model-stage of the workflow runs under its own ``StagePlan`` (layout, GPU set, micro-batching);
+the rollout batch and every stage's per-token outputs are handed to all ranks, so advantages are
+computed identically everywhere. A step: actor-gen (and ReMax's greedy rollout) -> rewards (rule or
+reward-inf) -> ref-inf, critic-inf -> actor-train, critic-train -> weight sync train -> gen/inf.
+
+Prompts of step ``s`` derive from ``(seed, s)``, sampling noise from ``(seed, s, sequence index)``
+and each DP replica takes its rows by rank, so a run is reproducible across layouts; ``replan``
+moves the live state (weights, AdamW moments) onto new plans between steps.
+
+Run locally (one process, every stage TP1 x PP1): ``python -m agent.engine.loop --algo grpo --steps 5``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from agent.engine.grpo import GRPOConfig, grpo_advantages
+from agent.engine.losses import ActorLoss, CriticLoss, pack, token_logprobs
+from agent.engine.measure import StageMeasurement, StageTimer
+from agent.engine.parallel import PipelineRunner, StageEngine
+from agent.engine.ppo import PPOConfig, ppo_advantages
+from agent.engine.remax import ReMaxConfig, remax_advantages
+from agent.engine.rollout import Rollout, SamplingParams, generate
+from agent.engine.sync import move_training_state, sync_weights
+from agent.engine.tasks import ByteTokenizer, SortDigits, Task, accuracy, problems_for_step, rule_reward
+from planner.errors import SpecError
+from planner.models import Head, ModelSpec
+from planner.plan import GlobalPlan, Layout, StagePlan
+from planner.workflow import Role, StageKind, Workflow, workflow_preset
+
+# A model small enough for CPU learning tests, with a byte-level vocabulary (259 ids, padded to 264
+# so that it splits over TP = 2 and 4).
+TINY_BYTE = ModelSpec(name="tiny-byte", num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_heads=2,
+                      head_dim=16, ffn_hidden_size=128, vocab_size=264, rope_theta=10_000.0)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunConfig:
+    algo: str = "ppo"
+    task: Task = field(default_factory=SortDigits)
+    model: ModelSpec = TINY_BYTE  # actor and reference
+    critic_model: ModelSpec | None = None  # defaults to ``model``
+    reward_model: ModelSpec | None = None  # a learned reward model; None = the task's rule reward
+    prompts_per_step: int = 16
+    max_new_tokens: int | None = None  # defaults to the task's answer length + EOS
+    temperature: float = 1.0
+    top_p: float = 1.0
+    actor_lr: float = 3e-3
+    critic_lr: float = 3e-3
+    train_mini_batches_per_step: int = 1
+    seed: int = 0
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    remax: ReMaxConfig = field(default_factory=ReMaxConfig)
+    profile_ops: bool = False
+
+    def __post_init__(self) -> None:
+        if self.algo not in ("ppo", "grpo", "remax"):
+            raise SpecError("algo", f"unknown {self.algo!r}", "ppo, grpo, remax")
+        if self.prompts_per_step < 1:
+            raise SpecError("prompts_per_step", f"must be >= 1, got {self.prompts_per_step}")
+        if self.sequences_per_step % self.train_mini_batches_per_step:
+            raise SpecError("train_mini_batches_per_step", f"{self.train_mini_batches_per_step} does not divide "
+                            f"{self.sequences_per_step} sequences per step")
+
+    @property
+    def samples_per_prompt(self) -> int:
+        return self.grpo.samples_per_prompt if self.algo == "grpo" else 1
+
+    @property
+    def sequences_per_step(self) -> int:
+        return self.prompts_per_step * self.samples_per_prompt
+
+    @property
+    def workflow(self) -> Workflow:
+        return workflow_preset(self.algo, learned_reward=self.reward_model is not None)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.task.max_prompt_chars + 1  # BOS
+
+    @property
+    def response_tokens(self) -> int:
+        return self.max_new_tokens or self.task.max_answer_chars + 1  # EOS
+
+
+def uniform_plan(cfg: RunConfig, layout: Layout, ranks: tuple[int, ...], *, dp: int | None = None,
+                 overrides: dict[str, tuple[Layout, tuple[tuple[int, ...], ...]]] | None = None) -> GlobalPlan:
+    """Every model-stage on ``layout``, replicas over consecutive ``ranks`` (colocated), unless
+    ``overrides`` names a (layout, gpu_sets) for a model-stage. Micro-batches: ``pp`` per replica."""
+    stages = []
+    for ms in cfg.workflow.model_stages:
+        lay, gpu_sets = (overrides or {}).get(ms.name, (layout, ()))
+        if not gpu_sets:
+            n = dp or len(ranks) // lay.size
+            gpu_sets = tuple(tuple(ranks[i * lay.size:(i + 1) * lay.size]) for i in range(n))
+        rows = cfg.sequences_per_step if not ms.greedy else cfg.prompts_per_step
+        if ms.kind is StageKind.TRAINING:
+            rows //= cfg.train_mini_batches_per_step
+        per_replica = rows // len(gpu_sets)
+        accum = lay.pp if per_replica % lay.pp == 0 else 1
+        stages.append(StagePlan(model_stage=ms.name, layout=lay, gpu_sets=gpu_sets,
+                                micro_batch_size=per_replica // accum,
+                                grad_accum=accum if ms.kind is StageKind.TRAINING else 1))
+    return GlobalPlan(version=0, stages=tuple(stages))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepResult:
+    step: int
+    mean_score: float
+    mean_accuracy: float  # the task part of the score (answer characters in place), without format
+    mean_response_tokens: float
+    actor_loss: float
+    critic_loss: float | None
+    seconds: float
+    stage_seconds: dict[str, float]
+    tokens: torch.Tensor = field(repr=False)  # the step's rollout, for reproducibility checks
+
+
+class RLLoop:
+    """All model-stages of one RL job on this rank; every rank of the world runs the same calls."""
+
+    def __init__(self, cfg: RunConfig, plan: GlobalPlan, *, rank: int = 0) -> None:
+        self.cfg, self.plan, self.rank = cfg, plan, rank
+        self.tok = ByteTokenizer()
+        if cfg.model.vocab_size < self.tok.min_vocab_size:
+            raise SpecError("model.vocab_size", f"the byte tokenizer needs >= {self.tok.min_vocab_size}")
+        self.timer = StageTimer(rank=rank, profile_ops=cfg.profile_ops)
+        self.optimizer_steps = 0
+        self.engines = {ms.name: self._build(ms.name, plan.stage(ms.name)) for ms in cfg.workflow.model_stages}
+
+    # --- construction -------------------------------------------------------------------------
+    def _model_of(self, role: Role) -> tuple[ModelSpec, Head, int]:
+        c = self.cfg
+        if role is Role.CRITIC:
+            return c.critic_model or c.model, Head.VALUE, c.seed + 1
+        if role is Role.REWARD:
+            assert c.reward_model is not None
+            return c.reward_model, Head.VALUE, c.seed + 2
+        return c.model, Head.LM, c.seed  # actor and reference start from the same weights
+
+    def _build(self, name: str, sp: StagePlan) -> StageEngine:
+        ms = self.cfg.workflow.stage(name)
+        spec, head, seed = self._model_of(ms.role)
+        lr = None
+        if ms.kind is StageKind.TRAINING:
+            lr = self.cfg.actor_lr if ms.role is Role.ACTOR else self.cfg.critic_lr
+        return StageEngine(name, spec, head, sp, seed=seed, lr=lr)
+
+    def replan(self, plan: GlobalPlan) -> None:
+        """Move to ``plan`` between steps: changed model-stages get new engines; training state moves
+        (parameters and AdamW moments), generation/inference weights sync from their trainer."""
+        old = self.engines
+        self.engines = dict(old)
+        for ms in self.cfg.workflow.model_stages:
+            if plan.stage(ms.name) != self.plan.stage(ms.name):
+                self.engines[ms.name] = self._build(ms.name, plan.stage(ms.name))
+                if ms.kind is StageKind.TRAINING:
+                    move_training_state(old[ms.name], self.engines[ms.name], self.optimizer_steps)
+        self.plan = plan
+        self._sync_all()
+
+    def _sync_all(self) -> dict[str, int]:
+        moved: dict[str, int] = {}
+        for ms in self.cfg.workflow.model_stages:
+            if ms.kind is StageKind.TRAINING:
+                continue
+            trainer = {Role.ACTOR: "actor-train", Role.CRITIC: "critic-train"}.get(ms.role)
+            if trainer is not None and trainer in self.engines:
+                stats = sync_weights(self.engines[trainer], self.engines[ms.name])
+                moved[ms.name] = stats["sent_elems"]
+        return moved
+
+    # --- one RL step ---------------------------------------------------------------------------
+    def _seeds(self, step: int, n: int, salt: int = 0) -> list[int]:
+        return [((self.cfg.seed * 1_000_003 + step) * 1_000_003 + i) * 4 + salt for i in range(n)]
+
+    def _generate(self, name: str, prompts: list[list[int]], seeds: list[int], greedy: bool) -> Rollout:
+        eng, c = self.engines[name], self.cfg
+        params = SamplingParams(max_new_tokens=c.response_tokens, temperature=c.temperature, top_p=c.top_p,
+                                greedy=greedy, stop_ids=(self.tok.eos_id,))
+        b, p = len(prompts), c.prompt_tokens
+        t = p + params.max_new_tokens
+        tokens, attn, logp = torch.zeros(b, t, dtype=torch.long), torch.zeros(b, t, dtype=torch.long), torch.zeros(b, t)
+        if eng.coord is not None:
+            rows = eng.replica_rows(b, eng.coord.replica)
+            roll = generate(PipelineRunner(eng), prompts[rows], seeds[rows], params, prompt_tokens=p,
+                            pad_id=self.tok.pad_id)
+            if eng.is_owner:
+                tokens[rows], attn[rows], logp[rows] = roll.tokens, roll.attention_mask, roll.logprobs
+        tokens, attn, logp = eng.gather(tokens), eng.gather(attn), eng.gather(logp)
+        action = torch.zeros(b, t)
+        action[:, p - 1:-1] = attn[:, p:].float()
+        return Rollout(tokens=tokens, attention_mask=attn, action_mask=action, logprobs=logp, prompt_tokens=p)
+
+    def _scores(self, step: int, roll: Rollout, problems: list) -> torch.Tensor:
+        if self.cfg.reward_model is None:
+            return torch.tensor([rule_reward(pr, r, self.tok) for pr, r in zip(problems, roll.responses())])
+        vals = self.engines["reward-inf"].forward(roll.tokens, roll.attention_mask, roll.next_tokens,
+                                                  lambda y, e: y)
+        last = roll.attention_mask.shape[1] - 1 - roll.attention_mask.flip(1).argmax(1)
+        return vals.gather(1, last[:, None]).squeeze(1)
+
+    def step(self, step: int) -> StepResult:
+        c, t0 = self.cfg, time.perf_counter()
+        timer, sp = self.timer, self.plan.stage
+        base = problems_for_step(c.task, c.seed, step, c.prompts_per_step)
+        problems = [pr for pr in base for _ in range(c.samples_per_prompt)]  # GRPO groups are consecutive
+        prompts = [self.tok.encode(pr.prompt) for pr in problems]
+        with timer.stage(step, sp("actor-gen")) as tally:
+            roll = self._generate("actor-gen", prompts, self._seeds(step, len(prompts)), greedy=False)
+            tally.attention_mask = roll.attention_mask
+        with timer.stage(step, sp("reward-inf") if c.reward_model else None) as tally:
+            scores = self._scores(step, roll, problems)
+            tally.attention_mask = roll.attention_mask
+        temp = c.temperature
+        with timer.stage(step, sp("ref-inf")) as tally:
+            ref_logp = self.engines["ref-inf"].forward(roll.tokens, roll.attention_mask, roll.next_tokens,
+                                                       lambda y, e: token_logprobs(y, e, temp))
+            tally.attention_mask = roll.attention_mask
+        mask = roll.action_mask
+        critic_loss = None
+        if c.algo == "ppo":
+            with timer.stage(step, sp("critic-inf")) as tally:
+                values = self.engines["critic-inf"].forward(roll.tokens, roll.attention_mask, roll.next_tokens,
+                                                            lambda y, e: y)
+                tally.attention_mask = roll.attention_mask
+            adv, returns = ppo_advantages(scores, mask, roll.logprobs, ref_logp, values, c.ppo)
+            actor_loss = ActorLoss(clip=c.ppo.clip, kl_coef=0.0, temperature=temp)
+        elif c.algo == "grpo":
+            adv = grpo_advantages(scores, mask, c.grpo)
+            actor_loss = ActorLoss(clip=c.grpo.clip, kl_coef=c.grpo.kl_coef, temperature=temp)
+        else:
+            with timer.stage(step, sp("actor-gen-greedy")) as tally:
+                greedy = self._generate("actor-gen-greedy", prompts, self._seeds(step, len(prompts), 1), greedy=True)
+                tally.attention_mask = greedy.attention_mask
+            adv = remax_advantages(scores, self._scores(step, greedy, problems), mask)
+            actor_loss = ActorLoss(clip=c.remax.clip, kl_coef=c.remax.kl_coef, temperature=temp)
+        n_mb = c.train_mini_batches_per_step
+        rows_per_mb = roll.tokens.shape[0] // n_mb
+        losses = []
+        with timer.stage(step, sp("actor-train")) as tally:
+            for k in range(n_mb):
+                r = slice(k * rows_per_mb, (k + 1) * rows_per_mb)
+                weight = mask[r] / mask[r].sum().clamp(min=1)
+                target = pack(roll.next_tokens[r], roll.logprobs[r], adv[r], ref_logp[r], weight)
+                losses.append(self.engines["actor-train"].train_step(roll.tokens[r], roll.attention_mask[r],
+                                                                     target, actor_loss)["loss"])
+            tally.attention_mask = roll.attention_mask
+        if c.algo == "ppo":
+            closs = []
+            with timer.stage(step, sp("critic-train")) as tally:
+                for k in range(n_mb):
+                    r = slice(k * rows_per_mb, (k + 1) * rows_per_mb)
+                    weight = mask[r] / mask[r].sum().clamp(min=1)
+                    target = pack(values[r], returns[r], weight)
+                    closs.append(self.engines["critic-train"].train_step(
+                        roll.tokens[r], roll.attention_mask[r], target, CriticLoss(clip=c.ppo.value_clip))["loss"])
+                tally.attention_mask = roll.attention_mask
+            critic_loss = sum(closs) / n_mb
+        self.optimizer_steps += n_mb
+        with timer.stage(step, None) as tally:
+            self._sync_all()
+        stage_seconds = {m.model_stage: m.seconds for m in timer.of_step(step).values()}
+        acc = sum(accuracy(pr, r, self.tok) for pr, r in zip(problems, roll.responses())) / len(problems)
+        return StepResult(step=step, mean_score=float(scores.mean()), mean_accuracy=acc,
+                          mean_response_tokens=float(mask.sum(1).mean()), actor_loss=sum(losses) / n_mb,
+                          critic_loss=critic_loss, seconds=time.perf_counter() - t0, stage_seconds=stage_seconds,
+                          tokens=roll.tokens)
+
+    def measurements(self, step: int) -> dict[str, StageMeasurement]:
+        return self.timer.of_step(step)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--algo", default="grpo", choices=("ppo", "grpo", "remax"))
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    torch.manual_seed(args.seed)
+    cfg = RunConfig(algo=args.algo, seed=args.seed)
+    loop = RLLoop(cfg, uniform_plan(cfg, Layout(1, 1), (0,)))
+    for s in range(args.steps):
+        r = loop.step(s)
+        print(json.dumps({"step": s, "mean_score": round(r.mean_score, 4), "seconds": round(r.seconds, 3),
+                          "stage_seconds": {k: round(v, 4) for k, v in r.stage_seconds.items()}}))
+
+
+if __name__ == "__main__":
+    main()
