@@ -78,6 +78,10 @@ def order_by_memory(
             return (stage_order[i], 0 if not acquire[i] else 1, i)
         return (0 if not acquire[i] else 1, stage_order[i], -level[i], i)
 
+    for g, held in sorted(initial_bytes.items()):
+        if held > capacity_bytes:
+            raise InfeasibleError(f"transition infeasible: GPU {g} already holds {held} bytes",
+                                  (f"GPU {g}: {held} bytes of state > capacity {capacity_bytes}",))
     heap = [(key(i), i) for i in range(n) if indeg[i] == 0]
     heapq.heapify(heap)
     used = dict(initial_bytes)

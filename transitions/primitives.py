@@ -242,41 +242,50 @@ def _remote_holders(src: EMU, tensor: TensorSpec, prefer_tp: int) -> Iterable[in
 
 
 def derive_target(target: EMU, sources: tuple[EMU, ...], gpu: int) -> list[Transfer]:
-    """Pieces (local and remote) that fill everything ``target`` holds on ``gpu`` from ``sources``."""
+    """Pieces (local and remote) that fill everything ``target`` holds on ``gpu`` from ``sources``.
+
+    The cover is computed once per tensor and reused for its other state kinds: sources hold every
+    kind the target holds (same model-stage, or a training stage feeding a parameters-only one).
+    """
     index = _tensor_index(target.state)
-    tp_rank = target.layout.coords(target.rank_of(gpu))[0] if target.final is None \
-        else target.final.layout.coords(target.final.rank_of(gpu))[0]
+    owner = target.final if target.final is not None else target
+    tp_rank = owner.layout.coords(owner.rank_of(gpu))[0]
     local = [s for s in sources if s.holds(gpu)]
+    local_boxes = [s.boxes(gpu) for s in local]
     out: list[Transfer] = []
+    cover: list[tuple[EMU, int, Box, int, int]] = []
+    cover_tensor = ""
     for shard in target.shards(gpu):
         key = shard.key
         box: Box = (shard.offsets, shard.lengths)
         t = index[key[0]]
         dim = _split_dim(t)
-        need = [(box[0][dim], box[0][dim] + box[1][dim])]
-        for s in local:
-            sb = s.boxes(gpu).get(key)
-            if sb is None:
-                continue
-            got, need = _subtract(need, sb[0][dim], sb[0][dim] + sb[1][dim])
-            out += [_piece(s, gpu, sb, target, gpu, box, key, dim, lo, hi, shard.bytes_per_element)
-                    for lo, hi in got]
-            if not need:
-                break
-        for s in sources:
-            if not need:
-                break
-            for g in _remote_holders(s, t, tp_rank):
-                sb = s.boxes(g).get(key)
+        if key[0] != cover_tensor:
+            cover_tensor, cover = key[0], []
+            need = [(box[0][dim], box[0][dim] + box[1][dim])]
+            for s, boxes in zip(local, local_boxes):
+                sb = boxes.get(key)
                 if sb is None:
                     continue
                 got, need = _subtract(need, sb[0][dim], sb[0][dim] + sb[1][dim])
-                out += [_piece(s, g, sb, target, gpu, box, key, dim, lo, hi, shard.bytes_per_element)
-                        for lo, hi in got]
+                cover += [(s, gpu, sb, lo, hi) for lo, hi in got]
                 if not need:
                     break
-        if need:
-            raise AssertionError(f"{target.uid} on GPU {gpu}: {key} rows {need} held by no source")
+            for s in sources:
+                if not need:
+                    break
+                for g in _remote_holders(s, t, tp_rank):
+                    sb = s.boxes(g).get(key)
+                    if sb is None:
+                        continue
+                    got, need = _subtract(need, sb[0][dim], sb[0][dim] + sb[1][dim])
+                    cover += [(s, g, sb, lo, hi) for lo, hi in got]
+                    if not need:
+                        break
+            if need:
+                raise AssertionError(f"{target.uid} on GPU {gpu}: {key} rows {need} held by no source")
+        out += [_piece(s, g, sb, target, gpu, box, key, dim, lo, hi, shard.bytes_per_element)
+                for s, g, sb, lo, hi in cover]
     return out
 
 

@@ -1,0 +1,243 @@
+"""Hand-checked transitions with exact expected offsets: TP 2->4, TP 4->3 (uneven), PP 2->1, DP 2->4,
+plus GPU loss, weight sync, buckets, serialisation and the infeasible / last-copy errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from planner.errors import InfeasibleError
+from planner.hardware import CPU, IB_NDR, NVLINK4, ClusterSpec
+from planner.models import ModelSpec
+from planner.plan import GlobalPlan, Layout
+from planner.workflow import ACTOR_GEN, ACTOR_TRAIN, REF_INF
+from transitions.cost import transition_cost
+from transitions.geometry import StateKind
+from transitions.global_dag import TransitionDAG, build_transition, build_weight_sync
+from transitions.local_dag import LastCopyLostError
+from transitions.primitives import Destroy, Extend, Merge, Split, Transfer, buckets, pieces, transfers
+from transitions.replay import replay
+from transitions.scenarios import stage_plan, stage_states
+
+# 12 heads (MHA), 4 layers, vocab 10: TP 2, 3, 4 all valid; vocab 10 is uneven over 3 and 4.
+MHA = ModelSpec(name="mha12", num_layers=4, hidden_size=24, num_attention_heads=12, num_kv_heads=12,
+                head_dim=2, ffn_hidden_size=36, vocab_size=10)
+CLUSTER = ClusterSpec(device=CPU, num_nodes=2, gpus_per_node=4, intra_node_link=NVLINK4, inter_node_link=IB_NDR)
+STATES = stage_states(MHA, (ACTOR_GEN, REF_INF, ACTOR_TRAIN))
+Q0 = "model.layers.0.self_attn.q_proj.weight"
+O0 = "model.layers.0.self_attn.o_proj.weight"
+EMB = "model.embed_tokens.weight"
+
+
+def _plans(old: tuple[int, int, list[int], int], new: tuple[int, int, list[int], int],
+           stage: str = "actor-train") -> tuple[GlobalPlan, GlobalPlan]:
+    def plan(version: int, spec: tuple[int, int, list[int], int]) -> GlobalPlan:
+        tp, pp, gpus, dp = spec
+        return GlobalPlan(version=version, stages=(stage_plan(stage, Layout(tp, pp), gpus, dp),))
+    return plan(1, old), plan(2, new)
+
+
+def _remote(dag: TransitionDAG, tensor: str, kind: StateKind = StateKind.PARAM) -> list[tuple[int, ...]]:
+    """(src gpu, dst gpu, global row/col offset, length, src offsets..., dst offsets...) per transfer."""
+    out = []
+    for prim in dag.nodes:
+        for t in transfers(prim):
+            if t.tensor == tensor and t.kind is kind:
+                out.append((t.src_gpu, t.dst_gpu, t.offsets, t.lengths, t.src_offsets, t.dst_offsets))
+    return sorted(out)
+
+
+def _local(dag: TransitionDAG, tensor: str) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
+    out = []
+    for prim in dag.nodes:
+        for t in pieces(prim):
+            if t.tensor == tensor and t.kind is StateKind.PARAM and t.is_local:
+                out.append((t.dst_gpu, t.offsets, t.lengths))
+    return sorted(out)
+
+
+def test_tp_2_to_4_on_the_same_gpus() -> None:
+    old, new = _plans((2, 1, [0, 1, 2, 3], 2), (4, 1, [0, 1, 2, 3], 1))
+    dag = build_transition(STATES, CLUSTER, old, new)
+    replay(dag)
+    # q (24 rows): TP4 rank r needs rows [6r, 6r+6). GPU0 holds [0,12), GPU1 [12,24) of unit 0;
+    # GPU2 [0,12), GPU3 [12,24) of unit 1. GPUs 0 and 3 have theirs already.
+    assert _remote(dag, Q0) == [
+        (0, 1, (6, 0), (6, 24), (6, 0), (0, 0)),
+        (1, 2, (12, 0), (6, 24), (0, 0), (0, 0)),
+    ]
+    assert _local(dag, Q0) == [(0, (0, 0), (6, 24)), (3, (18, 0), (6, 24))]
+    # o_proj is a row split: the same pattern along columns
+    assert _remote(dag, O0) == [
+        (0, 1, (0, 6), (24, 6), (0, 6), (0, 0)),
+        (1, 2, (0, 12), (24, 6), (0, 0), (0, 0)),
+    ]
+    # every state kind moves with the same geometry; the training unit holds four kinds
+    assert len(_remote(dag, Q0, StateKind.EXP_AVG_SQ)) == 2
+    kinds = sorted({type(p).__name__ for p in dag.nodes})
+    assert kinds == ["Destroy", "Extend", "Merge"]
+
+
+def test_tp_4_to_3_uneven_vocab() -> None:
+    old, new = _plans((4, 1, [0, 1, 2, 3], 1), (3, 1, [0, 1, 2], 1))
+    dag = build_transition(STATES, CLUSTER, old, new)
+    replay(dag)
+    # embedding rows (vocab 10): TP4 chunks [0,3) [3,6) [6,9) [9,10); TP3 chunks [0,4) [4,8) [8,10)
+    assert _remote(dag, EMB) == [
+        (1, 0, (3, 0), (1, 24), (0, 0), (3, 0)),
+        (2, 1, (6, 0), (2, 24), (0, 0), (2, 0)),
+        (3, 2, (9, 0), (1, 24), (0, 0), (1, 0)),
+    ]
+    assert _local(dag, EMB) == [(0, (0, 0), (3, 24)), (1, (4, 0), (2, 24)), (2, (8, 0), (1, 24))]
+    # q rows: TP4 chunks of 6, TP3 chunks of 8
+    assert _remote(dag, Q0) == [
+        (1, 0, (6, 0), (2, 24), (0, 0), (6, 0)),
+        (2, 1, (12, 0), (4, 24), (0, 0), (4, 0)),
+        (3, 2, (18, 0), (6, 24), (0, 0), (2, 0)),
+    ]
+    # T_sub is TP1: the unit is split into parts already in their final TP3 shape, then merged
+    assert [type(dag.nodes[i]).__name__ for i in dag.order] == ["Split", "Merge", "Destroy"]
+    split = next(p for p in dag.nodes if isinstance(p, Split))
+    assert [p.gpus for p in split.parts] == [(0,), (1,), (2,)]
+
+
+def test_pp_2_to_1() -> None:
+    old, new = _plans((2, 2, [0, 1, 2, 3], 1), (2, 1, [0, 1], 1))
+    dag = build_transition(STATES, CLUSTER, old, new)
+    replay(dag)
+    # stage 1 (GPUs 2, 3) held layers 2-3, the final norm and the head; GPUs 0 and 1 pull them rank-aligned
+    moved = {(t.src_gpu, t.dst_gpu, t.tensor) for p in dag.nodes for t in transfers(p) if t.kind is StateKind.PARAM}
+    assert (2, 0, "lm_head.weight") in moved and (3, 1, "lm_head.weight") in moved
+    assert (2, 0, "model.layers.3.mlp.up_proj.weight") in moved
+    assert not any(".layers.0." in name or ".layers.1." in name or name == EMB for _, _, name in moved)
+    head = sorted(t for t in _remote(dag, "lm_head.weight"))
+    assert head == [(2, 0, (0, 0), (5, 24), (0, 0), (0, 0)), (3, 1, (5, 0), (5, 24), (0, 0), (0, 0))]
+    assert {type(p).__name__ for p in dag.nodes} == {"Split", "Destroy"}
+
+
+def test_dp_2_to_4() -> None:
+    old, new = _plans((2, 1, [0, 1, 2, 3], 2), (2, 1, [0, 1, 2, 3, 4, 5, 6, 7], 4))
+    dag = build_transition(STATES, CLUSTER, old, new)
+    replay(dag)
+    assert dag.renamed == (("actor-train@v1#0", "actor-train@v2#0"), ("actor-train@v1#1", "actor-train@v2#1"))
+    extends = [p for p in dag.nodes if isinstance(p, Extend)]
+    assert [(e.sources[0].uid, e.target.gpus) for e in extends] == [
+        ("actor-train@v1#0", (4, 5)), ("actor-train@v1#1", (6, 7))]
+    # rank-aligned: whole shards, rank r of a source feeds rank r of the new replica
+    assert _remote(dag, Q0) == [
+        (0, 4, (0, 0), (12, 24), (0, 0), (0, 0)), (1, 5, (12, 0), (12, 24), (0, 0), (0, 0)),
+        (2, 6, (0, 0), (12, 24), (0, 0), (0, 0)), (3, 7, (12, 0), (12, 24), (0, 0), (0, 0))]
+    cost = transition_cost(dag, CLUSTER)
+    assert cost.inter_node_bytes == dag.bytes_moved and cost.intra_node_bytes == 0
+    # half of the per-replica bytes: DP shrink back is a pure Destroy, nothing moves
+    back = build_transition(STATES, CLUSTER, new, GlobalPlan(version=3, stages=old.stages))
+    assert {type(p) for p in back.nodes} == {Destroy} and back.bytes_moved == 0
+
+
+def test_buckets_are_contiguous_aligned_and_per_pair() -> None:
+    old, new = _plans((2, 1, [0, 1, 2, 3], 2), (4, 1, [0, 1, 2, 3], 1))
+    dag = build_transition(STATES, CLUSTER, old, new)
+    for prim in dag.nodes:
+        for b in buckets(prim):
+            assert all(t.src_gpu == b.src_gpu and t.dst_gpu == b.dst_gpu for t in b.items)
+            ends = [o + t.num_bytes for o, t in zip(b.offsets_bytes, b.items)]
+            assert all(o % 16 == 0 for o in b.offsets_bytes)
+            assert all(e <= o2 for e, o2 in zip(ends, b.offsets_bytes[1:]))
+            assert b.total_bytes >= ends[-1] and b.total_bytes - ends[-1] < 16
+        # one GPU derives only its own part, and it is exactly its share of the whole
+        for g in range(4):
+            mine = transfers(prim, g)
+            assert mine == [t for t in transfers(prim) if g in (t.src_gpu, t.dst_gpu)]
+
+
+def test_move_to_other_gpus_and_serialise() -> None:
+    old, new = _plans((2, 2, [0, 1, 2, 3], 1), (2, 2, [4, 5, 6, 7], 1))
+    dag = build_transition(STATES, CLUSTER, old, new)
+    replay(dag)
+    assert [type(dag.nodes[i]).__name__ for i in dag.order] == ["Extend", "Destroy"]
+    doc = json.loads(json.dumps(dag.to_dict()))
+    assert doc["nodes"][0]["kind"] == "extend" and doc["new_units"] == ["actor-train@v2#0"]
+    assert doc["bytes_moved"] == dag.bytes_moved > 0
+    assert dag.nodes_on(5) == [0] and dag.nodes_on(1) == [0, 1]
+
+
+def test_gpu_loss_rebuilds_from_a_surviving_replica() -> None:
+    old, _ = _plans((2, 1, [0, 1, 2, 3], 2), (2, 1, [0, 1], 1))
+    new = GlobalPlan(version=2, stages=(stage_plan("actor-train", Layout(2, 1), [0, 1, 4, 5], 2),))
+    dag = build_transition(STATES, CLUSTER, old, new, lost_gpus=frozenset({3}))
+    replay(dag)
+    assert [u.uid for u in dag.lost_units] == ["actor-train@v1#1"]
+    assert all(e.sources[0].uid == "actor-train@v1#0" for e in dag.nodes if isinstance(e, Extend))
+
+
+def test_last_copy_lost_says_checkpoint() -> None:
+    old, new = _plans((2, 1, [0, 1], 1), (2, 1, [4, 5], 1))
+    with pytest.raises(LastCopyLostError, match="checkpoint") as err:
+        build_transition(STATES, CLUSTER, old, new, lost_gpus=frozenset({1}))
+    assert err.value.model_stages == ("actor-train",) and err.value.lost_gpus == (1,)
+
+
+def test_generation_replicas_rebuilt_from_training_after_loss() -> None:
+    old = GlobalPlan(version=1, stages=(stage_plan("actor-gen", Layout(1, 1), [0, 1], 2),
+                                        stage_plan("actor-train", Layout(2, 2), [4, 5, 6, 7], 1)))
+    new = GlobalPlan(version=2, stages=(stage_plan("actor-gen", Layout(2, 1), [2, 3], 1),
+                                        stage_plan("actor-train", Layout(2, 2), [4, 5, 6, 7], 1)))
+    dag = build_transition(STATES, CLUSTER, old, new, lost_gpus=frozenset({0, 1}))
+    replay(dag)
+    (ext,) = [p for p in dag.nodes if isinstance(p, Extend)]
+    assert ext.sources[0].model_stage == "actor-train"
+    assert {t.kind for t in transfers(ext)} == {StateKind.PARAM}
+
+
+def test_weight_sync_uses_the_same_primitives() -> None:
+    plan = GlobalPlan(version=4, stages=(stage_plan("actor-gen", Layout(1, 1), [0, 1, 2, 3], 4),
+                                         stage_plan("actor-train", Layout(2, 2), [0, 1, 2, 3], 1)))
+    dag = build_weight_sync(STATES, CLUSTER, plan)
+    report = replay(dag)  # stale generation bytes never reach the new replicas
+    assert sorted(dag.stale_units) == [f"actor-gen@v4#{i}" for i in range(4)]
+    assert {type(p).__name__ for p in dag.nodes} == {"Destroy", "Extend"}
+    assert dag.order[:4] == tuple(i for i, p in enumerate(dag.nodes) if isinstance(p, Destroy))
+    assert report.pieces_local > 0  # each GPU's own training shard is not sent
+
+
+def test_infeasible_names_gpu_and_bytes() -> None:
+    old, new = _plans((2, 1, [0, 1], 1), (2, 1, [0, 1, 2, 3], 2))
+    dag = build_transition(STATES, CLUSTER, old, new)
+    held = max(u.bytes_on(g) for u in dag.old_units for g in u.gpus)
+    # the old state fits exactly, but no room is left for the bucket buffers of the Extend
+    with pytest.raises(InfeasibleError, match=r"GPU [0-3] needs \d+ bytes .* but has 0 free"):
+        build_transition(STATES, CLUSTER, old, new, capacity_bytes=held)
+    with pytest.raises(InfeasibleError, match=r"GPU 0 already holds \d+ bytes"):
+        build_transition(STATES, CLUSTER, old, new, capacity_bytes=held - 1)
+
+
+def test_shared_gpus_need_release_before_acquire() -> None:
+    """ref-inf grows onto GPUs 4,5 that actor-train leaves: its acquisition (first by stage order)
+    is blocked until actor-train's old replica is destroyed, which needs actor-train's Extend first.
+    The global order waits and records the resource edge; the naive per-stage order deadlocks."""
+    old = GlobalPlan(version=1, stages=(stage_plan("ref-inf", Layout(1, 1), [0, 1], 2),
+                                        stage_plan("actor-train", Layout(4, 1), [4, 5, 6, 7], 1)))
+    new = GlobalPlan(version=2, stages=(stage_plan("ref-inf", Layout(1, 1), [0, 1, 4, 5], 4),
+                                        stage_plan("actor-train", Layout(4, 1), [2, 3, 6, 7], 1)))
+    train = next(sp for sp in old if sp.model_stage == "actor-train")
+    held = build_transition(STATES, CLUSTER, old, new).old_units[-1].bytes_on(4)
+    assert train.gpu_sets[0][0] == 4
+    capacity = 2 * held  # old train shard + its send buffer, not also ref-inf's new replica and buffer
+    dag = build_transition(STATES, CLUSTER, old, new, capacity_bytes=capacity)
+    replay(dag)
+    names = [type(dag.nodes[i]).__name__ + ":" + (dag.nodes[i].targets or dag.nodes[i].frees)[0].uid
+             for i in dag.order]
+    assert names.index("Extend:actor-train@v2#0") < names.index("Destroy:actor-train@v1#0")
+    assert names.index("Destroy:actor-train@v1#0") < names.index("Extend:ref-inf@v2#2")
+    edges = {(names[dag.order.index(a)], names[dag.order.index(b)]) for a, b in dag.resource_edges}
+    assert ("Destroy:actor-train@v1#0", "Extend:ref-inf@v2#2") in edges
+    with pytest.raises(InfeasibleError, match="per-stage order cannot wait"):
+        build_transition(STATES, CLUSTER, old, new, capacity_bytes=capacity, policy="per_stage")
+
+
+def test_transfer_slices() -> None:
+    t = Transfer(src_gpu=0, dst_gpu=1, src_unit="a", dst_unit="b", tensor="x", kind=StateKind.PARAM,
+                 offsets=(4, 0), lengths=(2, 3), src_offsets=(1, 0), dst_offsets=(0, 0), bytes_per_element=2)
+    assert t.src_slices == (slice(1, 3), slice(0, 3)) and t.num_bytes == 12 and not t.is_local
+    assert Merge and Split  # the four primitive types are public
