@@ -80,7 +80,8 @@ class JobController:
 
     def __init__(self, *, job_id: str, store: Store, metrics: Metrics, planner: PlannerPort | None,
                  gamma: float, thresholds: dict[admission.Signal, float], log: Any,
-                 send_order: Callable[[str, protocol.TransitionOrder], bool], clock=time.time) -> None:
+                 send_order: Callable[[str, protocol.TransitionOrder], bool], clock=time.monotonic,
+                 pool_settle_s: float = 0.0) -> None:
         self.job_id = job_id
         self.store = store
         self.metrics = metrics
@@ -90,6 +91,8 @@ class JobController:
         self.log = log.bind(job=job_id)
         self.send_order = send_order
         self.clock = clock
+        self.pool_settle_s = pool_settle_s
+        self.pool_changed_at = -float("inf")
         self.trigger_state: admission.TriggerState | None = None
         self.last_step = 0
         self.signals: dict[admission.Signal, float] = {}
@@ -183,9 +186,12 @@ class JobController:
         if job["state"] not in ("running", "lost"):
             return None  # pending: no agent yet; transitioning: wait for the parts; terminal: nothing
         if self.pool_dirty:
+            before = self.pool
             self._refresh_pool()
-        if not self.pool:
-            return None
+            if self.pool != before:
+                self.pool_changed_at = self.clock()
+        if not self.pool or self.clock() - self.pool_changed_at < self.pool_settle_s:
+            return None  # no GPUs, or the pool is still moving: one replan after the burst, not one per join
         obs = admission.Observation(step=self.last_step, gpu_pool=self.pool, signals=dict(self.signals))
         if self.trigger_state is None:
             self.trigger_state = admission.initial_state(obs, self.thresholds)

@@ -165,7 +165,8 @@ class Daemon:
         thresholds[admission.Signal.SEQUENCE_LENGTH] = p.seq_len_drift_threshold
         ctl = JobController(job_id=job_id, store=self.store, metrics=self.metrics, planner=self.planner,
                             gamma=p.gamma, thresholds=thresholds, log=self.log,
-                            send_order=lambda node, order: self._send_to_node(job_id, node, order))
+                            send_order=lambda node, order: self._send_to_node(job_id, node, order),
+                            pool_settle_s=p.pool_settle_s)
         self.controllers[job_id] = ctl
         return ctl
 

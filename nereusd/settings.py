@@ -59,6 +59,8 @@ class PlannerSection(_Section):
     gamma: float = Field(0.5, gt=0)  # payback: admit iff L_tran / dL <= gamma * H_x
     seq_len_drift_threshold: float = Field(0.30, gt=0)
     memory_headroom: float = Field(0.10, ge=0, lt=1)
+    # replan only once the GPU pool has not changed for this long (member jobs start in bursts)
+    pool_settle_s: float = Field(2.0, ge=0)
 
 
 class Settings(BaseSettings):

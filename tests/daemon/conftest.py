@@ -138,6 +138,8 @@ heartbeat_timeout_s = {timeout_s}
 port = 0
 [slurm]
 enabled = false
+[planner]
+pool_settle_s = 0.3
 """)
 
 

@@ -60,7 +60,7 @@ def test_nereusctl_against_a_running_daemon(daemon: DaemonHandle) -> None:
         assert {k["name"] for k in keys} == {"admin", "alice-agent", "bob-agent"}
         assert all("secret" not in json.dumps(k) for k in keys)
         alloc = daemon.ctl("alloc", "--json")
-        assert alloc.returncode == 0 and json.loads(alloc.stdout)["source"] is None
+        assert alloc.returncode == 0 and json.loads(alloc.stdout)["source"] == "local"  # slurm.enabled = false
 
         metrics = urllib.request.urlopen(status["endpoints"]["metrics"], timeout=10).read().decode()
         assert 'nereus_jobs{state="running"} 1.0' in metrics
