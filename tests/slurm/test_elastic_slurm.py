@@ -132,3 +132,29 @@ def test_growth_is_throttled(lab: SlurmLab, tmp_path: Path) -> None:
     assert len(kinds(seen, EventKind.REQUESTED)) == 2
     poll_until(source, seen, has(EventKind.GROWN, count=2), what="both members")
     assert os.path.isdir(spec.folder)
+
+
+def test_restarted_source_adopts_members_and_resumes_without_spurious_events(lab: SlurmLab, tmp_path: Path) -> None:
+    spec = _spec(lab, tmp_path, "restart")
+    anchor = SubmititLauncher(spec, env=lab.env).submit("anchor", 1).slurm_job_id
+    first, _ = _source(lab, spec)
+    first.track(_elastic("restart", anchor, max_gpus=2 * GPUS))
+    seen: list = []
+    (member,) = first.grow("restart", 1)
+    poll_until(first, seen, has(EventKind.GROWN, member), what="member start")
+    before = first.allocation("restart")
+
+    # The daemon died between sbatch and storing the member id: a new source knows only the anchor.
+    crashed, _ = _source(lab, spec)
+    crashed.track(_elastic("restart", anchor, max_gpus=2 * GPUS))
+    after: list = []
+    poll_until(crashed, after, has(EventKind.GROWN, member), what="member adopted by its comment")
+    assert crashed.jobs()[0].member_job_ids == (member,)
+    assert set(crashed.allocation("restart").node_names) == set(before.node_names)
+
+    # The daemon restarted with everything stored: the first poll reports nothing new.
+    restored, _ = _source(lab, spec)
+    restored.track(_elastic("restart", anchor, max_gpus=2 * GPUS).with_member(member), allocation=before)
+    assert restored.poll() == []  # the first poll is due at once and finds nothing new
+    assert restored.poller.successful_polls == 1
+    assert restored.allocation("restart") == before
