@@ -46,6 +46,7 @@ from planner import admission
 from planner.errors import NereusError
 
 HEARTBEAT_FLUSH_S = 5.0  # last-heartbeat times reach the store this often (one transaction for all)
+SLOW_HANDLER_S = 0.2
 
 
 def sd_notify(state: str) -> bool:
@@ -213,6 +214,9 @@ class Daemon:
             self.worker.start()
         self.log.info("serving", startup_ms=round(self.startup_s * 1e3, 1), **self.endpoints)
         sd_notify("READY=1\nSTATUS=serving")
+        warm_up = getattr(self.planner, "warm_up", None)
+        if warm_up is not None:
+            threading.Thread(target=warm_up, name="planner-warm-up", daemon=True).start()
         if ready is not None:
             ready()
         next_tick = next_flush = time.monotonic()
@@ -239,10 +243,14 @@ class Daemon:
 
     def _guarded(self, fn: Callable[[], None]) -> None:
         """A bug in one handler is logged and the daemon keeps serving (never an assert that kills it)."""
+        t0 = time.monotonic()
         try:
             fn()
         except Exception:
             self.log.exception("handler-failed", handler=fn.__name__)
+        took = time.monotonic() - t0
+        if took > SLOW_HANDLER_S:  # everything shares one loop: a slow handler delays heartbeats and nereusctl
+            self.log.warning("slow-handler", handler=fn.__name__, ms=round(took * 1e3, 1))
 
     def _tick(self) -> None:
         if self.worker is not None:

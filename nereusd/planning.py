@@ -58,6 +58,14 @@ class PlannerBinding:
     def __init__(self) -> None:
         self.efficiency: dict[str, Any] = {}  # job spec key -> fitted per-op-class efficiencies
 
+    def warm_up(self) -> None:
+        """Import the numerical modules (numpy, search, DAG) ahead of the first decision; run in a thread
+        after READY, so neither start-up nor the first replan pays for it in the serve loop."""
+        import planner.prediction  # noqa: F401
+        import planner.search  # noqa: F401
+        import transitions.cost  # noqa: F401
+        import transitions.global_dag  # noqa: F401
+
     def _eff(self, spec: dict[str, Any]) -> Any:
         from planner.cost import PRIORS
 

@@ -27,7 +27,7 @@ def test_nereusctl_against_a_running_daemon(daemon: DaemonHandle) -> None:
     agent = daemon.agent("alice", "grpo-tiny", "n1", "--ack-orders")
     try:
         # the initial placement is decided, ordered, acknowledged by the agent and committed
-        wait_for(lambda: json.loads(daemon.ctl("jobs", "--json").stdout)[0]["plan_version"] == 1, timeout_s=20,
+        wait_for(lambda: daemon.admin("job", job="grpo-tiny")["plan_version"] == 1, timeout_s=20,
                  what="plan v1 committed")
         jobs = daemon.ctl("jobs")
         assert jobs.returncode == 0
