@@ -60,8 +60,9 @@ def _spawn(cfg: Path, tmp: Path) -> tuple[subprocess.Popen[bytes], float]:
     sock.bind(str(notify))
     sock.settimeout(30)
     t0 = time.perf_counter()
-    proc = subprocess.Popen([str(BIN / "nereusd"), "serve", "--config", str(cfg)], stdout=subprocess.DEVNULL,
-                            stderr=open(tmp / "nereusd.log", "ab"), env={**os.environ, "NOTIFY_SOCKET": str(notify)})
+    with open(tmp / "nereusd.log", "ab") as log:
+        proc = subprocess.Popen([str(BIN / "nereusd"), "serve", "--config", str(cfg)], stdout=subprocess.DEVNULL,
+                                stderr=log, env={**os.environ, "NOTIFY_SOCKET": str(notify)})
     try:
         msg = sock.recv(4096).decode()
     finally:
