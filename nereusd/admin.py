@@ -84,7 +84,9 @@ class AdminOps:
 
     def job(self, args: dict[str, Any]) -> dict[str, Any]:
         j = self._job(args)
-        return {**j, "nodes": self.d.store.nodes(j["job_id"]), "history": self.d.store.history("job", j["job_id"])}
+        nodes = [{**n, "workers": self.d.worker_states.get((j["job_id"], n["node"]), [])}
+                 for n in self.d.store.nodes(j["job_id"])]
+        return {**j, "nodes": nodes, "history": self.d.store.history("job", j["job_id"])}
 
     def job_add(self, args: dict[str, Any]) -> dict[str, Any]:
         job_id, user = _arg(args, "job"), _arg(args, "user")

@@ -118,6 +118,7 @@ class Daemon:
         self.node_state: dict[tuple[str, str], str] = {}
         self.last_seen: dict[tuple[str, str], float] = {}  # monotonic time of the last message per node
         self.heartbeats_to_flush: dict[tuple[str, str], float] = {}
+        self.worker_states: dict[tuple[str, str], list[dict[str, Any]]] = {}  # as last reported per node
         self.admin_ops = AdminOps(self)
         self.stopping = threading.Event()
         self.started_at = time.time()
@@ -343,6 +344,10 @@ class Daemon:
         if ctl is None:
             return protocol.ErrorReply(code="unknown-job", message=f"job {msg.job_id} has ended")
         if isinstance(msg, protocol.Heartbeat):
+            workers = [w.model_dump() for w in msg.workers]
+            if self.worker_states.get(key) != workers:  # stored on change only: 1 Hz x 1,024 nodes otherwise
+                self.worker_states[key] = workers
+                self.store.add_event("workers", {"node": msg.node, "workers": workers}, job_id=msg.job_id)
             return protocol.Ack(ref="heartbeat", seq=msg.seq)
         if isinstance(msg, protocol.Measurement):
             ctl.on_measurement(msg)

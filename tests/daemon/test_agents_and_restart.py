@@ -104,3 +104,45 @@ def test_agent_of_another_user_exits_refused(daemon: DaemonHandle) -> None:
     bob = daemon.agent("bob", "j", "n1")
     assert bob.wait(20) == 3  # EXIT_REFUSED: fail fast, let the scheduler decide
     assert daemon.admin("job", job="j")["nodes"] == []
+
+
+WORKER = """
+import os, sys, time, zmq
+from nereusd import protocol
+if os.environ["NEREUS_DEVICE"] == "1":
+    sys.exit(7)  # a broken worker: restarted once, then reported failed
+sock = zmq.Context.instance().socket(zmq.PUSH)
+sock.connect(os.environ["NEREUS_AGENT_IPC"])
+sock.send(protocol.encode(protocol.Measurement(job_id=os.environ["NEREUS_JOB_ID"], node=os.environ["NEREUS_NODE"],
+                                               step=3, plan_version=0, step_latency_s=1.25,
+                                               stage_times_s={"actor-gen": 0.5}, response_tokens=70)))
+sock.close(linger=5000)
+time.sleep(600)
+"""
+
+
+def test_agent_supervises_workers_and_relays_their_measurements(daemon: DaemonHandle) -> None:
+    daemon.start()
+    daemon.admin("job-add", job="j", user="alice")
+    script = daemon.tmp / "worker.py"
+    script.write_text(WORKER)
+    import sys
+
+    agent = daemon.agent("alice", "j", "n1", "--worker-cmd", f"{sys.executable} {script}", "--max-restarts", "1")
+    try:
+        def workers() -> list[dict]:
+            nodes = daemon.admin("job", job="j")["nodes"]
+            return nodes[0]["workers"] if nodes else []
+
+        ws = wait_for(lambda: (w := workers()) and {x["state"] for x in w} == {"running", "failed"} and w,
+                      timeout_s=20, what="worker 0 running and worker 1 failed")
+        failed = next(w for w in ws if w["device"] == 1)
+        assert failed["exit_code"] == 7 and failed["restarts"] == 1
+        # the measurement pushed by worker 0 went agent -> daemon -> store
+        m = wait_for(lambda: daemon.admin("job-plan", job="j")["measured_step_s"], timeout_s=20,
+                     what="the relayed measurement")
+        assert m == 1.25
+        assert daemon.admin("job-plan", job="j")["measured_at_step"] == 3
+    finally:
+        agent.terminate()
+        assert agent.wait(20) == 0  # SIGTERM: workers stopped, clean exit
