@@ -101,6 +101,7 @@ Command = Join | InitState | Prepare | Commit | Abort | Dump | SaveCheckpoint | 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Reply:
     worker: int
+    seq: int  # the request it answers: a late reply to an abandoned request is recognised and dropped
     ok: bool
     value: Any = None
     error: str | None = None
@@ -160,7 +161,8 @@ class LocalCoordinator:
     """Spawns ``num_workers`` worker processes on this machine and drives them over pipes."""
 
     def __init__(self, num_workers: int, *, timeout_s: float = 30.0, device: str = "cpu",
-                 threads_per_worker: int = 1, worker_ids: Iterable[int] | None = None) -> None:
+                 threads_per_worker: int = 1, worker_ids: Iterable[int] | None = None,
+                 start_timeout_s: float = 180.0) -> None:
         import torch.distributed as dist  # the store lives here; workers only connect to it
 
         from agent.worker import worker_main
@@ -172,6 +174,7 @@ class LocalCoordinator:
                                     timeout=_td(timeout_s))
         self.store_port = self._store.port
         self.generation = -1
+        self._seq = 0
         self.spec: GenerationSpec | None = None
         ctx = mp.get_context("spawn")
         ids = list(worker_ids) if worker_ids is not None else list(range(num_workers))
@@ -183,6 +186,27 @@ class LocalCoordinator:
             proc.start()
             child.close()
             self._procs[wid] = _Proc(process=proc, conn=parent)
+        self._wait_ready(start_timeout_s)
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        """Wait for every worker's hello (import torch takes seconds, more on a loaded machine), so
+        that no rendezvous later waits on a worker that is still starting."""
+        deadline = time.monotonic() + timeout_s
+        pending = dict(self._procs)
+        while pending:
+            left = deadline - time.monotonic()
+            ready = mpc.wait([p.conn for p in pending.values()] + [p.process.sentinel for p in pending.values()],
+                             timeout=max(0.0, left))
+            if not ready:
+                self.close()
+                raise WorkerDied(f"workers {sorted(pending)} did not start within {timeout_s} s")
+            for wid, proc in list(pending.items()):
+                if proc.conn in ready:
+                    proc.conn.recv()
+                    del pending[wid]
+                elif proc.process.sentinel in ready:
+                    self.close()
+                    raise WorkerDied(f"worker {wid} exited while starting (code {proc.process.exitcode})")
 
     # --- plumbing ---
     @property
@@ -194,21 +218,24 @@ class LocalCoordinator:
 
     def request(self, commands: dict[int, Command], timeout_s: float | None = None) -> dict[int, Reply]:
         """Send each worker its command and wait for every reply; a dead worker yields ok=False."""
-        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        # workers bound their own waits by timeout_s; give their (error) replies time to arrive
+        deadline = time.monotonic() + (timeout_s or 2 * self.timeout_s + 5.0)
+        self._seq += 1
+        seq = self._seq
         replies: dict[int, Reply] = {}
         waiting: dict[int, _Proc] = {}
         for wid, cmd in commands.items():
             proc = self._procs[wid]
             try:
-                proc.conn.send(cmd)
+                proc.conn.send((seq, cmd))
                 waiting[wid] = proc
             except (BrokenPipeError, OSError) as exc:
-                replies[wid] = Reply(worker=wid, ok=False, error=f"worker died: {exc}")
+                replies[wid] = Reply(worker=wid, seq=seq, ok=False, error=f"worker died: {exc}")
         while waiting:
             left = deadline - time.monotonic()
             if left <= 0:
                 for wid in waiting:
-                    replies[wid] = Reply(worker=wid, ok=False, error="no reply before the timeout")
+                    replies[wid] = Reply(worker=wid, seq=seq, ok=False, error="no reply before the timeout")
                 break
             handles: list[Any] = [p.conn for p in waiting.values()]
             handles += [p.process.sentinel for p in waiting.values()]
@@ -216,13 +243,16 @@ class LocalCoordinator:
             for wid, proc in list(waiting.items()):
                 if proc.conn in ready:
                     try:
-                        replies[wid] = proc.conn.recv()
+                        reply = proc.conn.recv()
                     except (EOFError, OSError):
-                        replies[wid] = Reply(worker=wid, ok=False, error="worker died (pipe closed)")
+                        reply = Reply(worker=wid, seq=seq, ok=False, error="worker died (pipe closed)")
+                    if reply.seq != seq:
+                        continue  # a late answer to an earlier request that was given up on
+                    replies[wid] = reply
                     del waiting[wid]
                 elif proc.process.sentinel in ready and not proc.conn.poll():
                     proc.process.join(1.0)
-                    replies[wid] = Reply(worker=wid, ok=False,
+                    replies[wid] = Reply(worker=wid, seq=seq, ok=False,
                                          error=f"worker died (exit code {proc.process.exitcode})")
                     del waiting[wid]
         return replies
@@ -299,7 +329,7 @@ class LocalCoordinator:
         for proc in self._procs.values():
             if proc.process.is_alive():
                 with contextlib.suppress(BrokenPipeError, OSError):
-                    proc.conn.send(Exit())
+                    proc.conn.send((0, Exit()))
         deadline = time.monotonic() + min(self.timeout_s, 10.0)
         for proc in self._procs.values():
             proc.process.join(max(0.0, deadline - time.monotonic()))

@@ -146,9 +146,10 @@ def worker_main(worker_id: int, link: Any, device: str = "cpu", threads: int = 1
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     ctx = WorkerContext(worker_id=worker_id, device=dev, channel=DataChannel(worker_id=worker_id, device=dev))
+    link.send(Reply(worker=worker_id, seq=0, ok=True, value="ready"))  # hello: imports are done
     while True:
         try:
-            cmd = link.recv()
+            seq, cmd = link.recv()
         except (EOFError, OSError):
             break  # the coordinator is gone
         if isinstance(cmd, Exit):
@@ -156,9 +157,9 @@ def worker_main(worker_id: int, link: Any, device: str = "cpu", threads: int = 1
         start = time.perf_counter()
         try:
             value = handle(ctx, cmd)
-            reply = Reply(worker=worker_id, ok=True, value=value, seconds=time.perf_counter() - start)
+            reply = Reply(worker=worker_id, seq=seq, ok=True, value=value, seconds=time.perf_counter() - start)
         except Exception as exc:  # noqa: BLE001 - reported to the coordinator, the worker lives on
-            reply = Reply(worker=worker_id, ok=False, seconds=time.perf_counter() - start,
+            reply = Reply(worker=worker_id, seq=seq, ok=False, seconds=time.perf_counter() - start,
                           error=f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}")
         try:
             link.send(reply)

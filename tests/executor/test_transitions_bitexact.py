@@ -8,8 +8,6 @@ master, Adam moment and unit counter.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 from executor_helpers import MICRO, assert_same_state, logical_state, placement
 
@@ -21,12 +19,6 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.xdist_group("executor-pool")
 TIED = ModelSpec(name="micro-tied", num_layers=3, hidden_size=48, num_attention_heads=4, num_kv_heads=4,
                  head_dim=12, ffn_hidden_size=100, vocab_size=50, tie_word_embeddings=True)
 
-
-@pytest.fixture(scope="module")
-def pool() -> Iterator[LocalCoordinator]:
-    with LocalCoordinator(4, timeout_s=20) as coord:
-        coord.form_generation()
-        yield coord
 
 
 def _run_chain(pool: LocalCoordinator, chain: list, seed: int, bucket: int = 32 << 20) -> None:

@@ -4,55 +4,64 @@ reported as needing the checkpoint path). Real processes, real kill, real gloo."
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 from executor_helpers import assert_same_state, logical_state, placement
 
 from agent.coordinator import LocalCoordinator
 
-pytestmark = [pytest.mark.multiprocess]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.xdist_group("executor-kill")]
 
 TIMEOUT_S = 6.0
+
+
+@pytest.fixture(scope="module")
+def kill_pool() -> Iterator[LocalCoordinator]:
+    """Its own pool: these tests kill workers. The second test runs on whichever 3 are left."""
+    with LocalCoordinator(4, timeout_s=TIMEOUT_S) as coord:
+        coord.form_generation()
+        yield coord
 
 
 def _subset(state: dict, stages: set[str]) -> dict:
     return {k: v for k, v in state.items() if k[0] in stages}
 
 
-def test_killed_destination_loses_nothing_and_group_reforms() -> None:
+def test_killed_destination_loses_nothing_and_group_reforms(kill_pool: LocalCoordinator) -> None:
+    pool = kill_pool
     old = [placement("a", 1, 1, [[0], [1]]), placement("b", 2, 1, [[0, 1]], training=False)]
     new = [placement("a", 2, 1, [[1, 2], [0, 3]]), placement("b", 1, 1, [[2], [3]], training=False)]
-    with LocalCoordinator(4, timeout_s=TIMEOUT_S) as pool:
-        pool.form_generation()
-        pool.init_state(old, seed=21)
-        before = logical_state(pool.dump())
-        # worker 2 dies just before the first round of stage "a": the transfers to it never happen
-        outcome = pool.transition(old, new, max_bucket_bytes=8192, kill_at={2: ("a", 0)})
-        assert not outcome.committed
-        assert outcome.dead_workers == (2,)
-        assert outcome.seconds < 3 * TIMEOUT_S  # bounded: nobody waits for ever on the dead peer
-        assert pool.alive == (0, 1, 3) and pool.spec is not None and pool.spec.members == (0, 1, 3)
-        assert outcome.lost == {} and not outcome.needs_checkpoint
-        # survivors still hold the old state, bit for bit
-        assert_same_state(before, logical_state(pool.dump()))
-        # the re-formed generation works: move to a layout that avoids the dead worker
-        retry = [placement("a", 2, 1, [[1, 0]]), placement("b", 1, 1, [[3], [0]], training=False)]
-        outcome = pool.transition(old, retry)
-        assert outcome.committed, outcome.errors
-        assert_same_state(before, logical_state(pool.dump()))
+    pool.init_state(old, seed=21)
+    before = logical_state(pool.dump())
+    # worker 2 dies just before the first round of stage "a": the transfers to it never happen
+    outcome = pool.transition(old, new, max_bucket_bytes=8192, kill_at={2: ("a", 0)})
+    assert not outcome.committed
+    assert outcome.dead_workers == (2,)
+    assert outcome.seconds < 3 * TIMEOUT_S  # bounded: nobody waits for ever on the dead peer
+    assert pool.alive == (0, 1, 3) and pool.spec is not None and pool.spec.members == (0, 1, 3)
+    assert outcome.lost == {} and not outcome.needs_checkpoint
+    # survivors still hold the old state, bit for bit
+    assert_same_state(before, logical_state(pool.dump()))
+    # the re-formed generation works: move to a layout that avoids the dead worker
+    retry = [placement("a", 2, 1, [[1, 0]]), placement("b", 1, 1, [[3], [0]], training=False)]
+    outcome = pool.transition(old, retry)
+    assert outcome.committed, outcome.errors
+    assert_same_state(before, logical_state(pool.dump()))
 
 
-def test_killed_last_copy_is_reported_for_checkpoint() -> None:
-    # stage "solo" has one copy, on worker 0; stage "dup" has two replicas (0 and 1)
-    old = [placement("solo", 1, 1, [[0]]), placement("dup", 1, 1, [[0], [1]], training=False)]
-    new = [placement("solo", 2, 1, [[1, 2]]), placement("dup", 1, 1, [[2]], training=False)]
-    with LocalCoordinator(3, timeout_s=TIMEOUT_S) as pool:
-        pool.form_generation()
-        pool.init_state(old, seed=4)
-        before = logical_state(pool.dump())
-        outcome = pool.transition(old, new, kill_at={0: ("dup", 0)})  # steps run in name order: dup, solo
-        assert not outcome.committed and outcome.dead_workers == (0,)
-        assert outcome.seconds < 3 * TIMEOUT_S
-        assert set(outcome.lost) == {"solo"} and outcome.needs_checkpoint
-        assert "model.embed_tokens.weight/master" in outcome.lost["solo"]
-        # "dup" survived on worker 1, bit-identical
-        assert_same_state(_subset(before, {"dup"}), _subset(logical_state(pool.dump()), {"dup"}))
+def test_killed_last_copy_is_reported_for_checkpoint(kill_pool: LocalCoordinator) -> None:
+    pool = kill_pool
+    a, b, c = pool.alive[:3]
+    # stage "solo" has one copy, on worker a; stage "dup" has two replicas (a and b)
+    old = [placement("solo", 1, 1, [[a]]), placement("dup", 1, 1, [[a], [b]], training=False)]
+    new = [placement("solo", 2, 1, [[b, c]]), placement("dup", 1, 1, [[c]], training=False)]
+    pool.init_state(old, seed=4)
+    before = logical_state(pool.dump())
+    outcome = pool.transition(old, new, kill_at={a: ("dup", 0)})  # steps run in name order: dup, solo
+    assert not outcome.committed and outcome.dead_workers == (a,)
+    assert outcome.seconds < 3 * TIMEOUT_S
+    assert set(outcome.lost) == {"solo"} and outcome.needs_checkpoint
+    assert "model.embed_tokens.weight/master" in outcome.lost["solo"]
+    # "dup" survived on worker b, bit-identical
+    assert_same_state(_subset(before, {"dup"}), _subset(logical_state(pool.dump()), {"dup"}))
