@@ -218,7 +218,8 @@ class NodeAgent:
         self.interval_s = 1.0
         poller = zmq.Poller()
         poller.register(self.client.sock, zmq.POLLIN)
-        poller.register(self.client.monitor, zmq.POLLIN)
+        if self.client.monitor is not None:
+            poller.register(self.client.monitor, zmq.POLLIN)
         poller.register(self.relay_in, zmq.POLLIN)
         last_reply = time.monotonic()
         next_beat = time.monotonic()
@@ -238,7 +239,7 @@ class NodeAgent:
                         self.log.warning("daemon-silent", seconds=round(now - last_reply, 1))
                         silent_logged = True
                 ready = dict(poller.poll(max(1, int((next_beat - time.monotonic()) * 1e3))))
-                if self.client.monitor in ready:
+                if self.client.monitor is not None and self.client.monitor in ready:
                     self.client._drain_monitor()
                     if self.client.auth_failed:
                         raise AgentRefused(self.client.auth_failed)

@@ -31,6 +31,7 @@ import zmq
 
 from nereusd import protocol
 from nereusd.client import CurveClient
+from nereusd.daemon import raise_fd_limit
 from nereusd.keys import KeyStore, load_bundle
 
 BIN = Path(sys.executable).parent
@@ -87,10 +88,12 @@ def cold_start(tmp: Path, runs: int) -> dict[str, Any]:
 def _simulate(endpoint: str, keys: str, jobs: int, agents: int, seconds: float, ready: Any, out: Any) -> None:
     """N agents in one process: register, then one heartbeat per agent per second, spread evenly."""
     bundle = load_bundle(Path(keys))
+    raise_fd_limit()
     ctx = zmq.Context()
+    ctx.set(zmq.MAX_SOCKETS, 4 * agents + 64)
     clients = []
     for i in range(agents):
-        c = CurveClient(endpoint, bundle, identity=f"sim-{i}".encode(), context=ctx)
+        c = CurveClient(endpoint, bundle, identity=f"sim-{i}".encode(), context=ctx, monitor=False)
         clients.append((c, f"job{i % jobs}", f"node{i:04d}"))
     devices = (protocol.Device(index=0, kind="gpu", name="sim", memory_bytes=141 << 30),)
     for c, job, node in clients:

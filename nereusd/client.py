@@ -29,7 +29,7 @@ class AuthRefused(NereusError):
 class CurveClient:
     def __init__(self, endpoint: str, bundle: ClientBundle, *, identity: bytes | None = None,
                  context: zmq.Context | None = None, max_message_bytes: int = 64 << 20,
-                 encoding: protocol.Encoding = "msgpack", immediate: bool = False) -> None:
+                 encoding: protocol.Encoding = "msgpack", immediate: bool = False, monitor: bool = True) -> None:
         self.ctx = context or zmq.Context.instance()
         self.endpoint = endpoint
         self.encoding: protocol.Encoding = encoding
@@ -46,20 +46,22 @@ class CurveClient:
         self.sock.immediate = immediate
         self.sock.reconnect_ivl = 100
         self.sock.reconnect_ivl_max = 2000
+        # the monitor costs two more sockets; simulated fleets (bench) go without it
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH
                                                     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                                                    | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+                                                    | zmq.EVENT_HANDSHAKE_SUCCEEDED) if monitor else None
         self.sock.connect(endpoint)
         self.auth_failed: str | None = None
         self.handshakes = 0
 
     def close(self) -> None:
-        self.sock.disable_monitor()
-        self.monitor.close(linger=0)
+        if self.monitor is not None:
+            self.sock.disable_monitor()
+            self.monitor.close(linger=0)
         self.sock.close(linger=0)
 
     def _drain_monitor(self) -> None:
-        while self.monitor.poll(0):
+        while self.monitor is not None and self.monitor.poll(0):
             ev = parse_monitor_message(self.monitor.recv_multipart())
             if ev["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.handshakes += 1
@@ -83,13 +85,14 @@ class CurveClient:
         deadline = time.monotonic() + timeout_s
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
-        poller.register(self.monitor, zmq.POLLIN)
+        if self.monitor is not None:
+            poller.register(self.monitor, zmq.POLLIN)
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
             ready = dict(poller.poll(int(left * 1e3) + 1))
-            if self.monitor in ready:
+            if self.monitor is not None and self.monitor in ready:
                 self._drain_monitor()
                 if self.auth_failed:
                     raise AuthRefused(self.auth_failed)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import resource
 import socket
 import threading
 import time
@@ -62,6 +63,16 @@ def sd_notify(state: str) -> bool:
     return True
 
 
+def raise_fd_limit(want: int = 65536) -> int:
+    """Every agent is a TCP connection: lift the soft open-files limit toward the hard one."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        return target
+    return soft
+
+
 def _write_atomic_json(path: Path, data: Any) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(data, indent=1))
@@ -106,6 +117,7 @@ class Daemon:
         self.state_dir = Path(settings.daemon.state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.store = Store(self.state_dir / "nereusd.db")
+        self.store.start_checkpointer()
         self.keys = KeyStore(self.state_dir / "keys")
         if self.keys.init():
             self.log.info("server-keys-created", path=str(self.keys.root))
@@ -125,7 +137,9 @@ class Daemon:
         self.started_monotonic = t0
 
         ctl = settings.control
+        fd_limit = raise_fd_limit()
         self.ctx = zmq.Context()
+        self.ctx.set(zmq.MAX_SOCKETS, max(1024, fd_limit))
         self.auth = start_authenticator(self.ctx, self.keys, self.log)
         server_keys = self.keys.server_keys()
         self.agents = CurveRouter(self.ctx, domain=AGENT_DOMAIN, server_keys=server_keys, host=ctl.bind_host,

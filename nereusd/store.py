@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -127,11 +128,32 @@ class Store:
         self.db.row_factory = _row
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")
+        self._checkpointer: threading.Thread | None = None
+        self._stop_checkpoints = threading.Event()
         self.db.execute("PRAGMA foreign_keys=ON")
         self.migrated_from = self._migrate()
 
     def close(self) -> None:
+        self._stop_checkpoints.set()
+        if self._checkpointer is not None:
+            self._checkpointer.join(timeout=10)
         self.db.close()
+
+    def start_checkpointer(self, interval_s: float = 5.0) -> None:
+        """Checkpoint the WAL from a thread of its own: the commit that crosses SQLite's automatic
+        checkpoint threshold would otherwise fsync the database inside the serve loop."""
+        self.db.execute("PRAGMA wal_autocheckpoint=0")
+
+        def run() -> None:
+            db = sqlite3.connect(self.path, timeout=30)
+            try:
+                while not self._stop_checkpoints.wait(interval_s):
+                    db.execute("PRAGMA wal_checkpoint(PASSIVE)")  # never blocks the writer
+            finally:
+                db.close()
+
+        self._checkpointer = threading.Thread(target=run, name="store-checkpoint", daemon=True)
+        self._checkpointer.start()
 
     def _migrate(self) -> int:
         version = self.db.execute("PRAGMA user_version").fetchone()["user_version"]
