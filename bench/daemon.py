@@ -82,7 +82,16 @@ def cold_start(tmp: Path, runs: int) -> dict[str, Any]:
         times.append(ready_s)
         proc.terminate()
         proc.wait(30)
-    return {"runs": runs, "ready_s_median": round(statistics.median(times), 4), "ready_s_max": round(max(times), 4)}
+    # what the exec-to-READY time is made of: the interpreter itself, and importing the daemon
+    def wall(code: str) -> float:
+        t = time.perf_counter()
+        subprocess.run([sys.executable, "-c", code], check=True)
+        return time.perf_counter() - t
+
+    bare = statistics.median(wall("pass") for _ in range(runs))
+    imports = statistics.median(wall("import nereusd.cli, nereusd.daemon, nereusd.planning") for _ in range(runs))
+    return {"runs": runs, "ready_s_median": round(statistics.median(times), 4), "ready_s_max": round(max(times), 4),
+            "python_startup_s_median": round(bare, 4), "python_plus_imports_s_median": round(imports, 4)}
 
 
 def _simulate(endpoint: str, keys: str, jobs: int, agents: int, seconds: float, ready: Any, out: Any) -> None:
