@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -52,27 +53,61 @@ class AgentRefused(Exception):
     """The daemon refused this agent for good (forbidden, unknown job, key refused)."""
 
 
-def discover_devices(cpu_slots: int | None = None) -> tuple[protocol.Device, ...]:
-    """GPUs through NVML when the library is importable and finds some; else CPU worker slots."""
-    if cpu_slots is None:
-        try:
-            import pynvml  # type: ignore[import-not-found]
+def _visible(devices: list[protocol.Device]) -> list[protocol.Device]:
+    """Only the GPUs Slurm gave this job (CUDA_VISIBLE_DEVICES as indices), when it says."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is None or not all(x.strip().isdigit() for x in env.split(",") if x.strip()):
+        return devices  # unset, or UUIDs: NVML's view stands
+    allowed = {int(x) for x in env.split(",") if x.strip()}
+    return [d for d in devices if d.index in allowed]
 
-            pynvml.nvmlInit()
-            try:
-                out = []
-                for i in range(pynvml.nvmlDeviceGetCount()):
-                    h = pynvml.nvmlDeviceGetHandleByIndex(i)
-                    name = pynvml.nvmlDeviceGetName(h)
-                    out.append(protocol.Device(index=i, kind="gpu",
-                                               name=name.decode() if isinstance(name, bytes) else str(name),
-                                               memory_bytes=int(pynvml.nvmlDeviceGetMemoryInfo(h).total)))
-                if out:
-                    return tuple(out)
-            finally:
-                pynvml.nvmlShutdown()
-        except Exception:  # no NVML library, no driver, no GPU: fall back to CPU slots
-            pass
+
+def _nvidia_smi() -> list[protocol.Device]:
+    """GPUs from `nvidia-smi` (the NVML command line) where the Python bindings are not installed."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return []
+    try:
+        out = subprocess.run([exe, "--query-gpu=index,name,memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    devices = []
+    for line in out.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 3 and parts[0].isdigit() and parts[2].isdigit():
+            devices.append(protocol.Device(index=int(parts[0]), kind="gpu", name=parts[1],
+                                           memory_bytes=int(parts[2]) << 20))  # MiB
+    return devices
+
+
+def _nvml() -> list[protocol.Device]:
+    """GPUs through the NVML Python bindings (nvidia-ml-py), when installed and a driver answers."""
+    try:
+        import pynvml  # type: ignore[import-not-found]
+
+        pynvml.nvmlInit()
+    except Exception:  # no bindings, no driver, no GPU
+        return []
+    try:
+        out = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            name = pynvml.nvmlDeviceGetName(h)
+            out.append(protocol.Device(index=i, kind="gpu", name=name.decode() if isinstance(name, bytes) else str(name),
+                                       memory_bytes=int(pynvml.nvmlDeviceGetMemoryInfo(h).total)))
+        return out
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def discover_devices(cpu_slots: int | None = None) -> tuple[protocol.Device, ...]:
+    """GPUs through NVML (bindings, else nvidia-smi), limited to CUDA_VISIBLE_DEVICES; else (or with
+    ``cpu_slots``) CPU worker slots from psutil."""
+    if cpu_slots is None:
+        gpus = _visible(_nvml() or _nvidia_smi())
+        if gpus:
+            return tuple(gpus)
     slots = cpu_slots or psutil.cpu_count(logical=False) or 1
     mem = psutil.virtual_memory().total // slots
     return tuple(protocol.Device(index=i, kind="cpu", name="cpu", memory_bytes=mem) for i in range(slots))
