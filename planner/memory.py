@@ -44,7 +44,8 @@ class MemoryBreakdown:
 
     @property
     def total_bytes(self) -> int:
-        return sum(getattr(self, f.name) for f in fields(self))
+        return (self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes
+                + self.kv_cache_bytes + self.co_resident_bytes + self.workspace_bytes + self.headroom_bytes)
 
     def as_dict(self) -> dict[str, int]:
         out = {f.name: getattr(self, f.name) for f in fields(self)}

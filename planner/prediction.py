@@ -59,12 +59,11 @@ class Prediction:
         }
 
 
-def replica_links(sp: StagePlan, gpus: tuple[int, ...], cluster: ClusterSpec) -> Links:
+def replica_links(sp: StagePlan, gpus: tuple[int, ...], cluster: ClusterSpec, dp_intra: bool) -> Links:
     tp, pp = sp.layout.tp, sp.layout.pp
     node = cluster.node_of
     tp_intra = all(len({node(g) for g in gpus[r * tp:(r + 1) * tp]}) == 1 for r in range(pp))
     pp_intra = all(node(gpus[r * tp]) == node(gpus[(r + 1) * tp]) for r in range(pp - 1))
-    dp_intra = len({node(g) for s in sp.gpu_sets for g in s}) == 1
     return Links(tp_intra=tp_intra, pp_intra=pp_intra, dp_intra=dp_intra)
 
 
@@ -74,8 +73,9 @@ def predict_stage(job: JobSpec, cluster: ClusterSpec, sp: StagePlan, eff: Mappin
     model = job.model_of(ms)
     worst: StageCost | None = None
     seen: set[Links] = set()
+    dp_intra = len({cluster.node_of(g) for s in sp.gpu_sets for g in s}) == 1
     for gpus in sp.gpu_sets:
-        links = replica_links(sp, gpus, cluster)
+        links = replica_links(sp, gpus, cluster, dp_intra)
         if links in seen:
             continue
         seen.add(links)

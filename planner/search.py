@@ -16,16 +16,17 @@ Urgent path: when nothing fits, recomputation, then TP across nodes are allowed.
 
 from __future__ import annotations
 
-import bisect
 import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from planner.cost import PRIORS, OpClass
 from planner.errors import InfeasibleError, SpecError
 from planner.hardware import ClusterSpec
 from planner.memory import HEADROOM_FRACTION, WORKSPACE_BYTES, peak_total, resident_bytes, transient_bytes
-from planner.options import DEFAULT_RULES, OptionRules, StageOption, frontier, stage_options
+from planner.options import DEFAULT_RULES, OptionRules, OptionTable, StageOption, frontier, option_table
 from planner.plan import GlobalPlan, Layout, StagePlan, power_of_two_upto
 from planner.prediction import Prediction, predict
 from planner.workflow import JobSpec, ModelStage, StageKind
@@ -51,7 +52,11 @@ class SearchResult:
     urgent_options: bool  # recomputation or cross-node TP were needed
 
 
+MAX_TRANSIENT_LEVELS = 24  # transient caps the solver tries (see _quantize_transients)
+
 Choice = tuple[tuple[StageOption, ...], ...]  # waves of one stage, each a tuple of member options
+_Pick = tuple[tuple[str, int], ...]  # (model-stage, row of its table) per member of a wave
+_Point = tuple[float, float, tuple[_Pick, ...]]  # (sum of resident caps, seconds, waves)
 
 
 def order_pool(pool: Sequence[int], cluster: ClusterSpec) -> tuple[int, ...]:
@@ -81,9 +86,9 @@ def _usable(cluster: ClusterSpec) -> float:
     return cluster.device.memory_bytes / (1 + HEADROOM_FRACTION) - WORKSPACE_BYTES
 
 
-def _pareto(points: list[tuple[float, float, Choice]]) -> list[tuple[float, float, Choice]]:
-    """Keep (R, time) points no other point beats in both."""
-    out: list[tuple[float, float, Choice]] = []
+def _pareto(points: list[_Point]) -> list[_Point]:
+    """Keep the (R, seconds) points that no other point beats in both."""
+    out: list[_Point] = []
     best = float("inf")
     for p in sorted(points, key=lambda p: (p[0], p[1])):
         if p[1] < best:
@@ -93,122 +98,218 @@ def _pareto(points: list[tuple[float, float, Choice]]) -> list[tuple[float, floa
 
 
 class _WaveSolver:
-    """Best time of a wave under caps (R, T) and the GPU budget, memoised."""
+    """Best seconds of a wave (members on disjoint GPUs, at most ``budget`` together) under a resident
+    cap R and a transient cap T, memoised on the rows those caps admit."""
 
-    def __init__(self, fronts: dict[str, list[StageOption]], budget: int) -> None:
+    def __init__(self, fronts: Mapping[str, OptionTable], budget: int) -> None:
         self.fronts = fronts
         self.budget = budget
-        self.memo: dict[tuple[tuple[str, ...], int, int], tuple[float, tuple[StageOption, ...]] | None] = {}
+        self.t_sorted = {m: np.unique(t.transient) for m, t in fronts.items()}
+        self.memo: dict[tuple[object, ...], tuple[float, _Pick] | None] = {}
+        self.alone = {m: _alone_table(t, budget) for m, t in fronts.items()}
+        self.steps_memo: dict[tuple[str, float, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
-    def solve(self, members: tuple[str, ...], r_cap: int, t_cap: int) -> tuple[float, tuple[StageOption, ...]] | None:
-        key = (members, r_cap, t_cap)
+    def t_index(self, member: str, t_cap: float) -> int:
+        return int(np.searchsorted(self.t_sorted[member], t_cap, side="right"))
+
+    def solve(self, members: tuple[str, ...], r_cap: float, t_cap: float) -> tuple[float, _Pick] | None:
+        if len(members) == 1:  # a lookup in the member's (R, T) -> fastest row table
+            r_levels, t_levels, secs, rows = self.alone[members[0]]
+            i = int(np.searchsorted(r_levels, r_cap, side="right")) - 1
+            j = int(np.searchsorted(t_levels, t_cap, side="right")) - 1
+            if i < 0 or j < 0 or rows[i, j] < 0:
+                return None
+            return float(secs[i, j]), ((members[0], int(rows[i, j])),)
+        t_idx = tuple(self.t_index(m, t_cap) for m in members)
+        key = (members, r_cap, t_idx)
         if key in self.memo:
             return self.memo[key]
-        lists = [[o for o in self.fronts[m] if o.resident_bytes <= r_cap and o.transient_bytes <= t_cap
-                  and o.num_gpus <= self.budget] for m in members]
-        result: tuple[float, tuple[StageOption, ...]] | None = None
-        if all(lists):
-            if len(lists) == 1:
-                best = min(lists[0], key=lambda o: o.seconds)
-                result = (best.seconds, (best,))
-            else:
-                result = _min_max(lists, self.budget)
+        steps = []
+        for m, ti in zip(members, t_idx):
+            st = self.steps_memo.get((m, r_cap, ti))
+            if st is None:
+                tab = self.fronts[m]
+                mask = (tab.resident <= r_cap) & (tab.transient <= t_cap) & (tab.gpus <= self.budget)
+                st = self.steps_memo[(m, r_cap, ti)] = _steps(tab, np.flatnonzero(mask))
+            if st[0].size == 0:
+                self.memo[key] = None
+                return None
+            steps.append(st)
+        result = _min_max(members, steps, self.budget)
         self.memo[key] = result
         return result
 
 
-def _min_max(lists: list[list[StageOption]], budget: int) -> tuple[float, tuple[StageOption, ...]] | None:
-    """Min over choices of the slowest member, with the members' GPUs summing to at most ``budget``.
-
-    For a time threshold tau each member takes its fewest-GPU option no slower than tau; the smallest
-    feasible tau is found by bisection over the sorted candidate times."""
-    prepared = []
-    for opts in lists:
-        opts = sorted(opts, key=lambda o: o.seconds)
-        times = [o.seconds for o in opts]
-        prefix: list[StageOption] = []
-        for o in opts:
-            prefix.append(o if not prefix or o.num_gpus < prefix[-1].num_gpus else prefix[-1])
-        prepared.append((times, prefix))
-    taus = sorted({t for times, _ in prepared for t in times})
-
-    def pick(tau: float) -> tuple[StageOption, ...] | None:
-        chosen = []
-        for times, prefix in prepared:
-            i = bisect.bisect_right(times, tau) - 1
-            if i < 0:
-                return None
-            chosen.append(prefix[i])
-        return tuple(chosen) if sum(o.num_gpus for o in chosen) <= budget else None
-
-    lo, hi = 0, len(taus) - 1
-    if pick(taus[hi]) is None:
-        return None
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if pick(taus[mid]) is None:
-            lo = mid + 1
-        else:
-            hi = mid
-    chosen = pick(taus[lo])
-    assert chosen is not None
-    return max(o.seconds for o in chosen), chosen
+def _alone_table(tab: OptionTable, budget: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(R levels, T levels, fastest seconds and its row with resident <= R and transient <= T)."""
+    r_levels = np.unique(tab.resident)
+    t_levels = np.unique(tab.transient)
+    secs = np.full((r_levels.size, t_levels.size), np.inf)
+    rows = np.full((r_levels.size, t_levels.size), -1, dtype=np.int64)
+    ok = np.flatnonzero(tab.gpus <= budget)
+    # fastest row per cell (later, faster writes win), then a running minimum over growing R and T
+    order = ok[np.argsort(-tab.seconds[ok], kind="stable")]
+    cell_r = np.searchsorted(r_levels, tab.resident[order])
+    cell_t = np.searchsorted(t_levels, tab.transient[order])
+    secs[cell_r, cell_t] = tab.seconds[order]
+    rows[cell_r, cell_t] = order
+    for axis in (0, 1):
+        run = np.minimum.accumulate(secs, axis=axis)
+        shape = [1, 1]
+        shape[axis] = secs.shape[axis]
+        pos = np.arange(secs.shape[axis]).reshape(shape) * np.ones_like(rows)
+        pos = np.maximum.accumulate(np.where((secs == run) & np.isfinite(secs), pos, 0), axis=axis)
+        rows = np.take_along_axis(rows, pos, axis=axis)
+        secs = run
+    return r_levels, t_levels, secs, rows
 
 
-def _kind_points(kind_members: list[str], solver: _WaveSolver, t_cap: int,
-                 r_levels: dict[str, list[int]]) -> list[tuple[float, float, Choice]]:
-    """(sum of wave resident caps, stage time, waves) Pareto points of one stage for transient cap T."""
-    points: list[tuple[float, float, Choice]] = []
-    for part in _partitions(kind_members):
-        combined: list[tuple[float, float, Choice]] = [(0.0, 0.0, ())]
-        for wave in part:
-            members = tuple(wave)
-            levels = sorted({r for m in members for r in r_levels[m]})
-            wave_pts: list[tuple[float, float, Choice]] = []
-            for r in levels:
-                res = solver.solve(members, r, t_cap)
-                if res is not None:
-                    wave_pts.append((float(max(o.resident_bytes for o in res[1])), res[0], (res[1],)))
-            wave_pts = _pareto(wave_pts)
-            combined = _pareto([(a[0] + b[0], a[1] + b[1], a[2] + b[2]) for a in combined for b in wave_pts])
-            if not combined:
-                break
-        points += combined
-    return _pareto(points)
+def _steps(tab: OptionTable, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Fewest-GPU step function of a member: (GPUs ascending, best seconds with at most that many, row)."""
+    order = idx[np.lexsort((tab.seconds[idx], tab.gpus[idx]))]
+    secs = tab.seconds[order]
+    best = np.minimum.accumulate(secs)
+    keep = np.ones(order.size, dtype=bool)
+    keep[1:] = secs[1:] < best[:-1]
+    order = order[keep]
+    return tab.gpus[order], tab.seconds[order], order
 
 
-def _solve(job: JobSpec, fronts: dict[str, list[StageOption]], budget: int,
-           usable: float) -> tuple[float, dict[str, Choice]] | None:
-    kinds = [k for k in sorted(StageKind, key=lambda k: k.order) if job.workflow.by_kind(k)]
-    r_levels = {m: sorted({o.resident_bytes for o in opts}) for m, opts in fronts.items()}
-    t_levels = sorted({o.transient_bytes for opts in fronts.values() for o in opts})
-    solver = _WaveSolver(fronts, budget)
-    best: tuple[float, dict[str, Choice]] | None = None
-    for t_cap in t_levels:
-        room = usable - t_cap
-        if room < 0:
-            break
-        total: list[tuple[float, float, tuple[Choice, ...]]] = [(0.0, 0.0, ())]
-        for kind in kinds:
-            pts = _kind_points([ms.name for ms in job.workflow.by_kind(kind)], solver, t_cap, r_levels)
-            merged = [(a[0] + b[0], a[1] + b[1], a[2] + (b[2],)) for a in total for b in pts if a[0] + b[0] <= room]
-            total = _pareto3(merged)
-            if not total:
-                break
-        for r, t, choices in total:
-            if r <= room and (best is None or t < best[0]):
-                best = (t, {kind.value: c for kind, c in zip(kinds, choices)})
+def _min_max(members: tuple[str, ...], steps: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+             budget: int) -> tuple[float, _Pick] | None:
+    """Min over choices of the slowest member with the members' GPUs summing to at most ``budget``."""
+    if len(steps) == 1:
+        g, s, rows = steps[0]
+        i = int(np.searchsorted(g, budget, side="right")) - 1  # seconds fall as GPUs grow
+        return None if i < 0 else (float(s[i]), ((members[0], int(rows[i])),))
+    if len(steps) == 2:
+        (g1, s1, r1), (g2, s2, r2) = steps
+        j = np.searchsorted(g2, budget - g1, side="right") - 1
+        ok = j >= 0
+        if not ok.any():
+            return None
+        t = np.where(ok, np.maximum(s1, s2[np.maximum(j, 0)]), np.inf)
+        i = int(np.argmin(t))
+        return float(t[i]), ((members[0], int(r1[i])), (members[1], int(r2[j[i]])))
+    best: tuple[float, _Pick] | None = None
+    g1, s1, r1 = steps[0]
+    for k in range(g1.size):
+        rest = _min_max(members[1:], steps[1:], budget - int(g1[k]))
+        if rest is None:
+            continue
+        slowest = max(float(s1[k]), rest[0])
+        if best is None or slowest < best[0]:
+            best = (slowest, ((members[0], int(r1[k])),) + rest[1])
     return best
 
 
-def _pareto3(points: list[tuple[float, float, tuple[Choice, ...]]]) -> list[tuple[float, float, tuple[Choice, ...]]]:
-    out: list[tuple[float, float, tuple[Choice, ...]]] = []
+def _kind_points(names: list[str], solver: _WaveSolver, t_cap: float,
+                 r_levels: Mapping[str, list[float]]) -> list[_Point]:
+    """(sum of wave resident caps, stage seconds, waves) Pareto points of one stage under cap T."""
+    key = ("kind", tuple(names), tuple(solver.t_index(m, t_cap) for m in names))
+    if key in solver.memo:
+        return solver.memo[key]  # type: ignore[return-value]
+    points: list[_Point] = []
+    for part in _partitions(names):
+        combined: list[_Point] = [(0.0, 0.0, ())]
+        for wave in part:
+            members = tuple(wave)
+            wave_pts: list[_Point] = []
+            for r in sorted({r for m in members for r in r_levels[m]}):
+                res = solver.solve(members, r, t_cap)
+                if res is not None:
+                    wave_pts.append((r, res[0], (res[1],)))
+            combined = _pareto([(a[0] + b[0], a[1] + b[1], a[2] + b[2]) for a in combined for b in _pareto(wave_pts)])
+            if not combined:
+                break
+        points += combined
+    result = _pareto(points)
+    solver.memo[key] = result  # type: ignore[assignment]
+    return result
+
+
+def _lower_bound(fronts: Mapping[str, OptionTable], budget: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Per member: (transient ascending, fastest seconds with at most that transient), within budget."""
+    out = {}
+    for m, tab in fronts.items():
+        idx = np.flatnonzero(tab.gpus <= budget)
+        order = idx[np.argsort(tab.transient[idx], kind="stable")]
+        out[m] = (tab.transient[order], np.minimum.accumulate(tab.seconds[order]))
+    return out
+
+
+def _quantize_transients(fronts: Mapping[str, OptionTable]) -> dict[str, OptionTable]:
+    """Round transient bytes up to at most MAX_TRANSIENT_LEVELS levels (quantiles of the values seen).
+
+    The solver enumerates transient caps, so fewer levels mean fewer passes; rounding up keeps every
+    plan it returns feasible. With few distinct values nothing changes (the small settings where the
+    exhaustive search checks optimality)."""
+    values = np.unique(np.concatenate([t.transient for t in fronts.values()]))
+    if values.size <= MAX_TRANSIENT_LEVELS:
+        return dict(fronts)
+    levels = np.unique(np.quantile(values, np.linspace(0, 1, MAX_TRANSIENT_LEVELS), method="higher"))
+    out = {}
+    for m, t in fronts.items():
+        q = levels[np.searchsorted(levels, t.transient, side="left")]
+        out[m] = frontier(OptionTable(model_stage=t.model_stage, tp=t.tp, pp=t.pp, dp=t.dp, b=t.b, g=t.g,
+                                      recompute=t.recompute, seconds=t.seconds, gpus=t.gpus,
+                                      resident=t.resident, transient=q))
+    return out
+
+
+def _solve(job: JobSpec, fronts: Mapping[str, OptionTable], budget: int,
+           usable: float) -> tuple[float, dict[str, tuple[_Pick, ...]]] | None:
+    """Largest transient cap first; stop once even unlimited residents could not beat the best found."""
+    kinds = [k for k in sorted(StageKind, key=lambda k: k.order) if job.workflow.by_kind(k)]
+    names = {k: [ms.name for ms in job.workflow.by_kind(k)] for k in kinds}
+    r_levels = {m: [float(r) for r in np.unique(t.resident)] for m, t in fronts.items()}
+    t_levels = np.unique(np.concatenate([t.transient for t in fronts.values()]))
+    lb_tables = _lower_bound(fronts, budget)
+    solver = _WaveSolver(fronts, budget)
+    best: tuple[float, dict[str, tuple[_Pick, ...]]] | None = None
+    for t_cap in t_levels[::-1]:
+        t_cap = float(t_cap)
+        room = usable - t_cap
+        if room < 0:
+            continue
+        lb = 0.0
+        for k in kinds:
+            worst = 0.0
+            for m in names[k]:
+                ts, secs = lb_tables[m]
+                i = int(np.searchsorted(ts, t_cap, side="right")) - 1
+                worst = max(worst, float(secs[i]) if i >= 0 else float("inf"))
+            lb += worst
+        if best is not None and lb >= best[0]:
+            break  # smaller caps only raise the bound
+        total: list[tuple[float, float, tuple[tuple[_Pick, ...], ...]]] = [(0.0, 0.0, ())]
+        for k in kinds:
+            pts = _kind_points(names[k], solver, t_cap, r_levels)
+            merged = [(a[0] + b[0], a[1] + b[1], a[2] + (b[2],)) for a in total for b in pts
+                      if a[0] + b[0] <= room]
+            total = _pareto_total(merged)
+            if not total:
+                break
+        for _r, sec, picks in total:
+            if best is None or sec < best[0]:
+                best = (sec, {k.value: p for k, p in zip(kinds, picks)})
+    return best
+
+
+def _pareto_total(points: list[tuple[float, float, tuple[tuple[_Pick, ...], ...]]]
+                  ) -> list[tuple[float, float, tuple[tuple[_Pick, ...], ...]]]:
+    out: list[tuple[float, float, tuple[tuple[_Pick, ...], ...]]] = []
     best = float("inf")
     for p in sorted(points, key=lambda p: (p[0], p[1])):
         if p[1] < best:
             out.append(p)
             best = p[1]
     return out
+
+
+def _choices(fronts: Mapping[str, OptionTable], picks: Mapping[str, tuple[_Pick, ...]]) -> dict[str, Choice]:
+    return {k: tuple(tuple(fronts[m].option(i) for m, i in wave) for wave in waves)
+            for k, waves in picks.items()}
 
 
 def assign(job: JobSpec, pool: tuple[int, ...], choices: Mapping[str, Choice], version: int) -> GlobalPlan:
@@ -275,21 +376,57 @@ def search(job: JobSpec, cluster: ClusterSpec, pool: Sequence[int] | None = None
     usable = _usable(cluster)
     considered = 0
     for i, rules in enumerate(URGENT_RULES):
-        fronts: dict[str, list[StageOption]] = {}
+        fronts: dict[str, OptionTable] = {}
         for ms in job.workflow.model_stages:
-            opts = stage_options(job, ms, cluster, n, eff, rules)
-            considered += len(opts)
-            fronts[ms.name] = frontier(opts)
-        if not all(fronts.values()):
+            table = option_table(job, ms, cluster, n, eff, rules)
+            considered += len(table)
+            fronts[ms.name] = frontier(table)
+        if not all(len(t) for t in fronts.values()):
             continue
+        fronts = _quantize_transients(fronts)
         best = _solve(job, fronts, n, usable)
         if best is None:
             continue
-        plan = assign(job, ordered, best[1], version)
+        plan = assign(job, ordered, _choices(fronts, best[1]), version)
         return SearchResult(plan=plan, prediction=predict(job, cluster, plan, eff), objective_s=best[0],
                             candidates_considered=considered,
                             frontier_sizes={k: len(v) for k, v in fronts.items()}, urgent_options=i > 0)
     raise _infeasible(job, cluster, n)
+
+
+def _dominance_free(options: list[StageOption]) -> list[StageOption]:
+    """Drop candidates another one beats or ties in all of seconds, GPUs, resident and transient bytes.
+
+    Exact (no optimum is lost: swapping in the dominator keeps any plan feasible and no slower); pairwise,
+    so only for the small settings the exhaustive search is meant for."""
+    kept: list[StageOption] = []
+    for o in sorted(options, key=lambda o: (o.seconds, o.num_gpus, o.resident_bytes, o.transient_bytes)):
+        if not any(k.num_gpus <= o.num_gpus and k.resident_bytes <= o.resident_bytes
+                   and k.transient_bytes <= o.transient_bytes for k in kept):
+            kept.append(o)
+    return kept
+
+
+_WaveRow = tuple[float, int, int, tuple[StageOption, ...]]  # (slowest s, max resident, max transient, members)
+
+
+def _all_wave_rows(wave: tuple[str, ...], all_opts: Mapping[str, list[StageOption]], budget: int,
+                   memo: dict[tuple[str, ...], list[_WaveRow]]) -> list[_WaveRow]:
+    """Every GPU-feasible combination of a wave's members, the fastest per (resident, transient) pair
+    (a slower combination with the same memory is never part of an optimum)."""
+    if wave in memo:
+        return memo[wave]
+    best: dict[tuple[int, int], _WaveRow] = {}
+    for combo in itertools.product(*(all_opts[m] for m in wave)):
+        if sum(o.num_gpus for o in combo) > budget:
+            continue
+        row = (max(o.seconds for o in combo), max(o.resident_bytes for o in combo),
+               max(o.transient_bytes for o in combo), combo)
+        key = (row[1], row[2])
+        if key not in best or row[0] < best[key][0]:
+            best[key] = row
+    memo[wave] = list(best.values())
+    return memo[wave]
 
 
 def exhaustive_search(job: JobSpec, cluster: ClusterSpec, pool: Sequence[int] | None = None,
@@ -301,21 +438,16 @@ def exhaustive_search(job: JobSpec, cluster: ClusterSpec, pool: Sequence[int] | 
     ordered = _check_pool(cluster, pool)
     n = len(ordered)
     usable = _usable(cluster)
-    all_opts = {ms.name: stage_options(job, ms, cluster, n, eff, rules) for ms in job.workflow.model_stages}
+    all_opts = {ms.name: _dominance_free(option_table(job, ms, cluster, n, eff, rules).options())
+                for ms in job.workflow.model_stages}
     kinds = [k for k in sorted(StageKind, key=lambda k: k.order) if job.workflow.by_kind(k)]
     per_kind: list[list[tuple[float, int, int, Choice]]] = []  # (time, sum R, max T, waves)
+    memo: dict[tuple[str, ...], list[_WaveRow]] = {}
     for kind in kinds:
         names = [ms.name for ms in job.workflow.by_kind(kind)]
         rows: list[tuple[float, int, int, Choice]] = []
         for part in _partitions(names):
-            wave_rows: list[list[tuple[float, int, int, tuple[StageOption, ...]]]] = []
-            for wave in part:
-                combos = []
-                for combo in itertools.product(*(all_opts[m] for m in wave)):
-                    if sum(o.num_gpus for o in combo) <= n:
-                        combos.append((max(o.seconds for o in combo), max(o.resident_bytes for o in combo),
-                                       max(o.transient_bytes for o in combo), combo))
-                wave_rows.append(combos)
+            wave_rows = [_all_wave_rows(tuple(wave), all_opts, n, memo) for wave in part]
             for waves in itertools.product(*wave_rows):
                 rows.append((sum(w[0] for w in waves), sum(w[1] for w in waves), max(w[2] for w in waves),
                              tuple(w[3] for w in waves)))
@@ -326,12 +458,12 @@ def exhaustive_search(job: JobSpec, cluster: ClusterSpec, pool: Sequence[int] | 
                 best_of[key] = row
         per_kind.append(list(best_of.values()))
     best: tuple[float, dict[str, Choice]] | None = None
-    for combo in itertools.product(*per_kind):
-        if sum(c[1] for c in combo) + max(c[2] for c in combo) > usable:
+    for pick in itertools.product(*per_kind):
+        if sum(c[1] for c in pick) + max(c[2] for c in pick) > usable:
             continue
-        t = sum(c[0] for c in combo)
-        if best is None or t < best[0]:
-            best = (t, {kind.value: c[3] for kind, c in zip(kinds, combo)})
+        total = sum(c[0] for c in pick)
+        if best is None or total < best[0]:
+            best = (total, {kind.value: c[3] for kind, c in zip(kinds, pick)})
     if best is None:
         raise _infeasible(job, cluster, n)
     plan = assign(job, ordered, best[1], version)
