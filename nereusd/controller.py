@@ -71,6 +71,23 @@ def plan_from_dict(data: dict[str, Any]) -> GlobalPlan:
                   recompute=bool(s.get("recompute", False))) for s in data["stages"]))
 
 
+def trigger_state_to_dict(ts: admission.TriggerState) -> dict[str, Any]:
+    return {"gpu_pool": sorted(ts.gpu_pool), "references": {k.value: v for k, v in ts.references.items()},
+            "thresholds": {k.value: v for k, v in ts.thresholds.items()},
+            "last_crossing_step": {k.value: v for k, v in ts.last_crossing_step.items()},
+            "h_steps": {k.value: v for k, v in ts.h_steps.items()}, "start_step": ts.start_step}
+
+
+def trigger_state_from_dict(d: dict[str, Any]) -> admission.TriggerState:
+    sig = admission.Signal
+    return admission.TriggerState(
+        gpu_pool=frozenset(int(g) for g in d["gpu_pool"]),
+        references={sig(k): float(v) for k, v in d["references"].items()},
+        thresholds={sig(k): float(v) for k, v in d["thresholds"].items()},
+        last_crossing_step={sig(k): int(v) for k, v in d["last_crossing_step"].items()},
+        h_steps={sig(k): float(v) for k, v in d["h_steps"].items()}, start_step=int(d["start_step"]))
+
+
 def _latency(prediction: Any) -> float | None:
     return None if prediction is None else float(prediction.step_latency_s)
 
@@ -106,7 +123,13 @@ class JobController:
                                                                    + workload["response_tokens"])
         row = store.plan(job_id)
         self.plan: GlobalPlan | None = plan_from_dict(row["plan"]) if row else None
+        saved = store.controller_state(job_id)
+        if saved is not None:  # a restarted daemon resumes the monitor where it was (H_x, references)
+            self.trigger_state = trigger_state_from_dict(saved["trigger"]) if saved.get("trigger") else None
+            self.signals.update({admission.Signal(k): float(v) for k, v in saved.get("signals", {}).items()})
+            self.last_step = int(saved.get("last_step", 0))
         self.prediction: Any = None
+        self._predicted_once = False
         self._pending_prediction: Any = None  # the candidate's prediction, until its transition is done
 
     # --- passive sync -------------------------------------------------------------------------------
@@ -158,6 +181,7 @@ class JobController:
         if msg.response_tokens:
             prompt = float(self.job["spec"].get("workload", {}).get("prompt_tokens", 0))
             self.signals[admission.Signal.SEQUENCE_LENGTH] = prompt + msg.response_tokens
+        self._save()
         if self.planner is not None and self.plan is not None and msg.plan_version == self.plan.version:
             try:
                 self.planner.calibrate(self._spec_now(), msg, self.plan)
@@ -192,18 +216,25 @@ class JobController:
                 self.pool_changed_at = self.clock()
         if not self.pool or self.clock() - self.pool_changed_at < self.pool_settle_s:
             return None  # no GPUs, or the pool is still moving: one replan after the burst, not one per join
+        if self.plan is not None and self.prediction is None and not self._predicted_once:
+            self._predicted_once = True  # after a restart: the committed plan's prediction, once
+            self.prediction = self._predict(self.plan)
         obs = admission.Observation(step=self.last_step, gpu_pool=self.pool, signals=dict(self.signals))
         if self.trigger_state is None:
             self.trigger_state = admission.initial_state(obs, self.thresholds)
-            if self.plan is not None:  # restarted daemon: keep the committed plan, re-arm the triggers
+            self._save()
+            if self.plan is not None:  # a store without monitor state: keep the committed plan, re-arm
                 self.prediction = self._predict(self.plan)
                 return None
             trigger = admission.Trigger(kind=admission.TriggerKind.URGENT, step=obs.step,
                                         reasons=(f"initial placement on {len(self.pool)} GPUs",))
         else:
             # No plan yet (the initial search failed): only a change of the pool retries, via observe().
+            prev_state = self.trigger_state
             self.trigger_state, fired = admission.observe(self.trigger_state, obs)
             if fired is None:
+                if self.trigger_state != prev_state:
+                    self._save()
                 return None
             trigger = fired
         return self._decide(trigger, obs)
@@ -233,9 +264,11 @@ class JobController:
                                         replan=replan, transition_s=l_tran, gamma=self.gamma)
         except InfeasibleError as exc:  # replan() is caught inside decide(): this is the DAG (last copy lost)
             self.trigger_state = admission.after_replan(self.trigger_state or admission.initial_state(obs), obs)
+            self._save()
             return self._record_unbuildable(trigger, exc, time.perf_counter() - t0)
         decision_s = time.perf_counter() - t0
         self.trigger_state = admission.after_replan(self.trigger_state or admission.initial_state(obs), obs)
+        self._save()
         v = decision.verdict
         did = self.store.add_decision(
             job_id=self.job_id, trigger=trigger.kind.value, urgent=trigger.kind is admission.TriggerKind.URGENT,
@@ -326,6 +359,11 @@ class JobController:
         self.pool = frozenset(owner)
         self.pool_dirty = False
         self.metrics.gpus_held.labels(self.job_id).set(len(self.pool))
+
+    def _save(self) -> None:
+        self.store.save_controller_state(self.job_id, {
+            "trigger": trigger_state_to_dict(self.trigger_state) if self.trigger_state else None,
+            "signals": {k.value: v for k, v in self.signals.items()}, "last_step": self.last_step})
 
     def _spec_now(self) -> dict[str, Any]:
         """The job spec with the workload as measured now (the planner plans for today's lengths)."""

@@ -106,9 +106,14 @@ _MIGRATIONS: tuple[str, ...] = (
     CREATE INDEX decisions_job ON decisions(job_id, id);
     CREATE INDEX transitions_job ON transitions(job_id, id);
     """,
+    # 3: the controller's monitor state (trigger references, H_x EMAs, last signals) survives restarts
+    """
+    CREATE TABLE controller_state (
+        job_id TEXT PRIMARY KEY REFERENCES jobs(job_id), snapshot TEXT NOT NULL, updated_at REAL NOT NULL);
+    """,
 )
 SCHEMA_VERSION = len(_MIGRATIONS)
-_JSON_COLUMNS = frozenset({"spec", "devices", "nodes", "plan", "prediction", "inputs", "dag", "parts_pending",
+_JSON_COLUMNS = frozenset({"spec", "snapshot", "devices", "nodes", "plan", "prediction", "inputs", "dag", "parts_pending",
                            "stage_times", "peak_memory", "data"})
 
 
@@ -331,6 +336,16 @@ class Store:
         else:
             rows = self._all("SELECT * FROM events WHERE job_id=? ORDER BY id DESC LIMIT ?", job_id, limit)
         return rows[::-1]
+
+    def save_controller_state(self, job_id: str, snapshot: dict[str, Any]) -> None:
+        with self._tx():
+            self.db.execute("INSERT INTO controller_state VALUES (?,?,?) ON CONFLICT(job_id) DO UPDATE SET "
+                            "snapshot=excluded.snapshot, updated_at=excluded.updated_at",
+                            (job_id, json.dumps(snapshot), self._clock()))
+
+    def controller_state(self, job_id: str) -> dict[str, Any] | None:
+        row = self._one("SELECT snapshot FROM controller_state WHERE job_id=?", job_id)
+        return row["snapshot"] if row else None
 
     # --- decisions and transitions ----------------------------------------------------------------
     def add_decision(self, *, job_id: str, trigger: str, urgent: bool, admitted: bool, rule: str, reason: str,

@@ -106,6 +106,17 @@ def test_initial_placement_drift_and_node_loss_are_decided_and_recorded(tmp_path
     assert plan.gpus <= {0, 1}
     assert [d["id"] for d in store.decisions("j")] == [d1, d2, d3]
 
+    # a restarted daemon's controller resumes the monitor state (H_x, references) and the plan
+    again, _ = JobController(job_id="j", store=store, metrics=Metrics(), planner=PlannerBinding(), gamma=0.5,
+                             thresholds=dict(admission.DEFAULT_THRESHOLDS), log=get_logger("test"),
+                             send_order=lambda node, order: True), None
+    assert again.trigger_state == ctl.trigger_state and again.trigger_state is not None
+    assert again.trigger_state.h(admission.Signal.SEQUENCE_LENGTH) == ctl.trigger_state.h(  # type: ignore[union-attr]
+        admission.Signal.SEQUENCE_LENGTH)
+    assert again.signals == ctl.signals and again.last_step == 5 and again.plan == ctl.plan
+    assert again.step() is None and again.prediction is not None  # same pool, no drift: nothing to decide
+    assert len(store.decisions("j")) == 3
+
 
 def test_failed_part_fails_the_transition_and_keeps_the_old_plan(tmp_path: Path) -> None:
     orders: list[tuple[str, protocol.TransitionOrder]] = []
