@@ -10,8 +10,10 @@ worker slots (psutil). One worker process per device; the agent restarts a worke
 ``max_restarts``) and reports worker states in every heartbeat.
 
 Relays: the job driver and the workers PUSH Measurement and TransitionReport messages to the
-agent's local ipc socket ($NEREUS_AGENT_IPC), which forwards them to the daemon; transition orders
-from the daemon are PUBlished on $NEREUS_AGENT_ORDERS (workers SUBscribe). ``--ack-orders`` reports
+agent's local ipc socket ($NEREUS_AGENT_IPC; ``AgentLink`` is their side). Measurements go on to the
+daemon; an order is reported done for the node once every local worker reported it (or failed at the
+first failure). Transition orders from the daemon are PUBlished on $NEREUS_AGENT_ORDERS (workers
+SUBscribe), again every beat until the node reported them. ``--ack-orders`` reports
 every order done at once (simulated nodes, tests, benchmarks: no executor attached).
 
 After a daemon restart the agent's connection comes back by itself (same CURVE key, same routing id);
@@ -160,6 +162,10 @@ class NodeAgent:
         self.plan_version = 0
         self.seq = 0
         self.orders: list[protocol.TransitionOrder] = []
+        # orders not yet reported done by a local worker: re-published every beat, because a SUB socket
+        # that connects after a PUBlish never sees it (workers drop repeats by transition id)
+        self.pending_orders: dict[int, protocol.TransitionOrder] = {}
+        self.reports: dict[int, list[protocol.TransitionReport]] = {}  # per order, from local workers
 
     # --- workers ------------------------------------------------------------------------------------
     def _spawn(self, w: _Worker) -> None:
@@ -238,12 +244,31 @@ class NodeAgent:
             self.orders.append(msg)
             self.log.info("transition-order", transition=msg.transition_id, to_version=msg.to_version)
             self.orders_out.send(protocol.encode(msg))
+            if not self.cfg.ack_orders:
+                self.pending_orders[msg.transition_id] = msg
             if self.on_order is not None:
                 self.on_order(msg)
             if self.cfg.ack_orders:
                 self.plan_version = msg.to_version
                 self.client.send(protocol.TransitionReport(job_id=self.cfg.job_id, node=self.cfg.node,
                                                            transition_id=msg.transition_id, ok=True, measured_s=0.0))
+
+    def _worker_report(self, msg: protocol.TransitionReport) -> None:
+        """The node is done with an order when every local worker is (or at its first failure)."""
+        if msg.transition_id not in self.pending_orders:
+            return  # already reported (failed early) or never ordered here
+        got = self.reports.setdefault(msg.transition_id, [])
+        got.append(msg)
+        expected = max(1, len(self.workers))
+        if msg.ok and len(got) < expected:
+            return
+        failed = [r for r in got if not r.ok]
+        self.pending_orders.pop(msg.transition_id)
+        self.reports.pop(msg.transition_id)
+        self.client.send(protocol.TransitionReport(
+            job_id=self.cfg.job_id, node=self.cfg.node, transition_id=msg.transition_id, ok=not failed,
+            measured_s=max(r.measured_s for r in got), bytes_moved=sum(r.bytes_moved for r in got),
+            error="; ".join(r.error for r in failed)))
 
     def report(self, msg: protocol.Measurement | protocol.TransitionReport) -> bool:
         """Send a report from this process (the driver on node 0 may run inside the agent)."""
@@ -265,6 +290,8 @@ class NodeAgent:
                 if now >= next_beat:
                     if self.registered.is_set():
                         self._heartbeat()
+                        for order in self.pending_orders.values():
+                            self.orders_out.send(protocol.encode(order))
                     else:
                         self._register()
                     self._supervise()
@@ -295,7 +322,9 @@ class NodeAgent:
                         except protocol.ProtocolError as exc:
                             self.log.warning("bad-local-report", error=str(exc))
                             continue
-                        if isinstance(msg, (protocol.Measurement, protocol.TransitionReport)):
+                        if isinstance(msg, protocol.TransitionReport):
+                            self._worker_report(msg)
+                        elif isinstance(msg, protocol.Measurement):
                             self.client.send(msg)
             return EXIT_OK
         except (AgentRefused, AuthRefused) as exc:
@@ -309,6 +338,53 @@ class NodeAgent:
         self.client.close()
         self.relay_in.close(linger=0)
         self.orders_out.close(linger=0)
+        self.ctx.term()
+
+
+class AgentLink:
+    """The worker's (or job driver's) side of the relay: report to the agent, receive its orders.
+
+        link = AgentLink.from_env()          # inside a process the agent spawned
+        order = link.next_order(timeout_s=60)
+        ... run this node's part at the next safe point ...
+        link.report(protocol.TransitionReport(job_id=link.job_id, node=link.node,
+                                              transition_id=order.transition_id, ok=True, measured_s=dt))
+    """
+
+    def __init__(self, *, ipc_in: str, ipc_orders: str, job_id: str, node: str) -> None:
+        self.job_id, self.node = job_id, node
+        self.ctx = zmq.Context()
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.push.connect(ipc_in)
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.connect(ipc_orders)
+        self.seen: set[int] = set()
+
+    @classmethod
+    def from_env(cls) -> AgentLink:
+        env = os.environ
+        return cls(ipc_in=env["NEREUS_AGENT_IPC"], ipc_orders=env["NEREUS_AGENT_ORDERS"],
+                   job_id=env["NEREUS_JOB_ID"], node=env["NEREUS_NODE"])
+
+    def report(self, msg: protocol.Measurement | protocol.TransitionReport) -> None:
+        self.push.send(protocol.encode(msg))
+
+    def next_order(self, timeout_s: float) -> protocol.TransitionOrder | None:
+        """The next order not seen before, or None after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            if not self.sub.poll(int(left * 1e3) + 1):
+                return None
+            msg = protocol.decode(self.sub.recv(), 64 << 20)
+            if isinstance(msg, protocol.TransitionOrder) and msg.transition_id not in self.seen:
+                self.seen.add(msg.transition_id)
+                return msg
+        return None
+
+    def close(self) -> None:
+        self.push.close(linger=5000)  # deliver what was reported before going away
+        self.sub.close(linger=0)
         self.ctx.term()
 
 

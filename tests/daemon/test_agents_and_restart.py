@@ -146,3 +146,40 @@ def test_agent_supervises_workers_and_relays_their_measurements(daemon: DaemonHa
     finally:
         agent.terminate()
         assert agent.wait(20) == 0  # SIGTERM: workers stopped, clean exit
+
+
+EXECUTOR = """
+import os
+from agent.node import AgentLink
+from nereusd import protocol
+link = AgentLink.from_env()
+while True:
+    order = link.next_order(timeout_s=600)
+    if order is None:
+        break
+    link.report(protocol.TransitionReport(job_id=link.job_id, node=link.node, transition_id=order.transition_id,
+                                          ok=True, measured_s=0.04 + 0.002 * int(os.environ["NEREUS_DEVICE"]),
+                                          bytes_moved=0))
+"""
+
+
+def test_orders_reach_a_worker_and_its_report_commits_the_plan(daemon: DaemonHandle) -> None:
+    daemon.start()
+    daemon.admin("job-add", job="j", user="alice", spec=SPEC)
+    script = daemon.tmp / "executor.py"
+    script.write_text(EXECUTOR)
+    import sys
+
+    # both worker slots run the executor (each runs its device's part of the DAG); the agent reports
+    # the node done once both did, with the slowest part's time
+    agent = daemon.agent("alice", "j", "n1", "--worker-cmd", f"{sys.executable} {script}")
+    try:
+        wait_for(lambda: daemon.admin("job", job="j")["plan_version"] == 1, timeout_s=30, what="plan v1 committed")
+        (t,) = daemon.admin("transitions", job="j")
+        assert t["state"] == "done" and t["measured_s"] == 0.042  # max over the node's two workers
+        assert "stale-transition-report" not in daemon.log()  # one report per node, not per worker
+        assert [h["to_state"] for h in daemon.admin("transition", id=t["id"])["history"]] == ["planned", "ordered",
+                                                                                            "done"]
+    finally:
+        agent.terminate()
+        agent.wait(20)
