@@ -23,13 +23,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from planner.cost import PRIORS, OpClass
-from planner.errors import InfeasibleError, SpecError
+from planner.errors import SpecError
 from planner.hardware import ClusterSpec
-from planner.memory import HEADROOM_FRACTION, WORKSPACE_BYTES, peak_total, resident_bytes, transient_bytes
+from planner.infeasible import explain_infeasible
+from planner.memory import HEADROOM_FRACTION, WORKSPACE_BYTES
 from planner.options import DEFAULT_RULES, OptionRules, OptionTable, StageOption, frontier, option_table
-from planner.plan import GlobalPlan, Layout, StagePlan, power_of_two_upto
+from planner.plan import GlobalPlan, StagePlan
 from planner.prediction import Prediction, predict
-from planner.workflow import JobSpec, ModelStage, StageKind
+from planner.workflow import JobSpec, StageKind
 
 __all__ = ["SearchResult", "predict", "search", "exhaustive_search", "order_pool", "URGENT_RULES"]
 
@@ -335,39 +336,6 @@ def _check_pool(cluster: ClusterSpec, pool: Sequence[int] | None) -> tuple[int, 
     return ordered
 
 
-def _infeasible(job: JobSpec, cluster: ClusterSpec, n: int) -> InfeasibleError:
-    """Explain: per model-stage, its smallest footprint on this pool, and how far over capacity it is."""
-    capacity = cluster.device.memory_bytes
-    reasons = []
-    for ms in job.workflow.model_stages:
-        need = _smallest_footprint(job, ms, n)
-        if need > capacity:
-            reasons.append(f"{ms.name}: needs at least {need / 1e9:.1f} GB per GPU on {n} GPUs, "
-                           f"{(need - capacity) / 1e9:.1f} GB ({need - capacity} bytes) over the "
-                           f"{capacity / 1e9:.0f} GB of a {cluster.device.name}")
-    if not reasons:
-        reasons.append(f"every model-stage fits alone, but their resident state together exceeds "
-                       f"{capacity / 1e9:.0f} GB per GPU on {n} GPUs")
-    return InfeasibleError(f"no plan fits in memory on {n} x {cluster.device.name}", tuple(reasons))
-
-
-def _smallest_footprint(job: JobSpec, ms: ModelStage, n: int) -> int:
-    """Lower bound of a model-stage's own peak: largest unit that fits the pool, one sequence per
-    micro-batch, recomputation for training."""
-    model = job.model_of(ms)
-    best: int | None = None
-    for tp in power_of_two_upto(n):
-        if not model.valid_tp(tp):
-            continue
-        for pp in power_of_two_upto(min(model.num_layers, n // tp)):
-            layout = Layout(tp, pp)
-            need = peak_total(resident_bytes(model, ms, layout).total_bytes,
-                              transient_bytes(model, ms, layout, job.workload, 1, 1,
-                                              ms.kind is StageKind.TRAINING).total_bytes)
-            best = need if best is None else min(best, need)
-    return best if best is not None else 0
-
-
 def search(job: JobSpec, cluster: ClusterSpec, pool: Sequence[int] | None = None,
            eff: Mapping[OpClass, float] = PRIORS, version: int = 1) -> SearchResult:
     """The fastest memory-feasible plan on ``pool`` (default: every GPU of the cluster)."""
@@ -391,7 +359,7 @@ def search(job: JobSpec, cluster: ClusterSpec, pool: Sequence[int] | None = None
         return SearchResult(plan=plan, prediction=predict(job, cluster, plan, eff), objective_s=best[0],
                             candidates_considered=considered,
                             frontier_sizes={k: len(v) for k, v in fronts.items()}, urgent_options=i > 0)
-    raise _infeasible(job, cluster, n)
+    raise explain_infeasible(job, cluster, n)
 
 
 def _dominance_free(options: list[StageOption]) -> list[StageOption]:
@@ -465,7 +433,7 @@ def exhaustive_search(job: JobSpec, cluster: ClusterSpec, pool: Sequence[int] | 
         if best is None or total < best[0]:
             best = (total, {kind.value: c[3] for kind, c in zip(kinds, pick)})
     if best is None:
-        raise _infeasible(job, cluster, n)
+        raise explain_infeasible(job, cluster, n)
     plan = assign(job, ordered, best[1], version)
     return SearchResult(plan=plan, prediction=predict(job, cluster, plan, eff), objective_s=best[0],
                         candidates_considered=sum(len(v) for v in all_opts.values()),
