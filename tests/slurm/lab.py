@@ -10,6 +10,9 @@ There is no systemd here: every daemon is started by hand in the foreground as a
 process and stopped by its PID, never by name. A stale lab left by a killed run is stopped first
 through its pid files. ``LabUnavailable`` says why a lab cannot exist here (not root, no apt).
 
+Several test processes share one lab: ``SlurmLab.acquire()`` starts it or joins a healthy one,
+``release()`` stops it when the last user leaves, ``exclusive()`` serialises tests across processes.
+
 Run by hand:  .venv/bin/python tests/slurm/lab.py up|down
 """
 
@@ -131,62 +134,124 @@ class SlurmLab:
         return _run(list(argv), timeout_s=timeout_s, check=check, env=self.env)
 
     # --- life cycle -------------------------------------------------------------------------------
+    # Several test processes (pytest-xdist workers, or two engineers' runs) may want the lab at once.
+    # They share one cluster: ``acquire`` starts it unless a healthy one runs, and registers the
+    # process as a user; ``release`` unregisters and stops the cluster when no live user is left;
+    # ``exclusive`` serialises the tests themselves (a test downs nodes and cancels everything).
     @classmethod
     def start(cls, root: Path | str = DEFAULT_ROOT, log: Callable[[str], None] = print, **kw: int) -> SlurmLab:
+        """Start a fresh lab (stopping whatever ran there before); see ``acquire`` to share one."""
         ensure_installed(log)
         lab = cls(root=Path(root), **kw)  # type: ignore[arg-type]
-        with lab._lock():
-            lab._stop_stale()
-            t0 = time.monotonic()
-            try:
-                lab._write_configs()
-                lab._start_munge()
-                lab._start_mariadb()
-                lab._start_slurmdbd()
-                lab._start_slurmctld()
-                lab._start_slurmds()
-            except BaseException:
-                lab.stop()
-                raise
-            lab.started_s = time.monotonic() - t0
-        log(f"slurm lab: {lab.num_nodes} nodes up in {lab.started_s:.1f} s under {lab.root}")
+        with lab._flock(".lock"):
+            lab._fresh_start(log)
         return lab
 
+    @classmethod
+    def acquire(cls, root: Path | str = DEFAULT_ROOT, log: Callable[[str], None] = print, **kw: int) -> SlurmLab:
+        ensure_installed(log)
+        lab = cls(root=Path(root), **kw)  # type: ignore[arg-type]
+        with lab._flock(".lock"):
+            others = lab._live_users()
+            if others and lab.healthy():
+                log(f"slurm lab: joined the running lab under {lab.root} (users: {sorted(others)})")
+            else:
+                lab._fresh_start(log)
+            lab._users_dir.mkdir(parents=True, exist_ok=True)
+            (lab._users_dir / str(os.getpid())).touch()
+        return lab
+
+    def release(self) -> None:
+        with self._flock(".lock"):
+            (self._users_dir / str(os.getpid())).unlink(missing_ok=True)
+            if not self._live_users():
+                self.stop()
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[SlurmLab]:
+        """Hold the lab alone for one test, then cancel every job and bring every node back."""
+        with self._flock(".test.lock"):
+            try:
+                yield self
+            finally:
+                self.cancel_all()
+                self.resume_all_nodes()
+
+    @property
+    def _users_dir(self) -> Path:
+        return Path(str(self.root) + ".users")
+
+    def _live_users(self) -> set[int]:
+        live = set()
+        for entry in self._users_dir.glob("*") if self._users_dir.is_dir() else ():
+            pid = int(entry.name) if entry.name.isdigit() else -1
+            if pid != os.getpid() and pid_alive(pid):
+                live.add(pid)
+            elif pid != os.getpid():
+                entry.unlink(missing_ok=True)  # a user that died without releasing
+        return live
+
+    def healthy(self) -> bool:
+        return self.conf.exists() and self.run("scontrol", "ping", timeout_s=10, check=False).returncode == 0 \
+            and set(self.nodes) <= set(self.node_states())
+
+    def _fresh_start(self, log: Callable[[str], None]) -> None:
+        self._stop_stale()
+        t0 = time.monotonic()
+        try:
+            self._write_configs()
+            self._start_munge()
+            self._start_mariadb()
+            self._start_slurmdbd()
+            self._start_slurmctld()
+            self._start_slurmds()
+        except BaseException:
+            self.stop()
+            raise
+        self.started_s = time.monotonic() - t0
+        log(f"slurm lab: {self.num_nodes} nodes up in {self.started_s:.1f} s under {self.root}")
+
     def stop(self) -> None:
-        """scancel every job first (else slurmstepd dies and srun hangs), then stop daemons by PID."""
-        if "slurmctld" in self.procs and pid_alive(self.procs["slurmctld"].pid):
-            self.run("scancel", "--full", "--user", "root", check=False)
+        """scancel every job first (else slurmstepd dies and srun hangs), then stop daemons by PID.
+
+        Works from any process: the PIDs come from the lab's pid files, not only from this process.
+        """
+        pids = self._pid_files()
+        if "slurmctld" in pids and pid_alive(pids["slurmctld"]):
+            self.run("scancel", "--full", "--user", "root", timeout_s=10, check=False)
             with contextlib.suppress(TimeoutError):
                 wait_for(lambda: not self.active_jobs(), 20, "jobs to end before teardown", 0.2)
         order = [f"slurmd.{n}" for n in reversed(self.nodes)] + ["slurmctld", "slurmdbd", "mariadbd", "munged"]
         for name in order:
             proc = self.procs.pop(name, None)
-            if proc is not None:
-                _terminate(proc.pid, proc)
+            pid = proc.pid if proc is not None else pids.get(name)
+            if pid is not None:
+                _terminate(pid, proc)
         for name in order:  # leave no pid file behind: a later start reads them as a stale lab
             (self.root / "run" / f"{name}.pid").unlink(missing_ok=True)
 
-    def _lock(self) -> contextlib.AbstractContextManager[None]:
-        @contextlib.contextmanager
-        def held() -> Iterator[None]:
-            self.root.parent.mkdir(parents=True, exist_ok=True)
-            with open(str(self.root) + ".lock", "w") as fh:
-                fcntl.flock(fh, fcntl.LOCK_EX)
-                yield
+    def _pid_files(self) -> dict[str, int]:
+        out = {}
+        for pid_file in (self.root / "run").glob("*.pid") if (self.root / "run").is_dir() else ():
+            with contextlib.suppress(ValueError, OSError, IndexError):
+                out[pid_file.name[:-len(".pid")]] = int(pid_file.read_text().split()[0])
+        return out
 
-        return held()
+    @contextlib.contextmanager
+    def _flock(self, suffix: str) -> Iterator[None]:
+        self.root.parent.mkdir(parents=True, exist_ok=True)
+        with open(str(self.root) + suffix, "w") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
 
     def _stop_stale(self) -> None:
-        run_dir = self.root / "run"
-        if run_dir.is_dir():
-            ctld = run_dir / "slurmctld.pid"
-            if ctld.exists() and pid_alive(int(ctld.read_text().split()[0])):
-                self.run("scancel", "--full", "--user", "root", timeout_s=10, check=False)
-                with contextlib.suppress(TimeoutError):
-                    wait_for(lambda: not self.active_jobs(), 20, "stale jobs to end", 0.2)
-            for pid_file in sorted(run_dir.glob("*.pid")):
-                with contextlib.suppress(ValueError, OSError):
-                    _terminate(int(pid_file.read_text().split()[0]), None)
+        if (self.root / "run").is_dir():
+            self.stop()
+            for pid in self._pid_files().values():  # anything else that left a pid file (mysqld.pid ...)
+                _terminate(pid, None)
         if self.root.exists():
             shutil.rmtree(self.root)
 
