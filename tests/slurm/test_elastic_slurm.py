@@ -4,7 +4,10 @@ cancelled from outside, preemption); growth is throttled."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -158,3 +161,19 @@ def test_restarted_source_adopts_members_and_resumes_without_spurious_events(lab
     assert restored.poll() == []  # the first poll is due at once and finds nothing new
     assert restored.poller.successful_polls == 1
     assert restored.allocation("restart") == before
+
+
+def test_example_submit_script_submits_anchor_and_members(lab: SlurmLab, tmp_path: Path) -> None:
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, str(root / "etc" / "submit_elastic.py"), "example", "--min-gpus", "8",
+                           "--max-gpus", "16", "--gpus-per-node", str(GPUS), "--endpoint", "tcp://127.0.0.1:1",
+                           "--folder", str(tmp_path / "f"), "--partition", lab.partition, "--members", "1",
+                           "--no-register"], capture_output=True, text=True, timeout=60, env=lab.env, cwd=root)
+    assert proc.returncode == 0, proc.stderr
+    job = ElasticJob.from_dict(json.loads(proc.stdout))
+    assert job.max_nodes == 4 and len(job.member_job_ids) == 1 and job.extra["endpoint"] == "tcp://127.0.0.1:1"
+    assert lab.job_field(job.anchor_job_id, "NumNodes") in ("2", "2-2")
+    assert lab.job_field(job.anchor_job_id, "Comment") == "nereus:example"
+    assert lab.job_field(job.anchor_job_id, "JobName") == "nereus-example-anchor"
+    assert lab.job_field(job.member_job_ids[0], "JobName") == "nereus-example-member"
+    assert lab.job_field(job.member_job_ids[0], "TresPerNode") == f"gres:gpu:{GPUS}"
