@@ -306,7 +306,7 @@ class NodeAgent:
                     if self.client.auth_failed:
                         raise AgentRefused(self.client.auth_failed)
                 if self.client.sock in ready:
-                    while self.client.sock.get(zmq.EVENTS) & zmq.POLLIN:
+                    while self.client.sock.poll(0):
                         try:
                             msg = protocol.decode(self.client.sock.recv(), self.client.max_message_bytes)
                         except protocol.ProtocolError as exc:
@@ -315,7 +315,7 @@ class NodeAgent:
                         last_reply, silent_logged = time.monotonic(), False
                         self._handle(msg)
                 if self.relay_in in ready:
-                    while self.relay_in.get(zmq.EVENTS) & zmq.POLLIN:
+                    while self.relay_in.poll(0):
                         frame = self.relay_in.recv()
                         try:
                             msg = protocol.decode(frame, self.client.max_message_bytes)

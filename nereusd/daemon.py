@@ -244,7 +244,7 @@ class Daemon:
                         self._guarded(self._agent_message)
                     else:
                         self._guarded(self._admin_message)
-                    if not sock.get(zmq.EVENTS) & zmq.POLLIN:
+                    if not sock.poll(0):
                         break
             now = time.monotonic()
             if now >= next_tick:
