@@ -5,7 +5,9 @@ peak memory, and (when profiling is on) the time and work of each operation clas
 (``planner.cost.OpClass``): GEMM FLOPs, attention FLOPs (prefill) or KV bytes (decode), collective
 bytes (TP/DP all-reduce), pipeline send bytes. Classification reads the torch profiler's events by
 operator name; the DP all-reduce and the result gather are marked with ``record_function`` ranges.
-Records are plain frozen data, one ``StageMeasurement`` per model-stage per step.
+Records are plain frozen data, one ``StageMeasurement`` per model-stage per step;
+``calibration_records`` turns one into ``planner.calibration.OpMeasurement`` records (work in the
+cost model's units: collective bytes moved per GPU by a ring, peaks of the device and link).
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ import psutil
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from planner.calibration import OpMeasurement
 from planner.cost import OpClass
+from planner.hardware import DeviceSpec, LinkSpec
 from planner.plan import StagePlan
 
 DP_ALLREDUCE_RANGE = "nereus::dp_allreduce"
@@ -28,11 +32,11 @@ GATHER_RANGE = "nereus::gather"  # the engine's result hand-off, not an op the c
 _GEMM = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 _COLLECTIVE = ("all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter", "broadcast",
                "wait_tensor")
-_P2P = ("c10d::send", "c10d::recv", "isend", "irecv")
+_P2P = ("send", "recv")  # c10d::send, gloo:send, nccl:recv ...; only backend events carry shapes
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class OpMeasurement:
+class OpTiming:
     op_class: OpClass
     seconds: float
     work: float  # FLOPs (GEMM, attention prefill) or bytes (decode attention, collectives, sends)
@@ -53,10 +57,33 @@ class StageMeasurement:
     mean_sequence_tokens: float
     max_sequence_tokens: int
     peak_memory_bytes: int  # CUDA peak allocated, or this process's resident set on CPU
-    ops: tuple[OpMeasurement, ...] = field(default=())
+    ops: tuple[OpTiming, ...] = field(default=())
 
-    def op(self, cls: OpClass) -> OpMeasurement | None:
+    def op(self, cls: OpClass) -> OpTiming | None:
         return next((o for o in self.ops if o.op_class is cls), None)
+
+    def calibration_records(self, device: DeviceSpec, link: LinkSpec) -> list[OpMeasurement]:
+        """What ``planner.calibration.Calibrator.observe`` consumes, one record per measured class."""
+        out = []
+        for o in self.ops:
+            work, peak = o.work, device.peak_flops_bf16
+            if o.op_class in (OpClass.ATTENTION_DECODE, OpClass.MEMORY_BOUND):
+                peak = device.hbm_bytes_per_s
+            elif o.op_class in (OpClass.TP_ALLREDUCE_INTRA, OpClass.TP_ALLREDUCE_INTER):
+                work, peak = o.work * _ring(self.tp), link.bytes_per_s
+            elif o.op_class in (OpClass.DP_ALLREDUCE_INTRA, OpClass.DP_ALLREDUCE_INTER):
+                work, peak = o.work * _ring(self.dp), link.bytes_per_s
+            elif o.op_class in (OpClass.PP_SEND_INTRA, OpClass.PP_SEND_INTER):
+                peak = link.bytes_per_s
+            if work > 0 and o.seconds > 0:
+                out.append(OpMeasurement(op_class=o.op_class, work=work, peak_per_s=peak, measured_s=o.seconds,
+                                         source=f"{self.model_stage}@step{self.step}"))
+        return out
+
+
+def _ring(n: int) -> float:
+    """Bytes a ring all-reduce moves per GPU per byte of buffer (the cost model's convention)."""
+    return 2 * (n - 1) / n if n > 1 else 0.0
 
 
 def _numel(shapes: object) -> int:
@@ -70,7 +97,7 @@ def _numel(shapes: object) -> int:
     return 0
 
 
-def classify(events: object, elem_bytes: int = 4) -> tuple[OpMeasurement, ...]:
+def classify(events: object, elem_bytes: int = 4) -> tuple[OpTiming, ...]:
     """Op-class totals from profiler ``FunctionEvent``s (self time, so nested ranges do not double)."""
     secs: dict[OpClass, float] = defaultdict(float)
     work: dict[OpClass, float] = defaultdict(float)
@@ -109,7 +136,7 @@ def classify(events: object, elem_bytes: int = 4) -> tuple[OpMeasurement, ...]:
             secs[cls] += e.self_cpu_time_total / 1e6
             work[cls] += w
             calls[cls] += 1
-    return tuple(OpMeasurement(op_class=c, seconds=secs[c], work=work[c], calls=calls[c]) for c in secs)
+    return tuple(OpTiming(op_class=c, seconds=secs[c], work=work[c], calls=calls[c]) for c in secs)
 
 
 def peak_memory_bytes() -> int:

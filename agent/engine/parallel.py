@@ -242,7 +242,7 @@ class StageEngine:
             losses: list[torch.Tensor] = []
             sched.step(*([x] if self.module.is_first else []),  # type: ignore[attr-defined]
                        target=y if self.module.is_last else None, losses=losses, attention_mask=m)
-            total = float(sum(float(v) for v in losses))
+            total = float(sum(float(v.detach()) for v in losses))
         if self.plan.dp > 1:
             self._allreduce_grads()
         return total
