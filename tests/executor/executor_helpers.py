@@ -57,3 +57,58 @@ def assert_same_state(a: dict[tuple[str, str, str], torch.Tensor],
         assert a[key].dtype == b[key].dtype, key
         # bitwise: compare the raw bytes, so -0.0 vs 0.0 or NaN payloads would count as differences
         assert torch.equal(a[key].contiguous().view(torch.uint8), b[key].contiguous().view(torch.uint8)), key
+
+
+# --- run inside workers (pool.call): DTensor views of moved shards ---------------------------------
+
+WEIGHT_SCALE = 0.05  # keeps activations of random N(0, 1) weights in a sane range; same op on both sides
+
+
+def reference_weights(model: ModelSpec, stage: str, seed: int) -> dict[str, torch.Tensor]:
+    """The full fp32 master weights ``agent.worker.random_state`` slices for ``seed`` (scaled)."""
+    from agent.worker import logical_seed
+
+    out = {}
+    for t in model.tensors():
+        gen = torch.Generator().manual_seed(logical_seed(seed, stage, t.name, "master"))
+        full = torch.randn(t.shape, generator=gen, dtype=torch.float32)
+        out[t.name] = full if t.name.endswith("norm.weight") else full * WEIGHT_SCALE
+    return out
+
+
+def tp_forward(ctx: Any, *, stage: str, mesh_shape: tuple[int, ...], tokens: torch.Tensor) -> dict[str, Any]:
+    """In every worker of the generation: parallelize the engine's decoder over the TP mesh, check that
+    each DTensor's local shape/offset is the box this worker's moved shard holds, re-wrap the moved fp32
+    master shards with DTensor.from_local, and run a forward pass. Returns logits and the checks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from agent.engine.model import build_decoder
+    from agent.engine.parallel import tp_plan
+
+    names = ("dp", "tp") if len(mesh_shape) == 2 else ("tp",)
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)["tp"]
+    state = ctx.states[stage]
+    model = build_decoder(state.placement.model, state.placement.head)
+    parallelize_module(model, mesh, tp_plan(model))
+    checked = 0
+    with torch.no_grad():
+        for name, param in list(model.named_parameters()):
+            slot = state.slots[(name, "master")]
+            moved = state.view(name, "master")
+            moved = moved if name.endswith("norm.weight") else moved * WEIGHT_SCALE
+            if isinstance(param, DTensor):
+                shape, offset = compute_local_shape_and_global_offset(param.shape, mesh, param.placements)
+                assert (tuple(shape), tuple(offset)) == (slot.lengths, slot.offsets), (name, shape, offset, slot)
+                new = DTensor.from_local(moved.contiguous(), mesh, param.placements, shape=param.shape,
+                                         stride=param.stride())
+            else:
+                assert slot.lengths == tuple(param.shape) and not any(slot.offsets), name
+                new = moved.clone()
+            module_name, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(module_name), attr, torch.nn.Parameter(new))
+            checked += 1
+        logits = model(tokens, torch.ones_like(tokens))
+    return {"logits": logits, "checked": checked, "rank": state.rank}
