@@ -54,6 +54,11 @@ def bottom_levels(num_nodes: int, edges: list[tuple[int, int]], weight: list[flo
     return level
 
 
+EXACT_NODE_LIMIT = 24  # DAGs this small get an exact search when the greedy orders are blocked
+EXACT_STATE_LIMIT = 50_000  # bound on that search (sets of executed nodes visited)
+PRIORITIES = ("stage", "peak")
+
+
 def order_by_memory(
     fps: list[Footprint],
     edges: list[tuple[int, int]],
@@ -62,8 +67,42 @@ def order_by_memory(
     capacity_bytes: int,
     policy: str = "global",
 ) -> MemoryOrder:
+    """A memory-feasible order of the DAG, or InfeasibleError naming the blocked GPU and bytes.
+
+    ``global``: the paper's greedy (releases first, gen -> inf -> train); if it is blocked, the same
+    with the largest transient demand first; if both are blocked and the DAG is small, an exact
+    search over executed sets. ``per_stage``: the naive order, which cannot wait.
+    """
     if policy not in POLICIES:
         raise SpecError("policy", f"unknown policy {policy!r}", ", ".join(POLICIES))
+    for g, held in sorted(initial_bytes.items()):
+        if held > capacity_bytes:
+            raise InfeasibleError(f"transition infeasible: GPU {g} already holds {held} bytes",
+                                  (f"GPU {g}: {held} bytes of state > capacity {capacity_bytes}",))
+    if policy == "per_stage":
+        return _greedy(fps, edges, stage_order, initial_bytes, capacity_bytes, "per_stage")
+    first: InfeasibleError | None = None
+    for priority in PRIORITIES:
+        try:
+            return _greedy(fps, edges, stage_order, initial_bytes, capacity_bytes, priority)
+        except InfeasibleError as err:
+            first = first or err
+    assert first is not None
+    if len(fps) <= EXACT_NODE_LIMIT:
+        order = _exact_order(fps, edges, initial_bytes, capacity_bytes)
+        if order is not None:
+            return _replay_order(fps, order, initial_bytes, capacity_bytes)
+    raise first
+
+
+def _greedy(
+    fps: list[Footprint],
+    edges: list[tuple[int, int]],
+    stage_order: list[int],
+    initial_bytes: dict[int, int],
+    capacity_bytes: int,
+    priority: str,
+) -> MemoryOrder:
     n = len(fps)
     succ: list[list[int]] = [[] for _ in range(n)]
     indeg = [0] * n
@@ -72,16 +111,16 @@ def order_by_memory(
         indeg[b] += 1
     level = bottom_levels(n, edges, [float(fp.moved_bytes + 1) for fp in fps])
     acquire = [bool(fp.alloc_bytes or fp.buffer_bytes) for fp in fps]
+    demand = [max((fp.alloc_bytes.get(g, 0) + fp.buffer_bytes.get(g, 0) for g in fp.gpus), default=0)
+              for fp in fps]
 
     def key(i: int) -> tuple[float, ...]:
-        if policy == "per_stage":
+        if priority == "per_stage":
             return (stage_order[i], 0 if not acquire[i] else 1, i)
+        if priority == "peak":
+            return (0 if not acquire[i] else 1, -demand[i], stage_order[i], -level[i], i)
         return (0 if not acquire[i] else 1, stage_order[i], -level[i], i)
 
-    for g, held in sorted(initial_bytes.items()):
-        if held > capacity_bytes:
-            raise InfeasibleError(f"transition infeasible: GPU {g} already holds {held} bytes",
-                                  (f"GPU {g}: {held} bytes of state > capacity {capacity_bytes}",))
     heap = [(key(i), i) for i in range(n) if indeg[i] == 0]
     heapq.heapify(heap)
     used = dict(initial_bytes)
@@ -97,7 +136,7 @@ def order_by_memory(
         over = _first_over(fp, used, capacity_bytes)
         if over is not None:
             gpu, need = over
-            if policy == "per_stage":
+            if priority == "per_stage":
                 raise _infeasible(i, gpu, need, used, capacity_bytes, "per-stage order cannot wait")
             blocked.setdefault(gpu, []).append(i)
             blocked_on[i] = (gpu, need)
@@ -107,11 +146,7 @@ def order_by_memory(
             if gpu in last_release:
                 resource.append((last_release[gpu], i))
         order.append(i)
-        for g in fp.gpus:
-            during = used.get(g, 0) + fp.alloc_bytes.get(g, 0) + fp.buffer_bytes.get(g, 0)
-            if during > peak.get(g, 0):
-                peak[g] = during
-            used[g] = used.get(g, 0) + fp.alloc_bytes.get(g, 0) - fp.free_bytes.get(g, 0)
+        _apply(fp, used, peak)
         for g, freed in fp.free_bytes.items():
             if freed > fp.alloc_bytes.get(g, 0):
                 last_release[g] = i
@@ -126,6 +161,70 @@ def order_by_memory(
             i, (gpu, need) = min(blocked_on.items(), key=lambda kv: key(kv[0]))
             raise _infeasible(i, gpu, need, used, capacity_bytes, "no executable release frees it")
         raise AssertionError("transition DAG has a cycle")
+    return MemoryOrder(order=tuple(order), resource_edges=tuple(resource), peak_bytes=peak)
+
+
+def _apply(fp: Footprint, used: dict[int, int], peak: dict[int, int]) -> None:
+    for g in fp.gpus:
+        during = used.get(g, 0) + fp.alloc_bytes.get(g, 0) + fp.buffer_bytes.get(g, 0)
+        if during > peak.get(g, 0):
+            peak[g] = during
+        used[g] = used.get(g, 0) + fp.alloc_bytes.get(g, 0) - fp.free_bytes.get(g, 0)
+
+
+def _exact_order(fps: list[Footprint], edges: list[tuple[int, int]], initial_bytes: dict[int, int],
+                 capacity_bytes: int, max_states: int = EXACT_STATE_LIMIT) -> list[int] | None:
+    """Depth-first search over sets of executed nodes (memory depends only on the set), releases
+    tried first; gives up (None) after ``max_states`` distinct sets."""
+    n = len(fps)
+    preds = [0] * n
+    for a, b in edges:
+        preds[b] |= 1 << a
+    full = (1 << n) - 1
+    seen: set[int] = set()
+    acquire_last = sorted(range(n), key=lambda i: (bool(fps[i].alloc_bytes or fps[i].buffer_bytes), i))
+    stack: list[tuple[int, list[int], dict[int, int]]] = [(0, [], dict(initial_bytes))]
+    while stack:
+        done, order, used = stack.pop()
+        if done == full:
+            return order
+        if done in seen:
+            continue
+        seen.add(done)
+        if len(seen) > max_states:
+            return None
+        for i in reversed(acquire_last):  # pushed last = popped first: releases
+            if done >> i & 1 or preds[i] & ~done or _first_over(fps[i], used, capacity_bytes) is not None:
+                continue
+            after = dict(used)
+            for g, v in fps[i].alloc_bytes.items():
+                after[g] = after.get(g, 0) + v
+            for g, v in fps[i].free_bytes.items():
+                after[g] = after.get(g, 0) - v
+            stack.append((done | 1 << i, [*order, i], after))
+    return None
+
+
+def _replay_order(fps: list[Footprint], order: list[int], initial_bytes: dict[int, int],
+                  capacity_bytes: int) -> MemoryOrder:
+    """Peaks of a given order, and a resource edge from each GPU's latest release to any acquisition
+    that needed the bytes it freed."""
+    used = dict(initial_bytes)
+    peak = dict(initial_bytes)
+    last_release: dict[int, tuple[int, int]] = {}  # gpu -> (node, bytes freed)
+    resource: list[tuple[int, int]] = []
+    for i in order:
+        fp = fps[i]
+        for g in sorted(set(fp.alloc_bytes) | set(fp.buffer_bytes)):
+            if g in last_release:
+                j, freed = last_release[g]
+                need = fp.alloc_bytes.get(g, 0) + fp.buffer_bytes.get(g, 0)
+                if used.get(g, 0) + freed + need > capacity_bytes and (j, i) not in resource:
+                    resource.append((j, i))
+        _apply(fp, used, peak)
+        for g, freed in fp.free_bytes.items():
+            if freed > fp.alloc_bytes.get(g, 0):
+                last_release[g] = (i, freed)
     return MemoryOrder(order=tuple(order), resource_edges=tuple(resource), peak_bytes=peak)
 
 

@@ -17,13 +17,13 @@ thousands of identical replicas of a large plan cost one derivation. Pure: no to
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from enum import Enum
 from functools import lru_cache
 
 from planner.models import Parallel, TensorSpec
 from transitions.emu import EMU, Box, StateKey, UnitState
-from transitions.geometry import StateKind, tensor_stages
+from transitions.geometry import Shard, StateKind, tensor_stages
 
 BUFFER_ALIGN_BYTES = 16  # bucket items start 16-byte aligned, so any dtype can view its slot
 
@@ -241,8 +241,11 @@ def _remote_holders(src: EMU, tensor: TensorSpec, prefer_tp: int) -> Iterable[in
             yield src.gpus[lay.rank_of((prefer_tp + i) % lay.tp, stage)]
 
 
-def derive_target(target: EMU, sources: tuple[EMU, ...], gpu: int) -> list[Transfer]:
-    """Pieces (local and remote) that fill everything ``target`` holds on ``gpu`` from ``sources``.
+_Cover = list[tuple[EMU, int, Box, int, int]]  # (source unit, source GPU, source box, lo, hi)
+
+
+def _covers(target: EMU, sources: tuple[EMU, ...], gpu: int) -> list[tuple[Shard, int, _Cover]]:
+    """For every shard ``target`` holds on ``gpu``: its split dim and where each of its rows comes from.
 
     The cover is computed once per tensor and reused for its other state kinds: sources hold every
     kind the target holds (same model-stage, or a training stage feeding a parameters-only one).
@@ -252,17 +255,17 @@ def derive_target(target: EMU, sources: tuple[EMU, ...], gpu: int) -> list[Trans
     tp_rank = owner.layout.coords(owner.rank_of(gpu))[0]
     local = [s for s in sources if s.holds(gpu)]
     local_boxes = [s.boxes(gpu) for s in local]
-    out: list[Transfer] = []
-    cover: list[tuple[EMU, int, Box, int, int]] = []
+    out: list[tuple[Shard, int, _Cover]] = []
+    cover: _Cover = []
     cover_tensor = ""
+    dim = 0
     for shard in target.shards(gpu):
         key = shard.key
-        box: Box = (shard.offsets, shard.lengths)
-        t = index[key[0]]
-        dim = _split_dim(t)
         if key[0] != cover_tensor:
+            t = index[key[0]]
+            dim = _split_dim(t)
             cover_tensor, cover = key[0], []
-            need = [(box[0][dim], box[0][dim] + box[1][dim])]
+            need = [(shard.offsets[dim], shard.offsets[dim] + shard.lengths[dim])]
             for s, boxes in zip(local, local_boxes):
                 sb = boxes.get(key)
                 if sb is None:
@@ -284,9 +287,24 @@ def derive_target(target: EMU, sources: tuple[EMU, ...], gpu: int) -> list[Trans
                         break
             if need:
                 raise AssertionError(f"{target.uid} on GPU {gpu}: {key} rows {need} held by no source")
-        out += [_piece(s, g, sb, target, gpu, box, key, dim, lo, hi, shard.bytes_per_element)
+        out.append((shard, dim, cover))
+    return out
+
+
+def derive_target(target: EMU, sources: tuple[EMU, ...], gpu: int) -> list[Transfer]:
+    """Pieces (local and remote) that fill everything ``target`` holds on ``gpu`` from ``sources``."""
+    out: list[Transfer] = []
+    for shard, dim, cover in _covers(target, sources, gpu):
+        box: Box = (shard.offsets, shard.lengths)
+        out += [_piece(s, g, sb, target, gpu, box, shard.key, dim, lo, hi, shard.bytes_per_element)
                 for s, g, sb, lo, hi in cover]
     return out
+
+
+def _target_gpus(prim: Primitive, target: EMU) -> list[int]:
+    if isinstance(prim, Merge):  # a part already in final shape on g is relabelled, nothing to copy
+        return [g for g in target.gpus if not any(p.final == target and p.holds(g) for p in prim.parts)]
+    return list(target.gpus)
 
 
 def pieces(prim: Primitive, gpu: int | None = None) -> list[Transfer]:
@@ -297,9 +315,7 @@ def pieces(prim: Primitive, gpu: int | None = None) -> list[Transfer]:
     for target in prim.targets:
         if gpu is not None and not target.holds(gpu) and not any(s.holds(gpu) for s in prim.sources):
             continue
-        for g in target.gpus:
-            if isinstance(prim, Merge) and any(p.final == target and p.holds(g) for p in prim.parts):
-                continue  # a part already in final shape on g: relabelled, nothing to copy
+        for g in _target_gpus(prim, target):
             for p in derive_target(target, prim.sources, g):
                 if gpu is None or gpu in (p.src_gpu, p.dst_gpu):
                     out.append(p)
@@ -343,7 +359,8 @@ def _relabel(unit: EMU, labels: dict[int, int]) -> EMU:
     for g in unit.gpus:
         labels.setdefault(g, len(labels))
     final = _relabel(unit.final, labels) if unit.final is not None else None
-    return replace(unit, uid="", gpus=tuple(labels[g] for g in unit.gpus), version=0, final=final)
+    return EMU(uid="", state=unit.state, layout=unit.layout, gpus=tuple(labels[g] for g in unit.gpus),
+               version=0, final=final)
 
 
 def _canonical(prim: Primitive) -> tuple[Primitive, list[int]]:
@@ -385,14 +402,19 @@ def _canonical_footprint(prim: Primitive) -> Footprint:
     local: dict[int, int] = {}
     pair: dict[tuple[int, int], int] = {}
     buffer: dict[int, int] = {}
-    all_pieces = pieces(prim)
-    for pc in all_pieces:
-        if pc.is_local:
-            local[pc.dst_gpu] = local.get(pc.dst_gpu, 0) + pc.num_bytes
-    for b in bucketize(all_pieces):
-        pair[(b.src_gpu, b.dst_gpu)] = pair.get((b.src_gpu, b.dst_gpu), 0) + sum(t.num_bytes for t in b.items)
-        buffer[b.src_gpu] = buffer.get(b.src_gpu, 0) + b.total_bytes
-        buffer[b.dst_gpu] = buffer.get(b.dst_gpu, 0) + b.total_bytes
+    if not isinstance(prim, Destroy) and not relabels(prim):
+        for target in prim.targets:
+            for dst in _target_gpus(prim, target):
+                for shard, dim, cover in _covers(target, prim.sources, dst):
+                    row_bytes = shard.num_bytes // shard.lengths[dim]
+                    for _, src, _, lo, hi in cover:
+                        nbytes = row_bytes * (hi - lo)
+                        if src == dst:
+                            local[dst] = local.get(dst, 0) + nbytes
+                            continue
+                        pair[(src, dst)] = pair.get((src, dst), 0) + nbytes
+                        buffer[src] = buffer.get(src, 0) + _align(nbytes)
+                        buffer[dst] = buffer.get(dst, 0) + _align(nbytes)
     return Footprint(alloc_bytes={g: v for g, v in alloc.items() if v},
                      free_bytes={g: v for g, v in free.items() if v},
                      buffer_bytes=buffer, local_bytes=local, pair_bytes=pair)

@@ -85,13 +85,14 @@ def random_cluster(rng: random.Random) -> ClusterSpec:
                        intra_node_link=NVLINK4, inter_node_link=LOOPBACK)
 
 
-def random_stage_plan(rng: random.Random, name: str, model: ModelSpec, num_gpus: int) -> StagePlan:
+def random_stage_plan(rng: random.Random, name: str, model: ModelSpec, num_gpus: int,
+                      max_dp: int | None = None) -> StagePlan:
     tps = [t for t in range(1, num_gpus + 1) if model.valid_tp(t)]
     tp = rng.choice(tps)
     pps = [p for p in range(1, min(model.num_layers, num_gpus // tp) + 1)]
     pp = rng.choice(pps)
     layout = Layout(tp, pp)
-    dp = rng.randint(1, num_gpus // layout.size)
+    dp = rng.randint(1, min(num_gpus // layout.size, max_dp or num_gpus))
     gpus = rng.sample(range(num_gpus), dp * layout.size)
     return stage_plan(name, layout, gpus, dp)
 
