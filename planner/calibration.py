@@ -109,18 +109,16 @@ def measurements_from_stage(terms: Sequence[OpTerm], eff: Mapping[OpClass, float
     """
     if not (math.isfinite(measured_s) and measured_s > 0):
         raise SpecError("measured_s", f"must be finite and > 0, got {measured_s}")
-    predicted = [t.seconds(eff) for t in terms]
-    total = sum(predicted)
-    if total <= 0:
-        return []
+    fixed = [t.repeat * t.messages * t.latency_s for t in terms]
+    variable = [t.seconds(eff) - f for t, f in zip(terms, fixed)]
+    left = measured_s - sum(fixed)  # what bandwidth/compute took, once latencies are paid
+    total = sum(variable)
+    if total <= 0 or left <= 0:
+        return []  # latency-bound stage: nothing to learn about efficiencies
     out: list[OpMeasurement] = []
-    for t, p in zip(terms, predicted):
-        if p <= 0:
-            continue
-        share = measured_s * p / total
-        fixed = t.repeat * t.messages * t.latency_s
-        if share <= fixed:  # latency-bound span: nothing left to attribute to bandwidth
+    for t, f, v in zip(terms, fixed, variable):
+        if v <= 0:
             continue
         out.append(OpMeasurement(op_class=t.op_class, work=t.work * t.repeat, peak_per_s=t.peak_per_s,
-                                 measured_s=share, fixed_s=fixed, source=source))
+                                 measured_s=left * v / total + f, fixed_s=f, source=source))
     return out

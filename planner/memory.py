@@ -113,14 +113,15 @@ def kv_bytes_per_token_per_gpu(model: ModelSpec, layout: Layout) -> int:
 def _layer_activation_bytes_per_token(model: ModelSpec, tp: int) -> float:
     """Bytes kept for backward per token per decoder layer (bf16, flash attention, SP: all / tp).
 
-    Attention: norm input, qkv input, q/k/v, attention output + fp32 softmax stats, o_proj input,
-    residual. MLP: norm input, gate/up input, gate and up outputs, activation output, down input.
-    For a standard GPT (ffn 4h, no GQA) this is ~34h bytes/token, Korthikanti's figure.
+    Attention: norm input, q/k/v input, q, k, v, attention output (= o_proj input), fp32 softmax
+    statistics per head. MLP: norm input, gate/up input, gate and up outputs, activation output
+    (= down_proj input). For a GPT with a 4h GELU MLP the same count gives 32h bytes, Korthikanti's
+    34h less the dropout masks Llama does not have.
     """
-    h, q, kv, f = model.hidden_size, model.num_attention_heads * model.head_dim, \
-        model.num_kv_heads * model.head_dim, model.ffn_hidden_size
-    attn = BYTES_BF16 * (3 * h + q + 2 * kv + 2 * q) + BYTES_FP32 * model.num_attention_heads
-    mlp = BYTES_BF16 * (2 * h + 2 * f + f + f)
+    h, f = model.hidden_size, model.ffn_hidden_size
+    q, kv = model.num_attention_heads * model.head_dim, model.num_kv_heads * model.head_dim
+    attn = BYTES_BF16 * (2 * h + 2 * q + 2 * kv) + BYTES_FP32 * model.num_attention_heads
+    mlp = BYTES_BF16 * (2 * h + 3 * f)
     return (attn + mlp) / tp
 
 

@@ -313,20 +313,48 @@ def _choices(fronts: Mapping[str, OptionTable], picks: Mapping[str, tuple[_Pick,
             for k, waves in picks.items()}
 
 
-def assign(job: JobSpec, pool: tuple[int, ...], choices: Mapping[str, Choice], version: int) -> GlobalPlan:
-    """GPU sets from the ordered pool: each wave starts at the pool's first GPU, larger units first."""
+def assign(job: JobSpec, pool: tuple[int, ...], choices: Mapping[str, Choice], version: int,
+           gpus_per_node: int) -> GlobalPlan:
+    """GPU sets from the ordered pool. Every wave starts again from the whole pool; larger units go first,
+    and each TP group takes GPUs of one node (first node with room, the unit's own node preferred), so
+    TP stays on the intra-node link even when nodes are partial."""
     stages: list[StagePlan] = []
+    del job
     for kind in sorted(StageKind, key=lambda k: k.order):
         for wave in choices.get(kind.value, ()):
-            offset = 0
+            free: dict[int, list[int]] = {}
+            for g in pool:  # pool order: whole nodes first
+                free.setdefault(g // gpus_per_node, []).append(g)
+            nodes = list(free)
             for o in sorted(wave, key=lambda o: (-o.layout.size, o.model_stage)):
-                size = o.layout.size
-                sets = tuple(pool[offset + i * size: offset + (i + 1) * size] for i in range(o.dp))
-                offset += o.num_gpus
-                stages.append(StagePlan(model_stage=o.model_stage, layout=o.layout, gpu_sets=sets,
+                sets = []
+                for _ in range(o.dp):
+                    unit: list[int] = []
+                    for _r in range(o.layout.pp):
+                        unit += _take(free, nodes, o.layout.tp, unit[-1] // gpus_per_node if unit else None)
+                    sets.append(tuple(unit))
+                stages.append(StagePlan(model_stage=o.model_stage, layout=o.layout, gpu_sets=tuple(sets),
                                         micro_batch_size=o.micro_batch_size, grad_accum=o.grad_accum,
                                         recompute=o.recompute))
     return GlobalPlan(version=version, stages=tuple(stages))
+
+
+def _take(free: dict[int, list[int]], nodes: list[int], n: int, prefer: int | None) -> list[int]:
+    """``n`` free GPUs from one node if any node has room (``prefer`` first), else the first free ones."""
+    while nodes and not free[nodes[0]]:  # drop exhausted nodes so a 1,024-GPU wave stays linear
+        nodes.pop(0)
+    for node in ([prefer] if prefer is not None else []) + nodes:
+        if len(free[node]) >= n:
+            taken, free[node] = free[node][:n], free[node][n:]
+            return taken
+    taken = []
+    for node in nodes:  # fragmented pool: TP has to cross nodes
+        k = min(n - len(taken), len(free[node]))
+        taken += free[node][:k]
+        free[node] = free[node][k:]
+        if len(taken) == n:
+            return taken
+    raise AssertionError("a wave asked for more GPUs than the pool has")  # the search bounds each wave
 
 
 def _check_pool(cluster: ClusterSpec, pool: Sequence[int] | None) -> tuple[int, ...]:
@@ -355,7 +383,7 @@ def search(job: JobSpec, cluster: ClusterSpec, pool: Sequence[int] | None = None
         best = _solve(job, fronts, n, usable)
         if best is None:
             continue
-        plan = assign(job, ordered, _choices(fronts, best[1]), version)
+        plan = assign(job, ordered, _choices(fronts, best[1]), version, cluster.gpus_per_node)
         return SearchResult(plan=plan, prediction=predict(job, cluster, plan, eff), objective_s=best[0],
                             candidates_considered=considered,
                             frontier_sizes={k: len(v) for k, v in fronts.items()}, urgent_options=i > 0)
@@ -434,7 +462,7 @@ def exhaustive_search(job: JobSpec, cluster: ClusterSpec, pool: Sequence[int] | 
             best = (total, {kind.value: c[3] for kind, c in zip(kinds, pick)})
     if best is None:
         raise explain_infeasible(job, cluster, n)
-    plan = assign(job, ordered, best[1], version)
+    plan = assign(job, ordered, best[1], version, cluster.gpus_per_node)
     return SearchResult(plan=plan, prediction=predict(job, cluster, plan, eff), objective_s=best[0],
                         candidates_considered=sum(len(v) for v in all_opts.values()),
                         frontier_sizes={k: len(v) for k, v in all_opts.items()}, urgent_options=False)
