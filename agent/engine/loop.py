@@ -121,7 +121,7 @@ class StepResult:
     actor_loss: float
     critic_loss: float | None
     seconds: float
-    stage_seconds: dict[str, float]
+    stage_seconds: dict[str, float]  # per model-stage, plus "weight-sync" (train -> gen/inf)
     tokens: torch.Tensor = field(repr=False)  # the step's rollout, for reproducibility checks
 
 
@@ -267,9 +267,10 @@ class RLLoop:
                 tally.attention_mask = roll.attention_mask
             critic_loss = sum(closs) / n_mb
         self.optimizer_steps += n_mb
-        with timer.stage(step, None) as tally:
-            self._sync_all()
+        t_sync = time.perf_counter()
+        self._sync_all()
         stage_seconds = {m.model_stage: m.seconds for m in timer.of_step(step).values()}
+        stage_seconds["weight-sync"] = time.perf_counter() - t_sync  # not a model-stage: the hand-over
         acc = sum(accuracy(pr, r, self.tok) for pr, r in zip(problems, roll.responses())) / len(problems)
         return StepResult(step=step, mean_score=float(scores.mean()), mean_accuracy=acc,
                           mean_response_tokens=float(mask.sum(1).mean()), actor_loss=sum(losses) / n_mb,

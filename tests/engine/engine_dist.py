@@ -2,57 +2,10 @@
 
 from __future__ import annotations
 
-import io
-import multiprocessing as mp
-import os
-import socket
-import traceback
-from collections.abc import Callable
 from typing import Any
 
-import torch
+from agent.engine.launch import run_local
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, q: Any, args: tuple[Any, ...]) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)  # 2 cores shared by up to 4 ranks
-    os.environ["GLOO_SOCKET_IFNAME"] = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        buf = io.BytesIO()  # bytes, not shared-memory tensors: the child may exit before the parent reads
-        torch.save(fn(rank, world, *args), buf)
-        q.put((rank, "ok", buf.getvalue()))
-    except BaseException:  # report any failure to the parent instead of hanging it
-        q.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def run_workers(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 240.0) -> list[Any]:
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, q, args), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
-    try:
-        for _ in range(world):
-            rank, status, value = q.get(timeout=timeout_s)
-            if status == "error":
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            results[rank] = torch.load(io.BytesIO(value), weights_only=False)
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    return [results[r] for r in range(world)]
+def run_workers(fn: Any, world: int, *args: Any, timeout_s: float = 240.0) -> list[Any]:
+    return run_local(fn, world, *args, timeout_s=timeout_s)
