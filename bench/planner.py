@@ -1,0 +1,153 @@
+"""Benchmark of the planner: decision time at scale, and plan quality against exhaustive search. JSON.
+
+    .venv/bin/python bench/planner.py [--out FILE] [--repeats 5] [--quick]
+
+1. Decision time: replan (planner.search) + admission (planner.admission.decide, payback rule, with the
+   transition time given as an input) for PPO on Llama-3.1-8B and Llama-3.3-70B at 8, 32, 128, 512,
+   1,024 and 4,096 H200 GPUs, 1,024 prompts of 1,024 + 4,096 tokens; the running plan is the one chosen
+   for 3,072-token responses (a sequence-length drift trigger). Median and max over ``--repeats`` runs
+   in one process (imports and per-model caches warm, as in the daemon). Target <= 30 ms at 1,024.
+2. Plan quality: settings (models x GPUs x response lengths, GRPO and PPO) small enough for
+   planner.search.exhaustive_search; the gap is (search - exhaustive) / exhaustive on the step latency
+   both optimise. Reported: share of settings at the optimum, max and p95 gap, and the gap of the
+   planner's full prediction (planner.prediction.predict) of both plans. Targets: >= 90%, max <= 2%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from planner import admission  # noqa: E402
+from planner.errors import InfeasibleError  # noqa: E402
+from planner.hardware import cluster_preset  # noqa: E402
+from planner.models import model_preset  # noqa: E402
+from planner.search import exhaustive_search, search  # noqa: E402
+from planner.workflow import JobSpec, Workload, same_model_job, workflow_preset  # noqa: E402
+
+DECISION_GPUS = (8, 32, 128, 512, 1024, 4096)
+DECISION_MODELS = ("llama-3.1-8b", "llama-3.3-70b")
+
+
+def _job(algo: str, model: str, prompts: int, samples: int, response: int) -> JobSpec:
+    return same_model_job(workflow_preset(algo), model_preset(model),
+                          Workload(prompts_per_step=prompts, samples_per_prompt=samples, prompt_tokens=1024,
+                                   response_tokens=response))
+
+
+def decision_time(model: str, gpus: int, repeats: int) -> dict[str, Any]:
+    cluster = cluster_preset("h200", gpus)
+    job = _job("ppo", model, 1024, 1, 4096)
+    try:
+        current = search(_job("ppo", model, 1024, 1, 3072), cluster)
+        current_plan, current_pred = current.plan, current.prediction
+    except InfeasibleError:
+        current_plan, current_pred = None, None
+    state = admission.initial_state(admission.Observation(step=0, gpu_pool=frozenset(range(gpus)),
+                                                          signals={admission.Signal.SEQUENCE_LENGTH: 4096.0}))
+    obs = admission.Observation(step=10, gpu_pool=frozenset(range(gpus)),
+                                signals={admission.Signal.SEQUENCE_LENGTH: 4096.0 * 1.4})
+    times, verdict, latency = [], None, None
+    for _ in range(repeats + 1):  # the first run warms per-model caches and is not counted
+        t0 = time.perf_counter()
+        _state, trigger = admission.observe(state, obs)
+        assert trigger is not None
+        dec = admission.decide(trigger=trigger, current_plan=current_plan, current_prediction=current_pred,
+                               replan=lambda: search(job, cluster), transition_s=lambda old, new: 10.0)
+        times.append((time.perf_counter() - t0) * 1e3)
+        verdict = dec.verdict.rule.value
+        latency = None if dec.candidate_prediction is None else dec.candidate_prediction.step_latency_s
+    times = times[1:]
+    return {"model": model, "gpus": gpus, "median_ms": round(statistics.median(times), 2),
+            "max_ms": round(max(times), 2), "verdict": verdict, "step_latency_s": latency}
+
+
+def quality_settings(quick: bool) -> list[tuple[str, str, int, int, int, int]]:
+    """(algo, model, prompts, samples, gpus, response tokens)."""
+    out = []
+    for model in ("llama-3.1-8b", "qwen3-14b", "qwen3-32b"):
+        for gpus in (4, 8):
+            for response in (1024, 4096, 8192):
+                out.append(("grpo", model, 32, 4, gpus, response))
+    for gpus in (2, 4):
+        for response in (1024, 4096, 8192):
+            out.append(("ppo", "llama-3.1-8b", 32, 1, gpus, response))
+    return out[::4] if quick else out
+
+
+def plan_quality(quick: bool) -> dict[str, Any]:
+    rows = []
+    for algo, model, prompts, samples, gpus, response in quality_settings(quick):
+        cluster = cluster_preset("h200", gpus)
+        job = _job(algo, model, prompts, samples, response)
+        row: dict[str, Any] = {"algo": algo, "model": model, "gpus": gpus, "response_tokens": response}
+        try:
+            t0 = time.perf_counter()
+            ref = exhaustive_search(job, cluster)
+            row["exhaustive_s"] = round(time.perf_counter() - t0, 2)
+        except InfeasibleError:
+            row["infeasible"] = True
+            try:
+                search(job, cluster)
+                row["search_agrees"] = False
+            except InfeasibleError:
+                row["search_agrees"] = True
+            rows.append(row)
+            continue
+        t0 = time.perf_counter()
+        res = search(job, cluster)
+        row["search_ms"] = round((time.perf_counter() - t0) * 1e3, 1)
+        row["gap"] = (res.objective_s - ref.objective_s) / ref.objective_s
+        row["predicted_gap"] = (res.prediction.step_latency_s - ref.prediction.step_latency_s) / \
+            ref.prediction.step_latency_s
+        row["step_latency_s"] = round(res.objective_s, 3)
+        rows.append(row)
+    gaps = sorted(r["gap"] for r in rows if "gap" in r)
+    p95 = gaps[min(len(gaps) - 1, int(round(0.95 * (len(gaps) - 1))))] if gaps else None
+    return {
+        "settings": len(rows),
+        "feasible_settings": len(gaps),
+        "share_optimal": sum(g <= 1e-9 for g in gaps) / len(gaps) if gaps else None,
+        "max_gap": max(gaps) if gaps else None,
+        "p95_gap": p95,
+        "max_predicted_gap": max((r["predicted_gap"] for r in rows if "gap" in r), default=None),
+        "infeasible_agreement": all(r.get("search_agrees", True) for r in rows),
+        "rows": rows,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--quick", action="store_true", help="fewer settings (a smoke run)")
+    args = ap.parse_args()
+    decisions = [decision_time(m, g, args.repeats) for m in DECISION_MODELS
+                 for g in (DECISION_GPUS[:3] if args.quick else DECISION_GPUS)]
+    at_1024 = [d["median_ms"] for d in decisions if d["gpus"] == 1024]
+    result = {
+        "decision_time": decisions,
+        "decision_ms_at_1024_gpus_max_of_models": max(at_1024) if at_1024 else None,
+        "decision_target_ms_at_1024": 30,
+        "paper_decision_ms": {"32": 0.17, "1024": 338},
+        "plan_quality": plan_quality(args.quick),
+        "plan_quality_targets": {"share_optimal": 0.9, "max_gap": 0.02},
+        "paper_plan_quality": {"share_optimal": 0.611, "max_gap": 0.05, "p95_gap": 0.041},
+    }
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
