@@ -91,11 +91,13 @@ def ensure_installed(log: Callable[[str], None] = print) -> None:
     if shutil.which("apt-get") is None:
         raise LabUnavailable("Slurm is not installed and apt-get is missing (not a Debian-like machine)")
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *PACKAGES]
+    # wait for a dpkg lock held by someone else's apt instead of failing at once
+    install = ["apt-get", "install", "-y", "-q", "-o", "DPkg::Lock::Timeout=300", "--no-install-recommends",
+               *PACKAGES]
     t0 = time.monotonic()
     proc = _run(install, timeout_s=600, check=False, env=env)
     if proc.returncode != 0:  # a fresh machine may have no package lists yet
-        _run(["apt-get", "update", "-q"], timeout_s=300, check=False, env=env)
+        _run(["apt-get", "update", "-q", "-o", "DPkg::Lock::Timeout=300"], timeout_s=300, check=False, env=env)
         proc = _run(install, timeout_s=600, check=False, env=env)
     if proc.returncode != 0:
         raise LabUnavailable(f"apt-get cannot install {' '.join(PACKAGES)}: {proc.stderr.strip()[-500:]}")
@@ -141,17 +143,17 @@ class SlurmLab:
     @classmethod
     def start(cls, root: Path | str = DEFAULT_ROOT, log: Callable[[str], None] = print, **kw: int) -> SlurmLab:
         """Start a fresh lab (stopping whatever ran there before); see ``acquire`` to share one."""
-        ensure_installed(log)
         lab = cls(root=Path(root), **kw)  # type: ignore[arg-type]
-        with lab._flock(".lock"):
+        with lab._flock(".lock"):  # one installer and one starter at a time
+            ensure_installed(log)
             lab._fresh_start(log)
         return lab
 
     @classmethod
     def acquire(cls, root: Path | str = DEFAULT_ROOT, log: Callable[[str], None] = print, **kw: int) -> SlurmLab:
-        ensure_installed(log)
         lab = cls(root=Path(root), **kw)  # type: ignore[arg-type]
-        with lab._flock(".lock"):
+        with lab._flock(".lock"):  # one installer and one starter at a time
+            ensure_installed(log)
             others = lab._live_users()
             if others and lab.healthy():
                 log(f"slurm lab: joined the running lab under {lab.root} (users: {sorted(others)})")
