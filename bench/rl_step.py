@@ -14,6 +14,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -51,7 +52,7 @@ def run(rank: int, world: int, name: str, steps: int) -> dict[str, object]:
     return {"steps": out}
 
 
-def summarise(name: str, per_rank: list[dict]) -> dict[str, object]:
+def summarise(name: str, per_rank: list[dict]) -> dict[str, Any]:
     steps = [max(r["steps"][i]["step_s"] for r in per_rank) for i in range(len(per_rank[0]["steps"]))]
     stage_names = per_rank[0]["steps"][0]["stages"].keys()
     stages = {s: statistics.median(max(r["steps"][i]["stages"][s] for r in per_rank)

@@ -24,7 +24,12 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    parallelize_module,
+)
 from torch.profiler import record_function
 
 from agent.engine.measure import DP_ALLREDUCE_RANGE, GATHER_RANGE
@@ -44,9 +49,9 @@ class Coord:
     pp_rank: int
 
 
-def tp_plan(model: Decoder) -> dict[str, object]:
+def tp_plan(model: Decoder) -> dict[str, ParallelStyle]:
     """The DTensor plan of one (stage) decoder: Megatron-style column/row pairs, vocab-parallel ends."""
-    plan: dict[str, object] = {}
+    plan: dict[str, ParallelStyle] = {}
     if model.is_first:
         plan["model.embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
     for i in model.model.layers:
@@ -178,6 +183,7 @@ class StageEngine:
                 raise SpecError(f"{self.name}.micro_batch_size",
                                 f"{mbs} does not divide {x.shape[0]} rows per replica")
             self.module.eval()
+            res: torch.Tensor | None
             if self.plan.layout.pp == 1:
                 res = torch.cat([out_fn(self.module(x[i * mbs:(i + 1) * mbs], m[i * mbs:(i + 1) * mbs]),
                                         e[i * mbs:(i + 1) * mbs]) for i in range(n_mb)])

@@ -8,7 +8,7 @@ import torch
 
 from agent.engine.losses import token_logprobs
 from agent.engine.model import build_decoder
-from agent.engine.rollout import LocalRunner, SamplingParams, generate, sample_top_p
+from agent.engine.rollout import LocalRunner, Rollout, SamplingParams, generate, sample_top_p
 from planner.errors import SpecError
 from planner.models import ModelSpec
 
@@ -18,7 +18,7 @@ PAD = 39
 PROMPTS = [[1, 2, 3], [4], [5, 6, 7, 8], [9, 10]]
 
 
-def run(prompts: list[list[int]], seeds: list[int], **kw: object) -> torch.Tensor:
+def run(prompts: list[list[int]], seeds: list[int], **kw: object) -> Rollout:
     model = build_decoder(SPEC, seed=0)
     params = SamplingParams(max_new_tokens=kw.pop("max_new_tokens", 6), **kw)  # type: ignore[arg-type]
     return generate(LocalRunner(model), prompts, seeds, params, prompt_tokens=4, pad_id=PAD)
