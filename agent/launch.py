@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
 from nereusd.allocation import ElasticJob
-from nereusd.slurm.submit import LaunchSpec, SubmitError, SubmititLauncher
+from nereusd.slurm.submit import LaunchSpec, SubmitError, SubmititLauncher, job_comment
 from planner.errors import SpecError
 
 Register = Callable[[ElasticJob], None]
@@ -54,7 +54,8 @@ def submit_elastic_job(*, job_id: str, min_gpus: int, max_gpus: int, gpus_per_no
     job = ElasticJob(job_id=job_id, anchor_job_id=anchor.slurm_job_id, min_gpus=min_gpus, max_gpus=max_gpus,
                      gpus_per_node=gpus_per_node, slurm_user=user or getpass.getuser(), partition=partition,
                      extra={k: v for k, v in {"folder": spec.folder, "endpoint": endpoint, "keys_dir": spec.keys_dir,
-                                              "python": python, "agent_args": shlex.join(agent_args)}.items() if v})
+                                              "python": python, "agent_args": shlex.join(agent_args),
+                                              "comment": job_comment(job_id)}.items() if v})
     if register is not None:
         try:
             register(job)

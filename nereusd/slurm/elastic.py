@@ -37,6 +37,7 @@ from nereusd.slurm.submit import LaunchSpec, SubmitError, SubmititLauncher, Subm
 from planner.errors import SpecError
 
 SubmitMember = Callable[[ElasticJob], SubmittedJob]
+ENDING_GRACE_S = 30.0  # how long a COMPLETING job may keep its nodes before they count as lost anyway
 
 
 @dataclass(kw_only=True, slots=True)
@@ -48,6 +49,9 @@ class _Tracked:
     cancelling: set[str] = field(default_factory=set)  # Slurm jobs we scancelled
     released: bool = False
     forgotten: set[str] = field(default_factory=set)  # ended members, never re-adopted
+    started: set[str] = field(default_factory=set)  # Slurm jobs seen holding nodes
+    ending_since: dict[str, float] = field(default_factory=dict)  # Slurm job -> clock() it began COMPLETING
+    anchor_end_reported: bool = False
 
     def requested_members(self, poller: SlurmPoller) -> int:
         count = 0
@@ -95,7 +99,8 @@ class SlurmSource:
                 if member not in merged.member_job_ids:
                     merged = merged.with_member(member)
             tracked.job = merged
-        self.poller.watch(job.anchor_job_id, submitted_at_s=job.submitted_at_s)
+        # an anchor launched by agent.launch carries the job's comment: a reused id cannot match it
+        self.poller.watch(job.anchor_job_id, submitted_at_s=job.submitted_at_s, comment=job.extra.get("comment"))
         for member in tracked.job.member_job_ids:
             self.poller.watch(member, comment=job_comment(job.job_id))
 
@@ -150,6 +155,11 @@ class SlurmSource:
         nodes: list[NodeAllocation] = []
         for slurm_id in tracked.job.slurm_job_ids:
             info = self.poller.info(slurm_id)
+            if self._undecided(tracked, slurm_id, info):
+                # Not known yet why (or whether) the job lets its nodes go: keep them one more poll
+                # rather than report a loss with the wrong reason.
+                nodes.extend(n for n in tracked.allocation.nodes if n.holder_job_id == slurm_id)
+                continue
             if info is None or not info.mapping.holds_usable_nodes:
                 continue
             for node in info.nodes:
@@ -159,6 +169,17 @@ class SlurmSource:
                                             holder_job_id=slurm_id))
         return nodes
 
+    def _undecided(self, tracked: _Tracked, slurm_id: str, info: SlurmJobInfo | None) -> bool:
+        """True while a job's fate is unknown: missing from one squeue, an unknown state, or
+        COMPLETING (its final state, CANCELLED or TIMEOUT or ..., follows within seconds)."""
+        if info is None or info.mapping.phase is Phase.UNKNOWN:
+            return True
+        if info.mapping.phase is not Phase.ENDING:
+            tracked.ending_since.pop(slurm_id, None)
+            return False
+        since = tracked.ending_since.setdefault(slurm_id, self.clock())
+        return self.clock() - since < ENDING_GRACE_S
+
     def _sync(self, tracked: _Tracked) -> None:
         before = {n.node: n for n in tracked.allocation.nodes}
         now = self._current_nodes(tracked)
@@ -167,10 +188,20 @@ class SlurmSource:
         removed = [n for name, n in before.items() if name not in after]
         for holder, group in _by_holder(added).items():
             kind = EventKind.GRANTED if holder == tracked.job.anchor_job_id else EventKind.GROWN
+            tracked.started.add(holder)
             self._emit(kind, tracked, holder, group, f"{holder} running on {compress([n.node for n in group])}")
+        anchor = tracked.job.anchor_job_id
         for (kind, holder, reason), group in self._classify_losses(tracked, removed).items():
             self._emit(kind, tracked, holder, group, reason)
+            tracked.anchor_end_reported |= holder == anchor and kind is not EventKind.NODE_DOWN \
+                and kind is not EventKind.SHRUNK
         tracked.allocation = Allocation(job_id=tracked.job.job_id, nodes=tuple(now))
+        info = self.poller.info(anchor)
+        if info is not None and info.terminal and not tracked.anchor_end_reported:
+            # the anchor ended holding nothing (e.g. cancelled while pending): the job still ends
+            kind = (EventKind.RELEASED if tracked.released else info.mapping.ended_by or EventKind.CANCELLED)
+            self._emit(kind, tracked, anchor, (), _describe(info))
+            tracked.anchor_end_reported = True
         self._settle_members(tracked)
 
     def _classify_losses(self, tracked: _Tracked, removed: list[NodeAllocation]
@@ -200,13 +231,14 @@ class SlurmSource:
             info = self.poller.info(member)
             if info is None or not info.terminal:
                 continue
-            ran = any(n.holder_job_id == member for n in tracked.allocation.nodes) or info.start_time_s > 0
-            if not ran and member not in tracked.cancelling and not tracked.released:
+            if member not in tracked.started and member not in tracked.cancelling and not tracked.released:
                 self._emit(EventKind.REQUEST_FAILED, tracked, member, (), f"member ended before starting: "
                            f"{_describe(info)}")
             tracked.job = tracked.job.without_member(member)
             tracked.forgotten.add(member)
             tracked.cancelling.discard(member)
+            tracked.started.discard(member)
+            tracked.ending_since.pop(member, None)
             self.poller.unwatch(member)
 
     # --- active steps -----------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -177,3 +178,19 @@ def test_example_submit_script_submits_anchor_and_members(lab: SlurmLab, tmp_pat
     assert lab.job_field(job.anchor_job_id, "JobName") == "nereus-example-anchor"
     assert lab.job_field(job.member_job_ids[0], "JobName") == "nereus-example-member"
     assert lab.job_field(job.member_job_ids[0], "TresPerNode") == f"gres:gpu:{GPUS}"
+
+
+def test_jobs_ending_before_they_start_are_reported(lab: SlurmLab, tmp_path: Path) -> None:
+    held = replace(_spec(lab, tmp_path, "never-ran"), extra_sbatch={"hold": True})  # nothing will start
+    anchor = SubmititLauncher(held, env=lab.env).submit("anchor", 1).slurm_job_id
+    source, _ = _source(lab, held)
+    source.track(_elastic("never-ran", anchor, max_gpus=2 * GPUS))
+    (member,) = source.grow("never-ran", 1)
+    seen: list = []
+    lab.run("scancel", member)  # someone cancels the pending member: the growth request failed
+    poll_until(source, seen, has(EventKind.REQUEST_FAILED, member), what="failed request")
+    assert "before starting" in kinds(seen, EventKind.REQUEST_FAILED)[0].reason
+    lab.run("scancel", anchor)  # the anchor ends without ever holding a node: the job still ends
+    poll_until(source, seen, has(EventKind.CANCELLED, anchor), what="anchor cancelled while pending")
+    assert kinds(seen, EventKind.CANCELLED)[0].nodes == ()
+    assert not kinds(seen, EventKind.GRANTED) and not kinds(seen, EventKind.GROWN)
