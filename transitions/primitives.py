@@ -22,7 +22,7 @@ from enum import Enum
 from functools import lru_cache
 
 from planner.models import Parallel, TensorSpec
-from transitions.emu import EMU, Box, StateKey, UnitState
+from transitions.emu import EMU, Box, StateKey, UnitState, box_intersection
 from transitions.geometry import Shard, StateKind, tensor_stages
 
 BUFFER_ALIGN_BYTES = 16  # bucket items start 16-byte aligned, so any dtype can view its slot
@@ -291,13 +291,14 @@ def _covers(target: EMU, sources: tuple[EMU, ...], gpu: int) -> list[tuple[Shard
     return out
 
 
-def derive_target(target: EMU, sources: tuple[EMU, ...], gpu: int) -> list[Transfer]:
-    """Pieces (local and remote) that fill everything ``target`` holds on ``gpu`` from ``sources``."""
+def derive_target(target: EMU, sources: tuple[EMU, ...], gpu: int, from_gpu: int | None = None) -> list[Transfer]:
+    """Pieces (local and remote) that fill everything ``target`` holds on ``gpu`` from ``sources``;
+    with ``from_gpu``, only those read from that GPU."""
     out: list[Transfer] = []
     for shard, dim, cover in _covers(target, sources, gpu):
         box: Box = (shard.offsets, shard.lengths)
         out += [_piece(s, g, sb, target, gpu, box, shard.key, dim, lo, hi, shard.bytes_per_element)
-                for s, g, sb, lo, hi in cover]
+                for s, g, sb, lo, hi in cover if from_gpu is None or g == from_gpu]
     return out
 
 
@@ -312,14 +313,29 @@ def pieces(prim: Primitive, gpu: int | None = None) -> list[Transfer]:
     if isinstance(prim, Destroy) or relabels(prim):
         return []
     out: list[Transfer] = []
+    mine = [s.boxes(gpu) for s in prim.sources if s.holds(gpu)] if gpu is not None else []
     for target in prim.targets:
-        if gpu is not None and not target.holds(gpu) and not any(s.holds(gpu) for s in prim.sources):
+        if gpu is not None and not target.holds(gpu) and not mine:
             continue
         for g in _target_gpus(prim, target):
-            for p in derive_target(target, prim.sources, g):
-                if gpu is None or gpu in (p.src_gpu, p.dst_gpu):
-                    out.append(p)
+            if gpu is not None and g != gpu and not _may_read(target.boxes(g), mine):
+                continue  # g needs nothing ``gpu`` holds: it cannot read from it
+            out += derive_target(target, prim.sources, g, None if gpu in (None, g) else gpu)
     return out
+
+
+def _may_read(needs: dict[StateKey, Box], held: list[dict[StateKey, Box]]) -> bool:
+    """Whether any box a GPU needs intersects a box held by one GPU (first state kind per tensor)."""
+    last = ""
+    for key, box in needs.items():
+        if key[0] == last:
+            continue
+        last = key[0]
+        for boxes in held:
+            other = boxes.get(key)
+            if other is not None and box_intersection(box, other) is not None:
+                return True
+    return False
 
 
 def transfers(prim: Primitive, gpu: int | None = None) -> list[Transfer]:

@@ -1,0 +1,172 @@
+"""Benchmark of transition planning; prints one JSON document.
+
+    .venv/bin/python bench/transitions.py [--quick]
+
+- plan_time: DAG build (local plans, footprints, memory order) + schedule (L_tran) for PPO plan
+  changes of Llama-3.1-8B and Llama-3.3-70B on H200 clusters of 32 .. 4,096 GPUs; cold (first call,
+  geometry caches empty) and warm (median of repeats), with node counts and the 1.2 ms target.
+- one_gpu_derive: time for one GPU to derive its own transfer list (all primitives touching it) in
+  the largest case, with its bytes and buckets.
+- greedy_vs_optimum: makespan of the greedy order vs the best memory-feasible order found by brute
+  force over all topological orders, on small random instances (mean and max gap).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from planner.errors import InfeasibleError  # noqa: E402
+from planner.models import LLAMA_31_8B, LLAMA_33_70B, ModelSpec  # noqa: E402
+from planner.plan import Layout  # noqa: E402
+from transitions.cost import DEFAULT_COMMUNICATOR_SETUP_S, primitive_seconds, schedule, transition_cost  # noqa: E402
+from transitions.global_dag import TransitionDAG, build_transition  # noqa: E402
+from transitions.primitives import buckets, transfers  # noqa: E402
+from transitions.scenarios import h200_cluster, ppo_plan, random_scenario, stage_states  # noqa: E402
+
+TARGET_MS_AT_1024 = 1.2
+
+# (old layouts, new layouts) per model: a drift-triggered replan of every model-stage at once
+CHANGES: dict[str, tuple[ModelSpec, dict[str, Layout], dict[str, Layout]]] = {
+    "ppo-8b": (LLAMA_31_8B,
+               {"actor-gen": Layout(2, 1), "ref-inf": Layout(2, 1), "critic-inf": Layout(2, 1),
+                "reward-inf": Layout(2, 1), "actor-train": Layout(4, 1), "critic-train": Layout(4, 1)},
+               {"actor-gen": Layout(4, 1), "ref-inf": Layout(1, 1), "critic-inf": Layout(1, 1),
+                "reward-inf": Layout(2, 1), "actor-train": Layout(8, 1), "critic-train": Layout(4, 2)}),
+    "ppo-70b": (LLAMA_33_70B,
+                {"actor-gen": Layout(8, 1), "ref-inf": Layout(8, 1), "critic-inf": Layout(8, 1),
+                 "reward-inf": Layout(8, 1), "actor-train": Layout(8, 2), "critic-train": Layout(8, 2)},
+                {"actor-gen": Layout(4, 2), "ref-inf": Layout(4, 2), "critic-inf": Layout(8, 1),
+                 "reward-inf": Layout(4, 2), "actor-train": Layout(8, 1), "critic-train": Layout(8, 2)}),
+}
+
+
+def plan_time(num_gpus: int, name: str, repeats: int) -> dict[str, object]:
+    model, old_layouts, new_layouts = CHANGES[name]
+    states = stage_states(model)
+    cluster = h200_cluster(num_gpus)
+    old = ppo_plan(1, num_gpus, old_layouts)
+    new = ppo_plan(2, num_gpus, new_layouts)
+    capacity = 1 << 60 if name == "ppo-70b" else None  # 70B co-resident PPO exceeds 141 GB: time only
+
+    def once() -> tuple[float, float, TransitionDAG, float]:
+        t0 = time.perf_counter()
+        dag = build_transition(states, cluster, old, new, capacity_bytes=capacity)
+        t1 = time.perf_counter()
+        cost = transition_cost(dag, cluster)
+        t2 = time.perf_counter()
+        return t1 - t0, t2 - t1, dag, cost.seconds
+
+    build_cold, sched_cold, dag, l_tran = once()
+    warm = [once() for _ in range(repeats)]
+    build_ms = 1e3 * statistics.median(w[0] for w in warm)
+    sched_ms = 1e3 * statistics.median(w[1] for w in warm)
+    units = len(dag.old_units) + len(dag.new_units)
+    return {"gpus": num_gpus, "change": name, "nodes": len(dag.nodes), "units": units,
+            "cold_ms": round(1e3 * (build_cold + sched_cold), 2), "build_ms": round(build_ms, 2),
+            "schedule_ms": round(sched_ms, 2), "total_ms": round(build_ms + sched_ms, 2),
+            "us_per_node": round(1e3 * (build_ms + sched_ms) / max(1, len(dag.nodes)), 1),
+            "l_tran_s": round(l_tran, 3), "bytes_moved_gb": round(dag.bytes_moved / 1e9, 1),
+            "memory_checked": capacity is None}
+
+
+def one_gpu_derive(num_gpus: int, name: str) -> dict[str, object]:
+    model, old_layouts, new_layouts = CHANGES[name]
+    states = stage_states(model)
+    cluster = h200_cluster(num_gpus)
+    dag = build_transition(states, cluster, ppo_plan(1, num_gpus, old_layouts), ppo_plan(2, num_gpus, new_layouts),
+                           capacity_bytes=1 << 60)
+    gpu = max(range(num_gpus), key=lambda g: len(dag.nodes_on(g)) if g < 64 else -1)
+    t0 = time.perf_counter()
+    mine = dag.nodes_on(gpu)
+    items = [t for i in mine for t in transfers(dag.nodes[i], gpu)]
+    packed = [b for i in mine for b in buckets(dag.nodes[i], gpu)]
+    elapsed = time.perf_counter() - t0
+    return {"gpus": num_gpus, "change": name, "gpu": gpu, "primitives": len(mine), "transfers": len(items),
+            "buckets": len(packed), "bytes": sum(t.num_bytes for t in items), "ms": round(1e3 * elapsed, 2)}
+
+
+def _makespan(dag: TransitionDAG, order: tuple[int, ...], durations: list[float]) -> float:
+    _, end, _ = schedule(replace(dag, order=order, resource_edges=()), durations)
+    return max(end, default=0.0)
+
+
+def _memory_ok(dag: TransitionDAG, order: tuple[int, ...]) -> bool:
+    used: dict[int, int] = {}
+    for u in dag.old_units:
+        for g in u.gpus:
+            used[g] = used.get(g, 0) + u.bytes_on(g)
+    for i in order:
+        fp = dag.footprints[i]
+        for g in fp.gpus:
+            if used.get(g, 0) + fp.alloc_bytes.get(g, 0) + fp.buffer_bytes.get(g, 0) > dag.capacity_bytes:
+                return False
+            used[g] = used.get(g, 0) + fp.alloc_bytes.get(g, 0) - fp.free_bytes.get(g, 0)
+    return True
+
+
+def greedy_vs_optimum(instances: int, max_nodes: int) -> dict[str, object]:
+    rng = random.Random(7)
+    gaps: list[float] = []
+    tried = 0
+    while len(gaps) < instances:
+        tried += 1
+        sc = random_scenario(rng, max_stages=3)
+        try:
+            roomy = build_transition(sc.states, sc.cluster, sc.old, sc.new, capacity_bytes=1 << 50)
+        except InfeasibleError:
+            continue
+        n = len(roomy.nodes)
+        if not 3 <= n <= max_nodes or roomy.bytes_moved == 0:
+            continue
+        peak = max(roomy.peak_bytes.values())
+        capacity = int(peak * rng.uniform(0.85, 1.0))  # tight enough that order matters for memory too
+        try:
+            dag = build_transition(sc.states, sc.cluster, sc.old, sc.new, capacity_bytes=capacity)
+        except InfeasibleError:
+            continue
+        durations = [primitive_seconds(fp, sc.cluster, DEFAULT_COMMUNICATOR_SETUP_S) for fp in dag.footprints]
+        greedy = _makespan(dag, dag.order, durations)
+        pos_ok = dag.data_edges
+        best = greedy
+        for perm in itertools.permutations(range(n)):
+            where = {i: k for k, i in enumerate(perm)}
+            if any(where[a] > where[b] for a, b in pos_ok) or not _memory_ok(dag, perm):
+                continue
+            best = min(best, _makespan(dag, perm, durations))
+        gaps.append((greedy - best) / best if best > 0 else 0.0)
+    return {"instances": len(gaps), "drawn": tried, "max_nodes": max_nodes,
+            "mean_gap_pct": round(100 * statistics.mean(gaps), 2), "max_gap_pct": round(100 * max(gaps), 2),
+            "optimal_share_pct": round(100 * sum(g < 1e-9 for g in gaps) / len(gaps), 1)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats (smoke run)")
+    args = parser.parse_args()
+    sizes = [32, 128] if args.quick else [32, 128, 512, 1024, 4096]
+    repeats = 2 if args.quick else 5
+    rows = [plan_time(n, name, repeats if n <= 1024 else 2) for name in CHANGES for n in sizes]
+    at_1024 = [r for r in rows if r["gpus"] == 1024]
+    out = {
+        "plan_time": rows,
+        "target_ms_at_1024": TARGET_MS_AT_1024,
+        "ratio_to_target_at_1024": {r["change"]: round(float(r["total_ms"]) / TARGET_MS_AT_1024, 1)  # type: ignore[arg-type]
+                                    for r in at_1024},
+        "one_gpu_derive": one_gpu_derive(sizes[-1], "ppo-70b"),
+        "greedy_vs_optimum": greedy_vs_optimum(8 if args.quick else 40, 7),
+    }
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
