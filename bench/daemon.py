@@ -26,13 +26,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psutil
-import zmq
+# bench/ holds scripts named like packages (bench/planner.py): keep this script's folder off the path
+if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    sys.path.pop(0)
 
-from nereusd import protocol
-from nereusd.client import CurveClient
-from nereusd.daemon import raise_fd_limit
-from nereusd.keys import KeyStore, load_bundle
+import psutil  # noqa: E402
+import zmq  # noqa: E402
+
+from nereusd import protocol  # noqa: E402
+from nereusd.client import CurveClient  # noqa: E402
+from nereusd.daemon import raise_fd_limit  # noqa: E402
+from nereusd.keys import KeyStore, load_bundle  # noqa: E402
 
 BIN = Path(sys.executable).parent
 
@@ -175,9 +179,10 @@ def _slow_handlers(log: Path) -> dict[str, float]:
             rec = json.loads(line)
         except ValueError:
             continue
-        if rec.get("event") == "slow-handler":
-            out[rec["handler"] + "_count"] = out.get(rec["handler"] + "_count", 0) + 1
-            out[rec["handler"] + "_max_ms"] = max(out.get(rec["handler"] + "_max_ms", 0), rec["ms"])
+        if rec.get("event") in ("slow-handler", "slow-admin-op"):
+            name = rec.get("handler") or "admin_op_" + rec["op"]
+            out[name + "_count"] = out.get(name + "_count", 0) + 1
+            out[name + "_max_ms"] = max(out.get(name + "_max_ms", 0), rec["ms"])
     return out
 
 

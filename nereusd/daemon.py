@@ -421,6 +421,7 @@ class Daemon:
         if not isinstance(msg, protocol.AdminRequest):
             self.admin.reject(inc, "invalid", f"the admin endpoint takes 'admin' requests, not {msg.type!r}")
             return
+        t0 = time.monotonic()
         try:
             data = self.admin_ops.handle(msg.op, msg.args)
             reply = protocol.AdminReply(ok=True, data=data)
@@ -428,3 +429,5 @@ class Daemon:
             self.metrics.rejected.labels(exc.code).inc()
             reply = protocol.AdminReply(ok=False, code=exc.code, error=str(exc))
         self.admin.send(inc.identity, reply, inc.encoding)
+        if time.monotonic() - t0 > SLOW_HANDLER_S:
+            self.log.warning("slow-admin-op", op=msg.op, ms=round((time.monotonic() - t0) * 1e3, 1))
