@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from nereusd.allocation import AllocationSource, ElasticJob
-from nereusd.local_source import LocalSource
+from nereusd.local_source import LocalSource, load_schedule
 from nereusd.settings import Settings
 
 
@@ -55,6 +55,10 @@ def make_source(settings: Settings, log: Any) -> AllocationSource:
         log.info("allocation-source", source="slurm", poll_interval_s=s.poll_interval_s)
         return SlurmSource(commands, poller, launch_spec=launch_spec_for(settings),
                            max_submissions_per_minute=s.max_member_submissions_per_minute)
-    log.info("allocation-source", source="local",
+    # A [local] settings section (num_nodes, slots_per_node, schedule_path) is read when present.
+    local = getattr(settings, "local", None)
+    schedule_path = getattr(local, "schedule_path", None)
+    log.info("allocation-source", source="local", schedule=str(schedule_path) if schedule_path else None,
              reason="Slurm disabled in settings" if not settings.slurm.enabled else "squeue/sbatch not found")
-    return LocalSource()
+    return LocalSource(num_nodes=getattr(local, "num_nodes", 4), slots_per_node=getattr(local, "slots_per_node", 8),
+                       schedule=load_schedule(schedule_path) if schedule_path else ())
