@@ -20,7 +20,7 @@ from lab import SlurmLab, wait_for
 from agent.launch import nereusctl_job_add, submit_elastic_job
 from nereusd.keys import KeyStore
 
-pytestmark = [pytest.mark.slurm, pytest.mark.multiprocess, pytest.mark.xdist_group("slurm")]
+pytestmark = [pytest.mark.slurm, pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.xdist_group("slurm")]
 BIN = Path(sys.executable).parent
 
 

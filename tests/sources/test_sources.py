@@ -79,6 +79,7 @@ def _wait(cond, timeout_s: float, what: str):  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_local_source_through_nereusd_and_nereusctl(tmp_path: Path) -> None:
     state = tmp_path / "state"
     keys = KeyStore(state / "keys")
