@@ -61,9 +61,9 @@ class Prediction:
 
 def replica_links(sp: StagePlan, gpus: tuple[int, ...], cluster: ClusterSpec, dp_intra: bool) -> Links:
     tp, pp = sp.layout.tp, sp.layout.pp
-    node = cluster.node_of
-    tp_intra = all(len({node(g) for g in gpus[r * tp:(r + 1) * tp]}) == 1 for r in range(pp))
-    pp_intra = all(node(gpus[r * tp]) == node(gpus[(r + 1) * tp]) for r in range(pp - 1))
+    gpn = cluster.gpus_per_node
+    tp_intra = tp == 1 or all(len({g // gpn for g in gpus[r * tp:(r + 1) * tp]}) == 1 for r in range(pp))
+    pp_intra = all(gpus[r * tp] // gpn == gpus[(r + 1) * tp] // gpn for r in range(pp - 1))
     return Links(tp_intra=tp_intra, pp_intra=pp_intra, dp_intra=dp_intra)
 
 

@@ -16,9 +16,10 @@ Urgent path: when nothing fits, recomputation, then TP across nodes are allowed.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -105,33 +106,46 @@ class _WaveSolver:
     def __init__(self, fronts: Mapping[str, OptionTable], budget: int) -> None:
         self.fronts = fronts
         self.budget = budget
-        self.t_sorted = {m: np.unique(t.transient) for m, t in fronts.items()}
+        # Python lists: scalar bisect is far cheaper than numpy's searchsorted on the hot path
+        self.t_sorted = {m: np.unique(t.transient).tolist() for m, t in fronts.items()}
+        self.r_sorted = {m: np.unique(t.resident).tolist() for m, t in fronts.items()}
         self.memo: dict[tuple[object, ...], tuple[float, _Pick] | None] = {}
         self.alone = {m: _alone_table(t, budget) for m, t in fronts.items()}
-        self.steps_memo: dict[tuple[str, float, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self.steps_memo: dict[tuple[str, int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        # rows within the budget sorted by (GPUs, seconds): a step function is then one running minimum
+        self.by_gpus = {}
+        for m, t in fronts.items():
+            idx = np.flatnonzero(t.gpus <= budget)
+            order = idx[np.lexsort((t.seconds[idx], t.gpus[idx]))]
+            self.by_gpus[m] = (t.gpus[order], t.seconds[order], t.resident[order], t.transient[order], order)
 
     def t_index(self, member: str, t_cap: float) -> int:
-        return int(np.searchsorted(self.t_sorted[member], t_cap, side="right"))
+        return bisect.bisect_right(self.t_sorted[member], t_cap)
 
     def solve(self, members: tuple[str, ...], r_cap: float, t_cap: float) -> tuple[float, _Pick] | None:
         if len(members) == 1:  # a lookup in the member's (R, T) -> fastest row table
             r_levels, t_levels, secs, rows = self.alone[members[0]]
-            i = int(np.searchsorted(r_levels, r_cap, side="right")) - 1
-            j = int(np.searchsorted(t_levels, t_cap, side="right")) - 1
-            if i < 0 or j < 0 or rows[i, j] < 0:
+            i = bisect.bisect_right(r_levels, r_cap) - 1
+            j = bisect.bisect_right(t_levels, t_cap) - 1
+            if i < 0 or j < 0 or rows[i][j] < 0:
                 return None
-            return float(secs[i, j]), ((members[0], int(rows[i, j])),)
-        t_idx = tuple(self.t_index(m, t_cap) for m in members)
-        key = (members, r_cap, t_idx)
+            return secs[i][j], ((members[0], rows[i][j]),)
+        idx = tuple((bisect.bisect_right(self.r_sorted[m], r_cap), self.t_index(m, t_cap)) for m in members)
+        key = (members, idx)
         if key in self.memo:
             return self.memo[key]
-        steps = []
-        for m, ti in zip(members, t_idx):
-            st = self.steps_memo.get((m, r_cap, ti))
+        steps: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        for m, (ri, ti) in zip(members, idx):
+            st: tuple[np.ndarray, np.ndarray, np.ndarray] | None = self.steps_memo.get((m, ri, ti))
             if st is None:
-                tab = self.fronts[m]
-                mask = (tab.resident <= r_cap) & (tab.transient <= t_cap) & (tab.gpus <= self.budget)
-                st = self.steps_memo[(m, r_cap, ti)] = _steps(tab, np.flatnonzero(mask))
+                g_col, s_col, r_col, t_col, order = self.by_gpus[m]
+                ok = (r_col <= r_cap) & (t_col <= t_cap)
+                masked = np.where(ok, s_col, np.inf)
+                best = np.minimum.accumulate(masked)
+                keep = ok.copy()
+                keep[1:] &= masked[1:] < best[:-1]
+                st = (g_col[keep], s_col[keep], order[keep])
+                self.steps_memo[(m, ri, ti)] = st
             if st[0].size == 0:
                 self.memo[key] = None
                 return None
@@ -141,7 +155,7 @@ class _WaveSolver:
         return result
 
 
-def _alone_table(tab: OptionTable, budget: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _alone_table(tab: OptionTable, budget: int) -> tuple[list[int], list[int], list[list[float]], list[list[int]]]:
     """(R levels, T levels, fastest seconds and its row with resident <= R and transient <= T)."""
     r_levels = np.unique(tab.resident)
     t_levels = np.unique(tab.transient)
@@ -162,18 +176,7 @@ def _alone_table(tab: OptionTable, budget: int) -> tuple[np.ndarray, np.ndarray,
         pos = np.maximum.accumulate(np.where((secs == run) & np.isfinite(secs), pos, 0), axis=axis)
         rows = np.take_along_axis(rows, pos, axis=axis)
         secs = run
-    return r_levels, t_levels, secs, rows
-
-
-def _steps(tab: OptionTable, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Fewest-GPU step function of a member: (GPUs ascending, best seconds with at most that many, row)."""
-    order = idx[np.lexsort((tab.seconds[idx], tab.gpus[idx]))]
-    secs = tab.seconds[order]
-    best = np.minimum.accumulate(secs)
-    keep = np.ones(order.size, dtype=bool)
-    keep[1:] = secs[1:] < best[:-1]
-    order = order[keep]
-    return tab.gpus[order], tab.seconds[order], order
+    return r_levels.tolist(), t_levels.tolist(), secs.tolist(), rows.tolist()
 
 
 def _min_max(members: tuple[str, ...], steps: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
@@ -192,16 +195,59 @@ def _min_max(members: tuple[str, ...], steps: list[tuple[np.ndarray, np.ndarray,
         t = np.where(ok, np.maximum(s1, s2[np.maximum(j, 0)]), np.inf)
         i = int(np.argmin(t))
         return float(t[i]), ((members[0], int(r1[i])), (members[1], int(r2[j[i]])))
+    if len(steps) == 3:  # every (first, second) pair at once; the third takes what GPUs are left
+        (g1, s1, r1), (g2, s2, r2), (g3, s3, r3) = steps
+        left = budget - g1[:, None] - g2[None, :]
+        k = np.searchsorted(g3, left, side="right") - 1
+        t = np.where(k >= 0, np.maximum(np.maximum(s1[:, None], s2[None, :]), s3[np.maximum(k, 0)]), np.inf)
+        a, b = np.unravel_index(int(np.argmin(t)), t.shape)
+        if not np.isfinite(t[a, b]):
+            return None
+        return float(t[a, b]), ((members[0], int(r1[a])), (members[1], int(r2[b])), (members[2], int(r3[k[a, b]])))
     best: tuple[float, _Pick] | None = None
     g1, s1, r1 = steps[0]
-    for k in range(g1.size):
-        rest = _min_max(members[1:], steps[1:], budget - int(g1[k]))
+    for i in range(g1.size):
+        rest = _min_max(members[1:], steps[1:], budget - int(g1[i]))
         if rest is None:
             continue
-        slowest = max(float(s1[k]), rest[0])
+        slowest = max(float(s1[i]), rest[0])
         if best is None or slowest < best[0]:
-            best = (slowest, ((members[0], int(r1[k])),) + rest[1])
+            best = (slowest, ((members[0], int(r1[i])),) + rest[1])
     return best
+
+
+def _wave_curve(solver: _WaveSolver, members: tuple[str, ...], levels: list[float],
+                t_cap: float) -> list[_Point]:
+    """The wave's best seconds as a function of its resident cap, at the caps where it changes.
+
+    Seconds never rise with a larger cap, so a span whose ends agree is flat and is not probed inside
+    (bisection: a few solves per breakpoint instead of one per level)."""
+    cache: dict[int, tuple[float, _Pick] | None] = {}
+
+    def at(i: int) -> tuple[float, _Pick] | None:
+        if i not in cache:
+            cache[i] = solver.solve(members, levels[i], t_cap)
+        return cache[i]
+
+    def same(a: tuple[float, _Pick] | None, b: tuple[float, _Pick] | None) -> bool:
+        return (a is None and b is None) or (a is not None and b is not None and a[0] == b[0])
+
+    def probe(lo: int, hi: int) -> None:
+        if hi - lo <= 1 or same(at(lo), at(hi)):
+            return
+        mid = (lo + hi) // 2
+        at(mid)
+        probe(lo, mid)
+        probe(mid, hi)
+
+    probe(0, len(levels) - 1)
+    at(len(levels) - 1)
+    pts: list[_Point] = []
+    for i in sorted(cache):
+        res = cache[i]
+        if res is not None:
+            pts.append((levels[i], res[0], (res[1],)))
+    return pts
 
 
 def _kind_points(names: list[str], solver: _WaveSolver, t_cap: float,
@@ -215,11 +261,8 @@ def _kind_points(names: list[str], solver: _WaveSolver, t_cap: float,
         combined: list[_Point] = [(0.0, 0.0, ())]
         for wave in part:
             members = tuple(wave)
-            wave_pts: list[_Point] = []
-            for r in sorted({r for m in members for r in r_levels[m]}):
-                res = solver.solve(members, r, t_cap)
-                if res is not None:
-                    wave_pts.append((r, res[0], (res[1],)))
+            levels = sorted({r for m in members for r in r_levels[m]})
+            wave_pts = _wave_curve(solver, members, levels, t_cap)
             combined = _pareto([(a[0] + b[0], a[1] + b[1], a[2] + b[2]) for a in combined for b in _pareto(wave_pts)])
             if not combined:
                 break
@@ -373,10 +416,18 @@ def search(job: JobSpec, cluster: ClusterSpec, pool: Sequence[int] | None = None
     considered = 0
     for i, rules in enumerate(URGENT_RULES):
         fronts: dict[str, OptionTable] = {}
+        shared: dict[tuple[object, ...], tuple[OptionTable, int]] = {}
         for ms in job.workflow.model_stages:
-            table = option_table(job, ms, cluster, n, eff, rules)
-            considered += len(table)
-            fronts[ms.name] = frontier(table)
+            # model-stages with the same model, head and kind (critic-inf, reward-inf) share one table
+            key = (id(job.model_of(ms)), ms.role.head, ms.kind, ms.greedy)
+            if key in shared:
+                table, raw = replace(shared[key][0], model_stage=ms.name), shared[key][1]
+            else:
+                full = option_table(job, ms, cluster, n, eff, rules)
+                table, raw = frontier(full), len(full)
+                shared[key] = (table, raw)
+            considered += raw
+            fronts[ms.name] = table
         if not all(len(t) for t in fronts.values()):
             continue
         fronts = _quantize_transients(fronts)
