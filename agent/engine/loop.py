@@ -9,7 +9,8 @@ Prompts of step ``s`` derive from ``(seed, s)``, sampling noise from ``(seed, s,
 and each DP replica takes its rows by rank, so a run is reproducible across layouts; ``replan``
 moves the live state (weights, AdamW moments) onto new plans between steps.
 
-Run locally (one process, every stage TP1 x PP1): ``python -m agent.engine.loop --algo grpo --steps 5``
+Run locally: ``python -m agent.engine.loop --algo grpo --steps 5`` (one process), or on local gloo
+ranks with every model-stage on one layout: ``python -m agent.engine.loop --world 2 --tp 2``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import argparse
 import json
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -32,7 +34,7 @@ from agent.engine.sync import move_training_state, sync_weights
 from agent.engine.tasks import ByteTokenizer, SortDigits, Task, accuracy, problems_for_step, rule_reward
 from planner.errors import SpecError
 from planner.models import Head, ModelSpec
-from planner.plan import GlobalPlan, Layout, StagePlan
+from planner.plan import GlobalPlan, Layout, StagePlan, batch_splits
 from planner.workflow import Role, StageKind, Workflow, workflow_preset
 
 # A model small enough for CPU learning tests, with a byte-level vocabulary (259 ids, padded to 264
@@ -60,10 +62,13 @@ class RunConfig:
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     remax: ReMaxConfig = field(default_factory=ReMaxConfig)
     profile_ops: bool = False
+    rollout_backend: str = "torch"  # or "vllm" (GPU, optional extra): actor-gen replicas of one GPU
 
     def __post_init__(self) -> None:
         if self.algo not in ("ppo", "grpo", "remax"):
             raise SpecError("algo", f"unknown {self.algo!r}", "ppo, grpo, remax")
+        if self.rollout_backend not in ("torch", "vllm"):
+            raise SpecError("rollout_backend", f"unknown {self.rollout_backend!r}", "torch, vllm")
         if self.prompts_per_step < 1:
             raise SpecError("prompts_per_step", f"must be >= 1, got {self.prompts_per_step}")
         if self.sequences_per_step % self.train_mini_batches_per_step:
@@ -112,6 +117,18 @@ def uniform_plan(cfg: RunConfig, layout: Layout, ranks: tuple[int, ...], *, dp: 
     return GlobalPlan(version=0, stages=tuple(stages))
 
 
+def rebatched(sp: StagePlan, gpu_sets: tuple[tuple[int, ...], ...]) -> StagePlan:
+    """``sp`` on new replicas with the same global batch: the largest micro-batch no bigger than the
+    current one for which ``dp * micro_batch_size * grad_accum`` stays ``sp.sequences_per_batch``."""
+    splits = batch_splits(sp.sequences_per_batch, len(gpu_sets), max_micro_batch=sp.micro_batch_size)
+    if not splits:
+        raise SpecError(f"{sp.model_stage}.dp", f"{len(gpu_sets)} replicas cannot share a batch of "
+                        f"{sp.sequences_per_batch} sequences")
+    mbs, accum = max(splits)
+    return StagePlan(model_stage=sp.model_stage, layout=sp.layout, gpu_sets=gpu_sets, micro_batch_size=mbs,
+                     grad_accum=accum, recompute=sp.recompute)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StepResult:
     step: int
@@ -136,6 +153,25 @@ class RLLoop:
         self.timer = StageTimer(rank=rank, profile_ops=cfg.profile_ops)
         self.optimizer_steps = 0
         self.engines = {ms.name: self._build(ms.name, plan.stage(ms.name)) for ms in cfg.workflow.model_stages}
+        self.vllm: Any = None
+        if cfg.rollout_backend == "vllm":
+            self.vllm = self._start_vllm()
+
+    def _start_vllm(self) -> Any:
+        """A vLLM engine on each actor-gen replica (one GPU each), fed from the torch copy of actor-gen."""
+        import tempfile
+
+        from agent.engine.vllm_backend import VLLMBackend, write_model_dir
+
+        eng = self.engines["actor-gen"]
+        if eng.plan.layout.size != 1:
+            raise SpecError("actor-gen.layout", "the vLLM backend runs one GPU per actor-gen replica here", "TP1xPP1")
+        if eng.module is None:
+            return None
+        colocated = bool(eng.plan.gpus & self.plan.stage("actor-train").gpus)
+        state = {n: t.detach() for n, t in eng.local_tensors()}
+        path = write_model_dir(self.cfg.model, tempfile.mkdtemp(prefix="nereus-vllm-"), state)
+        return VLLMBackend(self.cfg.model, path, seed=self.cfg.seed, colocated=colocated)
 
     # --- construction -------------------------------------------------------------------------
     def _model_of(self, role: Role) -> tuple[ModelSpec, Head, int]:
@@ -192,8 +228,12 @@ class RLLoop:
         tokens, attn, logp = torch.zeros(b, t, dtype=torch.long), torch.zeros(b, t, dtype=torch.long), torch.zeros(b, t)
         if eng.coord is not None:
             rows = eng.replica_rows(b, eng.coord.replica)
-            roll = generate(PipelineRunner(eng), prompts[rows], seeds[rows], params, prompt_tokens=p,
-                            pad_id=self.tok.pad_id)
+            if self.vllm is not None and name == "actor-gen":
+                roll = self.vllm.generate(prompts[rows], seeds[rows], params, prompt_tokens=p,
+                                          pad_id=self.tok.pad_id)
+            else:
+                roll = generate(PipelineRunner(eng), prompts[rows], seeds[rows], params, prompt_tokens=p,
+                                pad_id=self.tok.pad_id)
             if eng.is_owner:
                 tokens[rows], attn[rows], logp[rows] = roll.tokens, roll.attention_mask, roll.logprobs
         tokens, attn, logp = eng.gather(tokens), eng.gather(attn), eng.gather(logp)
@@ -244,6 +284,8 @@ class RLLoop:
                 tally.attention_mask = greedy.attention_mask
             adv = remax_advantages(scores, self._scores(step, greedy, problems), mask)
             actor_loss = ActorLoss(clip=c.remax.clip, kl_coef=c.remax.kl_coef, temperature=temp)
+        if self.vllm is not None:
+            self.vllm.release()  # colocated: hand the engine's memory to training
         n_mb = c.train_mini_batches_per_step
         rows_per_mb = roll.tokens.shape[0] // n_mb
         losses = []
@@ -269,6 +311,8 @@ class RLLoop:
         self.optimizer_steps += n_mb
         t_sync = time.perf_counter()
         self._sync_all()
+        if self.vllm is not None:
+            self.vllm.push_weights(self.engines["actor-gen"].local_tensors())
         stage_seconds = {m.model_stage: m.seconds for m in timer.of_step(step).values()}
         stage_seconds["weight-sync"] = time.perf_counter() - t_sync  # not a model-stage: the hand-over
         acc = sum(accuracy(pr, r, self.tok) for pr, r in zip(problems, roll.responses())) / len(problems)
@@ -281,19 +325,37 @@ class RLLoop:
         return self.timer.of_step(step)
 
 
+def _run_rank(rank: int, world: int, cfg: RunConfig, layout: Layout, steps: int) -> list[dict[str, object]]:
+    loop = RLLoop(cfg, uniform_plan(cfg, layout, tuple(range(world))), rank=rank)
+    out: list[dict[str, object]] = []
+    for s in range(steps):
+        r = loop.step(s)
+        out.append({"step": s, "mean_score": round(r.mean_score, 4), "accuracy": round(r.mean_accuracy, 4),
+                    "seconds": round(r.seconds, 3),
+                    "stage_seconds": {k: round(v, 4) for k, v in r.stage_seconds.items()}})
+    return out
+
+
 def main() -> None:
+    from agent.engine.launch import run_local
+
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--algo", default="grpo", choices=("ppo", "grpo", "remax"))
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--world", type=int, default=1, help="local gloo ranks; replicas fill them (DP)")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
     args = ap.parse_args()
     torch.manual_seed(args.seed)
     cfg = RunConfig(algo=args.algo, seed=args.seed)
-    loop = RLLoop(cfg, uniform_plan(cfg, Layout(1, 1), (0,)))
-    for s in range(args.steps):
-        r = loop.step(s)
-        print(json.dumps({"step": s, "mean_score": round(r.mean_score, 4), "seconds": round(r.seconds, 3),
-                          "stage_seconds": {k: round(v, 4) for k, v in r.stage_seconds.items()}}))
+    layout = Layout(args.tp, args.pp)
+    if args.world == 1 and layout.size == 1:
+        rows = _run_rank(0, 1, cfg, layout, args.steps)
+    else:
+        rows = run_local(_run_rank, args.world, cfg, layout, args.steps, timeout_s=3600)[0]
+    for row in rows:
+        print(json.dumps(row))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import torch
 from engine_dist import run_workers
 
 from agent.engine.grpo import GRPOConfig
-from agent.engine.loop import RLLoop, RunConfig
+from agent.engine.loop import RLLoop, RunConfig, rebatched
 from agent.engine.model import build_decoder
 from agent.engine.tasks import SortDigits
 from planner.plan import GlobalPlan, Layout, StagePlan
@@ -41,8 +41,9 @@ def worker(rank: int, world: int) -> dict[str, object]:
     a = RLLoop(CFG, fixed, rank=rank)
     runs_a = [a.step(s) for s in range(3)]
     wide = plan(((0,), (1,)), mbs=2, accum=2)
-    narrow = plan(((1,),), mbs=2, accum=4)  # rank 0's replica is dropped; rank 1's carries on
-    assert wide.stage("actor-train").sequences_per_batch == narrow.stage("actor-train").sequences_per_batch
+    # rank 0's replica is dropped, rank 1's carries on; accumulation doubles to keep the global batch
+    narrow = plan(((1,),), mbs=2, accum=4)
+    assert rebatched(wide.stage("actor-train"), ((1,),)) == narrow.stage("actor-train")
     b = RLLoop(CFG, wide, rank=rank)
     runs_b = [b.step(s) for s in range(2)]
     b.replan(narrow)

@@ -52,3 +52,16 @@ def test_vllm_greedy_matches_torch_and_weights_push(tmp_path: Path) -> None:
     eng.release()
     assert torch.cuda.mem_get_info()[0] > before  # sleep mode handed memory back
     eng.wake()
+
+
+@pytest.mark.gpu
+@needs_vllm
+def test_grpo_loop_with_vllm_rollouts() -> None:
+    from agent.engine.loop import RLLoop, RunConfig, uniform_plan
+    from planner.plan import Layout
+
+    cfg = RunConfig(algo="grpo", prompts_per_step=4, rollout_backend="vllm", seed=0)
+    loop = RLLoop(cfg, uniform_plan(cfg, Layout(1, 1), (0,)))
+    runs = [loop.step(s) for s in range(2)]
+    assert all(0.0 <= r.mean_score <= 1.0 for r in runs)
+    assert loop.vllm is not None and runs[-1].mean_response_tokens > 0
