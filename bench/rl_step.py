@@ -48,7 +48,8 @@ def run(rank: int, world: int, name: str, steps: int) -> dict[str, object]:
         t0 = time.perf_counter()
         r = loop.step(s)
         out.append({"step_s": time.perf_counter() - t0, "stages": r.stage_seconds,
-                    "score": r.mean_score, "response_tokens": r.mean_response_tokens})
+                    "score": r.mean_score, "response_tokens": r.mean_response_tokens,
+                    "sync_sent_elems": r.sync_sent_elems})
     return {"steps": out}
 
 
@@ -59,7 +60,8 @@ def summarise(name: str, per_rank: list[dict]) -> dict[str, Any]:
                                    for i in range(len(steps))) for s in stage_names}
     return {"layout": name, "ranks": len(per_rank), "step_s_median": statistics.median(steps),
             "stage_s_median": {k: round(v, 4) for k, v in stages.items()},
-            "mean_response_tokens": per_rank[0]["steps"][-1]["response_tokens"]}
+            "mean_response_tokens": per_rank[0]["steps"][-1]["response_tokens"],
+            "weight_sync_sent_mb_per_step": round(sum(r["steps"][-1]["sync_sent_elems"] for r in per_rank) * 4 / 1e6, 3)}
 
 
 def main() -> None:

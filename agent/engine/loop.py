@@ -140,6 +140,7 @@ class StepResult:
     seconds: float
     stage_seconds: dict[str, float]  # per model-stage, plus "weight-sync" (train -> gen/inf)
     tokens: torch.Tensor = field(repr=False)  # the step's rollout, for reproducibility checks
+    sync_sent_elems: int = 0  # weight-sync elements this rank sent point-to-point (local copies excluded)
 
 
 class RLLoop:
@@ -310,7 +311,7 @@ class RLLoop:
             critic_loss = sum(closs) / n_mb
         self.optimizer_steps += n_mb
         t_sync = time.perf_counter()
-        self._sync_all()
+        sent = self._sync_all()
         if self.vllm is not None:
             self.vllm.push_weights(self.engines["actor-gen"].local_tensors())
         stage_seconds = {m.model_stage: m.seconds for m in timer.of_step(step).values()}
@@ -319,7 +320,7 @@ class RLLoop:
         return StepResult(step=step, mean_score=float(scores.mean()), mean_accuracy=acc,
                           mean_response_tokens=float(mask.sum(1).mean()), actor_loss=sum(losses) / n_mb,
                           critic_loss=critic_loss, seconds=time.perf_counter() - t0, stage_seconds=stage_seconds,
-                          tokens=roll.tokens)
+                          tokens=roll.tokens, sync_sent_elems=sum(sent.values()))
 
     def measurements(self, step: int) -> dict[str, StageMeasurement]:
         return self.timer.of_step(step)
