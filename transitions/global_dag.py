@@ -48,10 +48,11 @@ class TransitionDAG:
     capacity_bytes: int
     peak_bytes: dict[int, int] = field(hash=False)  # per GPU touched: the highest point of its timeline
     footprints: tuple[Footprint, ...] = field(hash=False, repr=False)
+    gpu_nodes: dict[int, tuple[int, ...]] = field(hash=False, repr=False)  # GPU -> node ids in order
 
     def nodes_on(self, gpu: int) -> list[int]:
         """Node ids that touch ``gpu``, in execution order (what one worker runs)."""
-        return [i for i in self.order if gpu in self.footprints[i].gpus]
+        return list(self.gpu_nodes.get(gpu, ()))
 
     @property
     def bytes_moved(self) -> int:
@@ -211,8 +212,16 @@ def build_transition(
         data_edges=tuple(edges), resource_edges=tuple(result.resource_edges), order=tuple(result.order),
         old_units=tuple(u for us in intact.values() for u in us), lost_units=tuple(lost),
         new_units=tuple(new_units), renamed=tuple(renamed), stale_units=tuple(stale_uids), capacity_bytes=capacity,
-        peak_bytes=result.peak_bytes, footprints=tuple(fps),
+        peak_bytes=result.peak_bytes, footprints=tuple(fps), gpu_nodes=_gpu_index(fps, result.order),
     )
+
+
+def _gpu_index(fps: list[Footprint], order: tuple[int, ...]) -> dict[int, tuple[int, ...]]:
+    index: dict[int, list[int]] = {}
+    for i in order:
+        for g in fps[i].gpus:
+            index.setdefault(g, []).append(i)
+    return {g: tuple(nodes) for g, nodes in index.items()}
 
 
 def _stage_of(prim: Primitive, states: Mapping[str, UnitState]) -> int:

@@ -398,7 +398,6 @@ def _canonical(prim: Primitive) -> tuple[Primitive, list[int]]:
     return canon, gpus
 
 
-@lru_cache(maxsize=16384)
 def _canonical_footprint(prim: Primitive) -> Footprint:
     alloc: dict[int, int] = {}
     free: dict[int, int] = {}
@@ -436,13 +435,47 @@ def _canonical_footprint(prim: Primitive) -> Footprint:
                      buffer_bytes=buffer, local_bytes=local, pair_bytes=pair)
 
 
+_FOOTPRINT_CACHE_SIZE = 16384
+_FOOTPRINTS: dict[tuple[object, ...], Footprint] = {}
+
+
+def _shape_key(prim: Primitive) -> tuple[tuple[object, ...], list[int]]:
+    """Hashable relative shape of ``prim`` (GPUs relabelled in the order _canonical uses) and the GPU
+    of each label; cheaper than building the canonical primitive when the footprint is cached."""
+    labels: dict[int, int] = {}
+
+    def unit_key(u: EMU) -> tuple[object, ...]:
+        for g in u.gpus:
+            labels.setdefault(g, len(labels))
+        final = unit_key(u.final) if u.final is not None else None
+        return (u.state, u.layout, tuple(labels[g] for g in u.gpus), final)
+
+    if isinstance(prim, Split):
+        key: tuple[object, ...] = ("split", unit_key(prim.unit), *(unit_key(p) for p in prim.parts))
+    elif isinstance(prim, Merge):
+        parts = tuple(unit_key(p) for p in prim.parts)
+        key = ("merge", parts, unit_key(prim.unit))
+    else:
+        assert isinstance(prim, Extend)
+        target = unit_key(prim.target)
+        key = ("extend", target, *(unit_key(u) for u in prim.sources))
+    gpus = [0] * len(labels)
+    for g, i in labels.items():
+        gpus[i] = g
+    return key, gpus
+
+
 def footprint(prim: Primitive) -> Footprint:
     """Per-GPU memory and traffic of ``prim`` (exact: derived from its pieces and buckets)."""
     if isinstance(prim, Destroy):
         return Footprint(alloc_bytes={}, free_bytes={g: prim.unit.bytes_on(g) for g in prim.unit.gpus},
                          buffer_bytes={}, local_bytes={}, pair_bytes={})
-    canon, gpus = _canonical(prim)
-    fp = _canonical_footprint(canon)
+    key, gpus = _shape_key(prim)
+    fp = _FOOTPRINTS.get(key)
+    if fp is None:
+        if len(_FOOTPRINTS) >= _FOOTPRINT_CACHE_SIZE:
+            _FOOTPRINTS.clear()
+        fp = _FOOTPRINTS[key] = _canonical_footprint(_canonical(prim)[0])
     return Footprint(
         alloc_bytes={gpus[g]: v for g, v in fp.alloc_bytes.items()},
         free_bytes={gpus[g]: v for g, v in fp.free_bytes.items()},

@@ -115,3 +115,14 @@ def test_unit_covers_every_tensor_exactly(tp: int, pp: int) -> None:
         if t.num_heads == model.num_kv_heads and tp > model.num_kv_heads:
             copies = tp // model.num_kv_heads
         assert covered[t.name] == t.numel * copies, t.name
+
+
+def test_chunks_equal_dtensor_shard_placement() -> None:
+    """chunk_range is what DTensor's Shard placement computes for every size and rank (even and
+    uneven); torch is imported only here, the geometry itself never imports it."""
+    placement = pytest.importorskip("torch.distributed.tensor.placement_types")
+    for size in range(0, 40):
+        for chunks in (1, 2, 3, 4, 5, 8):
+            for rank in range(chunks):
+                length, offset = placement.Shard.local_shard_size_and_offset(size, chunks, rank)
+                assert chunk_range(size, chunks, rank) == (int(offset), int(length)), (size, chunks, rank)
