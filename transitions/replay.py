@@ -45,7 +45,8 @@ class _Replay:
     def __init__(self, dag: TransitionDAG, stale: frozenset[str]) -> None:
         self.dag = dag
         self.stale = stale
-        self.bases: dict[tuple[str, str, str], int] = {}
+        self.full: dict[tuple[str, str, str], np.ndarray] = {}
+        self.domains: dict[str, str] = {}
         self.alive: dict[tuple[str, int], dict[StateKey, np.ndarray]] = {}
         self.units: dict[str, EMU] = {}
         self.complete: set[str] = set()
@@ -54,16 +55,21 @@ class _Replay:
         self.peak: dict[int, int] = {}
 
     # --- values ---------------------------------------------------------------------------------
-    @staticmethod
-    def domain(unit: EMU) -> str:
-        return f"{unit.state.role.value}/{unit.state.model.name}/{unit.state.head.value}"
+    def domain(self, unit: EMU) -> str:
+        d = self.domains.get(unit.uid)
+        if d is None:
+            d = self.domains[unit.uid] = f"{unit.state.role.value}/{unit.state.model.name}/{unit.state.head.value}"
+        return d
 
     def expected(self, unit: EMU, key: StateKey, offsets: tuple[int, ...], lengths: tuple[int, ...],
                  shape: tuple[int, ...]) -> np.ndarray:
-        base = self.bases.setdefault((self.domain(unit), key[0], key[1].value), len(self.bases) + 1)
-        index = np.arange(int(np.prod(shape)), dtype=np.int64).reshape(shape)
-        box = index[tuple(slice(o, o + k) for o, k in zip(offsets, lengths))]
-        return (base << _INDEX_BITS) + box
+        full_key = (self.domain(unit), key[0], key[1].value)
+        full = self.full.get(full_key)
+        if full is None:
+            base = len(self.full) + 1
+            full = (base << _INDEX_BITS) + np.arange(int(np.prod(shape)), dtype=np.int64).reshape(shape)
+            self.full[full_key] = full
+        return full[tuple(slice(o, o + k) for o, k in zip(offsets, lengths))]
 
     # --- memory and coverage --------------------------------------------------------------------
     def add_bytes(self, gpu: int, nbytes: int) -> None:
