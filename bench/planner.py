@@ -77,10 +77,12 @@ def quality_settings(quick: bool) -> list[tuple[str, str, int, int, int, int]]:
         for gpus in (4, 8):
             for response in (1024, 4096, 8192):
                 out.append(("grpo", model, 32, 4, gpus, response))
-    for gpus in (2, 4):
-        for response in (1024, 4096, 8192):
-            out.append(("ppo", "llama-3.1-8b", 32, 1, gpus, response))
-    return out[::4] if quick else out
+    for response in (1024, 4096, 8192):
+        out.append(("ppo", "llama-3.1-8b", 32, 1, 4, response))
+        out.append(("ppo", "llama-3.1-8b", 32, 1, 2, response))  # infeasible: both searches must agree
+        for gpus in (4, 8):
+            out.append(("remax", "llama-3.1-8b", 32, 1, gpus, response))
+    return out[::5] if quick else out
 
 
 def plan_quality(quick: bool) -> dict[str, Any]:

@@ -207,14 +207,26 @@ def _transient_line(model, ms, layout, workload, recompute, b, g):  # type: igno
     return c0 + b * c1
 
 
-def frontier(table: OptionTable) -> OptionTable:
+# Seconds closer than this factor count as equal on the frontier, so a row survives only by needing
+# clearly less memory: each model-stage loses at most this much, and far fewer memory levels remain.
+FRONTIER_TOLERANCE = 0.002
+
+
+def frontier(table: OptionTable, tolerance: float = FRONTIER_TOLERANCE) -> OptionTable:
     """Drop dominated candidates: among rows with the same GPU count and resident bytes, keep only
     those that need less transient memory than every faster row (a latency/memory frontier).
 
-    Dropping them loses no optimum: a plan using one stays feasible and no slower with its dominator."""
+    With ``tolerance`` 0 nothing optimal is lost (a plan using a dropped row stays feasible and no slower
+    with its dominator); otherwise seconds are compared on a geometric grid of that ratio, so the plan
+    found may be up to that fraction slower than the optimum."""
     if len(table) == 0:
         return table
-    order = np.lexsort((table.transient, table.seconds, table.resident, table.gpus))
+    if tolerance > 0:
+        step = np.log1p(tolerance)
+        secs = np.exp(np.ceil(np.log(np.maximum(table.seconds, 1e-300)) / step) * step)
+    else:
+        secs = table.seconds
+    order = np.lexsort((table.seconds, table.transient, secs, table.resident, table.gpus))
     gpus, res, trans = table.gpus[order], table.resident[order], table.transient[order]
     new_group = np.ones(len(order), dtype=bool)
     new_group[1:] = (gpus[1:] != gpus[:-1]) | (res[1:] != res[:-1])

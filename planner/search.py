@@ -54,7 +54,10 @@ class SearchResult:
     urgent_options: bool  # recomputation or cross-node TP were needed
 
 
-MAX_TRANSIENT_LEVELS = 24  # transient caps the solver tries (see _quantize_transients)
+# A transient cap whose lower bound is within this fraction of the best plan found is not explored:
+# the plan returned is then within PRUNE_TOLERANCE / (1 - PRUNE_TOLERANCE) of the optimum.
+PRUNE_TOLERANCE = 0.0
+MAX_TRANSIENT_LEVELS = 64  # beyond this many distinct transient sizes they are rounded up (see _quantize_transients)
 
 Choice = tuple[tuple[StageOption, ...], ...]  # waves of one stage, each a tuple of member options
 _Pick = tuple[tuple[str, int], ...]  # (model-stage, row of its table) per member of a wave
@@ -111,6 +114,9 @@ class _WaveSolver:
         self.r_sorted = {m: np.unique(t.resident).tolist() for m, t in fronts.items()}
         self.memo: dict[tuple[object, ...], tuple[float, _Pick] | None] = {}
         self.alone = {m: _alone_table(t, budget) for m, t in fronts.items()}
+        # least GPU-seconds per (R, T): a stage needs at least sum(GPU-seconds) / budget (work conservation)
+        self.gpu_seconds = {m: _alone_table(t, budget, t.seconds * t.gpus) for m, t in fronts.items()}
+
         self.steps_memo: dict[tuple[str, int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         # rows within the budget sorted by (GPUs, seconds): a step function is then one running minimum
         self.by_gpus = {}
@@ -118,6 +124,13 @@ class _WaveSolver:
             idx = np.flatnonzero(t.gpus <= budget)
             order = idx[np.lexsort((t.seconds[idx], t.gpus[idx]))]
             self.by_gpus[m] = (t.gpus[order], t.seconds[order], t.resident[order], t.transient[order], order)
+
+    def least(self, member: str, r_cap: float, t_cap: float, gpu_seconds: bool = False) -> float:
+        """Least seconds (or GPU-seconds) of a member's rows within the caps; inf if none."""
+        r_levels, t_levels, vals, _rows = (self.gpu_seconds if gpu_seconds else self.alone)[member]
+        i = bisect.bisect_right(r_levels, r_cap) - 1
+        j = bisect.bisect_right(t_levels, t_cap) - 1
+        return vals[i][j] if i >= 0 and j >= 0 else float("inf")
 
     def t_index(self, member: str, t_cap: float) -> int:
         return bisect.bisect_right(self.t_sorted[member], t_cap)
@@ -155,18 +168,21 @@ class _WaveSolver:
         return result
 
 
-def _alone_table(tab: OptionTable, budget: int) -> tuple[list[int], list[int], list[list[float]], list[list[int]]]:
-    """(R levels, T levels, fastest seconds and its row with resident <= R and transient <= T)."""
+def _alone_table(tab: OptionTable, budget: int, value: np.ndarray | None = None
+                 ) -> tuple[list[int], list[int], list[list[float]], list[list[int]]]:
+    """(R levels, T levels, least ``value`` (default: seconds) and its row with resident <= R and
+    transient <= T)."""
+    value = tab.seconds if value is None else value
     r_levels = np.unique(tab.resident)
     t_levels = np.unique(tab.transient)
     secs = np.full((r_levels.size, t_levels.size), np.inf)
     rows = np.full((r_levels.size, t_levels.size), -1, dtype=np.int64)
     ok = np.flatnonzero(tab.gpus <= budget)
     # fastest row per cell (later, faster writes win), then a running minimum over growing R and T
-    order = ok[np.argsort(-tab.seconds[ok], kind="stable")]
+    order = ok[np.argsort(-value[ok], kind="stable")]
     cell_r = np.searchsorted(r_levels, tab.resident[order])
     cell_t = np.searchsorted(t_levels, tab.transient[order])
-    secs[cell_r, cell_t] = tab.seconds[order]
+    secs[cell_r, cell_t] = value[order]
     rows[cell_r, cell_t] = order
     for axis in (0, 1):
         run = np.minimum.accumulate(secs, axis=axis)
@@ -272,16 +288,6 @@ def _kind_points(names: list[str], solver: _WaveSolver, t_cap: float,
     return result
 
 
-def _lower_bound(fronts: Mapping[str, OptionTable], budget: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Per member: (transient ascending, fastest seconds with at most that transient), within budget."""
-    out = {}
-    for m, tab in fronts.items():
-        idx = np.flatnonzero(tab.gpus <= budget)
-        order = idx[np.argsort(tab.transient[idx], kind="stable")]
-        out[m] = (tab.transient[order], np.minimum.accumulate(tab.seconds[order]))
-    return out
-
-
 def _quantize_transients(fronts: Mapping[str, OptionTable]) -> dict[str, OptionTable]:
     """Round transient bytes up to at most MAX_TRANSIENT_LEVELS levels (quantiles of the values seen).
 
@@ -303,29 +309,35 @@ def _quantize_transients(fronts: Mapping[str, OptionTable]) -> dict[str, OptionT
 
 def _solve(job: JobSpec, fronts: Mapping[str, OptionTable], budget: int,
            usable: float) -> tuple[float, dict[str, tuple[_Pick, ...]]] | None:
-    """Largest transient cap first; stop once even unlimited residents could not beat the best found."""
+    """Every transient cap T, best lower bound first; stop when no remaining cap can beat the best plan.
+
+    Lower bound at T: a stage takes at least as long as its slowest member's fastest row, and at least
+    its members' least GPU-seconds over the pool (members share the pool, concurrently or in turn),
+    among rows that fit T and the resident room the other stages leave at the least (each holds at
+    least its members' smallest resident state)."""
     kinds = [k for k in sorted(StageKind, key=lambda k: k.order) if job.workflow.by_kind(k)]
     names = {k: [ms.name for ms in job.workflow.by_kind(k)] for k in kinds}
     r_levels = {m: [float(r) for r in np.unique(t.resident)] for m, t in fronts.items()}
-    t_levels = np.unique(np.concatenate([t.transient for t in fronts.values()]))
-    lb_tables = _lower_bound(fronts, budget)
+    t_levels = np.unique(np.concatenate([t.transient for t in fronts.values()])).tolist()
     solver = _WaveSolver(fronts, budget)
-    best: tuple[float, dict[str, tuple[_Pick, ...]]] | None = None
-    for t_cap in t_levels[::-1]:
-        t_cap = float(t_cap)
-        room = usable - t_cap
-        if room < 0:
-            continue
+    min_res = {k: max(solver.r_sorted[m][0] for m in names[k]) for k in kinds}
+    total_min_res = sum(min_res.values())
+    bounds = []
+    for t_cap in t_levels:
         lb = 0.0
         for k in kinds:
-            worst = 0.0
-            for m in names[k]:
-                ts, secs = lb_tables[m]
-                i = int(np.searchsorted(ts, t_cap, side="right")) - 1
-                worst = max(worst, float(secs[i]) if i >= 0 else float("inf"))
-            lb += worst
-        if best is not None and lb >= best[0]:
-            break  # smaller caps only raise the bound
+            room = usable - t_cap - (total_min_res - min_res[k])
+            slowest = max(solver.least(m, room, t_cap) for m in names[k])
+            shared = sum(solver.least(m, room, t_cap, gpu_seconds=True) for m in names[k]) / budget
+            lb += max(slowest, shared)
+        if lb < float("inf"):
+            bounds.append((lb, -t_cap))
+    best: tuple[float, dict[str, tuple[_Pick, ...]]] | None = None
+    for lb, neg_t in sorted(bounds):
+        if best is not None and lb >= best[0] * (1 - PRUNE_TOLERANCE):
+            break  # bounds are sorted: no remaining cap can beat the best by more than the tolerance
+        t_cap = -neg_t
+        room = usable - t_cap
         total: list[tuple[float, float, tuple[tuple[_Pick, ...], ...]]] = [(0.0, 0.0, ())]
         for k in kinds:
             pts = _kind_points(names[k], solver, t_cap, r_levels)
