@@ -163,6 +163,10 @@ def build_transition(
             if not 0 <= g < cluster.num_gpus:
                 raise SpecError(f"{sp.model_stage}.gpu_sets", f"GPU {g} outside the cluster",
                                 f"0..{cluster.num_gpus - 1}")
+    on_lost = sorted(lost_gpus & new.gpus)
+    if on_lost:
+        raise SpecError("new.gpu_sets", f"the new plan places units on lost GPUs {on_lost}",
+                        "GPUs outside lost_gpus")
     intact: dict[str, list[EMU]] = {}
     lost: list[EMU] = []
     for sp in old or ():

@@ -241,3 +241,31 @@ def test_transfer_slices() -> None:
                  offsets=(4, 0), lengths=(2, 3), src_offsets=(1, 0), dst_offsets=(0, 0), bytes_per_element=2)
     assert t.src_slices == (slice(1, 3), slice(0, 3)) and t.num_bytes == 12 and not t.is_local
     assert Merge and Split  # the four primitive types are public
+
+
+def test_job_spec_input_and_cost_depends_on_links() -> None:
+    """A JobSpec works as input; the same move costs more across nodes than inside one (L_tran)."""
+    from planner.models import TINY_3M
+    from planner.workflow import Workload, ppo, same_model_job
+
+    job = same_model_job(ppo(), TINY_3M, Workload(prompts_per_step=8, prompt_tokens=16, response_tokens=16))
+    inside = GlobalPlan(version=2, stages=(stage_plan("actor-train", Layout(2, 1), [2, 3], 1),))
+    across = GlobalPlan(version=2, stages=(stage_plan("actor-train", Layout(2, 1), [4, 5], 1),))
+    old = GlobalPlan(version=1, stages=(stage_plan("actor-train", Layout(2, 1), [0, 1], 1),))
+    near = build_transition(job, CLUSTER, old, inside)
+    far = build_transition(job, CLUSTER, old, across)
+    assert near.bytes_moved == far.bytes_moved > 0
+    cost_near, cost_far = transition_cost(near, CLUSTER), transition_cost(far, CLUSTER)
+    assert cost_near.inter_node_bytes == 0 and cost_far.intra_node_bytes == 0
+    assert cost_far.seconds > cost_near.seconds
+    # the expected time: setup + bytes over the slower link, both ranks in parallel
+    per_rank = max(far.footprints[0].pair_bytes.values())
+    assert cost_far.seconds == pytest.approx(0.02 + per_rank / IB_NDR.bytes_per_s + IB_NDR.latency_s, rel=1e-6)
+
+
+def test_new_plan_on_a_lost_gpu_is_refused() -> None:
+    from planner.errors import SpecError
+
+    old, new = _plans((2, 1, [0, 1, 2, 3], 2), (2, 1, [2, 3], 1))
+    with pytest.raises(SpecError, match="lost GPUs"):
+        build_transition(STATES, CLUSTER, old, new, lost_gpus=frozenset({3}))
