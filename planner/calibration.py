@@ -20,6 +20,10 @@ import numpy as np
 
 from planner.cost import PRIORS, Efficiencies, OpClass, OpTerm
 from planner.errors import SpecError
+from planner.hardware import ClusterSpec
+from planner.plan import GlobalPlan
+from planner.prediction import predict
+from planner.workflow import JobSpec
 
 HUBER_K = 1.345  # 95% efficiency under Gaussian noise
 MIN_SCALE = 1e-3  # log-space floor of the noise scale (0.1%): identical samples do not divide by zero
@@ -122,3 +126,35 @@ def measurements_from_stage(terms: Sequence[OpTerm], eff: Mapping[OpClass, float
         out.append(OpMeasurement(op_class=t.op_class, work=t.work * t.repeat, peak_per_s=t.peak_per_s,
                                  measured_s=left * v / total + f, fixed_s=f, source=source))
     return out
+
+
+class CalibratedEfficiencies(Efficiencies):
+    """Efficiencies that carry the Calibrator they were fitted with, so the next fit continues it."""
+
+    __slots__ = ("calibrator",)
+
+    def __init__(self, learned: Mapping[OpClass, float], calibrator: Calibrator) -> None:
+        super().__init__(learned)
+        self.calibrator = calibrator
+
+
+def fit_from_stage_times(job: JobSpec, plan: GlobalPlan, stage_times_s: Mapping[str, float],
+                         previous: Efficiencies | None = None, cluster: ClusterSpec | None = None,
+                         window: int = 64) -> Efficiencies:
+    """One calibration step from a step's measured model-stage times (what agents report).
+
+    Predicts the plan under ``previous`` (priors at first), turns each measured stage time into
+    per-class records (measurements_from_stage) and refits. ``cluster`` is needed to rebuild the
+    predicted terms; without it nothing is learned and ``previous`` (or the priors) is returned.
+    """
+    base = previous if previous is not None else PRIORS
+    if cluster is None:
+        return base
+    cal = previous.calibrator if isinstance(previous, CalibratedEfficiencies) else Calibrator(window=window)
+    pred = predict(job, cluster, plan, base)
+    records: list[OpMeasurement] = []
+    for name, seconds in stage_times_s.items():
+        if name in pred.terms and math.isfinite(seconds) and seconds > 0:
+            records += measurements_from_stage(pred.terms[name], base, seconds, source=name)
+    cal = cal.observe(records)
+    return CalibratedEfficiencies(cal.efficiencies(PRIORS).learned, cal)

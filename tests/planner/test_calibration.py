@@ -6,7 +6,13 @@ import numpy as np
 import pytest
 from planner_jobs import h200, job
 
-from planner.calibration import Calibrator, OpMeasurement, huber_location, measurements_from_stage
+from planner.calibration import (
+    Calibrator,
+    OpMeasurement,
+    fit_from_stage_times,
+    huber_location,
+    measurements_from_stage,
+)
 from planner.cost import PRIORS, Efficiencies, OpClass, OpTerm
 from planner.prediction import predict
 from planner.search import search
@@ -105,3 +111,20 @@ def test_bad_measurements_name_the_field() -> None:
     with pytest.raises(ValueError, match="measurement.fixed_s"):
         OpMeasurement(op_class=OpClass.GEMM, work=1.0, peak_per_s=1.0, measured_s=1.0, fixed_s=2.0)
     assert OpTerm(op_class=OpClass.GEMM, work=1.0, peak_per_s=1.0).seconds(PRIORS) > 0
+
+
+def test_fit_from_stage_times_converges_on_the_running_plan() -> None:
+    """What the daemon does each step: measured model-stage times in, efficiencies out."""
+    j = job("ppo", prompts=64, response_tokens=2048)
+    cl = h200(16)
+    plan = search(j, cl).plan
+    truth = predict(j, cl, plan, HIDDEN)
+    rng = np.random.default_rng(11)
+    eff: Efficiencies = PRIORS
+    errors = []
+    for _ in range(8):
+        errors.append(abs(predict(j, cl, plan, eff).step_latency_s - truth.step_latency_s) / truth.step_latency_s)
+        measured = {k: v * float(np.exp(rng.normal(0, 0.03))) for k, v in truth.stage_seconds.items()}
+        eff = fit_from_stage_times(j, plan, measured, eff, cluster=cl)
+    assert errors[0] > 0.2 and errors[-1] < 0.05 and errors[-1] < errors[0] / 5
+    assert fit_from_stage_times(j, plan, {"actor-gen": 1.0}, eff) is eff  # no cluster: nothing learned
