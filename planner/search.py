@@ -375,15 +375,23 @@ def assign(job: JobSpec, pool: tuple[int, ...], choices: Mapping[str, Choice], v
     TP stays on the intra-node link even when nodes are partial."""
     stages: list[StagePlan] = []
     del job
+    whole = len(pool) % gpus_per_node == 0 and gpus_per_node & (gpus_per_node - 1) == 0 and all(
+        pool[i] // gpus_per_node == pool[i + gpus_per_node - 1] // gpus_per_node
+        for i in range(0, len(pool), gpus_per_node))
     for kind in sorted(StageKind, key=lambda k: k.order):
         for wave in choices.get(kind.value, ()):
             free: dict[int, list[int]] = {}
-            for g in pool:  # pool order: whole nodes first
+            for g in () if whole else pool:  # pool order: whole nodes first
                 free.setdefault(g // gpus_per_node, []).append(g)
             nodes = list(free)
+            offset = 0
             for o in sorted(wave, key=lambda o: (-o.layout.size, o.model_stage)):
                 sets = []
-                for _ in range(o.dp):
+                if whole:  # whole nodes, power-of-two units largest first: contiguous slices stay aligned
+                    size = o.layout.size
+                    sets = [pool[offset + i * size: offset + (i + 1) * size] for i in range(o.dp)]
+                    offset += o.num_gpus
+                for _ in range(0 if whole else o.dp):
                     unit: list[int] = []
                     for _r in range(o.layout.pp):
                         unit += _take(free, nodes, o.layout.tp, unit[-1] // gpus_per_node if unit else None)
