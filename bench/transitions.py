@@ -31,7 +31,7 @@ from planner.models import LLAMA_31_8B, LLAMA_33_70B, ModelSpec  # noqa: E402
 from planner.plan import Layout  # noqa: E402
 from transitions.cost import DEFAULT_COMMUNICATOR_SETUP_S, primitive_seconds, schedule, transition_cost  # noqa: E402
 from transitions.global_dag import TransitionDAG, build_transition  # noqa: E402
-from transitions.primitives import buckets, transfers  # noqa: E402
+from transitions.primitives import bucketize, transfers  # noqa: E402
 from transitions.scenarios import h200_cluster, ppo_plan, random_scenario, stage_states  # noqa: E402
 
 TARGET_MS_AT_1024 = 1.2
@@ -91,8 +91,9 @@ def one_gpu_derive(num_gpus: int, name: str) -> dict[str, object]:
     gpu = max(range(num_gpus), key=lambda g: len(dag.nodes_on(g)) if g < 64 else -1)
     t0 = time.perf_counter()
     mine = dag.nodes_on(gpu)
-    items = [t for i in mine for t in transfers(dag.nodes[i], gpu)]
-    packed = [b for i in mine for b in buckets(dag.nodes[i], gpu)]
+    per_node = [transfers(dag.nodes[i], gpu) for i in mine]
+    items = [t for node in per_node for t in node]
+    packed = [b for node in per_node for b in bucketize(node)]
     elapsed = time.perf_counter() - t0
     return {"gpus": num_gpus, "change": name, "gpu": gpu, "primitives": len(mine), "transfers": len(items),
             "buckets": len(packed), "bytes": sum(t.num_bytes for t in items), "ms": round(1e3 * elapsed, 2)}

@@ -22,7 +22,7 @@ from enum import Enum
 from functools import lru_cache
 
 from planner.models import Parallel, TensorSpec
-from transitions.emu import EMU, Box, StateKey, UnitState, box_intersection
+from transitions.emu import EMU, Box, StateKey, UnitState
 from transitions.geometry import Shard, StateKind, tensor_stages
 
 BUFFER_ALIGN_BYTES = 16  # bucket items start 16-byte aligned, so any dtype can view its slot
@@ -309,33 +309,24 @@ def _target_gpus(prim: Primitive, target: EMU) -> list[int]:
 
 
 def pieces(prim: Primitive, gpu: int | None = None) -> list[Transfer]:
-    """Every piece (local copies included) of ``prim``; with ``gpu``, those it sends or receives."""
+    """Every piece (local copies included) of ``prim``; with ``gpu``, those it sends or receives.
+
+    For one GPU only its own target shards and those of the GPUs reading from it (known from the
+    cached footprint) are derived, so a worker's share costs a few of the primitive's GPUs.
+    """
     if isinstance(prim, Destroy) or relabels(prim):
         return []
+    readers: set[int] = set()
+    if gpu is not None:
+        readers = {d for s, d in footprint(prim).pair_bytes if s == gpu}
     out: list[Transfer] = []
-    mine = [s.boxes(gpu) for s in prim.sources if s.holds(gpu)] if gpu is not None else []
     for target in prim.targets:
-        if gpu is not None and not target.holds(gpu) and not mine:
-            continue
         for g in _target_gpus(prim, target):
-            if gpu is not None and g != gpu and not _may_read(target.boxes(g), mine):
-                continue  # g needs nothing ``gpu`` holds: it cannot read from it
-            out += derive_target(target, prim.sources, g, None if gpu in (None, g) else gpu)
+            if gpu is None or g == gpu:
+                out += derive_target(target, prim.sources, g)
+            elif g in readers:
+                out += derive_target(target, prim.sources, g, gpu)
     return out
-
-
-def _may_read(needs: dict[StateKey, Box], held: list[dict[StateKey, Box]]) -> bool:
-    """Whether any box a GPU needs intersects a box held by one GPU (first state kind per tensor)."""
-    last = ""
-    for key, box in needs.items():
-        if key[0] == last:
-            continue
-        last = key[0]
-        for boxes in held:
-            other = boxes.get(key)
-            if other is not None and box_intersection(box, other) is not None:
-                return True
-    return False
 
 
 def transfers(prim: Primitive, gpu: int | None = None) -> list[Transfer]:
