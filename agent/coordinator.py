@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 from planner.errors import NereusError, SpecError
 from transitions.channel import GenerationSpec
-from transitions.executor import StagePlacement, StepReport, lost_state
+from transitions.executor import DEFAULT_BUCKET_BYTES, StagePlacement, StepReport, lost_state
 
 # --- commands and replies (plain frozen data: pickled on local pipes, msgpack on the daemon plane) ---
 
@@ -48,7 +48,7 @@ class Prepare:
 
     old: tuple[StagePlacement, ...]
     new: tuple[StagePlacement, ...]
-    max_bucket_bytes: int = 32 << 20
+    max_bucket_bytes: int = DEFAULT_BUCKET_BYTES
     kill_at: tuple[str, int] | None = None  # fault injection: SIGKILL self before (model_stage, round)
 
 
@@ -141,7 +141,7 @@ class Coordinator(Protocol):
     def init_state(self, placements: Iterable[StagePlacement], seed: int) -> None: ...
 
     def transition(self, old: Iterable[StagePlacement], new: Iterable[StagePlacement],
-                   max_bucket_bytes: int = 32 << 20) -> TransitionOutcome: ...
+                   max_bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> TransitionOutcome: ...
 
     def dump(self) -> dict[int, Any]: ...
 
@@ -282,7 +282,7 @@ class LocalCoordinator:
         self._check(self.request_all(InitState(placements=tuple(placements), seed=seed)), "init state")
 
     def transition(self, old: Iterable[StagePlacement], new: Iterable[StagePlacement],
-                   max_bucket_bytes: int = 32 << 20,
+                   max_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                    kill_at: dict[int, tuple[str, int]] | None = None) -> TransitionOutcome:
         start = time.perf_counter()
         old_t, new_t = tuple(old), tuple(new)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -66,6 +67,29 @@ class P2POp:
     peer: int
     tensor: torch.Tensor
     is_send: bool
+
+
+@dataclass(slots=True)
+class InFlight:
+    """Posted point-to-point operations; ``wait`` bounds the wait and breaks the group on failure."""
+
+    channel: DataChannel
+    works: list[Any]
+    generation: int
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        if not self.works:
+            return
+        spec = self.channel._require()
+        timeout = timedelta(seconds=timeout_s or spec.timeout_s)
+        try:
+            for work in self.works:
+                work.wait(timeout)
+        except Exception as exc:  # noqa: BLE001 - peer death, timeout, transport error: all break the group
+            self.channel.break_(f"p2p in generation {self.generation}: {exc}")
+            raise ChannelBroken(self.channel.broken_reason or "p2p failed") from exc
+        finally:
+            self.works = []
 
 
 @dataclass(slots=True)
@@ -126,21 +150,23 @@ class DataChannel:
         except Exception:  # noqa: BLE001 - tearing down a broken group may fail again; it is gone anyway
             self.spec = None
 
-    def exchange(self, ops: list[P2POp], timeout_s: float | None = None) -> None:
-        """Run sends and receives concurrently (one batch_isend_irecv) and wait for all, bounded."""
+    def start(self, ops: list[P2POp]) -> InFlight:
+        """Post sends and receives (one batch_isend_irecv) without waiting: the caller overlaps work."""
         spec = self._require()
         if not ops:
-            return
-        timeout = timedelta(seconds=timeout_s or spec.timeout_s)
+            return InFlight(channel=self, works=[], generation=spec.generation)
         try:
             p2p = [dist.P2POp(dist.isend if op.is_send else dist.irecv, op.tensor, spec.rank_of(op.peer))
                    for op in ops]
             works = dist.batch_isend_irecv(p2p)
-            for work in works:
-                work.wait(timeout)
-        except Exception as exc:  # noqa: BLE001 - peer death, timeout, transport error: all break the group
+        except Exception as exc:  # noqa: BLE001 - peer death, transport error: all break the group
             self.break_(f"p2p in generation {spec.generation}: {exc}")
             raise ChannelBroken(self.broken_reason or "p2p failed") from exc
+        return InFlight(channel=self, works=list(works), generation=spec.generation)
+
+    def exchange(self, ops: list[P2POp], timeout_s: float | None = None) -> None:
+        """Run sends and receives concurrently and wait for all, bounded."""
+        self.start(ops).wait(timeout_s)
 
     def broadcast(self, tensor: torch.Tensor, src_worker: int, group_workers: tuple[int, ...] | None = None,
                   timeout_s: float | None = None) -> None:

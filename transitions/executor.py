@@ -32,14 +32,15 @@ import torch
 from planner.errors import SpecError
 from planner.models import Head, ModelSpec
 from planner.plan import Layout
-from transitions.channel import DataChannel, P2POp
+from transitions.channel import DataChannel, InFlight, P2POp
 from transitions.geometry import StateKind, check_layout, unit_shards
 
 ALIGN_BYTES = 16
 COUNTERS = "_meta.counters"  # per unit: version, optimizer step, minibatch position, spare
 COUNTERS_KIND = "counters"
 NUM_COUNTERS = 4
-DIRECT_MIN_BYTES = 64 * 1024  # smaller contiguous runs go through a bucket: one message beats many
+DEFAULT_BUCKET_BYTES = 8 << 20  # per pair per round; two rounds are in flight at once (pipelining)
+DIRECT_MIN_BYTES = 4 << 20  # smaller contiguous runs go through a bucket: one message beats many
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, lengths) in the global tensor
 Run = tuple[tuple[int, int], tuple[int, int]]  # (src byte range, dst byte range) of a zero-copy move
@@ -170,7 +171,9 @@ class RankState:
     def allocate(cls, placement: StagePlacement, replica: int, rank: int,
                  device: torch.device) -> RankState:
         slots, size = rank_slots(placement, rank)
-        flat = torch.zeros(size, dtype=torch.uint8, device=device)
+        # not zeroed: a transition, a random init or a checkpoint load writes every slot, and zeroing
+        # would cost one more pass over the whole state (only the alignment padding stays undefined)
+        flat = torch.empty(size, dtype=torch.uint8, device=device)
         return cls(placement=placement, replica=replica, rank=rank, flat=flat,
                    slots={s.key: s for s in slots})
 
@@ -213,11 +216,10 @@ def contiguous_range(slot: Slot, box: Box) -> tuple[int, int] | None:
     """Byte range [start, end) of ``box`` inside the flat buffer holding ``slot``, if contiguous."""
     local = [o - so for o, so in zip(box[0], slot.offsets)]
     lens = box[1]
-    # row-major: dims before the first partial dim must have length 1, dims after it must be full
-    first_partial = next((d for d in range(len(lens)) if lens[d] != slot.lengths[d]), len(lens))
-    if any(lens[d] != slot.lengths[d] for d in range(first_partial + 1, len(lens))):
-        return None
-    if any(lens[d] != 1 for d in range(first_partial)):
+    # row-major: contiguous iff every dim after the last partial one is full and every dim before it
+    # has length 1 (a whole shard, a run of whole rows, or part of one row)
+    partial = [d for d in range(len(lens)) if lens[d] != slot.lengths[d]]
+    if partial and any(lens[d] != 1 for d in range(partial[-1])):
         return None
     linear = 0
     for d in range(len(lens)):
@@ -467,7 +469,7 @@ def _messages(pieces: list[Piece], max_bucket_bytes: int) -> list[Message]:
 
 
 def plan_transition(old: Iterable[StagePlacement], new: Iterable[StagePlacement],
-                    max_bucket_bytes: int = 32 << 20, link: LinkModel | None = None) -> TransitionPlan:
+                    max_bucket_bytes: int = DEFAULT_BUCKET_BYTES, link: LinkModel | None = None) -> TransitionPlan:
     """Steps moving every model-stage from ``old`` to ``new`` placements (same stages, same state)."""
     old_t, new_t = tuple(old), tuple(new)
     if max_bucket_bytes < 1024:
@@ -568,60 +570,90 @@ def run_transition(plan: TransitionPlan, worker: int, states: dict[str, RankStat
             continue
         new_states[name] = RankState.allocate(placement, pos[0], pos[1], device)
     pending = PendingTransition(worker=worker, new_states=new_states, dropped=dropped)
+    # every member is there before anything moves: a missing one fails the transition at once
+    channel.barrier(timeout_s)
 
     for step in plan.steps:
-        start = time.perf_counter()
-        target = new_states.get(step.model_stage)
-        source = states.get(step.model_stage)
-        copied = 0
-        for p in step.local:
-            if p.dst_worker != worker:
-                continue
-            assert source is not None and target is not None
-            _piece_view(target, p.dst_slot, p.box).copy_(_piece_view(source, p.src_slot, p.box))
-            copied += p.num_bytes
-        sent = received = peak = 0
-        for rnd in range(step.num_rounds):
+        pending.reports.append(_run_step(step, worker, states.get(step.model_stage),
+                                         new_states.get(step.model_stage), channel, timeout_s, on_round))
+    return pending
+
+
+def _post_round(step: Step, rnd: int, worker: int, source: RankState | None, target: RankState | None,
+                channel: DataChannel, counts: dict[str, int]) -> tuple[InFlight, list[tuple[Message, torch.Tensor]]]:
+    """Pack this worker's sends of round ``rnd`` and post them with its receives (not waited for)."""
+    device = channel.device
+    ops: list[P2POp] = []
+    unpack: list[tuple[Message, torch.Tensor]] = []
+    for m in step.messages:
+        if m.round != rnd or worker not in (m.src_worker, m.dst_worker):
+            continue
+        if m.src_worker == worker:
+            assert source is not None
+            if m.direct is not None:
+                buf = source.flat[m.direct[0][0]: m.direct[0][1]]
+            else:
+                buf = torch.empty(m.num_bytes, dtype=torch.uint8, device=device)
+                counts["transient"] += m.num_bytes
+                for p, off in _bucket_layout(m.pieces):
+                    _typed(buf, off, p).copy_(_piece_view(source, p.src_slot, p.box))
+            ops.append(P2POp(peer=m.dst_worker, tensor=buf, is_send=True))
+            counts["sent"] += m.num_bytes
+        else:
+            assert target is not None
+            if m.direct is not None:
+                buf = target.flat[m.direct[1][0]: m.direct[1][1]]
+            else:
+                buf = torch.empty(m.num_bytes, dtype=torch.uint8, device=device)
+                counts["transient"] += m.num_bytes
+                unpack.append((m, buf))
+            ops.append(P2POp(peer=m.src_worker, tensor=buf, is_send=False))
+            counts["received"] += m.num_bytes
+    return channel.start(ops), unpack
+
+
+def _run_step(step: Step, worker: int, source: RankState | None, target: RankState | None,
+              channel: DataChannel, timeout_s: float | None,
+              on_round: Callable[[str, int], None] | None) -> StepReport:
+    """Rounds are pipelined: round r+1 is packed and posted before round r is waited for and
+    unpacked, and local copies run while round 0 is in flight; at most two rounds of buckets live."""
+    start = time.perf_counter()
+    counts: dict[str, int] = defaultdict(int)
+    peak = 0
+    in_flight: tuple[InFlight, list[tuple[Message, torch.Tensor]], int] | None = None
+    copied = 0
+    for rnd in range(step.num_rounds + 1):
+        posted = None
+        if rnd < step.num_rounds:
             if on_round is not None:
                 on_round(step.model_stage, rnd)
-            ops: list[P2POp] = []
-            unpack: list[tuple[Message, torch.Tensor]] = []
-            transient = 0
-            for m in step.messages:
-                if m.round != rnd or worker not in (m.src_worker, m.dst_worker):
-                    continue
-                if m.src_worker == worker:
-                    assert source is not None
-                    if m.direct is not None:
-                        buf = source.flat[m.direct[0][0]: m.direct[0][1]]
-                    else:
-                        buf = torch.empty(m.num_bytes, dtype=torch.uint8, device=device)
-                        transient += m.num_bytes
-                        for p, off in _bucket_layout(m.pieces):
-                            _typed(buf, off, p).copy_(_piece_view(source, p.src_slot, p.box))
-                    ops.append(P2POp(peer=m.dst_worker, tensor=buf, is_send=True))
-                    sent += m.num_bytes
-                else:
-                    assert target is not None
-                    if m.direct is not None:
-                        buf = target.flat[m.direct[1][0]: m.direct[1][1]]
-                    else:
-                        buf = torch.empty(m.num_bytes, dtype=torch.uint8, device=device)
-                        transient += m.num_bytes
-                        unpack.append((m, buf))
-                    ops.append(P2POp(peer=m.src_worker, tensor=buf, is_send=False))
-                    received += m.num_bytes
-            peak = max(peak, transient)
-            channel.exchange(ops, timeout_s)
-            for m, buf in unpack:
+            before = counts["transient"]
+            handle, unpack = _post_round(step, rnd, worker, source, target, channel, counts)
+            posted = (handle, unpack, counts["transient"] - before)
+            peak = max(peak, posted[2] + (in_flight[2] if in_flight is not None else 0))
+        if rnd == 0:
+            copied = _local_copies(step, worker, source, target)  # overlaps round 0's transfers
+        if in_flight is not None:
+            in_flight[0].wait(timeout_s)
+            for m, buf in in_flight[1]:
+                assert target is not None
                 for p, off in _bucket_layout(m.pieces):
-                    _piece_view(target, p.dst_slot, p.box).copy_(_typed(buf, off, p))  # type: ignore[arg-type]
-            del ops, unpack  # buckets are freed as soon as their reader has copied them out
-        pending.reports.append(StepReport(
-            model_stage=step.model_stage, primitive=step.primitive, predicted_s=step.predicted_s,
-            measured_s=time.perf_counter() - start, bytes_sent=sent, bytes_received=received,
-            bytes_copied_locally=copied, peak_bucket_bytes=peak))
-    return pending
+                    _piece_view(target, p.dst_slot, p.box).copy_(_typed(buf, off, p))
+        in_flight = posted  # the previous round's buckets are dropped here, once unpacked
+    return StepReport(model_stage=step.model_stage, primitive=step.primitive, predicted_s=step.predicted_s,
+                      measured_s=time.perf_counter() - start, bytes_sent=counts["sent"],
+                      bytes_received=counts["received"], bytes_copied_locally=copied, peak_bucket_bytes=peak)
+
+
+def _local_copies(step: Step, worker: int, source: RankState | None, target: RankState | None) -> int:
+    copied = 0
+    for p in step.local:
+        if p.dst_worker != worker:
+            continue
+        assert source is not None and target is not None
+        _piece_view(target, p.dst_slot, p.box).copy_(_piece_view(source, p.src_slot, p.box))
+        copied += p.num_bytes
+    return copied
 
 
 # --- what survives a failure (pure) ----------------------------------------------------------------

@@ -68,9 +68,10 @@ def test_small_buckets_many_rounds(pool: LocalCoordinator) -> None:
     outcome = pool.transition(chain[0], chain[1], max_bucket_bytes=4096)
     assert outcome.committed, outcome.errors
     assert_same_state(before, logical_state(pool.dump()))
-    for reports in outcome.reports.values():
-        for r in reports:
-            assert r.peak_bucket_bytes <= 3 * 2 * 4096  # a bucket per pair per direction per round
+    moving = [r for reports in outcome.reports.values() for r in reports if r.bytes_sent or r.bytes_received]
+    assert moving
+    for r in moving:
+        assert 0 < r.peak_bucket_bytes <= 2 * 3 * 2 * 4096  # two rounds in flight x 3 peers x 2 directions
 
 
 def test_round_trip_tp_1_2_4_1(pool: LocalCoordinator) -> None:

@@ -1,0 +1,159 @@
+"""Benchmark the live executor; prints one JSON document with side-by-side figures from one run.
+
+1. Throughput: the executor's transfer phase vs a raw single-buffer batch_isend_irecv of the same bytes
+   per worker pair, between the same processes (ratio = executor throughput / raw; target >= 0.8).
+2. EMU transition vs checkpoint/restart for the same change on 4 CPU workers: TP1xDP2 -> TP2xDP2 and
+   DP2 -> DP4 (Extend). Checkpoint/restart = DCP save, process exit, new processes, new world, DCP load
+   (target: >= 100x faster live).
+
+Run: ``.venv/bin/python bench/executor.py [--model tiny-25m] [--repeats 3]`` (CPU, gloo, 4 workers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+# run as a script, bench/ itself lands first on sys.path, where bench/planner.py would shadow the
+# planner package (in this process and in every spawned worker, which re-imports this file)
+_HERE = str(Path(__file__).resolve().parent)
+sys.path[:] = [p for p in sys.path if str(Path(p or ".").resolve()) != _HERE]
+
+import torch  # noqa: E402
+
+from agent.coordinator import LocalCoordinator  # noqa: E402
+from planner.models import Head, model_preset  # noqa: E402
+from planner.plan import Layout  # noqa: E402
+from transitions.executor import StagePlacement, TransitionPlan, plan_transition  # noqa: E402
+from transitions.geometry import TRAINING_KINDS  # noqa: E402
+
+NUM_WORKERS = 4
+
+
+def stage(model: str, tp: int, gpu_sets: list[list[int]]) -> StagePlacement:
+    return StagePlacement(model_stage="actor-train", model=model_preset(model), head=Head.LM,
+                          kinds=TRAINING_KINDS, layout=Layout(tp, 1), gpu_sets=tuple(tuple(g) for g in gpu_sets))
+
+
+CHANGES = {
+    "tp1xdp2->tp2xdp2": ((1, [[0], [1]]), (2, [[0, 1], [2, 3]])),
+    "dp2->dp4 (extend)": ((1, [[0], [1]]), (1, [[0], [1], [2], [3]])),
+}
+
+
+def pair_bytes(plan: TransitionPlan) -> dict[tuple[int, int], int]:
+    out: dict[tuple[int, int], int] = defaultdict(int)
+    for step in plan.steps:
+        for m in step.messages:
+            out[(m.src_worker, m.dst_worker)] += m.num_bytes
+    return dict(out)
+
+
+def raw_exchange(ctx: Any, *, pairs: dict[tuple[int, int], int]) -> float:
+    """In a worker: one buffer per pair it is part of, one batch_isend_irecv, timed."""
+    from transitions.channel import P2POp
+
+    ops = []
+    for (src, dst), n in pairs.items():
+        if ctx.worker_id == src:
+            ops.append(P2POp(peer=dst, tensor=torch.ones(n, dtype=torch.uint8), is_send=True))
+        elif ctx.worker_id == dst:
+            ops.append(P2POp(peer=src, tensor=torch.empty(n, dtype=torch.uint8), is_send=False))
+    ctx.channel.barrier()
+    start = time.perf_counter()
+    ctx.channel.exchange(ops)
+    return time.perf_counter() - start
+
+
+def barrier(ctx: Any) -> None:
+    ctx.channel.barrier()
+
+
+def throughput(pool: LocalCoordinator, model: str, repeats: int) -> dict[str, Any]:
+    out = {}
+    for name, ((tp0, sets0), (tp1, sets1)) in CHANGES.items():
+        old, new = [stage(model, tp0, sets0)], [stage(model, tp1, sets1)]
+        plan = plan_transition(old, new)
+        pairs = pair_bytes(plan)
+        total = sum(pairs.values())
+        exec_s, raw_s, predicted = [], [], plan.predicted_s
+        for _ in range(repeats):
+            pool.init_state(old, seed=1)
+            pool.call(barrier)
+            outcome = pool.transition(old, new)
+            assert outcome.committed, outcome.errors
+            # the transfer phase as the slowest worker saw it (local copies included)
+            exec_s.append(max(sum(r.measured_s for r in reps) for reps in outcome.reports.values()))
+            raw_s.append(max(pool.call(raw_exchange, pairs=pairs).values()))
+        e, r = statistics.median(exec_s), statistics.median(raw_s)
+        out[name] = {"bytes_moved": total, "pairs": len(pairs), "executor_s": e, "raw_single_buffer_s": r,
+                     "executor_GBps": total / e / 1e9, "raw_GBps": total / r / 1e9,
+                     "throughput_ratio": r / e, "predicted_L_tran_s": predicted,
+                     "direct_messages": sum(1 for s in plan.steps for m in s.messages if m.direct),
+                     "packed_messages": sum(1 for s in plan.steps for m in s.messages if not m.direct)}
+    return out
+
+
+def emu_vs_restart(model: str, repeats: int) -> dict[str, Any]:
+    out = {}
+    for name, ((tp0, sets0), (tp1, sets1)) in CHANGES.items():
+        old, new = [stage(model, tp0, sets0)], [stage(model, tp1, sets1)]
+        emu_s, restart_s, phases = [], [], []
+        with LocalCoordinator(NUM_WORKERS, timeout_s=120) as pool:
+            pool.form_generation()
+            for _ in range(repeats):
+                pool.init_state(old, seed=2)
+                outcome = pool.transition(old, new)
+                assert outcome.committed, outcome.errors
+                emu_s.append(outcome.seconds)  # prepare + commit, as the driver sees it
+        for i in range(min(repeats, 2)):  # each restart costs seconds: two samples are enough
+            with tempfile.TemporaryDirectory(prefix="nereus-bench-") as tmp:
+                first = LocalCoordinator(NUM_WORKERS, timeout_s=120)
+                first.form_generation()
+                first.init_state(old, seed=2)
+                t0 = time.perf_counter()
+                first.save_checkpoint(tmp, f"ck{i}")
+                t1 = time.perf_counter()
+                first.close()  # the old processes exit
+                t2 = time.perf_counter()
+                second = LocalCoordinator(NUM_WORKERS, timeout_s=120)  # new processes
+                second.form_generation()
+                t3 = time.perf_counter()
+                second.load_checkpoint(tmp, f"ck{i}", new)
+                t4 = time.perf_counter()
+                second.close()
+            restart_s.append(t4 - t0)
+            phases.append({"save_s": t1 - t0, "exit_s": t2 - t1, "spawn_and_join_s": t3 - t2, "load_s": t4 - t3})
+        e, r = statistics.median(emu_s), statistics.median(restart_s)
+        out[name] = {"emu_transition_s": e, "checkpoint_restart_s": r, "speedup": r / e,
+                     "restart_phases": phases, "emu_samples_s": emu_s}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny-25m")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--skip-restart", action="store_true", help="throughput figures only")
+    args = parser.parse_args()
+    state_bytes = sum(t.numel for t in model_preset(args.model).tensors()) * (2 + 3 * 4)
+    result: dict[str, Any] = {"model": args.model, "state_bytes_per_replica": state_bytes,
+                              "workers": NUM_WORKERS, "backend": "gloo", "torch": torch.__version__}
+    with LocalCoordinator(NUM_WORKERS, timeout_s=120) as pool:
+        pool.form_generation()
+        result["throughput"] = throughput(pool, args.model, args.repeats)
+    if not args.skip_restart:
+        result["emu_vs_checkpoint_restart"] = emu_vs_restart(args.model, args.repeats)
+    json.dump(result, sys.stdout, indent=2)
+    print()
+
+
+if __name__ == "__main__":
+    main()
