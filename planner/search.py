@@ -57,7 +57,7 @@ class SearchResult:
 # A transient cap whose lower bound is within this fraction of the best plan found is not explored:
 # the plan returned is then within PRUNE_TOLERANCE / (1 - PRUNE_TOLERANCE) of the optimum.
 PRUNE_TOLERANCE = 0.0
-MAX_TRANSIENT_LEVELS = 64  # beyond this many distinct transient sizes they are rounded up (see _quantize_transients)
+MAX_TRANSIENT_LEVELS = 256  # beyond this many distinct transient sizes they are rounded up (see _quantize_transients)
 
 Choice = tuple[tuple[StageOption, ...], ...]  # waves of one stage, each a tuple of member options
 _Pick = tuple[tuple[str, int], ...]  # (model-stage, row of its table) per member of a wave
@@ -324,31 +324,39 @@ def _solve(job: JobSpec, fronts: Mapping[str, OptionTable], budget: int,
     total_min_res = sum(min_res.values())
     bounds = []
     for t_cap in t_levels:
-        lb = 0.0
+        per_kind = {}
         for k in kinds:
             room = usable - t_cap - (total_min_res - min_res[k])
             slowest = max(solver.least(m, room, t_cap) for m in names[k])
             shared = sum(solver.least(m, room, t_cap, gpu_seconds=True) for m in names[k]) / budget
-            lb += max(slowest, shared)
+            per_kind[k] = max(slowest, shared)
+        lb = sum(per_kind.values())
         if lb < float("inf"):
-            bounds.append((lb, -t_cap))
+            bounds.append((lb, -t_cap, per_kind))
+    # cheap stages first, so a cap is abandoned before its costly stages when it cannot win
+    order = sorted(kinds, key=lambda k: len(names[k]))
     best: tuple[float, dict[str, tuple[_Pick, ...]]] | None = None
-    for lb, neg_t in sorted(bounds):
+    for lb, neg_t, per_kind in sorted(bounds, key=lambda b: (b[0], b[1])):
         if best is not None and lb >= best[0] * (1 - PRUNE_TOLERANCE):
             break  # bounds are sorted: no remaining cap can beat the best by more than the tolerance
         t_cap = -neg_t
         room = usable - t_cap
         total: list[tuple[float, float, tuple[tuple[_Pick, ...], ...]]] = [(0.0, 0.0, ())]
-        for k in kinds:
+        for n_done, k in enumerate(order, start=1):
             pts = _kind_points(names[k], solver, t_cap, r_levels)
             merged = [(a[0] + b[0], a[1] + b[1], a[2] + (b[2],)) for a in total for b in pts
                       if a[0] + b[0] <= room]
             total = _pareto_total(merged)
-            if not total:
+            rest = order[n_done:]
+            rest_res = sum(min_res[r] for r in rest)
+            reachable = [p[1] for p in total if p[0] + rest_res <= room]
+            if not reachable or (best is not None and min(reachable) + sum(per_kind[r] for r in rest)
+                                 >= best[0] * (1 - PRUNE_TOLERANCE)):
+                total = []
                 break
         for _r, sec, picks in total:
             if best is None or sec < best[0]:
-                best = (sec, {k.value: p for k, p in zip(kinds, picks)})
+                best = (sec, {k.value: p for k, p in zip(order, picks)})
     return best
 
 
