@@ -53,6 +53,7 @@ class MemoryBreakdown:
         return out
 
 
+@lru_cache(maxsize=1024)
 def stage_layer_counts(num_layers: int, pp: int) -> tuple[int, ...]:
     """Decoder layers per PP stage: contiguous, the first ``num_layers % pp`` stages one longer
     (the same split as transitions.geometry.layer_stages)."""
@@ -103,6 +104,7 @@ def resident_bytes(model: ModelSpec, ms: ModelStage, layout: Layout) -> MemoryBr
     return MemoryBreakdown(params_bytes=n * model.bytes_per_param)
 
 
+@lru_cache(maxsize=4096)
 def kv_bytes_per_token_per_gpu(model: ModelSpec, layout: Layout) -> int:
     """KV cache per token on one GPU: kv heads split by TP (replicated when TP > kv heads), layers by PP."""
     kv_heads = -(-model.num_kv_heads // min(layout.tp, model.num_kv_heads))
