@@ -48,17 +48,13 @@ def build_job(args: argparse.Namespace) -> JobSpec:
 
 def gpu_ranges(gpus: frozenset[int] | set[int]) -> str:
     """'0-7,16-23': compact text for a GPU set."""
-    out: list[str] = []
-    ids = sorted(gpus)
-    start = prev = ids[0] if ids else 0
-    for g in ids[1:] + [None]:  # type: ignore[list-item]
-        if g is not None and g == prev + 1:
-            prev = g
-            continue
-        out.append(f"{start}-{prev}" if prev != start else f"{start}")
-        if g is not None:
-            start = prev = g
-    return ",".join(out)
+    runs: list[list[int]] = []
+    for g in sorted(gpus):
+        if runs and g == runs[-1][1] + 1:
+            runs[-1][1] = g
+        else:
+            runs.append([g, g])
+    return ",".join(f"{a}-{b}" if b != a else f"{a}" for a, b in runs)
 
 
 def result_dict(job: JobSpec, res: SearchResult, header: dict[str, Any]) -> dict[str, Any]:

@@ -20,8 +20,9 @@ import numpy as np
 from planner.cost import Links, OpClass, OpTerm, microbatch_terms, sync_terms
 from planner.hardware import ClusterSpec
 from planner.memory import HEADROOM_FRACTION, WORKSPACE_BYTES, resident_bytes, transient_bytes
+from planner.models import ModelSpec
 from planner.plan import Layout, power_of_two_upto
-from planner.workflow import JobSpec, ModelStage, StageKind
+from planner.workflow import JobSpec, ModelStage, StageKind, Workload
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -193,7 +194,8 @@ def option_table(job: JobSpec, ms: ModelStage, cluster: ClusterSpec, num_gpus: i
     return OptionTable(model_stage=ms.name, **{k: np.concatenate([p[k] for p in parts]) for k in keys})
 
 
-def _transient_line(model, ms, layout, workload, recompute, b, g):  # type: ignore[no-untyped-def]
+def _transient_line(model: ModelSpec, ms: ModelStage, layout: Layout, workload: Workload, recompute: bool,
+                    b: np.ndarray, g: np.ndarray) -> np.ndarray:
     """Transient bytes of every row: c0 + b * (c1 + min(pp, g) * c2), from three exact evaluations."""
     def at(bb: int, gg: int) -> int:
         return transient_bytes(model, ms, layout, workload, bb, gg, recompute).total_bytes
@@ -203,8 +205,8 @@ def _transient_line(model, ms, layout, workload, recompute, b, g):  # type: igno
     c0 = t11 - c1
     if ms.kind is StageKind.TRAINING and layout.pp > 1:
         c2 = at(1, 2) - t11
-        return c0 + b * (c1 + (np.minimum(layout.pp, g) - 1) * c2)
-    return c0 + b * c1
+        return np.asarray(c0 + b * (c1 + (np.minimum(layout.pp, g) - 1) * c2))
+    return np.asarray(c0 + b * c1)
 
 
 # Seconds closer than this factor count as equal on the frontier, so a row survives only by needing
