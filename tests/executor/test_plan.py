@@ -1,0 +1,115 @@
+"""The executor's transfer plan, pure: contiguity, zero-copy Extend, no copies for kept or local
+shards, balanced sources, bucket limits, last-copy loss accounting. No processes, no I/O."""
+
+from __future__ import annotations
+
+import pytest
+from executor_helpers import MICRO, placement
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from planner.errors import SpecError
+from planner.models import TINY_3M
+from transitions.executor import (
+    COUNTERS,
+    Slot,
+    contiguous_range,
+    lost_state,
+    plan_transition,
+    rank_slots,
+)
+
+
+def _slot(lengths: tuple[int, ...], byte_offset: int = 64) -> Slot:
+    import torch
+
+    return Slot(tensor="t", kind="master", dtype=torch.float32, global_shape=lengths,
+                offsets=(0,) * len(lengths), lengths=lengths, byte_offset=byte_offset)
+
+
+def test_contiguous_ranges_of_boxes() -> None:
+    s = _slot((6, 8, 4))
+    assert contiguous_range(s, ((0, 0, 0), (6, 8, 4))) == (64, 64 + 6 * 8 * 4 * 4)  # whole shard
+    assert contiguous_range(s, ((2, 0, 0), (3, 8, 4))) == (64 + 2 * 32 * 4, 64 + 5 * 32 * 4)  # whole rows
+    assert contiguous_range(s, ((1, 2, 0), (1, 3, 4))) == (64 + (32 + 8) * 4, 64 + (32 + 20) * 4)  # in a row
+    assert contiguous_range(s, ((0, 0, 0), (6, 4, 4))) is None  # half of every row
+    assert contiguous_range(s, ((0, 0, 1), (1, 1, 2))) == (64 + 4, 64 + 12)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 5), min_size=1, max_size=3).flatmap(
+    lambda shape: st.tuples(st.just(tuple(shape)),
+                            st.tuples(*[st.integers(0, n - 1) for n in shape]),
+                            st.tuples(*[st.integers(1, n) for n in shape]))))
+def test_contiguous_range_agrees_with_torch(case: tuple) -> None:
+    import torch
+
+    shape, offs, lens = case
+    lens = tuple(min(k, n - o) for k, n, o in zip(lens, shape, offs))
+    s = _slot(shape, byte_offset=0)
+    full = torch.arange(_numel(shape), dtype=torch.float32).view(shape)
+    sub = full[tuple(slice(o, o + k) for o, k in zip(offs, lens))]
+    got = contiguous_range(s, (offs, lens))
+    if sub.is_contiguous():
+        assert got is not None
+        flat = full.view(-1)[got[0] // 4: got[1] // 4]
+        assert torch.equal(flat, sub.reshape(-1))
+    else:
+        assert got is None
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for k in shape:
+        n *= k
+    return n
+
+
+def test_extend_is_one_zero_copy_message_per_new_rank_and_sources_alternate() -> None:
+    old = [placement("a", 1, 1, [[0], [1]], model=TINY_3M)]
+    new = [placement("a", 1, 1, [[0], [1], [2], [3]], model=TINY_3M)]
+    (step,) = plan_transition(old, new).steps
+    _, size = rank_slots(new[0], 0)
+    assert step.primitive == "Extend" and not step.local  # replicas 0 and 1 stay: nothing copied
+    assert sorted((m.src_worker, m.dst_worker) for m in step.messages) == [(0, 2), (1, 3)]
+    for m in step.messages:  # the whole flat buffer (but its final padding) in one message, no copy
+        assert m.direct is not None and m.direct[0] == m.direct[1] and m.direct[0][0] == 0
+        assert size - 16 < m.direct[0][1] <= size
+
+
+def test_merge_copies_local_shards_locally_and_balances_remote_sources() -> None:
+    old = [placement("a", 1, 1, [[0], [1]])]
+    new = [placement("a", 2, 1, [[0, 1], [2, 3]])]
+    (step,) = plan_transition(old, new).steps
+    assert {m.dst_worker for m in step.messages} == {2, 3}  # workers 0 and 1 already hold everything
+    assert {p.dst_worker for p in step.local} == {0, 1}
+    sent = {w: sum(m.num_bytes for m in step.messages if m.src_worker == w) for w in (0, 1)}
+    assert sent[0] > 0 and sent[1] > 0 and abs(sent[0] - sent[1]) <= 0.05 * max(sent.values())
+
+
+def test_bucket_limit_bounds_every_packed_message() -> None:
+    old, new = [placement("a", 1, 2, [[0, 1]])], [placement("a", 4, 1, [[0, 1, 2, 3]])]
+    plan = plan_transition(old, new, max_bucket_bytes=4096)
+    packed = [m for s in plan.steps for m in s.messages if m.direct is None]
+    assert packed and max(m.num_bytes for m in packed) <= 4096
+    for pair in {(m.src_worker, m.dst_worker) for m in packed}:
+        rounds = [m.round for m in packed if (m.src_worker, m.dst_worker) == pair]
+        assert len(rounds) == len(set(rounds))  # one bucket per pair per round
+
+
+def test_unchanged_stage_moves_nothing_and_stage_sets_must_match() -> None:
+    same = [placement("a", 2, 2, [[0, 1, 2, 3]])]
+    (step,) = plan_transition(same, same).steps
+    assert step.primitive == "Keep" and not step.local and not step.messages
+    with pytest.raises(SpecError, match="placements"):
+        plan_transition(same, [placement("b", 2, 2, [[0, 1, 2, 3]])])
+
+
+def test_lost_state_only_when_every_copy_of_a_box_died() -> None:
+    p = placement("a", 2, 1, [[0, 1], [2, 3]])
+    assert lost_state([p], [0, 3]) == {}  # each TP position survives in one replica
+    lost = lost_state([p], [0, 2])["a"]  # TP rank 0 is gone in both replicas
+    assert "model.layers.0.self_attn.q_proj.weight/param" in lost
+    assert "model.norm.weight/param" not in lost  # replicated: rank 1 still holds it
+    assert f"{COUNTERS}/counters" not in lost
+    assert MICRO.num_layers == 4
