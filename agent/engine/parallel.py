@@ -7,7 +7,8 @@
   for training, a forward-only GPipe schedule for inference and generation.
 - DP: replicas hold whole units (ZeRO-0); gradients are summed over DP in one flat buffer.
 
-Every rank of the world constructs every ``StageEngine`` and calls every collective method
+GPU ids in the plans are world ranks (one worker per GPU). Every rank of the world constructs every
+``StageEngine`` and calls every collective method
 (process groups are created collectively); ranks outside the stage take part only in the final
 all-reduce that hands each result to every rank, so the driver loop is plain SPMD. Per-token losses
 are pre-weighted by the global token count (``agent.engine.losses``), so micro-batch losses sum, and
@@ -112,6 +113,8 @@ class StageEngine:
                 assert self.mesh is not None
                 parallelize_module(self.module, self.mesh["tp"], tp_plan(self.module))
             if lr is not None:
+                # foreach kernels group tensors by type; a mix of DTensor and plain parameters is
+                # safest on the per-tensor path
                 self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=lr, weight_decay=weight_decay,
                                                    foreach=False)
 
@@ -207,14 +210,16 @@ class StageEngine:
     def train_step(self, tokens: torch.Tensor, attention_mask: torch.Tensor, target: torch.Tensor,
                    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> dict[str, float]:
         """One optimizer step on the whole mini-batch; returns the global loss and grad norm."""
-        grads_ok = self.backward(tokens, attention_mask, target, loss_fn)
+        loss = self.backward(tokens, attention_mask, target, loss_fn)
         stats = torch.zeros(2)
         if self.is_member:
             norm = self.clip_grads()
             assert self.optimizer is not None
             self.optimizer.step()
             if self.is_owner:
-                stats[0], stats[1] = grads_ok, norm if self.coord.replica == 0 else 0.0  # type: ignore[union-attr]
+                stats[0] = loss  # each replica's share of the globally normalised loss
+                if self.coord is not None and self.coord.replica == 0:
+                    stats[1] = norm  # identical on every replica after the DP all-reduce
         stats = self.gather(stats)
         return {"loss": float(stats[0]), "grad_norm": float(stats[1])}
 
@@ -275,6 +280,11 @@ class StageEngine:
         sharded = torch.zeros(())
         plain = torch.zeros(())
         params = [p for p in self.module.parameters() if p.grad is not None]
+        for p in params:
+            # a grad may come back with other placements than its parameter (the vocab-parallel
+            # embedding's is Replicate): bring it to the parameter's, so local shards partition it
+            if isinstance(p, DTensor) and isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+                p.grad = p.grad.redistribute(p.device_mesh, p.placements)
         for p in params:
             g = p.grad
             if isinstance(g, DTensor):

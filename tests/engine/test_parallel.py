@@ -58,12 +58,22 @@ def run_layout(rank: int, world: int, tp: int, pp: int) -> dict[str, object]:
         specs = {t.name: t for t in SPEC.tensors(head)}
         for n, p in eng.module.named_parameters():
             g = p.grad
-            grads[n] = g.full_tensor() if hasattr(g, "full_tensor") else g.clone()
+            grads[n] = (g.full_tensor() if hasattr(g, "full_tensor") else g).clone()  # clone waits: clipping writes next
         for n, local in eng.local_tensors():
             assert eng.coord is not None
             want = full[n][tp_slice(specs[n], SPEC, tp, eng.coord.tp_rank)]
             shards_ok &= bool(torch.equal(local, want))
-        out[head.value] = {"fwd": fwd, "loss": loss, "grads": grads, "shards_ok": shards_ok}
+        # global-norm clipping over DTensor shards (TP) and plain replicated parameters (norms, heads)
+        eng.max_grad_norm = 1e-3
+        norm = eng.clip_grads()
+        clipped = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+                   for n, p in eng.module.named_parameters()}
+        assert eng.optimizer is not None
+        eng.optimizer.step()  # AdamW on sharded DTensor and plain parameters alike
+        updated = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                   for n, p in eng.module.named_parameters()}
+        out[head.value] = {"fwd": fwd, "loss": loss, "grads": grads, "shards_ok": shards_ok, "norm": norm,
+                           "clipped": clipped, "updated": updated}
         if head is Head.LM:
             prompts = [[257, 50 + i, 51, 52 + i][: 2 + i % 3] for i in range(4)]
             roll = generate(PipelineRunner(eng), prompts, [0] * 4, SamplingParams(max_new_tokens=6, greedy=True),
@@ -96,8 +106,17 @@ def test_layout_matches_single_process(tp: int, pp: int) -> None:
         assert set(got) == set(want["grads"])
         for n, g in got.items():
             torch.testing.assert_close(g, want["grads"][n], rtol=1e-4, atol=1e-6, msg=n)
+        clipped, updated = {}, {}
         for r in results:
             torch.testing.assert_close(r[head]["fwd"], want["fwd"], rtol=1e-5, atol=1e-5)
             assert r[head]["shards_ok"]
+            assert r[head]["norm"] == pytest.approx(want["norm"], rel=1e-5)
+            clipped.update(r[head]["clipped"])
+            updated.update(r[head]["updated"])
+        assert want["norm"] > 1e-3  # so clipping really scaled the gradients
+        for n, g in clipped.items():
+            torch.testing.assert_close(g, want["clipped"][n], rtol=1e-4, atol=1e-9, msg=n)
+        for n, w in updated.items():
+            torch.testing.assert_close(w, want["updated"][n], rtol=1e-5, atol=1e-6, msg=n)
     for r in results:
         assert torch.equal(r["greedy"], ref["greedy"])
