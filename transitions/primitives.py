@@ -26,6 +26,10 @@ from transitions.emu import EMU, Box, StateKey, UnitState
 from transitions.geometry import Shard, StateKind, tensor_stages
 
 BUFFER_ALIGN_BYTES = 16  # bucket items start 16-byte aligned, so any dtype can view its slot
+# One bucket per GPU pair per round, and rounds pipelined two deep: the same figures as the executor
+# (transitions/executor.py), so the memory check counts the buffers it really holds.
+DEFAULT_BUCKET_BYTES = 8 << 20
+BUCKETS_IN_FLIGHT = 2
 
 
 class PrimitiveKind(str, Enum):
@@ -338,19 +342,67 @@ def _align(n: int) -> int:
     return -(-n // BUFFER_ALIGN_BYTES) * BUFFER_ALIGN_BYTES
 
 
-def bucketize(items: Iterable[Transfer]) -> list[Bucket]:
-    """One contiguous buffer per (src, dst) pair; items keep derivation order, each 16-byte aligned."""
+def _row_chunks(nbytes: int, rows: int, cap: int) -> list[tuple[int, int]]:
+    """(first row, rows) along dim 0 of an item so each chunk fits ``cap`` (a larger row goes alone)."""
+    per = max(1, cap // max(1, nbytes // rows))
+    return [(r, min(per, rows - r)) for r in range(0, rows, per)]
+
+
+def _pack(sizes: Iterable[int], cap: int) -> list[int]:
+    """Totals of the buckets that items of ``sizes`` bytes (in order) fill, each at most ``cap``."""
+    out, cursor = [], 0
+    for n in sizes:
+        if cursor and cursor + _align(n) > cap:
+            out.append(cursor)
+            cursor = 0
+        cursor += _align(n)
+    if cursor:
+        out.append(cursor)
+    return out
+
+
+def in_flight_bytes(bucket_totals: Iterable[int]) -> int:
+    """Buffer memory one GPU pair holds: its BUCKETS_IN_FLIGHT largest buckets (executor pipelining)."""
+    return sum(sorted(bucket_totals)[-BUCKETS_IN_FLIGHT:])
+
+
+def _chunk(t: Transfer, first: int, rows: int) -> Transfer:
+    def shift(v: tuple[int, ...]) -> tuple[int, ...]:
+        return (v[0] + first, *v[1:])
+
+    return Transfer(src_gpu=t.src_gpu, dst_gpu=t.dst_gpu, src_unit=t.src_unit, dst_unit=t.dst_unit,
+                    tensor=t.tensor, kind=t.kind, offsets=shift(t.offsets), lengths=(rows, *t.lengths[1:]),
+                    src_offsets=shift(t.src_offsets), dst_offsets=shift(t.dst_offsets),
+                    bytes_per_element=t.bytes_per_element)
+
+
+def bucketize(items: Iterable[Transfer], max_bucket_bytes: int | None = None) -> list[Bucket]:
+    """Contiguous buffers per (src, dst) pair of at most ``max_bucket_bytes`` (default: the executor's
+    round size): items keep derivation order, each 16-byte aligned; an item larger than a bucket is
+    cut into row ranges along dim 0 (a single larger row travels alone)."""
+    if max_bucket_bytes is None:
+        max_bucket_bytes = DEFAULT_BUCKET_BYTES
     groups: dict[tuple[int, int], list[Transfer]] = {}
     for t in items:
-        if not t.is_local:
-            groups.setdefault((t.src_gpu, t.dst_gpu), []).append(t)
+        if t.is_local:
+            continue
+        pieces_of_t = [t] if t.num_bytes <= max_bucket_bytes else [
+            _chunk(t, first, rows) for first, rows in _row_chunks(t.num_bytes, t.lengths[0], max_bucket_bytes)]
+        groups.setdefault((t.src_gpu, t.dst_gpu), []).extend(pieces_of_t)
     out = []
     for (src, dst), group in sorted(groups.items()):
-        offsets, cursor = [], 0
+        bucket: list[Transfer] = []
+        offsets: list[int] = []
+        cursor = 0
         for t in group:
+            if bucket and cursor + _align(t.num_bytes) > max_bucket_bytes:
+                out.append(Bucket(src_gpu=src, dst_gpu=dst, items=tuple(bucket), offsets_bytes=tuple(offsets),
+                                  total_bytes=cursor))
+                bucket, offsets, cursor = [], [], 0
+            bucket.append(t)
             offsets.append(cursor)
             cursor += _align(t.num_bytes)
-        out.append(Bucket(src_gpu=src, dst_gpu=dst, items=tuple(group), offsets_bytes=tuple(offsets),
+        out.append(Bucket(src_gpu=src, dst_gpu=dst, items=tuple(bucket), offsets_bytes=tuple(offsets),
                           total_bytes=cursor))
     return out
 
@@ -408,6 +460,7 @@ def _canonical_footprint(prim: Primitive) -> Footprint:
     local: dict[int, int] = {}
     pair: dict[tuple[int, int], int] = {}
     buffer: dict[int, int] = {}
+    pair_items: dict[tuple[int, int], list[int]] = {}
     if not isinstance(prim, Destroy) and not relabels(prim):
         for target in prim.targets:
             for dst in _target_gpus(prim, target):
@@ -419,8 +472,16 @@ def _canonical_footprint(prim: Primitive) -> Footprint:
                             local[dst] = local.get(dst, 0) + nbytes
                             continue
                         pair[(src, dst)] = pair.get((src, dst), 0) + nbytes
-                        buffer[src] = buffer.get(src, 0) + _align(nbytes)
-                        buffer[dst] = buffer.get(dst, 0) + _align(nbytes)
+                        rows = hi - lo if dim == 0 else shard.lengths[0]
+                        sizes = pair_items.setdefault((src, dst), [])
+                        if nbytes <= DEFAULT_BUCKET_BYTES:
+                            sizes.append(nbytes)
+                        else:
+                            sizes += [nbytes // rows * k for _, k in _row_chunks(nbytes, rows, DEFAULT_BUCKET_BYTES)]
+    for (src, dst), sizes in pair_items.items():
+        held = in_flight_bytes(_pack(sizes, DEFAULT_BUCKET_BYTES))
+        buffer[src] = buffer.get(src, 0) + held
+        buffer[dst] = buffer.get(dst, 0) + held
     return Footprint(alloc_bytes={g: v for g, v in alloc.items() if v},
                      free_bytes={g: v for g, v in free.items() if v},
                      buffer_bytes=buffer, local_bytes=local, pair_bytes=pair)

@@ -269,3 +269,29 @@ def test_new_plan_on_a_lost_gpu_is_refused() -> None:
     old, new = _plans((2, 1, [0, 1, 2, 3], 2), (2, 1, [2, 3], 1))
     with pytest.raises(SpecError, match="lost GPUs"):
         build_transition(STATES, CLUSTER, old, new, lost_gpus=frozenset({3}))
+
+
+def test_small_buckets_cut_items_and_bound_buffer_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With 256-byte buckets, items are cut into row ranges, buckets stay within the cap (unless one
+    row is bigger), the replay still fills every target exactly, and the memory check's buffer
+    figure (two buckets in flight per pair) is what the replay measures."""
+    import transitions.primitives as prims
+
+    old, new = _plans((2, 1, [0, 1, 2, 3], 2), (4, 1, [0, 1, 2, 3], 1))
+    whole_buffers_peak = max(build_transition(STATES, CLUSTER, old, new).peak_bytes.values())
+    monkeypatch.setattr(prims, "DEFAULT_BUCKET_BYTES", 256)
+    monkeypatch.setattr(prims, "_FOOTPRINTS", {})
+    dag = build_transition(STATES, CLUSTER, old, new)
+    assert max(dag.peak_bytes.values()) < whole_buffers_peak
+    replay(dag)  # peaks per GPU equal the DAG's, which now count bounded buffers
+    for prim in dag.nodes:
+        whole = transfers(prim)
+        packed = buckets(prim)
+        assert sum(t.num_bytes for b in packed for t in b.items) == sum(t.num_bytes for t in whole)
+        for b in packed:
+            assert b.total_bytes <= 256 or len(b.items) == 1
+    big = max((t for p in dag.nodes for t in transfers(p)), key=lambda t: t.num_bytes)
+    assert big.num_bytes > 256
+    cut = [t for b in prims.bucketize([big]) for t in b.items]
+    assert sum(t.lengths[0] for t in cut) == big.lengths[0] and cut[0].offsets == big.offsets
+    assert cut[1].src_offsets[0] == big.src_offsets[0] + cut[0].lengths[0]
