@@ -26,6 +26,7 @@ import torch
 from agent.engine.grpo import GRPOConfig, grpo_advantages
 from agent.engine.losses import ActorLoss, CriticLoss, pack, token_logprobs
 from agent.engine.measure import StageMeasurement, StageTimer
+from agent.engine.model import load_safetensors
 from agent.engine.parallel import PipelineRunner, StageEngine
 from agent.engine.ppo import PPOConfig, ppo_advantages
 from agent.engine.remax import ReMaxConfig, remax_advantages
@@ -36,6 +37,7 @@ from planner.errors import SpecError
 from planner.models import Head, ModelSpec
 from planner.plan import GlobalPlan, Layout, StagePlan, batch_splits
 from planner.workflow import Role, StageKind, Workflow, workflow_preset
+from transitions.geometry import unit_shards
 
 # A model small enough for CPU learning tests, with a byte-level vocabulary (259 ids, padded to 264
 # so that it splits over TP = 2 and 4).
@@ -50,6 +52,11 @@ class RunConfig:
     model: ModelSpec = TINY_BYTE  # actor and reference
     critic_model: ModelSpec | None = None  # defaults to ``model``
     reward_model: ModelSpec | None = None  # a learned reward model; None = the task's rule reward
+    # HF-layout safetensors files per role (random initialisation where empty); a critic or reward
+    # model loaded from an LM checkpoint keeps the trunk and starts a fresh value head
+    actor_weights: tuple[str, ...] = ()
+    critic_weights: tuple[str, ...] = ()
+    reward_weights: tuple[str, ...] = ()
     prompts_per_step: int = 16
     max_new_tokens: int | None = None  # defaults to the task's answer length + EOS
     temperature: float = 1.0
@@ -190,7 +197,15 @@ class RLLoop:
         lr = None
         if ms.kind is StageKind.TRAINING:
             lr = self.cfg.actor_lr if ms.role is Role.ACTOR else self.cfg.critic_lr
-        return StageEngine(name, spec, head, sp, seed=seed, lr=lr)
+        files = {Role.ACTOR: self.cfg.actor_weights, Role.REFERENCE: self.cfg.actor_weights,
+                 Role.CRITIC: self.cfg.critic_weights, Role.REWARD: self.cfg.reward_weights}[ms.role]
+        weights = None
+        if files:
+            # each rank reads only the tensors of its own pipeline stage
+            mine = {t for u, r in enumerate(g for gs in sp.gpu_sets for g in gs) if r == self.rank
+                    for t in (sh.tensor for sh in unit_shards(spec, head, sp.layout, u % sp.layout.size))}
+            weights = load_safetensors(files, mine)
+        return StageEngine(name, spec, head, sp, seed=seed, lr=lr, weights=weights)
 
     def replan(self, plan: GlobalPlan) -> None:
         """Move to ``plan`` between steps: changed model-stages get new engines; training state moves
