@@ -10,6 +10,16 @@ When nothing can run, the plan is infeasible and the error names the GPU and the
 
 Execution rule (what the executor and the cost model both follow): each GPU runs the primitives that
 touch it one at a time, in ``order``; hence its memory follows the checked timeline exactly.
+
+How one worker runs its part (everything derived locally from the frozen DAG):
+    for i in dag.nodes_on(gpu):
+        prim = dag.nodes[i]
+        allocate t.shards(gpu) for t in prim.targets (a Merge whose part on this GPU has
+            ``final == prim.unit`` just renames that part's tensors);
+        copy the local pieces (primitives.pieces(prim, gpu), ``is_local``);
+        send / receive primitives.buckets(prim, gpu), unpacking each item at its dst slices;
+        free u.shards(gpu) for u in prim.frees.
+    Units in ``renamed`` keep their tensors under the new uid; ``lost_units`` are simply gone.
 Pure: no torch, no I/O.
 """
 
