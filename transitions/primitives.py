@@ -114,8 +114,23 @@ class Footprint:
 # --- the four primitives --------------------------------------------------------------------------
 
 
+class _Derives:
+    """Per-GPU derivation as methods (the module functions below do the work)."""
+
+    __slots__ = ()
+
+    def transfers(self, gpu: int | None = None) -> list[Transfer]:
+        return transfers(self, gpu)  # type: ignore[arg-type]
+
+    def buckets(self, gpu: int | None = None) -> list[Bucket]:
+        return buckets(self, gpu)  # type: ignore[arg-type]
+
+    def pieces(self, gpu: int | None = None) -> list[Transfer]:
+        return pieces(self, gpu)  # type: ignore[arg-type]
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Split:
+class Split(_Derives):
     unit: EMU
     parts: tuple[EMU, ...]
 
@@ -135,7 +150,7 @@ class Split:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Merge:
+class Merge(_Derives):
     parts: tuple[EMU, ...]
     unit: EMU
 
@@ -155,7 +170,7 @@ class Merge:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Extend:
+class Extend(_Derives):
     sources: tuple[EMU, ...]  # tried in order after same-GPU pieces; the first is the main source
     target: EMU
 
@@ -171,7 +186,7 @@ class Extend:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Destroy:
+class Destroy(_Derives):
     unit: EMU
 
     kind = PrimitiveKind.DESTROY

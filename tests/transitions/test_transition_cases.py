@@ -128,6 +128,7 @@ def test_dp_2_to_4() -> None:
     assert _remote(dag, Q0) == [
         (0, 4, (0, 0), (12, 24), (0, 0), (0, 0)), (1, 5, (12, 0), (12, 24), (0, 0), (0, 0)),
         (2, 6, (0, 0), (12, 24), (0, 0), (0, 0)), (3, 7, (12, 0), (12, 24), (0, 0), (0, 0))]
+    assert extends[0].transfers(4) == transfers(extends[0], 4) and not hasattr(extends[0], "__dict__")
     cost = transition_cost(dag, CLUSTER)
     assert cost.inter_node_bytes == dag.bytes_moved and cost.intra_node_bytes == 0
     # half of the per-replica bytes: DP shrink back is a pure Destroy, nothing moves
