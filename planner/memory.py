@@ -203,13 +203,17 @@ def plan_memory(job: JobSpec, plan: GlobalPlan) -> tuple[dict[int, int], dict[st
     per_stage: dict[str, MemoryBreakdown] = {}
     for sp in plan:
         own = res[sp.model_stage]
+        own_bytes = own.total_bytes
         # co-resident bytes take few distinct values across a model-stage's GPUs: combine once per value
         by_co: dict[int, MemoryBreakdown] = {}
+        totals: dict[int, int] = {}
         for g in sp.gpus:
-            co = resident_on[g] - own.total_bytes
-            m = by_co.get(co)
-            if m is None:
-                m = by_co[co] = combine(own, trans[sp.model_stage], co)
-            per_gpu[g] = max(per_gpu.get(g, 0), m.total_bytes)
+            co = resident_on[g] - own_bytes
+            total = totals.get(co)
+            if total is None:
+                by_co[co] = combine(own, trans[sp.model_stage], co)
+                total = totals[co] = by_co[co].total_bytes
+            if total > per_gpu.get(g, 0):
+                per_gpu[g] = total
         per_stage[sp.model_stage] = max(by_co.values(), key=lambda m: m.total_bytes)
     return per_gpu, per_stage

@@ -130,6 +130,16 @@ class _WaveSolver:
             order = idx[np.lexsort((t.seconds[idx], t.gpus[idx]))]
             self.by_gpus[m] = (t.gpus[order], t.seconds[order], t.resident[order], t.transient[order], order)
 
+    def least_many(self, member: str, r_caps: np.ndarray, t_caps: np.ndarray,
+                   gpu_seconds: bool = False) -> np.ndarray:
+        """:meth:`least` for arrays of caps at once (the lower bounds of every transient cap)."""
+        r_levels, t_levels, vals, _rows = (self.gpu_seconds if gpu_seconds else self.alone)[member]
+        table = np.asarray(vals, dtype=float)
+        i = np.searchsorted(np.asarray(r_levels, dtype=float), r_caps, side="right") - 1
+        j = np.searchsorted(np.asarray(t_levels, dtype=float), t_caps, side="right") - 1
+        ok = (i >= 0) & (j >= 0)
+        return np.where(ok, table[np.maximum(i, 0), np.maximum(j, 0)], np.inf)
+
     def least(self, member: str, r_cap: float, t_cap: float, gpu_seconds: bool = False) -> float:
         """Least seconds (or GPU-seconds) of a member's rows within the caps; inf if none."""
         r_levels, t_levels, vals, _rows = (self.gpu_seconds if gpu_seconds else self.alone)[member]
@@ -327,17 +337,16 @@ def _solve(job: JobSpec, fronts: Mapping[str, OptionTable], budget: int,
     solver = _WaveSolver(fronts, budget)
     min_res = {k: max(solver.r_sorted[m][0] for m in names[k]) for k in kinds}
     total_min_res = sum(min_res.values())
-    bounds = []
-    for t_cap in t_levels:
-        per_kind = {}
-        for k in kinds:
-            room = usable - t_cap - (total_min_res - min_res[k])
-            slowest = max(solver.least(m, room, t_cap) for m in names[k])
-            shared = sum(solver.least(m, room, t_cap, gpu_seconds=True) for m in names[k]) / budget
-            per_kind[k] = max(slowest, shared)
-        lb = sum(per_kind.values())
-        if lb < float("inf"):
-            bounds.append((lb, -t_cap, per_kind))
+    caps = np.asarray(t_levels, dtype=float)
+    per_kind_lb: dict[StageKind, np.ndarray] = {}
+    for k in kinds:
+        rooms = usable - caps - (total_min_res - min_res[k])
+        slowest = np.max([solver.least_many(m, rooms, caps) for m in names[k]], axis=0)
+        shared = np.sum([solver.least_many(m, rooms, caps, gpu_seconds=True) for m in names[k]], axis=0) / budget
+        per_kind_lb[k] = np.maximum(slowest, shared)
+    lbs = np.sum([per_kind_lb[k] for k in kinds], axis=0)
+    bounds = [(float(lbs[i]), -float(caps[i]), {k: float(per_kind_lb[k][i]) for k in kinds})
+              for i in np.flatnonzero(np.isfinite(lbs))]
     # cheap stages first, so a cap is abandoned before its costly stages when it cannot win
     order = sorted(kinds, key=lambda k: len(names[k]))
     best: tuple[float, dict[str, tuple[_Pick, ...]]] | None = None
