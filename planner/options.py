@@ -53,6 +53,7 @@ class OptionRules:
 
 
 DEFAULT_RULES = OptionRules()
+TRANSIENT_SLACK_BYTES = 1 << 16
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -176,7 +177,8 @@ def option_table(job: JobSpec, ms: ModelStage, cluster: ClusterSpec, num_gpus: i
                 gemm_a, mem_c, other_a, other_c = _seconds_line(t1, t2, eff)
                 mb_s = np.maximum(gemm_a * b, mem_c) + other_a * b + other_c
                 seconds = mb_s * (g + pp - 1) * mini + sync * mini
-                trans = _transient_line(model, ms, layout, workload, recompute, b, g)
+                # + slack: the affine read-off may sit a few bytes under transient_bytes' own rounding
+                trans = _transient_line(model, ms, layout, workload, recompute, b, g) + TRANSIENT_SLACK_BYTES
                 ok = resident + trans <= usable
                 if not ok.any():
                     continue

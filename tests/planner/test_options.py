@@ -1,0 +1,60 @@
+"""Candidate tables: the affine read-off matches the cost and memory models row by row; frontier rules."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from planner_jobs import h200, job
+
+from planner.cost import PRIORS, Links, stage_cost
+from planner.memory import transient_bytes
+from planner.options import TRANSIENT_SLACK_BYTES, OptionRules, batch_sequences, frontier, option_table
+from planner.plan import Layout
+
+
+@pytest.mark.parametrize("algo,stage", [("ppo", "actor-gen"), ("ppo", "ref-inf"), ("ppo", "critic-train"),
+                                        ("remax", "actor-gen-greedy")])
+def test_rows_match_cost_and_memory_models(algo: str, stage: str) -> None:
+    j = job(algo, prompts=64, response_tokens=2048, mini_batches=2 if algo == "ppo" else 1)
+    cl = h200(32)
+    ms = j.workflow.stage(stage)
+    table = option_table(j, ms, cl, 32, PRIORS, OptionRules(allow_recompute=True))
+    assert len(table) > 20
+    rng = np.random.default_rng(0)
+    for i in rng.choice(len(table), size=25, replace=False):
+        o = table.option(int(i))
+        gpn = cl.gpus_per_node
+        links = Links(tp_intra=o.layout.tp <= gpn, pp_intra=o.layout.size <= gpn, dp_intra=o.num_gpus <= gpn)
+        exact = stage_cost(j.model_of(ms), ms, o.layout, j.workload, micro_batch_size=o.micro_batch_size,
+                           grad_accum=o.grad_accum, recompute=o.recompute, dp=o.dp, cluster=cl, links=links,
+                           eff=PRIORS)
+        assert o.seconds == pytest.approx(exact.seconds, rel=1e-9)
+        t = transient_bytes(j.model_of(ms), ms, o.layout, j.workload, o.micro_batch_size, o.grad_accum,
+                            o.recompute).total_bytes
+        assert t <= o.transient_bytes <= t + TRANSIENT_SLACK_BYTES + 16
+        assert o.dp * o.micro_batch_size * o.grad_accum == batch_sequences(j, ms)
+
+
+def test_only_training_recomputes_and_tp_stays_in_a_node() -> None:
+    j = job("ppo", prompts=64)
+    cl = h200(32)
+    for ms in j.workflow.model_stages:
+        t = option_table(j, ms, cl, 32, PRIORS, OptionRules(allow_recompute=True))
+        assert bool(t.recompute.any()) == (ms.kind.value == "training")
+        assert int(t.tp.max()) <= cl.gpus_per_node
+        wide = option_table(j, ms, cl, 32, PRIORS, OptionRules(allow_cross_node_tp=True))
+        assert int(wide.tp.max()) > cl.gpus_per_node
+
+
+def test_frontier_keeps_what_no_other_row_beats() -> None:
+    j = job("ppo", prompts=64)
+    ms = j.workflow.stage("actor-gen")
+    full = option_table(j, ms, h200(16), 16, PRIORS)
+    kept = frontier(full, tolerance=0.0)
+    assert 0 < len(kept) < len(full)
+    rows = list(zip(kept.gpus.tolist(), kept.resident.tolist(), kept.transient.tolist(), kept.seconds.tolist()))
+    # every dropped row has a kept row with the same GPUs and resident bytes, no slower and no larger
+    for i in range(len(full)):
+        g, r, t, s = int(full.gpus[i]), int(full.resident[i]), int(full.transient[i]), float(full.seconds[i])
+        assert any(kg == g and kr == r and kt <= t and ks <= s for kg, kr, kt, ks in rows)
+    assert Layout(1, 1) in {Layout(int(a), int(b)) for a, b in zip(full.tp, full.pp)}
