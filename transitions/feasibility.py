@@ -7,9 +7,10 @@ when it ends (Split sources live until their readers end: they are freed by a la
 timeline starts from every intact unit of every model-stage (co-resident state included).
 
 ``order_by_memory`` walks the DAG: ready releases first (rule 1), then acquisitions by stage order
-gen -> inf -> train (rule 2) and longest remaining path (two other priorities are tried when it is blocked). An acquisition that does not fit waits on
-the GPU it is blocked on and is retried after the next release there; the release that made it fit
-becomes a resource edge. If nothing can run, InfeasibleError names the GPU and bytes.
+gen -> inf -> train (rule 2) and longest remaining path; two other priorities, then an exact search on
+small DAGs, are tried when that is blocked. An acquisition that does not fit waits on the GPU it is
+blocked on and is retried after the next release there; the release that made it fit becomes a
+resource edge. If nothing can run, InfeasibleError names the GPU and bytes.
 ``policy="per_stage"`` is the naive per-model-stage migration: stages one after another, no waiting.
 Pure: no torch, no I/O.
 """
