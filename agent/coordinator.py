@@ -23,8 +23,12 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from planner.errors import NereusError, SpecError
+from planner.hardware import ClusterSpec
 from transitions.channel import GenerationSpec
+from transitions.cost import DEFAULT_COMMUNICATOR_SETUP_S, primitive_seconds
+from transitions.emu import EMU, box_intersection
 from transitions.executor import DEFAULT_BUCKET_BYTES, StagePlacement, StepReport, lost_state
+from transitions.global_dag import TransitionDAG
 
 # --- commands and replies (plain frozen data: pickled on local pipes, msgpack on the daemon plane) ---
 
@@ -50,6 +54,24 @@ class Prepare:
     new: tuple[StagePlacement, ...]
     max_bucket_bytes: int = DEFAULT_BUCKET_BYTES
     kill_at: tuple[str, int] | None = None  # fault injection: SIGKILL self before (model_stage, round)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class InitUnits:
+    """Random state (deterministic in ``seed`` per model-stage) for this worker's shares of ``units``."""
+
+    units: tuple[EMU, ...]
+    seed: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunDag:
+    """Run this worker's nodes of ``dag`` in order (no separate commit: frees follow the DAG)."""
+
+    dag: TransitionDAG
+    predicted_s: tuple[float, ...]
+    max_bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    kill_at: tuple[str, int] | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -95,7 +117,7 @@ class Exit:
     pass
 
 
-Command = Join | InitState | Prepare | Commit | Abort | Dump | SaveCheckpoint | LoadCheckpoint | Call | Exit
+Command = Join | InitState | InitUnits | RunDag | Prepare | Commit | Abort | Dump | SaveCheckpoint | LoadCheckpoint | Call | Exit
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -308,6 +330,38 @@ class LocalCoordinator:
                                  errors=errors, reports={}, lost=lost_state(old_t, dead),
                                  seconds=time.perf_counter() - start)
 
+    def init_units(self, units: Iterable[EMU], seed: int) -> None:
+        self._check(self.request_all(InitUnits(units=tuple(units), seed=seed)), "init units")
+
+    def run_dag(self, dag: TransitionDAG, cluster: ClusterSpec, *, max_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                kill_at: dict[int, tuple[str, int]] | None = None,
+                setup_s: float = DEFAULT_COMMUNICATOR_SETUP_S) -> TransitionOutcome:
+        """Every worker runs its nodes of ``dag``; on a failure the survivors re-form a generation and
+        the model-stages whose state no surviving unit still covers are reported (checkpoint needed)."""
+        start = time.perf_counter()
+        predicted = tuple(primitive_seconds(fp, cluster, setup_s) for fp in dag.footprints)
+        members = self.spec.members if self.spec is not None else self.alive
+        cmds: dict[int, Command] = {
+            w: RunDag(dag=dag, predicted_s=predicted, max_bucket_bytes=max_bucket_bytes,
+                      kill_at=(kill_at or {}).get(w))
+            for w in members
+        }
+        replies = self.request(cmds)
+        if all(r.ok for r in replies.values()):
+            return TransitionOutcome(committed=True, generation=self.generation, dead_workers=(), errors={},
+                                     reports={w: r.value for w, r in replies.items()}, lost={},
+                                     seconds=time.perf_counter() - start)
+        errors = {w: r.error or "" for w, r in replies.items() if not r.ok}
+        dead = tuple(sorted(w for w in members if not self._procs[w].process.is_alive()))
+        survivors = tuple(w for w in members if w not in dead)
+        self.form_generation(survivors)
+        from agent.worker import held_units
+
+        held = {w: set(v) for w, v in self.call(held_units, survivors).items()}
+        return TransitionOutcome(committed=False, generation=self.generation, dead_workers=dead, errors=errors,
+                                 reports={}, lost=uncovered_state(dag, held),
+                                 seconds=time.perf_counter() - start)
+
     def dump(self, workers: Iterable[int] | None = None) -> dict[int, Any]:
         replies = self._check(self.request_all(Dump(), workers), "dump")
         return {w: r.value for w, r in replies.items()}
@@ -352,3 +406,53 @@ def _td(seconds: float) -> Any:
     from datetime import timedelta
 
     return timedelta(seconds=seconds)
+
+
+def uncovered_state(dag: TransitionDAG, held: dict[int, set[str]]) -> dict[str, list[str]]:
+    """Per model-stage of the DAG, the tensors/kinds that no surviving unit share covers entirely.
+
+    ``held``: worker -> uids of the units it still holds. Boxes of one tensor differ along at most
+    its split dimension, so coverage is a union of intervals along the dimension where they differ.
+    """
+    units = {u.uid: u for u in (*dag.old_units, *dag.new_units)}
+    for prim in dag.nodes:
+        for u in (*prim.sources, *prim.targets):
+            units.setdefault(u.uid, u)
+    renamed = dict(dag.renamed)
+    for old, new in renamed.items():
+        if new not in units and old in units:
+            units[new] = units[old]
+    boxes: dict[tuple[str, str, str], list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
+    shapes: dict[tuple[str, str, str], tuple[int, ...]] = {}
+    for u in dag.old_units:
+        for g in u.gpus:
+            for sh in u.shards(g):
+                shapes[(u.model_stage, sh.tensor, sh.kind.value)] = sh.global_shape
+    for worker, uids in held.items():
+        for uid in uids:
+            unit = units.get(uid)
+            if unit is None or not unit.holds(worker):
+                continue
+            for sh in unit.shards(worker):
+                boxes.setdefault((unit.model_stage, sh.tensor, sh.kind.value), []).append(
+                    (sh.offsets, sh.lengths))
+    out: dict[str, list[str]] = {}
+    for key, shape in shapes.items():
+        if not _covers(shape, boxes.get(key, [])):
+            out.setdefault(key[0], []).append(f"{key[1]}/{key[2]}")
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def _covers(shape: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> bool:
+    full = (tuple(0 for _ in shape), shape)
+    for dim in range(len(shape)):
+        spans = sorted((o[dim], o[dim] + k[dim]) for o, k in boxes
+                       if all(o[d] == 0 and k[d] == shape[d] for d in range(len(shape)) if d != dim))
+        reach = 0
+        for lo, hi in spans:
+            if lo > reach:
+                break
+            reach = max(reach, hi)
+        if reach >= shape[dim]:
+            return True
+    return not shape or any(box_intersection(b, full) == full for b in boxes)

@@ -29,10 +29,12 @@ from agent.coordinator import (
     Dump,
     Exit,
     InitState,
+    InitUnits,
     Join,
     LoadCheckpoint,
     Prepare,
     Reply,
+    RunDag,
     SaveCheckpoint,
 )
 from transitions.channel import DataChannel
@@ -42,7 +44,9 @@ from transitions.executor import (
     RankState,
     StagePlacement,
     plan_transition,
+    run_dag,
     run_transition,
+    unit_placement,
 )
 
 
@@ -53,7 +57,8 @@ class WorkerContext:
     worker_id: int
     device: torch.device
     channel: DataChannel
-    states: dict[str, RankState] = field(default_factory=dict)
+    states: dict[str, RankState] = field(default_factory=dict)  # per model-stage (geometry plans)
+    units: dict[str, RankState] = field(default_factory=dict)  # per EMU uid (DAG runs)
     pending: PendingTransition | None = None
 
 
@@ -80,16 +85,22 @@ def random_state(placement: StagePlacement, replica: int, rank: int, seed: int,
 
 def _dump(ctx: WorkerContext, stages: tuple[str, ...] | None) -> dict[str, list[dict[str, Any]]]:
     out: dict[str, list[dict[str, Any]]] = {}
-    for name, state in ctx.states.items():
+    for state in (*ctx.states.values(), *ctx.units.values()):
+        name = state.placement.model_stage
         if stages is not None and name not in stages:
             continue
-        out[name] = [
+        out.setdefault(name, []).extend([
             {"tensor": slot.tensor, "kind": slot.kind, "offsets": slot.offsets, "lengths": slot.lengths,
              "global_shape": slot.global_shape, "replica": state.replica, "rank": state.rank,
              "data": view.detach().to("cpu").clone()}
             for slot, view in state.shards()
-        ]
+        ])
     return out
+
+
+def held_units(ctx: WorkerContext) -> list[str]:
+    """Uids of the EMU shares this worker holds (what survives a failed DAG run)."""
+    return sorted(ctx.units)
 
 
 def handle(ctx: WorkerContext, cmd: Any) -> Any:
@@ -99,12 +110,29 @@ def handle(ctx: WorkerContext, cmd: Any) -> Any:
         return {"generation": cmd.spec.generation, "rank": cmd.spec.rank_of(ctx.worker_id)}
     if isinstance(cmd, InitState):
         ctx.states.clear()
+        ctx.units.clear()
         for placement in cmd.placements:
             pos = placement.position(ctx.worker_id)
             if pos is not None:
                 ctx.states[placement.model_stage] = random_state(placement, pos[0], pos[1], cmd.seed,
                                                                  ctx.device)
         return sorted(ctx.states)
+    if isinstance(cmd, InitUnits):
+        ctx.units.clear()
+        ctx.states.clear()
+        for unit in cmd.units:
+            if unit.holds(ctx.worker_id):
+                placement, _ = unit_placement(unit)
+                rank = placement.gpu_sets[0].index(ctx.worker_id)
+                ctx.units[unit.uid] = random_state(placement, 0, rank, cmd.seed, ctx.device)
+        return sorted(ctx.units)
+    if isinstance(cmd, RunDag):
+        def on_round_dag(model_stage: str, rnd: int) -> None:
+            if cmd.kill_at == (model_stage, rnd):
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        return run_dag(cmd.dag, ctx.worker_id, ctx.units, ctx.channel, predicted_s=cmd.predicted_s,
+                       max_bucket_bytes=cmd.max_bucket_bytes, on_round=on_round_dag)
     if isinstance(cmd, Prepare):
         ctx.pending = None
         plan = plan_transition(cmd.old, cmd.new, max_bucket_bytes=cmd.max_bucket_bytes)

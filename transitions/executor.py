@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import torch
 
@@ -33,7 +34,11 @@ from planner.errors import SpecError
 from planner.models import Head, ModelSpec
 from planner.plan import Layout
 from transitions.channel import DataChannel, InFlight, P2POp
+from transitions.emu import EMU
 from transitions.geometry import StateKind, check_layout, unit_shards
+from transitions.global_dag import TransitionDAG
+from transitions.primitives import Merge, Primitive, relabels
+from transitions.primitives import pieces as prim_pieces
 
 ALIGN_BYTES = 16
 COUNTERS = "_meta.counters"  # per unit: version, optimizer step, minibatch position, spare
@@ -240,6 +245,8 @@ class Piece:
     src_slot: Slot
     dst_slot: Slot
     box: Box
+    src_unit: str = ""  # DAG runs: the EMU uids read and written ("" = the model-stage's old/new state)
+    dst_unit: str = ""
 
     @property
     def num_bytes(self) -> int:
@@ -254,8 +261,8 @@ class Message:
     dst_worker: int
     round: int
     tag: int
-    direct: Run | None  # zero-copy: (src byte range, dst byte range)
-    pieces: tuple[Piece, ...]  # for packed buckets, in packing order
+    direct: Run | None  # zero-copy: (src byte range, dst byte range) covering all of ``pieces``
+    pieces: tuple[Piece, ...]  # in packing order (packed buckets)
 
     @property
     def num_bytes(self) -> int:
@@ -407,7 +414,9 @@ def _coalesce(pieces: list[Piece]) -> list[tuple[Run | None, list[Piece]]]:
         if src is None or dst is None:
             out.append((None, [p]))
             continue
-        if out and out[-1][0] is not None:
+        last = out[-1][1][-1] if out else None
+        same_units = last is not None and (last.src_unit, last.dst_unit) == (p.src_unit, p.dst_unit)
+        if out and out[-1][0] is not None and same_units:
             (s0, s1), (d0, d1) = out[-1][0]
             gap_src, gap_dst = src[0] - s1, dst[0] - d1
             # alignment padding between shards is identical on both sides: copy it along
@@ -439,18 +448,19 @@ def _messages(pieces: list[Piece], max_bucket_bytes: int) -> list[Message]:
         by_pair[(p.src_worker, p.dst_worker)].append(p)
     out: list[Message] = []
     for (src, dst), pair_pieces in sorted(by_pair.items()):
-        direct: list[Run] = []
+        direct: list[tuple[Run, list[Piece]]] = []
         packed: list[Piece] = []
         for run, members in _coalesce(pair_pieces):
             if run is not None and run[0][1] - run[0][0] >= DIRECT_MIN_BYTES:
-                direct.append(run)
+                direct.append((run, members))
             else:
                 for p in members:
                     packed.extend(_split_piece(p, max_bucket_bytes))
         tag = 0
         # direct runs need no buffer: all of them go in round 0, with the first bucket
-        for run in direct:
-            out.append(Message(src_worker=src, dst_worker=dst, round=0, tag=tag, direct=run, pieces=()))
+        for run, members in direct:
+            out.append(Message(src_worker=src, dst_worker=dst, round=0, tag=tag, direct=run,
+                               pieces=tuple(members)))
             tag += 1
         bucket: list[Piece] = []
         size = 0
@@ -574,13 +584,18 @@ def run_transition(plan: TransitionPlan, worker: int, states: dict[str, RankStat
     channel.barrier(timeout_s)
 
     for step in plan.steps:
-        pending.reports.append(_run_step(step, worker, states.get(step.model_stage),
-                                         new_states.get(step.model_stage), channel, timeout_s, on_round))
+        def resolve(p: Piece, is_source: bool, name: str = step.model_stage) -> RankState:
+            return states[name] if is_source else new_states[name]
+
+        pending.reports.append(_run_step(step, worker, resolve, channel, timeout_s, on_round))
     return pending
 
 
-def _post_round(step: Step, rnd: int, worker: int, source: RankState | None, target: RankState | None,
-                channel: DataChannel, counts: dict[str, int]) -> tuple[InFlight, list[tuple[Message, torch.Tensor]]]:
+Resolve = Callable[[Piece, bool], RankState]  # (piece, is_source) -> the rank state it reads/writes
+
+
+def _post_round(step: Step, rnd: int, worker: int, resolve: Resolve, channel: DataChannel,
+                counts: dict[str, int]) -> tuple[InFlight, list[tuple[Message, torch.Tensor]]]:
     """Pack this worker's sends of round ``rnd`` and post them with its receives (not waited for)."""
     device = channel.device
     ops: list[P2POp] = []
@@ -589,20 +604,18 @@ def _post_round(step: Step, rnd: int, worker: int, source: RankState | None, tar
         if m.round != rnd or worker not in (m.src_worker, m.dst_worker):
             continue
         if m.src_worker == worker:
-            assert source is not None
             if m.direct is not None:
-                buf = source.flat[m.direct[0][0]: m.direct[0][1]]
+                buf = resolve(m.pieces[0], True).flat[m.direct[0][0]: m.direct[0][1]]
             else:
                 buf = torch.empty(m.num_bytes, dtype=torch.uint8, device=device)
                 counts["transient"] += m.num_bytes
                 for p, off in _bucket_layout(m.pieces):
-                    _typed(buf, off, p).copy_(_piece_view(source, p.src_slot, p.box))
+                    _typed(buf, off, p).copy_(_piece_view(resolve(p, True), p.src_slot, p.box))
             ops.append(P2POp(peer=m.dst_worker, tensor=buf, is_send=True))
             counts["sent"] += m.num_bytes
         else:
-            assert target is not None
             if m.direct is not None:
-                buf = target.flat[m.direct[1][0]: m.direct[1][1]]
+                buf = resolve(m.pieces[0], False).flat[m.direct[1][0]: m.direct[1][1]]
             else:
                 buf = torch.empty(m.num_bytes, dtype=torch.uint8, device=device)
                 counts["transient"] += m.num_bytes
@@ -612,8 +625,7 @@ def _post_round(step: Step, rnd: int, worker: int, source: RankState | None, tar
     return channel.start(ops), unpack
 
 
-def _run_step(step: Step, worker: int, source: RankState | None, target: RankState | None,
-              channel: DataChannel, timeout_s: float | None,
+def _run_step(step: Step, worker: int, resolve: Resolve, channel: DataChannel, timeout_s: float | None,
               on_round: Callable[[str, int], None] | None) -> StepReport:
     """Rounds are pipelined: round r+1 is packed and posted before round r is waited for and
     unpacked, and local copies run while round 0 is in flight; at most two rounds of buckets live."""
@@ -628,32 +640,156 @@ def _run_step(step: Step, worker: int, source: RankState | None, target: RankSta
             if on_round is not None:
                 on_round(step.model_stage, rnd)
             before = counts["transient"]
-            handle, unpack = _post_round(step, rnd, worker, source, target, channel, counts)
+            handle, unpack = _post_round(step, rnd, worker, resolve, channel, counts)
             posted = (handle, unpack, counts["transient"] - before)
             peak = max(peak, posted[2] + (in_flight[2] if in_flight is not None else 0))
         if rnd == 0:
-            copied = _local_copies(step, worker, source, target)  # overlaps round 0's transfers
+            copied = _local_copies(step, worker, resolve)  # overlaps round 0's transfers
         if in_flight is not None:
             in_flight[0].wait(timeout_s)
             for m, buf in in_flight[1]:
-                assert target is not None
                 for p, off in _bucket_layout(m.pieces):
-                    _piece_view(target, p.dst_slot, p.box).copy_(_typed(buf, off, p))
+                    _piece_view(resolve(p, False), p.dst_slot, p.box).copy_(_typed(buf, off, p))
         in_flight = posted  # the previous round's buckets are dropped here, once unpacked
     return StepReport(model_stage=step.model_stage, primitive=step.primitive, predicted_s=step.predicted_s,
                       measured_s=time.perf_counter() - start, bytes_sent=counts["sent"],
                       bytes_received=counts["received"], bytes_copied_locally=copied, peak_bucket_bytes=peak)
 
 
-def _local_copies(step: Step, worker: int, source: RankState | None, target: RankState | None) -> int:
+def _local_copies(step: Step, worker: int, resolve: Resolve) -> int:
     copied = 0
     for p in step.local:
         if p.dst_worker != worker:
             continue
-        assert source is not None and target is not None
-        _piece_view(target, p.dst_slot, p.box).copy_(_piece_view(source, p.src_slot, p.box))
+        _piece_view(resolve(p, False), p.dst_slot, p.box).copy_(_piece_view(resolve(p, True), p.src_slot, p.box))
         copied += p.num_bytes
     return copied
+
+
+# --- running a TransitionDAG ----------------------------------------------------------------------
+
+
+def unit_placement(unit: EMU) -> tuple[StagePlacement, int]:
+    """The placement whose rank layout a unit's buffers follow (a part in final shape follows its
+    final unit), and how to find a GPU's rank in it: ``placement.gpu_sets[0].index(gpu)``."""
+    home = unit.final if unit.final is not None else unit
+    placement = StagePlacement(model_stage=home.model_stage, model=home.state.model, head=home.state.head,
+                               kinds=home.state.kinds, layout=home.layout, gpu_sets=(home.gpus,))
+    return placement, 0
+
+
+@lru_cache(maxsize=4096)
+def unit_slots(unit: EMU, gpu: int) -> dict[tuple[str, str], Slot]:
+    """The slots of ``unit``'s buffer on ``gpu`` (pure: both ends of a transfer derive them alike)."""
+    placement, _ = unit_placement(unit)
+    slots, _ = rank_slots(placement, placement.gpu_sets[0].index(gpu))
+    return {s.key: s for s in slots}
+
+
+def allocate_unit(unit: EMU, gpu: int, device: torch.device) -> RankState:
+    placement, _ = unit_placement(unit)
+    return RankState.allocate(placement, 0, placement.gpu_sets[0].index(gpu), device)
+
+
+def node_step(dag: TransitionDAG, node: int, worker: int, max_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+              predicted_s: float = 0.0) -> Step:
+    """The messages and local copies ``worker`` takes part in for DAG node ``node``. Both ends of a
+    pair derive the same ordered pieces (transitions.primitives keeps derivation order), hence the
+    same messages, without talking to each other."""
+    prim = dag.nodes[node]
+    units = {u.uid: u for u in (*prim.sources, *prim.targets)}
+    out: list[Piece] = []
+    for t in prim_pieces(prim, worker):
+        src, dst = units[t.src_unit], units[t.dst_unit]
+        key = (t.tensor, t.kind.value)
+        out.append(Piece(src_worker=t.src_gpu, dst_worker=t.dst_gpu, src_slot=unit_slots(src, t.src_gpu)[key],
+                         dst_slot=unit_slots(dst, t.dst_gpu)[key], box=(t.offsets, t.lengths),
+                         src_unit=t.src_unit, dst_unit=t.dst_unit))
+    out += [p for p in _counter_pieces(prim) if worker in (p.src_worker, p.dst_worker)]
+    local = tuple(p for p in out if p.src_worker == p.dst_worker)
+    messages = tuple(_messages([p for p in out if p.src_worker != p.dst_worker], max_bucket_bytes))
+    return Step(model_stage=_node_stage(prim), primitive=f"{prim.kind.value}#{node}", local=local,
+                messages=messages, predicted_s=predicted_s)
+
+
+def _counter_pieces(prim: Primitive) -> list[Piece]:
+    """The unit counters (version, step, minibatch position) each new share copies: from a source on
+    the same GPU if any, else from the rank-aligned GPU of the first source. Derived for every target
+    GPU in one fixed order, so both ends of a pair agree on it."""
+    if not prim.sources:
+        return []
+    key = (COUNTERS, COUNTERS_KIND)
+    out = []
+    for target in prim.targets:
+        for g in target.gpus:
+            if isinstance(prim, Merge) and any(p.final == target and p.holds(g) for p in prim.parts):
+                continue  # relabelled: the part's buffer, counters included, becomes the unit's
+            local = [s for s in prim.sources if s.holds(g)]
+            src = local[0] if local else prim.sources[0]
+            src_gpu = g if local else src.gpus[target.gpus.index(g) % len(src.gpus)]
+            out.append(Piece(src_worker=src_gpu, dst_worker=g, src_slot=unit_slots(src, src_gpu)[key],
+                             dst_slot=unit_slots(target, g)[key], box=((0,), (NUM_COUNTERS,)),
+                             src_unit=src.uid, dst_unit=target.uid))
+    return out
+
+
+def _apply_relabels(merges: list[Merge], worker: int, units: dict[str, RankState]) -> None:
+    for merge in merges:
+        mine = [p for p in merge.parts if p.holds(worker)]
+        if mine and all(p.uid in units for p in mine):
+            for part in mine:
+                units[merge.unit.uid] = units.pop(part.uid)
+
+
+def _node_stage(prim: Primitive) -> str:
+    return (*prim.targets, *prim.frees, *prim.sources)[0].model_stage
+
+
+def run_dag(dag: TransitionDAG, worker: int, units: dict[str, RankState], channel: DataChannel, *,
+            predicted_s: Sequence[float] | None = None, max_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+            timeout_s: float | None = None,
+            on_round: Callable[[str, int], None] | None = None) -> list[StepReport]:
+    """Run the DAG nodes that touch ``worker``, in the DAG's order, on ``units`` (EMU uid -> state).
+
+    Each worker runs its nodes one at a time in the global order, so pairs meet in the same node and
+    memory follows the DAG's checked timeline: targets are allocated when their node starts, sources
+    freed by the Destroy/Merge that frees them, buckets once unpacked. A part delivered in final shape
+    is relabelled by its Merge, never copied. Raises ChannelBroken on any communication failure;
+    ``units`` then holds whatever existed at that point (old units are only freed after their readers).
+    """
+    device = channel.device
+    reports: list[StepReport] = []
+    # Merges whose parts all arrive in final shape move nothing and touch no GPU's timeline, so they
+    # are in no worker's node list: each worker relabels its share as soon as it holds it
+    relabel = [prim for prim in dag.nodes if isinstance(prim, Merge) and relabels(prim)]
+    _apply_relabels(relabel, worker, units)
+    for node in dag.nodes_on(worker):
+        prim = dag.nodes[node]
+        start = time.perf_counter()
+        if isinstance(prim, Merge):
+            for part in prim.parts:
+                if part.final == prim.unit and part.holds(worker) and part.uid in units:
+                    units[prim.unit.uid] = units.pop(part.uid)  # already in final shape: relabel
+        for target in prim.targets:
+            if target.holds(worker) and target.uid not in units:
+                units[target.uid] = allocate_unit(target, worker, device)
+        step = node_step(dag, node, worker, max_bucket_bytes,
+                         predicted_s[node] if predicted_s is not None else 0.0)
+
+        def resolve(p: Piece, is_source: bool) -> RankState:
+            return units[p.src_unit if is_source else p.dst_unit]
+
+        report = _run_step(step, worker, resolve, channel, timeout_s, on_round)
+        for unit in prim.frees:
+            if unit.holds(worker):
+                units.pop(unit.uid, None)  # Destroy (or a Merge's parts): the buffer goes with it
+        report.measured_s = time.perf_counter() - start
+        reports.append(report)
+        _apply_relabels(relabel, worker, units)
+    for old_uid, new_uid in dag.renamed:  # units that stay as they are take their new plan's name
+        if old_uid in units:
+            units[new_uid] = units.pop(old_uid)
+    return reports
 
 
 # --- what survives a failure (pure) ----------------------------------------------------------------
