@@ -26,9 +26,10 @@ def assert_learns(runs: list[StepResult]) -> None:
     first, last = runs[:10], runs[-10:]
     s0, s1 = mean([r.mean_score for r in first]), mean([r.mean_score for r in last])
     a0, a1 = mean([r.mean_accuracy for r in first]), mean([r.mean_accuracy for r in last])
-    # random init scores ~0.02; formatting alone (random digits) gives ~0.25 with accuracy ~0.075
+    # random init scores ~0.02; formatting alone (random digits) gives ~0.25 with accuracy ~0.075, so
+    # accuracy above 0.1 means the policy learned something about sorting, not only the format
     assert s1 > s0 + 0.12, (s0, s1)
-    assert a1 > a0 + 0.04, (a0, a1)
+    assert a1 > max(a0 + 0.04, 0.1), (a0, a1)
 
 
 @pytest.mark.slow
@@ -42,7 +43,7 @@ def test_grpo_raises_reward() -> None:
 def test_ppo_raises_reward() -> None:
     cfg = RunConfig(algo="ppo", task=SortDigits(num_digits=3), prompts_per_step=32, actor_lr=3e-3, critic_lr=3e-3,
                     train_mini_batches_per_step=4, seed=0)
-    runs = train(cfg, 70)
+    runs = train(cfg, 100)
     assert_learns(runs)
     assert all(r.critic_loss is not None for r in runs)
 
