@@ -9,7 +9,7 @@
    in one process (imports and per-model caches warm, as in the daemon), wall and CPU time (CPU time
    is the fairer figure on a shared machine). Target <= 30 ms at 1,024.
 2. Plan quality: settings (models x GPUs x response lengths, GRPO and PPO) small enough for
-   planner.search.exhaustive_search; the gap is (search - exhaustive) / exhaustive on the step latency
+   planner.exhaustive.exhaustive_search; the gap is (search - exhaustive) / exhaustive on the step latency
    both optimise. Reported: share of settings at the optimum, max and p95 gap, and the gap of the
    planner's full prediction (planner.prediction.predict) of both plans. Targets: >= 90%, max <= 2%.
 """
@@ -30,9 +30,10 @@ sys.path.insert(0, str(ROOT))
 
 from planner import admission  # noqa: E402
 from planner.errors import InfeasibleError  # noqa: E402
+from planner.exhaustive import exhaustive_search  # noqa: E402
 from planner.hardware import cluster_preset  # noqa: E402
 from planner.models import model_preset  # noqa: E402
-from planner.search import exhaustive_search, search  # noqa: E402
+from planner.search import search  # noqa: E402
 from planner.workflow import JobSpec, Workload, same_model_job, workflow_preset  # noqa: E402
 
 DECISION_GPUS = (8, 32, 128, 512, 1024, 4096)

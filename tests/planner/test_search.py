@@ -8,9 +8,10 @@ from hypothesis import strategies as st
 from planner_jobs import h200, job
 
 from planner.errors import InfeasibleError, SpecError
+from planner.exhaustive import exhaustive_search
 from planner.options import batch_sequences
 from planner.plan import GlobalPlan
-from planner.search import exhaustive_search, order_pool, search
+from planner.search import order_pool, search
 from planner.workflow import JobSpec
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)

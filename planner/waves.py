@@ -1,0 +1,237 @@
+"""Wave solver of the plan search: model-stages of one stage running in waves under memory caps.
+
+Members of a wave run concurrently on disjoint GPUs (together at most the pool); waves of a stage run one
+after another. For a resident cap R and a transient cap T, a wave's best time is the min over member
+choices of its slowest member with their GPUs within the budget (step functions over GPU counts); a
+stage's (sum of wave caps, seconds) Pareto points come from every split of its members into waves.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterator, Mapping
+
+import numpy as np
+
+from planner.options import OptionTable
+
+Pick = tuple[tuple[str, int], ...]  # (model-stage, row of its table) per member of a wave
+Point = tuple[float, float, tuple[Pick, ...]]  # (sum of resident caps, seconds, waves)
+
+
+def partitions(items: list[str]) -> Iterator[list[list[str]]]:
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for part in partitions(rest):
+        for i in range(len(part)):
+            yield part[:i] + [[first] + part[i]] + part[i + 1:]
+        yield [[first]] + part
+
+
+def pareto(points: list[Point]) -> list[Point]:
+    """Keep the (R, seconds) points that no other point beats in both."""
+    out: list[Point] = []
+    best = float("inf")
+    for p in sorted(points, key=lambda p: (p[0], p[1])):
+        if p[1] < best:
+            out.append(p)
+            best = p[1]
+    return out
+
+
+class WaveSolver:
+    """Best seconds of a wave (members on disjoint GPUs, at most ``budget`` together) under a resident
+    cap R and a transient cap T, memoised on the rows those caps admit."""
+
+    def __init__(self, fronts: Mapping[str, OptionTable], budget: int) -> None:
+        self.fronts = fronts
+        self.budget = budget
+        # Python lists: scalar bisect is far cheaper than numpy's searchsorted on the hot path
+        self.t_sorted = {m: np.unique(t.transient).tolist() for m, t in fronts.items()}
+        self.r_sorted = {m: np.unique(t.resident).tolist() for m, t in fronts.items()}
+        self.memo: dict[tuple[object, ...], tuple[float, Pick] | None] = {}
+        self.alone = {m: alone_table(t, budget) for m, t in fronts.items()}
+        # least GPU-seconds per (R, T): a stage needs at least sum(GPU-seconds) / budget (work conservation)
+        self.gpu_seconds = {m: alone_table(t, budget, t.seconds * t.gpus) for m, t in fronts.items()}
+
+        self.steps_memo: dict[tuple[str, int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        # rows within the budget sorted by (GPUs, seconds): a step function is then one running minimum
+        self.by_gpus = {}
+        for m, t in fronts.items():
+            idx = np.flatnonzero(t.gpus <= budget)
+            order = idx[np.lexsort((t.seconds[idx], t.gpus[idx]))]
+            self.by_gpus[m] = (t.gpus[order], t.seconds[order], t.resident[order], t.transient[order], order)
+
+    def least_many(self, member: str, r_caps: np.ndarray, t_caps: np.ndarray,
+                   gpu_seconds: bool = False) -> np.ndarray:
+        """:meth:`least` for arrays of caps at once (the lower bounds of every transient cap)."""
+        r_levels, t_levels, vals, _rows = (self.gpu_seconds if gpu_seconds else self.alone)[member]
+        table = np.asarray(vals, dtype=float)
+        i = np.searchsorted(np.asarray(r_levels, dtype=float), r_caps, side="right") - 1
+        j = np.searchsorted(np.asarray(t_levels, dtype=float), t_caps, side="right") - 1
+        ok = (i >= 0) & (j >= 0)
+        return np.where(ok, table[np.maximum(i, 0), np.maximum(j, 0)], np.inf)
+
+    def least(self, member: str, r_cap: float, t_cap: float, gpu_seconds: bool = False) -> float:
+        """Least seconds (or GPU-seconds) of a member's rows within the caps; inf if none."""
+        r_levels, t_levels, vals, _rows = (self.gpu_seconds if gpu_seconds else self.alone)[member]
+        i = bisect.bisect_right(r_levels, r_cap) - 1
+        j = bisect.bisect_right(t_levels, t_cap) - 1
+        return vals[i][j] if i >= 0 and j >= 0 else float("inf")
+
+    def t_index(self, member: str, t_cap: float) -> int:
+        return bisect.bisect_right(self.t_sorted[member], t_cap)
+
+    def solve(self, members: tuple[str, ...], r_cap: float, t_cap: float) -> tuple[float, Pick] | None:
+        if len(members) == 1:  # a lookup in the member's (R, T) -> fastest row table
+            r_levels, t_levels, secs, rows = self.alone[members[0]]
+            i = bisect.bisect_right(r_levels, r_cap) - 1
+            j = bisect.bisect_right(t_levels, t_cap) - 1
+            if i < 0 or j < 0 or rows[i][j] < 0:
+                return None
+            return secs[i][j], ((members[0], rows[i][j]),)
+        idx = tuple((bisect.bisect_right(self.r_sorted[m], r_cap), self.t_index(m, t_cap)) for m in members)
+        key = (members, idx)
+        if key in self.memo:
+            return self.memo[key]
+        steps: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        for m, (ri, ti) in zip(members, idx):
+            st: tuple[np.ndarray, np.ndarray, np.ndarray] | None = self.steps_memo.get((m, ri, ti))
+            if st is None:
+                g_col, s_col, r_col, t_col, order = self.by_gpus[m]
+                ok = (r_col <= r_cap) & (t_col <= t_cap)
+                masked = np.where(ok, s_col, np.inf)
+                best = np.minimum.accumulate(masked)
+                keep = ok.copy()
+                keep[1:] &= masked[1:] < best[:-1]
+                st = (g_col[keep], s_col[keep], order[keep])
+                self.steps_memo[(m, ri, ti)] = st
+            if st[0].size == 0:
+                self.memo[key] = None
+                return None
+            steps.append(st)
+        result = min_max(members, steps, self.budget)
+        self.memo[key] = result
+        return result
+
+
+def alone_table(tab: OptionTable, budget: int, value: np.ndarray | None = None
+                 ) -> tuple[list[int], list[int], list[list[float]], list[list[int]]]:
+    """(R levels, T levels, least ``value`` (default: seconds) and its row with resident <= R and
+    transient <= T)."""
+    value = tab.seconds if value is None else value
+    r_levels = np.unique(tab.resident)
+    t_levels = np.unique(tab.transient)
+    secs = np.full((r_levels.size, t_levels.size), np.inf)
+    rows = np.full((r_levels.size, t_levels.size), -1, dtype=np.int64)
+    ok = np.flatnonzero(tab.gpus <= budget)
+    # fastest row per cell (later, faster writes win), then a running minimum over growing R and T
+    order = ok[np.argsort(-value[ok], kind="stable")]
+    cell_r = np.searchsorted(r_levels, tab.resident[order])
+    cell_t = np.searchsorted(t_levels, tab.transient[order])
+    secs[cell_r, cell_t] = value[order]
+    rows[cell_r, cell_t] = order
+    for axis in (0, 1):
+        run = np.minimum.accumulate(secs, axis=axis)
+        shape = [1, 1]
+        shape[axis] = secs.shape[axis]
+        pos = np.arange(secs.shape[axis]).reshape(shape) * np.ones_like(rows)
+        pos = np.maximum.accumulate(np.where((secs == run) & np.isfinite(secs), pos, 0), axis=axis)
+        rows = np.take_along_axis(rows, pos, axis=axis)
+        secs = run
+    return r_levels.tolist(), t_levels.tolist(), secs.tolist(), rows.tolist()
+
+
+def min_max(members: tuple[str, ...], steps: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+             budget: int) -> tuple[float, Pick] | None:
+    """Min over choices of the slowest member with the members' GPUs summing to at most ``budget``."""
+    if len(steps) == 1:
+        g, s, rows = steps[0]
+        i = int(np.searchsorted(g, budget, side="right")) - 1  # seconds fall as GPUs grow
+        return None if i < 0 else (float(s[i]), ((members[0], int(rows[i])),))
+    if len(steps) == 2:
+        (g1, s1, r1), (g2, s2, r2) = steps
+        j = np.searchsorted(g2, budget - g1, side="right") - 1
+        ok = j >= 0
+        if not ok.any():
+            return None
+        t = np.where(ok, np.maximum(s1, s2[np.maximum(j, 0)]), np.inf)
+        i = int(np.argmin(t))
+        return float(t[i]), ((members[0], int(r1[i])), (members[1], int(r2[j[i]])))
+    if len(steps) == 3:  # every (first, second) pair at once; the third takes what GPUs are left
+        (g1, s1, r1), (g2, s2, r2), (g3, s3, r3) = steps
+        left = budget - g1[:, None] - g2[None, :]
+        k = np.searchsorted(g3, left, side="right") - 1
+        t = np.where(k >= 0, np.maximum(np.maximum(s1[:, None], s2[None, :]), s3[np.maximum(k, 0)]), np.inf)
+        a, b = np.unravel_index(int(np.argmin(t)), t.shape)
+        if not np.isfinite(t[a, b]):
+            return None
+        return float(t[a, b]), ((members[0], int(r1[a])), (members[1], int(r2[b])), (members[2], int(r3[k[a, b]])))
+    best: tuple[float, Pick] | None = None
+    g1, s1, r1 = steps[0]
+    for i in range(g1.size):
+        rest = min_max(members[1:], steps[1:], budget - int(g1[i]))
+        if rest is None:
+            continue
+        slowest = max(float(s1[i]), rest[0])
+        if best is None or slowest < best[0]:
+            best = (slowest, ((members[0], int(r1[i])),) + rest[1])
+    return best
+
+
+def wave_curve(solver: WaveSolver, members: tuple[str, ...], levels: list[float],
+                t_cap: float) -> list[Point]:
+    """The wave's best seconds as a function of its resident cap, at the caps where it changes.
+
+    Seconds never rise with a larger cap, so a span whose ends agree is flat and is not probed inside
+    (bisection: a few solves per breakpoint instead of one per level)."""
+    cache: dict[int, tuple[float, Pick] | None] = {}
+
+    def at(i: int) -> tuple[float, Pick] | None:
+        if i not in cache:
+            cache[i] = solver.solve(members, levels[i], t_cap)
+        return cache[i]
+
+    def same(a: tuple[float, Pick] | None, b: tuple[float, Pick] | None) -> bool:
+        return (a is None and b is None) or (a is not None and b is not None and a[0] == b[0])
+
+    def probe(lo: int, hi: int) -> None:
+        if hi - lo <= 1 or same(at(lo), at(hi)):
+            return
+        mid = (lo + hi) // 2
+        at(mid)
+        probe(lo, mid)
+        probe(mid, hi)
+
+    probe(0, len(levels) - 1)
+    at(len(levels) - 1)
+    pts: list[Point] = []
+    for i in sorted(cache):
+        res = cache[i]
+        if res is not None:
+            pts.append((levels[i], res[0], (res[1],)))
+    return pts
+
+
+def kind_points(names: list[str], solver: WaveSolver, t_cap: float,
+                 r_levels: Mapping[str, list[float]]) -> list[Point]:
+    """(sum of wave resident caps, stage seconds, waves) Pareto points of one stage under cap T."""
+    key = ("kind", tuple(names), tuple(solver.t_index(m, t_cap) for m in names))
+    if key in solver.memo:
+        return solver.memo[key]  # type: ignore[return-value]
+    points: list[Point] = []
+    for part in partitions(names):
+        combined: list[Point] = [(0.0, 0.0, ())]
+        for wave in part:
+            members = tuple(wave)
+            levels = sorted({r for m in members for r in r_levels[m]})
+            wave_pts = wave_curve(solver, members, levels, t_cap)
+            combined = pareto([(a[0] + b[0], a[1] + b[1], a[2] + b[2]) for a in combined for b in pareto(wave_pts)])
+            if not combined:
+                break
+        points += combined
+    result = pareto(points)
+    solver.memo[key] = result  # type: ignore[assignment]
+    return result
