@@ -67,7 +67,7 @@ class KVCache:
 def rope_tables(spec: ModelSpec, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin for positions ``[B, T]`` -> ``[B, 1, T, head_dim]`` (HF non-interleaved layout)."""
     half = spec.head_dim // 2
-    inv = 1.0 / (spec.rope_theta ** (torch.arange(half, dtype=torch.float32) / half))
+    inv = 1.0 / (spec.rope_theta ** (torch.arange(half, dtype=torch.float32, device=positions.device) / half))
     ang = positions.float()[..., None] * inv  # [B, T, half]
     emb = torch.cat([ang, ang], dim=-1)[:, None]
     return emb.cos(), emb.sin()
@@ -156,9 +156,9 @@ def attention_mask_4d(attention_mask: torch.Tensor, num_queries: int) -> torch.T
 
     Every query may attend to itself, so rows of left padding stay finite (they are never scored).
     """
-    tk = attention_mask.shape[1]
-    q_pos = torch.arange(tk - num_queries, tk)[:, None]
-    k_pos = torch.arange(tk)[None, :]
+    tk, dev = attention_mask.shape[1], attention_mask.device
+    q_pos = torch.arange(tk - num_queries, tk, device=dev)[:, None]
+    k_pos = torch.arange(tk, device=dev)[None, :]
     allowed = (k_pos <= q_pos)[None] & attention_mask.bool()[:, None, :]
     allowed = allowed | (k_pos == q_pos)[None]
     return allowed[:, None]

@@ -32,16 +32,19 @@ class LMRunner(Protocol):
 
 
 class LocalRunner:
-    """A whole (possibly tensor-parallel) decoder in this process."""
+    """A whole (possibly tensor-parallel) decoder in this process, on CPU or a GPU: sampling state
+    stays on the CPU, the model's inputs go to its device and the last logits come back."""
 
     def __init__(self, model: Decoder) -> None:
         self.model = model
+        self.device = next(model.parameters()).device
 
     def begin(self, batch: int, max_tokens: int) -> None:
         self.model.cache = KVCache(batch, max_tokens)
 
     def last_logits(self, ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        return self.model(ids, attention_mask)[:, -1]
+        out = self.model(ids.to(self.device), attention_mask.to(self.device))[:, -1]
+        return out.float().cpu()
 
     def end(self) -> None:
         self.model.cache = None

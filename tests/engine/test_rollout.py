@@ -65,3 +65,14 @@ def test_sampling_params_are_validated() -> None:
         SamplingParams(max_new_tokens=3, top_p=0.0)
     with pytest.raises(SpecError, match="temperature"):
         SamplingParams(max_new_tokens=3, temperature=0.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_torch_backend_on_gpu_matches_cpu_greedy() -> None:
+    cpu = build_decoder(SPEC, seed=0)
+    gpu = build_decoder(SPEC, seed=0).cuda()
+    params = SamplingParams(max_new_tokens=6, greedy=True)
+    want = generate(LocalRunner(cpu), PROMPTS, [0] * 4, params, prompt_tokens=4, pad_id=PAD)
+    got = generate(LocalRunner(gpu), PROMPTS, [0] * 4, params, prompt_tokens=4, pad_id=PAD)
+    assert torch.equal(got.tokens, want.tokens)
