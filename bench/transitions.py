@@ -29,7 +29,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from planner.errors import InfeasibleError  # noqa: E402
 from planner.models import LLAMA_31_8B, LLAMA_33_70B, ModelSpec  # noqa: E402
 from planner.plan import Layout  # noqa: E402
-from transitions.cost import DEFAULT_COMMUNICATOR_SETUP_S, primitive_seconds, schedule, transition_cost  # noqa: E402
+from transitions.cost import (  # noqa: E402
+    DEFAULT_COMMUNICATOR_SETUP_S,
+    primitive_seconds,
+    schedule,
+    transition_cost,
+)
 from transitions.global_dag import TransitionDAG, build_transition  # noqa: E402
 from transitions.primitives import bucketize, transfers  # noqa: E402
 from transitions.scenarios import h200_cluster, ppo_plan, random_scenario, stage_states  # noqa: E402
@@ -89,8 +94,8 @@ def one_gpu_derive(num_gpus: int, name: str) -> dict[str, object]:
     model, old_layouts, new_layouts = CHANGES[name]
     states = stage_states(model)
     cluster = h200_cluster(num_gpus)
-    dag = build_transition(states, cluster, ppo_plan(1, num_gpus, old_layouts), ppo_plan(2, num_gpus, new_layouts),
-                           capacity_bytes=1 << 60)
+    old, new = ppo_plan(1, num_gpus, old_layouts), ppo_plan(2, num_gpus, new_layouts)
+    dag = build_transition(states, cluster, old, new, capacity_bytes=1 << 60)
     gpu = max(range(num_gpus), key=lambda g: len(dag.nodes_on(g)) if g < 64 else -1)
     t0 = time.perf_counter()
     mine = dag.nodes_on(gpu)
@@ -167,8 +172,9 @@ def main() -> None:
     out = {
         "plan_time": rows,
         "target_ms_at_1024": TARGET_MS_AT_1024,
-        "ratio_to_target_at_1024": {r["change"]: round(float(r["best_cpu_ms"]) / TARGET_MS_AT_1024, 1)  # type: ignore[arg-type]
-                                    for r in at_1024},
+        "ratio_to_target_at_1024": {
+            r["change"]: round(float(r["best_cpu_ms"]) / TARGET_MS_AT_1024, 1)  # type: ignore[arg-type]
+            for r in at_1024},
         "load_average_1min": round(os.getloadavg()[0], 1),
         "one_gpu_derive": one_gpu_derive(sizes[-1], "ppo-70b"),
         "greedy_vs_optimum": greedy_vs_optimum(8 if args.quick else 40, 7),

@@ -187,7 +187,8 @@ def box_intersection(x: Box, y: Box) -> Box | None:
 
 
 def box_contains(outer: Box, inner: Box) -> bool:
-    return all(o1 <= o2 and o2 + n2 <= o1 + n1 for o1, n1, o2, n2 in zip(outer[0], outer[1], inner[0], inner[1]))
+    return all(o1 <= o2 and o2 + n2 <= o1 + n1
+               for o1, n1, o2, n2 in zip(outer[0], outer[1], inner[0], inner[1]))
 
 
 @lru_cache(maxsize=4096)

@@ -117,8 +117,8 @@ def _greedy(
     demand = [max((fp.alloc_bytes.get(g, 0) + fp.buffer_bytes.get(g, 0) for g in fp.gpus), default=0)
               for fp in fps]
     # bytes that successors free (net): running such a node first lets their releases come sooner
-    unlocks = [sum(max(0, sum(fps[j].free_bytes.values()) - sum(fps[j].alloc_bytes.values())) for j in succ[i])
-               for i in range(n)]
+    net_free = [max(0, sum(fp.free_bytes.values()) - sum(fp.alloc_bytes.values())) for fp in fps]
+    unlocks = [sum(net_free[j] for j in succ[i]) for i in range(n)]
 
     def key(i: int) -> tuple[float, ...]:
         if priority == "per_stage":
@@ -244,7 +244,8 @@ def _first_over(fp: Footprint, used: dict[int, int], capacity: int) -> tuple[int
     return None
 
 
-def _infeasible(node: int, gpu: int, need: int, used: dict[int, int], capacity: int, why: str) -> InfeasibleError:
+def _infeasible(node: int, gpu: int, need: int, used: dict[int, int], capacity: int,
+                why: str) -> InfeasibleError:
     free = capacity - used.get(gpu, 0)
     return InfeasibleError(
         f"transition infeasible: GPU {gpu} needs {need} bytes for node {node} but has {free} free",

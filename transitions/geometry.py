@@ -143,7 +143,8 @@ def chunk_range(size: int, num_chunks: int, index: int) -> tuple[int, int]:
     return start, max(0, min(size, step * (index + 1)) - start)
 
 
-def tp_box(tensor: TensorSpec, model: ModelSpec, tp: int, tp_rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def tp_box(tensor: TensorSpec, model: ModelSpec, tp: int,
+           tp_rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(offsets, lengths) of the global box TP rank ``tp_rank`` of ``tp`` holds of ``tensor``."""
     if not 0 <= tp_rank < tp:
         raise SpecError("tp_rank", f"{tp_rank} outside [0, {tp})")

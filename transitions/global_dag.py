@@ -225,7 +225,8 @@ def build_transition(
         old_version=old_version, new_version=new.version, nodes=tuple(nodes), stage_order=tuple(stage_order),
         data_edges=tuple(edges), resource_edges=tuple(result.resource_edges), order=tuple(result.order),
         old_units=tuple(u for us in intact.values() for u in us), lost_units=tuple(lost),
-        new_units=tuple(new_units), renamed=tuple(renamed), stale_units=tuple(stale_uids), capacity_bytes=capacity,
+        new_units=tuple(new_units), renamed=tuple(renamed), stale_units=tuple(stale_uids),
+        capacity_bytes=capacity,
         peak_bytes=result.peak_bytes, footprints=tuple(fps), gpu_nodes=_gpu_index(fps, result.order),
     )
 

@@ -224,7 +224,10 @@ def _split_dim(t: TensorSpec) -> int:
     return 1 if t.parallel is Parallel.ROW else 0
 
 
-def _subtract(need: list[tuple[int, int]], lo: int, hi: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+Intervals = list[tuple[int, int]]
+
+
+def _subtract(need: Intervals, lo: int, hi: int) -> tuple[Intervals, Intervals]:
     """Split intervals ``need`` by [lo, hi): (covered pieces, what is still needed)."""
     got, rest = [], []
     for a, b in need:
@@ -310,7 +313,8 @@ def _covers(target: EMU, sources: tuple[EMU, ...], gpu: int) -> list[tuple[Shard
     return out
 
 
-def derive_target(target: EMU, sources: tuple[EMU, ...], gpu: int, from_gpu: int | None = None) -> list[Transfer]:
+def derive_target(target: EMU, sources: tuple[EMU, ...], gpu: int,
+                  from_gpu: int | None = None) -> list[Transfer]:
     """Pieces (local and remote) that fill everything ``target`` holds on ``gpu`` from ``sources``;
     with ``from_gpu``, only those read from that GPU."""
     out: list[Transfer] = []
@@ -401,8 +405,8 @@ def bucketize(items: Iterable[Transfer], max_bucket_bytes: int | None = None) ->
     for t in items:
         if t.is_local:
             continue
-        pieces_of_t = [t] if t.num_bytes <= max_bucket_bytes else [
-            _chunk(t, first, rows) for first, rows in _row_chunks(t.num_bytes, t.lengths[0], max_bucket_bytes)]
+        chunks = _row_chunks(t.num_bytes, t.lengths[0], max_bucket_bytes)
+        pieces_of_t = [t] if t.num_bytes <= max_bucket_bytes else [_chunk(t, f, k) for f, k in chunks]
         groups.setdefault((t.src_gpu, t.dst_gpu), []).extend(pieces_of_t)
     out = []
     for (src, dst), group in sorted(groups.items()):
@@ -492,7 +496,8 @@ def _canonical_footprint(prim: Primitive) -> Footprint:
                         if nbytes <= DEFAULT_BUCKET_BYTES:
                             sizes.append(nbytes)
                         else:
-                            sizes += [nbytes // rows * k for _, k in _row_chunks(nbytes, rows, DEFAULT_BUCKET_BYTES)]
+                            chunks = _row_chunks(nbytes, rows, DEFAULT_BUCKET_BYTES)
+                            sizes += [nbytes // rows * k for _, k in chunks]
     for (src, dst), sizes in pair_items.items():
         held = in_flight_bytes(_pack(sizes, DEFAULT_BUCKET_BYTES))
         buffer[src] = buffer.get(src, 0) + held

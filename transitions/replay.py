@@ -58,7 +58,8 @@ class _Replay:
     def domain(self, unit: EMU) -> str:
         d = self.domains.get(unit.uid)
         if d is None:
-            d = self.domains[unit.uid] = f"{unit.state.role.value}/{unit.state.model.name}/{unit.state.head.value}"
+            state = unit.state
+            d = self.domains[unit.uid] = f"{state.role.value}/{state.model.name}/{state.head.value}"
         return d
 
     def expected(self, unit: EMU, key: StateKey, offsets: tuple[int, ...], lengths: tuple[int, ...],
@@ -175,7 +176,8 @@ def replay(dag: TransitionDAG) -> ReplayReport:
                 raise ReplayError(f"node {i} reads {pc.src_unit}, which is not complete")
             src = r.alive.get((pc.src_unit, pc.src_gpu))
             if src is None or (pc.tensor, pc.kind) not in src:
-                raise ReplayError(f"node {i}: {pc.src_unit} holds no {pc.tensor}/{pc.kind} on GPU {pc.src_gpu}")
+                raise ReplayError(f"node {i}: {pc.src_unit} holds no {pc.tensor}/{pc.kind} "
+                                  f"on GPU {pc.src_gpu}")
             dst = r.alive[(pc.dst_unit, pc.dst_gpu)][(pc.tensor, pc.kind)]
             src_arr = src[(pc.tensor, pc.kind)]
             if any(o + k > n for o, k, n in zip(pc.src_offsets, pc.lengths, src_arr.shape)) or \
@@ -219,7 +221,8 @@ def replay(dag: TransitionDAG) -> ReplayReport:
         if uid in stale:
             raise ReplayError(f"stale {uid} survived")
         for s in unit.shards(_g):
-            if not np.array_equal(shards[s.key], r.expected(unit, s.key, s.offsets, s.lengths, s.global_shape)):
+            want = r.expected(unit, s.key, s.offsets, s.lengths, s.global_shape)
+            if not np.array_equal(shards[s.key], want):
                 raise ReplayError(f"{uid} on GPU {_g}: {s.key} wrong at the end")
     for g, peak in r.peak.items():
         predicted = dag.peak_bytes.get(g, 0)

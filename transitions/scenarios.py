@@ -42,7 +42,8 @@ def ppo_plan(version: int, num_gpus: int, layouts: dict[str, Layout], offset: in
     """Every PPO model-stage over ``num_gpus`` GPUs (from ``offset``): generation on all of them,
     the three inference stages and the two training stages each splitting the pool between them."""
     pool = list(range(offset, offset + num_gpus))
-    groups = {"actor-gen": [pool], "inf": [pool[i::3] for i in range(3)], "train": [pool[i::2] for i in range(2)]}
+    groups = {"actor-gen": [pool], "inf": [pool[i::3] for i in range(3)],
+              "train": [pool[i::2] for i in range(2)]}
     stages = []
     for ms in PPO_STAGES:
         lay = layouts[ms.name]

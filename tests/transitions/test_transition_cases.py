@@ -23,7 +23,8 @@ from transitions.scenarios import stage_plan, stage_states
 # 12 heads (MHA), 4 layers, vocab 10: TP 2, 3, 4 all valid; vocab 10 is uneven over 3 and 4.
 MHA = ModelSpec(name="mha12", num_layers=4, hidden_size=24, num_attention_heads=12, num_kv_heads=12,
                 head_dim=2, ffn_hidden_size=36, vocab_size=10)
-CLUSTER = ClusterSpec(device=CPU, num_nodes=2, gpus_per_node=4, intra_node_link=NVLINK4, inter_node_link=IB_NDR)
+CLUSTER = ClusterSpec(device=CPU, num_nodes=2, gpus_per_node=4, intra_node_link=NVLINK4,
+                      inter_node_link=IB_NDR)
 STATES = stage_states(MHA, (ACTOR_GEN, REF_INF, ACTOR_TRAIN))
 Q0 = "model.layers.0.self_attn.q_proj.weight"
 O0 = "model.layers.0.self_attn.o_proj.weight"
@@ -107,7 +108,8 @@ def test_pp_2_to_1() -> None:
     dag = build_transition(STATES, CLUSTER, old, new)
     replay(dag)
     # stage 1 (GPUs 2, 3) held layers 2-3, the final norm and the head; GPUs 0 and 1 pull them rank-aligned
-    moved = {(t.src_gpu, t.dst_gpu, t.tensor) for p in dag.nodes for t in transfers(p) if t.kind is StateKind.PARAM}
+    moved = {(t.src_gpu, t.dst_gpu, t.tensor)
+             for p in dag.nodes for t in transfers(p) if t.kind is StateKind.PARAM}
     assert (2, 0, "lm_head.weight") in moved and (3, 1, "lm_head.weight") in moved
     assert (2, 0, "model.layers.3.mlp.up_proj.weight") in moved
     assert not any(".layers.0." in name or ".layers.1." in name or name == EMB for _, _, name in moved)
@@ -261,7 +263,8 @@ def test_job_spec_input_and_cost_depends_on_links() -> None:
     assert cost_far.seconds > cost_near.seconds
     # the expected time: setup + bytes over the slower link, both ranks in parallel
     per_rank = max(far.footprints[0].pair_bytes.values())
-    assert cost_far.seconds == pytest.approx(0.02 + per_rank / IB_NDR.bytes_per_s + IB_NDR.latency_s, rel=1e-6)
+    expected = 0.02 + per_rank / IB_NDR.bytes_per_s + IB_NDR.latency_s
+    assert cost_far.seconds == pytest.approx(expected, rel=1e-6)
 
 
 def test_new_plan_on_a_lost_gpu_is_refused() -> None:

@@ -1,7 +1,8 @@
 """Coordination of many model-stages moving at once on shared GPUs, over 1,000 random feasible cases.
 
 A case is random old/new plans of 3-6 PPO model-stages (at most 2 replicas each) on 2-8 GPUs, every
-stage on shared GPUs, and a capacity between the larger of the old and new per-GPU state and 1.6x that. Feasibility
+stage on shared GPUs, and a capacity between the larger of the old and new per-GPU state and 1.6x
+that. Feasibility
 is decided independently by an exhaustive search over executed sets (small DAGs only); the global
 order must succeed on every feasible case, and every order it returns must keep each GPU under the
 capacity. The naive per-model-stage order is measured on the same cases (printed; the paper saw
@@ -94,8 +95,8 @@ def test_global_order_succeeds_on_every_feasible_shared_gpu_case(capsys: pytest.
         stages = tuple(sorted(rng.sample(PPO_STAGES, k), key=PPO_STAGES.index))
         states = stage_states(model, stages)
         n = cluster.num_gpus
-        old = GlobalPlan(version=1, stages=tuple(random_stage_plan(rng, ms.name, model, n, 2) for ms in stages))
-        new = GlobalPlan(version=2, stages=tuple(random_stage_plan(rng, ms.name, model, n, 2) for ms in stages))
+        old = GlobalPlan(version=1, stages=tuple(random_stage_plan(rng, s.name, model, n, 2) for s in stages))
+        new = GlobalPlan(version=2, stages=tuple(random_stage_plan(rng, s.name, model, n, 2) for s in stages))
         factor = rng.uniform(1.0, 1.6)
         if sum(sp.dp for sp in (*old, *new)) > MAX_NODES_FOR_ORACLE - 2:
             continue  # too many replicas for the oracle; skip before building anything
