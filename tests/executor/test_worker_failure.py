@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from executor_helpers import assert_same_state, logical_state, placement
+from executor_helpers import MICRO, assert_same_state, logical_state, placement
 
 from agent.coordinator import LocalCoordinator
 
@@ -65,3 +65,39 @@ def test_killed_last_copy_is_reported_for_checkpoint(kill_pool: LocalCoordinator
     assert "model.embed_tokens.weight/master" in outcome.lost["solo"]
     # "dup" survived on worker b, bit-identical
     assert_same_state(_subset(before, {"dup"}), _subset(logical_state(pool.dump()), {"dup"}))
+
+
+def test_killed_worker_during_a_dag_run(kill_pool: LocalCoordinator) -> None:
+    """DAG mode: the survivors report which units they still hold; coverage decides what is lost."""
+    from planner.hardware import cluster_preset
+    from planner.plan import GlobalPlan, Layout, StagePlan
+    from planner.workflow import ACTOR_TRAIN, REF_INF
+    from transitions.global_dag import build_transition
+    from transitions.local_dag import plan_units
+    from transitions.scenarios import stage_states
+
+    pool = kill_pool
+    a, b = pool.alive[-2:]
+    states = stage_states(MICRO, (REF_INF, ACTOR_TRAIN))
+
+    def plan(version: int, train: list[list[int]], ref: list[list[int]]) -> GlobalPlan:
+        return GlobalPlan(version=version, stages=(
+            StagePlan(model_stage="actor-train", layout=Layout(len(train[0]), 1), gpu_sets=tuple(map(tuple, train)),
+                      micro_batch_size=1),
+            StagePlan(model_stage="ref-inf", layout=Layout(1, 1), gpu_sets=tuple(map(tuple, ref)),
+                      micro_batch_size=1)))
+
+    # actor-train: one copy on a, extended to b; ref-inf: its only copy moves from b to a
+    old, new = plan(1, [[a]], [[b]]), plan(2, [[a], [b]], [[a]])
+    cluster = cluster_preset("cpu", 4)
+    dag = build_transition(states, cluster, old, new)
+    pool.init_units([u for sp in old for u in plan_units(states[sp.model_stage], sp, 1)], seed=8)
+    before = logical_state(pool.dump())
+    outcome = pool.run_dag(dag, cluster, kill_at={b: ("ref-inf", 0)})  # b dies before it sends ref-inf
+    assert not outcome.committed and outcome.dead_workers == (b,)
+    assert outcome.seconds < 3 * TIMEOUT_S
+    assert pool.spec is not None and b not in pool.spec.members
+    # actor-train's copy on a survived, bit for bit; ref-inf's only copy died with b: checkpoint path
+    assert set(outcome.lost) == {"ref-inf"} and outcome.needs_checkpoint
+    assert "model.norm.weight/param" in outcome.lost["ref-inf"]
+    assert_same_state(_subset(before, {"actor-train"}), _subset(logical_state(pool.dump()), {"actor-train"}))
