@@ -770,8 +770,9 @@ def run_dag(dag: TransitionDAG, worker: int, units: dict[str, RankState], channe
             for part in prim.parts:
                 if part.final == prim.unit and part.holds(worker) and part.uid in units:
                     units[prim.unit.uid] = units.pop(part.uid)  # already in final shape: relabel
+        allocated = [t.uid for t in prim.targets if t.holds(worker) and t.uid not in units]
         for target in prim.targets:
-            if target.holds(worker) and target.uid not in units:
+            if target.uid in allocated:
                 units[target.uid] = allocate_unit(target, worker, device)
         step = node_step(dag, node, worker, max_bucket_bytes,
                          predicted_s[node] if predicted_s is not None else 0.0)
@@ -779,7 +780,12 @@ def run_dag(dag: TransitionDAG, worker: int, units: dict[str, RankState], channe
         def resolve(p: Piece, is_source: bool) -> RankState:
             return units[p.src_unit if is_source else p.dst_unit]
 
-        report = _run_step(step, worker, resolve, channel, timeout_s, on_round)
+        try:
+            report = _run_step(step, worker, resolve, channel, timeout_s, on_round)
+        except BaseException:
+            for uid in allocated:  # half-filled: never mistake them for a surviving copy
+                units.pop(uid, None)
+            raise
         for unit in prim.frees:
             if unit.holds(worker):
                 units.pop(unit.uid, None)  # Destroy (or a Merge's parts): the buffer goes with it
