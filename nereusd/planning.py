@@ -84,14 +84,14 @@ class PlannerBinding:
         return pred if pred.feasible else None
 
     def calibrate(self, job: dict[str, Any], measurement: protocol.Measurement, plan: GlobalPlan) -> None:
-        try:
-            from planner import calibration  # type: ignore[attr-defined,unused-ignore]
-        except ImportError:
-            return  # no fit yet: the priors stay
-        fit = getattr(calibration, "fit_from_stage_times", None)
-        if fit is not None:
-            key = json.dumps(job, sort_keys=True)
-            self.efficiency[key] = fit(job_spec(job), plan, measurement.stage_times_s, self.efficiency.get(key))
+        """One calibration step from the step's measured model-stage times; the fitted efficiencies
+        (carrying their calibrator state) are used by the next search and prediction of this job."""
+        from planner.calibration import fit_from_stage_times
+
+        key = json.dumps(job, sort_keys=True)
+        self.efficiency[key] = fit_from_stage_times(job_spec(job), plan, measurement.stage_times_s,
+                                                    self.efficiency.get(key),
+                                                    cluster=cluster_for(job, plan.gpus))
 
     def transition(self, job: dict[str, Any], old: GlobalPlan | None, new: GlobalPlan, pool: frozenset[int],
                    node_of_gpu: Callable[[int], str]) -> TransitionSketch:

@@ -130,3 +130,25 @@ def test_failed_part_fails_the_transition_and_keeps_the_old_plan(tmp_path: Path)
     assert t is not None and t["state"] == "failed"
     assert "worker 0 died" in store.history("transition", str(t["id"]))[-1]["reason"]
     assert store.job("j")["plan_version"] == 0 and store.job("j")["state"] == "running"  # type: ignore[index]
+
+
+def test_binding_calibrates_predictions_towards_measured_stage_times() -> None:
+    """Agents report stage times 1.8x the prior prediction: after a few steps the binding's prediction of
+    the running plan lands within 5% of what was measured (it learned efficiencies, not a constant)."""
+    from planner.hardware import cluster_preset
+    from planner.search import search
+
+    binding = PlannerBinding()
+    pool = frozenset(range(4))
+    plan = search(job_spec(SPEC), cluster_preset("cpu", 4, gpus_per_node=2), pool=sorted(pool)).plan
+    prior = binding.predict(SPEC, pool, plan)
+    assert prior is not None
+    measured = {name: 1.8 * t for name, t in prior.stage_seconds.items()}
+    for step in range(8):
+        binding.calibrate(SPEC, protocol.Measurement(job_id="j", node="n1", step=step, plan_version=plan.version,
+                                                               step_latency_s=1.8 * prior.step_latency_s,
+                                                               stage_times_s=measured),
+                          plan)
+    fitted = binding.predict(SPEC, pool, plan)
+    assert fitted is not None
+    assert fitted.step_latency_s == pytest.approx(1.8 * prior.step_latency_s, rel=0.05)
