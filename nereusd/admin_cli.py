@@ -229,6 +229,11 @@ def _run(fn):
     return handler
 
 
+def job_plan(args: argparse.Namespace) -> int:
+    """`nereusctl plan JOB` (the what-if command's form for a running job) and `job-plan JOB`."""
+    return _run(_job_plan)(args)
+
+
 def add_parsers(sub: Any) -> None:
     def add(name: str, fn, help_: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_)

@@ -2,6 +2,7 @@
 
     nereusctl plan --model llama-3.1-8b --algo ppo --device h200 --gpus 1024 \
         --prompt-tokens 1024 --response-tokens 4096 [--json]
+    nereusctl plan JOB [--json]      # a running job's plan from the daemon, predicted vs measured
 
 Prints the plan the planner would choose (per model-stage: TP, PP, DP, GPUs, micro-batch x
 accumulation), the predicted step latency with per-stage times, and per-GPU peak memory. Exit codes
@@ -27,16 +28,22 @@ GB = 1e9
 def add_parsers(subparsers: Any) -> None:
     p = subparsers.add_parser("plan", help="what-if: the plan Nereus would choose for a job",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="model preset, e.g. llama-3.1-8b")
+    p.add_argument("job", nargs="?", help="a running job: show its plan from the daemon instead (same as job-plan)")
+    p.add_argument("--model", help="model preset, e.g. llama-3.1-8b (required for a what-if)")
     p.add_argument("--algo", default="ppo", help="ppo | grpo | remax")
     p.add_argument("--device", default="h200", help="h100 | h200 | a100 | mi250x | cpu")
-    p.add_argument("--gpus", type=int, required=True, help="GPUs in the pool")
+    p.add_argument("--gpus", type=int, help="GPUs in the pool (required for a what-if)")
     p.add_argument("--gpus-per-node", type=int, default=None, help="default: the device's usual node")
     p.add_argument("--prompt-tokens", type=int, default=1024, help="mean prompt length")
-    p.add_argument("--response-tokens", type=int, required=True, help="mean generated length")
+    p.add_argument("--response-tokens", type=int, help="mean generated length (required for a what-if)")
     p.add_argument("--prompts-per-step", type=int, default=1024)
     p.add_argument("--samples-per-prompt", type=int, default=1)
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    daemon = p.add_argument_group("with JOB: reaching the daemon")
+    daemon.add_argument("--endpoint", help="admin endpoint, tcp://HOST:PORT (default: endpoints.json)")
+    daemon.add_argument("--state-dir", help="daemon state dir holding endpoints.json (default /var/lib/nereus)")
+    daemon.add_argument("--keys", help="admin key bundle directory (default ~/.config/nereus/admin)")
+    daemon.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon")
     p.set_defaults(handler=run_plan)
 
 
@@ -102,6 +109,15 @@ def format_table(d: dict[str, Any]) -> str:
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    if args.job is not None:
+        from nereusd import admin_cli
+
+        return admin_cli.job_plan(args)
+    missing = [flag for flag, value in (("--model", args.model), ("--gpus", args.gpus),
+                                        ("--response-tokens", args.response_tokens)) if value is None]
+    if missing:
+        raise SpecError("plan", f"a what-if needs {', '.join(missing)}",
+                        "nereusctl plan --model M --gpus N --response-tokens T ..., or nereusctl plan JOB")
     if args.gpus < 1:
         raise SpecError("gpus", f"must be >= 1, got {args.gpus}")
     cluster = cluster_preset(args.device, args.gpus, args.gpus_per_node)

@@ -41,6 +41,8 @@ def test_nereusctl_against_a_running_daemon(daemon: DaemonHandle) -> None:
         assert {s["model_stage"] for s in data["stages"]} == {"actor-gen", "ref-inf", "reward-inf", "actor-train"}
         assert all(set(s["gpus"]) <= {0, 1} and s["predicted_s"] > 0 for s in data["stages"])
         assert "MODEL_STAGE" in daemon.ctl("job-plan", "grpo-tiny").stdout
+        # `nereusctl plan JOB` is the same view (the what-if form takes flags instead of a job)
+        assert json.loads(daemon.ctl("plan", "grpo-tiny", "--json").stdout) == data
 
         decisions = json.loads(daemon.ctl("decisions", "grpo-tiny", "--json").stdout)
         assert decisions[0]["admitted"] is True and decisions[0]["rule"] == "urgent-feasibility"
