@@ -21,6 +21,7 @@ planner.exhaustive tries every combination; bench/planner.py compares the two.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -34,7 +35,7 @@ from planner.memory import HEADROOM_FRACTION, WORKSPACE_BYTES
 from planner.options import OptionRules, OptionTable, StageOption, frontier, option_table
 from planner.plan import GlobalPlan, StagePlan
 from planner.prediction import Prediction, predict
-from planner.waves import Pick, WaveSolver, kind_points
+from planner.waves import Pick, WaveRef, WaveSolver, kind_floor, kind_points, wave_picks
 from planner.workflow import JobSpec, StageKind
 
 __all__ = ["SearchResult", "predict", "search", "assign", "order_pool", "URGENT_RULES"]
@@ -61,6 +62,10 @@ class SearchResult:
 # A transient cap whose lower bound is within this fraction of the best plan found is not explored:
 # the plan returned is then within PRUNE_TOLERANCE / (1 - PRUNE_TOLERANCE) of the optimum.
 PRUNE_TOLERANCE = 0.0
+# Bounds equal to the best plan up to float rounding (a cap whose relaxed stage times add up to the
+# optimum itself) cannot improve it by more than this: pruned too, or ties would all be solved in full.
+TIE_TOLERANCE = 1e-9
+_KEEP = 1 - PRUNE_TOLERANCE - TIE_TOLERANCE
 MAX_TRANSIENT_LEVELS = 256  # beyond this many distinct transient sizes they are rounded up (see _quantize_transients)
 
 Choice = tuple[tuple[StageOption, ...], ...]  # waves of one stage, each a tuple of member options
@@ -111,7 +116,6 @@ def _solve(job: JobSpec, fronts: Mapping[str, OptionTable], budget: int,
     least its members' smallest resident state)."""
     kinds = [k for k in sorted(StageKind, key=lambda k: k.order) if job.workflow.by_kind(k)]
     names = {k: [ms.name for ms in job.workflow.by_kind(k)] for k in kinds}
-    r_levels = {m: [float(r) for r in np.unique(t.resident)] for m, t in fronts.items()}
     t_levels = np.unique(np.concatenate([t.transient for t in fronts.values()])).tolist()
     solver = WaveSolver(fronts, budget)
     min_res = {k: max(solver.r_sorted[m][0] for m in names[k]) for k in kinds}
@@ -129,14 +133,26 @@ def _solve(job: JobSpec, fronts: Mapping[str, OptionTable], budget: int,
     # cheap stages first, so a cap is abandoned before its costly stages when it cannot win
     order = sorted(kinds, key=lambda k: len(names[k]))
     best: tuple[float, dict[str, tuple[Pick, ...]]] | None = None
-    for lb, neg_t, per_kind in sorted(bounds, key=lambda b: (b[0], b[1])):
-        if best is not None and lb >= best[0] * (1 - PRUNE_TOLERANCE):
-            break  # bounds are sorted: no remaining cap can beat the best by more than the tolerance
+    # Best first on a lower bound that is refined once, lazily: a cap popped with its cheap bound gets
+    # every stage's exact time under the relaxed room (kind_floor, a few memoised wave solves) and goes
+    # back on the heap; a cap popped with its refined bound is solved in full. Caps whose refined bound
+    # cannot beat the best plan are never solved, and the heap stops at the first bound that cannot.
+    heap: list[tuple[float, float, bool, dict[StageKind, float]]] = [(b[0], b[1], False, b[2]) for b in bounds]
+    heapq.heapify(heap)
+    while heap:
+        lb, neg_t, refined, per_kind = heapq.heappop(heap)
+        if best is not None and lb >= best[0] * _KEEP:
+            break  # no remaining cap can beat the best by more than the tolerance
         t_cap = -neg_t
         room = usable - t_cap
-        total: list[tuple[float, float, tuple[tuple[Pick, ...], ...]]] = [(0.0, 0.0, ())]
+        if not refined:
+            per_kind = {k: max(per_kind[k], kind_floor(names[k], solver, room - (total_min_res - min_res[k]),
+                                                       t_cap)) for k in kinds}
+            heapq.heappush(heap, (sum(per_kind.values()), neg_t, True, per_kind))
+            continue
+        total: list[tuple[float, float, tuple[tuple[WaveRef, ...], ...]]] = [(0.0, 0.0, ())]
         for n_done, k in enumerate(order, start=1):
-            pts = kind_points(names[k], solver, t_cap, r_levels)
+            pts = kind_points(names[k], solver, t_cap)
             merged = [(a[0] + b[0], a[1] + b[1], a[2] + (b[2],)) for a in total for b in pts
                       if a[0] + b[0] <= room]
             total = _pareto_total(merged)
@@ -144,18 +160,18 @@ def _solve(job: JobSpec, fronts: Mapping[str, OptionTable], budget: int,
             rest_res = sum(min_res[r] for r in rest)
             reachable = [p[1] for p in total if p[0] + rest_res <= room]
             if not reachable or (best is not None and min(reachable) + sum(per_kind[r] for r in rest)
-                                 >= best[0] * (1 - PRUNE_TOLERANCE)):
+                                 >= best[0] * _KEEP):
                 total = []
                 break
-        for _r, sec, picks in total:
+        for _r, sec, refs in total:
             if best is None or sec < best[0]:
-                best = (sec, {k.value: p for k, p in zip(order, picks)})
+                best = (sec, {k.value: wave_picks(solver, p, t_cap) for k, p in zip(order, refs)})
     return best
 
 
-def _pareto_total(points: list[tuple[float, float, tuple[tuple[Pick, ...], ...]]]
-                  ) -> list[tuple[float, float, tuple[tuple[Pick, ...], ...]]]:
-    out: list[tuple[float, float, tuple[tuple[Pick, ...], ...]]] = []
+def _pareto_total(points: list[tuple[float, float, tuple[tuple[WaveRef, ...], ...]]]
+                  ) -> list[tuple[float, float, tuple[tuple[WaveRef, ...], ...]]]:
+    out: list[tuple[float, float, tuple[tuple[WaveRef, ...], ...]]] = []
     best = float("inf")
     for p in sorted(points, key=lambda p: (p[0], p[1])):
         if p[1] < best:

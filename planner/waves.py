@@ -16,7 +16,8 @@ import numpy as np
 from planner.options import OptionTable
 
 Pick = tuple[tuple[str, int], ...]  # (model-stage, row of its table) per member of a wave
-Point = tuple[float, float, tuple[Pick, ...]]  # (sum of resident caps, seconds, waves)
+WaveRef = tuple[tuple[str, ...], float]  # members of a wave and its resident cap
+Point = tuple[float, float, tuple[WaveRef, ...]]  # (sum of resident caps, seconds, waves)
 
 
 def partitions(items: list[str]) -> Iterator[list[list[str]]]:
@@ -57,12 +58,59 @@ class WaveSolver:
         self.gpu_seconds = {m: alone_table(t, budget, t.seconds * t.gpus) for m, t in fronts.items()}
 
         self.steps_memo: dict[tuple[str, int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        # vectorised wave curves: per member, each row's cell on its (resident level, GPU count) grid
+        self.grid: dict[str, tuple[np.ndarray, ...]] = {}
+        for m, t in fronts.items():
+            idx = np.flatnonzero(t.gpus <= budget)
+            r_lv, g_lv = np.unique(t.resident), np.unique(t.gpus[idx])
+            self.grid[m] = (np.searchsorted(r_lv, t.resident[idx]), np.searchsorted(g_lv, t.gpus[idx]),
+                            np.searchsorted(np.asarray(self.t_sorted[m]), t.transient[idx]), t.seconds[idx],
+                            r_lv.astype(float), g_lv)
+        self.tables: dict[tuple[str, int], np.ndarray] = {}
+        self.curves: dict[tuple[object, ...], tuple[np.ndarray, np.ndarray]] = {}
         # rows within the budget sorted by (GPUs, seconds): a step function is then one running minimum
         self.by_gpus = {}
         for m, t in fronts.items():
             idx = np.flatnonzero(t.gpus <= budget)
             order = idx[np.lexsort((t.seconds[idx], t.gpus[idx]))]
             self.by_gpus[m] = (t.gpus[order], t.seconds[order], t.resident[order], t.transient[order], order)
+
+    def table(self, member: str, ti: int) -> np.ndarray:
+        """Least seconds with resident <= level r and at most GPU count u, among rows whose transient is
+        below the member's ``ti``-th level: shape (1 + R levels, G levels), row 0 all inf (no level)."""
+        key = (member, ti)
+        tab = self.tables.get(key)
+        if tab is None:
+            ri, gi, tj, secs, r_lv, g_lv = self.grid[member]
+            tab = np.full((r_lv.size + 1, g_lv.size), np.inf)
+            ok = tj < ti
+            np.minimum.at(tab, (ri[ok] + 1, gi[ok]), secs[ok])
+            tab = np.minimum.accumulate(np.minimum.accumulate(tab, axis=0), axis=1)
+            self.tables[key] = tab
+        return tab
+
+    def wave_values(self, members: tuple[str, ...], levels: np.ndarray, t_cap: float) -> np.ndarray:
+        """Best seconds of a wave at each resident cap in ``levels`` (inf where nothing fits): the
+        min-max of :meth:`solve` for every cap at once, over the members' GPU-count grids."""
+        tabs, g_lvs = [], []
+        for m in members:
+            _ri, _gi, _tj, _s, r_lv, g_lv = self.grid[m]
+            tab = self.table(m, self.t_index(m, t_cap))
+            tabs.append(tab[np.searchsorted(r_lv, levels, side="right")])
+            g_lvs.append(g_lv)
+        if len(members) == 1:
+            return tabs[0][:, -1] if g_lvs[0].size else np.full(levels.size, np.inf)
+        if len(members) > 3:
+            out = [self.solve(members, float(r), t_cap) for r in levels]
+            return np.array([np.inf if o is None else o[0] for o in out])
+        # the last member takes the GPUs the others leave (index 0 of its padded grid: none fits)
+        last = np.concatenate([np.full((levels.size, 1), np.inf), tabs[-1]], axis=1)
+        if len(members) == 2:
+            k = np.searchsorted(g_lvs[1], self.budget - g_lvs[0], side="right")
+            return np.maximum(tabs[0], last[:, k]).min(axis=1, initial=np.inf)
+        k = np.searchsorted(g_lvs[2], self.budget - g_lvs[0][:, None] - g_lvs[1][None, :], side="right")
+        both = np.maximum(tabs[0][:, :, None], tabs[1][:, None, :])
+        return np.maximum(both, last[:, k]).reshape(levels.size, -1).min(axis=1, initial=np.inf)
 
     def least_many(self, member: str, r_caps: np.ndarray, t_caps: np.ndarray,
                    gpu_seconds: bool = False) -> np.ndarray:
@@ -181,43 +229,41 @@ def min_max(members: tuple[str, ...], steps: list[tuple[np.ndarray, np.ndarray, 
     return best
 
 
-def wave_curve(solver: WaveSolver, members: tuple[str, ...], levels: list[float],
-                t_cap: float) -> list[Point]:
-    """The wave's best seconds as a function of its resident cap, at the caps where it changes.
-
-    Seconds never rise with a larger cap, so a span whose ends agree is flat and is not probed inside
-    (bisection: a few solves per breakpoint instead of one per level)."""
-    cache: dict[int, tuple[float, Pick] | None] = {}
-
-    def at(i: int) -> tuple[float, Pick] | None:
-        if i not in cache:
-            cache[i] = solver.solve(members, levels[i], t_cap)
-        return cache[i]
-
-    def same(a: tuple[float, Pick] | None, b: tuple[float, Pick] | None) -> bool:
-        return (a is None and b is None) or (a is not None and b is not None and a[0] == b[0])
-
-    def probe(lo: int, hi: int) -> None:
-        if hi - lo <= 1 or same(at(lo), at(hi)):
-            return
-        mid = (lo + hi) // 2
-        at(mid)
-        probe(lo, mid)
-        probe(mid, hi)
-
-    probe(0, len(levels) - 1)
-    at(len(levels) - 1)
-    pts: list[Point] = []
-    for i in sorted(cache):
-        res = cache[i]
-        if res is not None:
-            pts.append((levels[i], res[0], (res[1],)))
-    return pts
+def wave_curve(solver: WaveSolver, members: tuple[str, ...], t_cap: float) -> tuple[np.ndarray, np.ndarray]:
+    """(resident caps, seconds) where the wave's best time drops, over the union of its members' resident
+    levels (seconds never rise with a larger cap), memoised on the transient levels the cap admits."""
+    key = (members, tuple(solver.t_index(m, t_cap) for m in members))
+    curve = solver.curves.get(key)
+    if curve is None:
+        levels = np.unique(np.concatenate([solver.grid[m][4] for m in members]))
+        secs = solver.wave_values(members, levels, t_cap)
+        ok = np.isfinite(secs)
+        ok[1:] &= secs[1:] < secs[:-1]
+        curve = solver.curves[key] = (levels[ok], secs[ok])
+    return curve
 
 
-def kind_points(names: list[str], solver: WaveSolver, t_cap: float,
-                 r_levels: Mapping[str, list[float]]) -> list[Point]:
-    """(sum of wave resident caps, stage seconds, waves) Pareto points of one stage under cap T."""
+def kind_floor(names: list[str], solver: WaveSolver, r_cap: float, t_cap: float) -> float:
+    """A lower bound on a stage's seconds when its waves together hold at most ``r_cap`` resident bytes:
+    every way of splitting it into waves, each wave allowed the whole ``r_cap`` (a relaxation of the
+    sum), read off the memoised wave curves."""
+    best = float("inf")
+    for part in partitions(names):
+        total = 0.0
+        for wave in part:
+            levels, secs = wave_curve(solver, tuple(wave), t_cap)
+            i = int(np.searchsorted(levels, r_cap, side="right")) - 1
+            if i < 0:
+                total = float("inf")
+                break
+            total += float(secs[i])
+        best = min(best, total)
+    return best
+
+
+def kind_points(names: list[str], solver: WaveSolver, t_cap: float) -> list[Point]:
+    """(sum of wave resident caps, stage seconds, waves) Pareto points of one stage under cap T; each
+    wave is (members, resident cap), its rows come from :func:`wave_picks` for the plan chosen."""
     key = ("kind", tuple(names), tuple(solver.t_index(m, t_cap) for m in names))
     if key in solver.memo:
         return solver.memo[key]  # type: ignore[return-value]
@@ -226,12 +272,22 @@ def kind_points(names: list[str], solver: WaveSolver, t_cap: float,
         combined: list[Point] = [(0.0, 0.0, ())]
         for wave in part:
             members = tuple(wave)
-            levels = sorted({r for m in members for r in r_levels[m]})
-            wave_pts = wave_curve(solver, members, levels, t_cap)
-            combined = pareto([(a[0] + b[0], a[1] + b[1], a[2] + b[2]) for a in combined for b in pareto(wave_pts)])
+            levels, secs = wave_curve(solver, members, t_cap)
+            wave_pts = [(r, x, ((members, r),)) for r, x in zip(levels.tolist(), secs.tolist())]
+            combined = pareto([(a[0] + b[0], a[1] + b[1], a[2] + b[2]) for a in combined for b in wave_pts])
             if not combined:
                 break
         points += combined
     result = pareto(points)
     solver.memo[key] = result  # type: ignore[assignment]
     return result
+
+
+def wave_picks(solver: WaveSolver, waves: tuple[WaveRef, ...], t_cap: float) -> tuple[Pick, ...]:
+    """The rows behind a stage point of :func:`kind_points` (the same min-max, one cap at a time)."""
+    out = []
+    for members, r_cap in waves:
+        res = solver.solve(members, r_cap, t_cap)
+        assert res is not None  # the curve had a finite time at this cap
+        out.append(res[1])
+    return tuple(out)
