@@ -132,7 +132,7 @@ def _solve(job: JobSpec, fronts: Mapping[str, OptionTable], budget: int,
               for i in np.flatnonzero(np.isfinite(lbs))]
     # cheap stages first, so a cap is abandoned before its costly stages when it cannot win
     order = sorted(kinds, key=lambda k: len(names[k]))
-    best: tuple[float, dict[str, tuple[Pick, ...]]] | None = None
+    best: tuple[float, float, dict[str, tuple[WaveRef, ...]]] | None = None  # seconds, T cap, waves
     # Best first on a lower bound that is refined once, lazily: a cap popped with its cheap bound gets
     # every stage's exact time under the relaxed room (kind_floor, a few memoised wave solves) and goes
     # back on the heap; a cap popped with its refined bound is solved in full. Caps whose refined bound
@@ -150,34 +150,36 @@ def _solve(job: JobSpec, fronts: Mapping[str, OptionTable], budget: int,
                                                        t_cap)) for k in kinds}
             heapq.heappush(heap, (sum(per_kind.values()), neg_t, True, per_kind))
             continue
-        total: list[tuple[float, float, tuple[tuple[WaveRef, ...], ...]]] = [(0.0, 0.0, ())]
+        # every stage's Pareto points, merged with arrays; a partial sum survives only if the stages still
+        # to come fit in the room at their least resident state and can still beat the best plan
+        r_sum, s_sum = np.zeros(1), np.zeros(1)
+        which = np.zeros((1, 0), dtype=np.int64)  # per partial sum: index of the point of each stage so far
+        stage_pts = []
         for n_done, k in enumerate(order, start=1):
             pts = kind_points(names[k], solver, t_cap)
-            merged = [(a[0] + b[0], a[1] + b[1], a[2] + (b[2],)) for a in total for b in pts
-                      if a[0] + b[0] <= room]
-            total = _pareto_total(merged)
+            stage_pts.append(pts)
             rest = order[n_done:]
-            rest_res = sum(min_res[r] for r in rest)
-            reachable = [p[1] for p in total if p[0] + rest_res <= room]
-            if not reachable or (best is not None and min(reachable) + sum(per_kind[r] for r in rest)
-                                 >= best[0] * _KEEP):
-                total = []
+            r = (r_sum[:, None] + pts[0][None, :]).ravel()
+            sec = (s_sum[:, None] + pts[1][None, :]).ravel()
+            ok = r + sum(min_res[x] for x in rest) <= room
+            if best is not None:
+                ok &= sec + sum(per_kind[x] for x in rest) < best[0] * _KEEP
+            sel = np.flatnonzero(ok)
+            if sel.size == 0:
                 break
-        for _r, sec, refs in total:
-            if best is None or sec < best[0]:
-                best = (sec, {k.value: wave_picks(solver, p, t_cap) for k, p in zip(order, refs)})
-    return best
-
-
-def _pareto_total(points: list[tuple[float, float, tuple[tuple[WaveRef, ...], ...]]]
-                  ) -> list[tuple[float, float, tuple[tuple[WaveRef, ...], ...]]]:
-    out: list[tuple[float, float, tuple[tuple[WaveRef, ...], ...]]] = []
-    best = float("inf")
-    for p in sorted(points, key=lambda p: (p[0], p[1])):
-        if p[1] < best:
-            out.append(p)
-            best = p[1]
-    return out
+            sel = sel[np.lexsort((sec[sel], r[sel]))]
+            front = sec[sel] < np.minimum.accumulate(np.concatenate([[np.inf], sec[sel][:-1]]))
+            sel = sel[front]
+            which = np.column_stack([which[sel // pts[0].size], sel % pts[0].size])
+            r_sum, s_sum = r[sel], sec[sel]
+        else:
+            i = int(np.argmin(s_sum))
+            if best is None or s_sum[i] < best[0]:
+                best = (float(s_sum[i]), t_cap, {k.value: stage_pts[j][2][which[i, j]] for j, k in enumerate(order)})
+    if best is None:
+        return None
+    sec, t_cap, refs = best
+    return sec, {k: wave_picks(solver, waves, t_cap) for k, waves in refs.items()}
 
 
 def _choices(fronts: Mapping[str, OptionTable], picks: Mapping[str, tuple[Pick, ...]]) -> dict[str, Choice]:

@@ -261,12 +261,14 @@ def kind_floor(names: list[str], solver: WaveSolver, r_cap: float, t_cap: float)
     return best
 
 
-def kind_points(names: list[str], solver: WaveSolver, t_cap: float) -> list[Point]:
-    """(sum of wave resident caps, stage seconds, waves) Pareto points of one stage under cap T; each
-    wave is (members, resident cap), its rows come from :func:`wave_picks` for the plan chosen."""
+def kind_points(names: list[str], solver: WaveSolver, t_cap: float
+                ) -> tuple[np.ndarray, np.ndarray, list[tuple[WaveRef, ...]]]:
+    """(sum of wave resident caps, stage seconds, waves) Pareto points of one stage under cap T, as two
+    arrays and a list; each wave is (members, resident cap), its rows come from :func:`wave_picks`."""
     key = ("kind", tuple(names), tuple(solver.t_index(m, t_cap) for m in names))
-    if key in solver.memo:
-        return solver.memo[key]  # type: ignore[return-value]
+    hit = solver.memo.get(key)
+    if hit is not None:
+        return hit  # type: ignore[return-value]
     points: list[Point] = []
     for part in partitions(names):
         combined: list[Point] = [(0.0, 0.0, ())]
@@ -278,7 +280,8 @@ def kind_points(names: list[str], solver: WaveSolver, t_cap: float) -> list[Poin
             if not combined:
                 break
         points += combined
-    result = pareto(points)
+    front = pareto(points)
+    result = (np.array([p[0] for p in front]), np.array([p[1] for p in front]), [p[2] for p in front])
     solver.memo[key] = result  # type: ignore[assignment]
     return result
 
