@@ -21,7 +21,6 @@ planner.exhaustive tries every combination; bench/planner.py compares the two.
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -35,7 +34,7 @@ from planner.memory import HEADROOM_FRACTION, WORKSPACE_BYTES
 from planner.options import OptionRules, OptionTable, StageOption, frontier, option_table
 from planner.plan import GlobalPlan, StagePlan
 from planner.prediction import Prediction, predict
-from planner.waves import Pick, WaveRef, WaveSolver, kind_floor, kind_points, wave_picks
+from planner.waves import Pick, WaveRef, WaveSolver, kind_points, wave_picks
 from planner.workflow import JobSpec, StageKind
 
 __all__ = ["SearchResult", "predict", "search", "assign", "order_pool", "URGENT_RULES"]
@@ -110,46 +109,29 @@ def _solve(job: JobSpec, fronts: Mapping[str, OptionTable], budget: int,
            usable: float) -> tuple[float, dict[str, tuple[Pick, ...]]] | None:
     """Every transient cap T, best lower bound first; stop when no remaining cap can beat the best plan.
 
-    Lower bound at T: a stage takes at least as long as its slowest member's fastest row, and at least
-    its members' least GPU-seconds over the pool (members share the pool, concurrently or in turn),
-    among rows that fit T and the resident room the other stages leave at the least (each holds at
-    least its members' smallest resident state)."""
+    Lower bound at T, per stage: its exact best time (every split into waves) when each wave may hold
+    the whole resident room the other stages leave at the least (each holds at least its members'
+    smallest resident state), for every cap at once (WaveSolver.floors). Within a cap, stages are
+    solved in full one by one and the cap is dropped once the stages solved plus the bounds of the
+    rest cannot beat the best plan."""
     kinds = [k for k in sorted(StageKind, key=lambda k: k.order) if job.workflow.by_kind(k)]
     names = {k: [ms.name for ms in job.workflow.by_kind(k)] for k in kinds}
-    t_levels = np.unique(np.concatenate([t.transient for t in fronts.values()])).tolist()
     solver = WaveSolver(fronts, budget)
     min_res = {k: max(solver.r_sorted[m][0] for m in names[k]) for k in kinds}
     total_min_res = sum(min_res.values())
-    caps = np.asarray(t_levels, dtype=float)
-    per_kind_lb: dict[StageKind, np.ndarray] = {}
-    for k in kinds:
-        rooms = usable - caps - (total_min_res - min_res[k])
-        slowest = np.max([solver.least_many(m, rooms, caps) for m in names[k]], axis=0)
-        shared = np.sum([solver.least_many(m, rooms, caps, gpu_seconds=True) for m in names[k]], axis=0) / budget
-        per_kind_lb[k] = np.maximum(slowest, shared)
+    caps = np.unique(np.concatenate([t.transient for t in fronts.values()])).astype(float)
+    per_kind_lb = {k: solver.floors(names[k], usable - caps - (total_min_res - min_res[k]), caps) for k in kinds}
     lbs = np.sum([per_kind_lb[k] for k in kinds], axis=0)
-    bounds = [(float(lbs[i]), -float(caps[i]), {k: float(per_kind_lb[k][i]) for k in kinds})
-              for i in np.flatnonzero(np.isfinite(lbs))]
     # cheap stages first, so a cap is abandoned before its costly stages when it cannot win
     order = sorted(kinds, key=lambda k: len(names[k]))
     best: tuple[float, float, dict[str, tuple[WaveRef, ...]]] | None = None  # seconds, T cap, waves
-    # Best first on a lower bound that is refined once, lazily: a cap popped with its cheap bound gets
-    # every stage's exact time under the relaxed room (kind_floor, a few memoised wave solves) and goes
-    # back on the heap; a cap popped with its refined bound is solved in full. Caps whose refined bound
-    # cannot beat the best plan are never solved, and the heap stops at the first bound that cannot.
-    heap: list[tuple[float, float, bool, dict[StageKind, float]]] = [(b[0], b[1], False, b[2]) for b in bounds]
-    heapq.heapify(heap)
-    while heap:
-        lb, neg_t, refined, per_kind = heapq.heappop(heap)
-        if best is not None and lb >= best[0] * _KEEP:
-            break  # no remaining cap can beat the best by more than the tolerance
-        t_cap = -neg_t
+    live = np.flatnonzero(np.isfinite(lbs))
+    for i in live[np.lexsort((-caps[live], lbs[live]))].tolist():
+        if best is not None and lbs[i] >= best[0] * _KEEP:
+            break  # bounds are sorted: no remaining cap can beat the best by more than the tolerance
+        t_cap = float(caps[i])
         room = usable - t_cap
-        if not refined:
-            per_kind = {k: max(per_kind[k], kind_floor(names[k], solver, room - (total_min_res - min_res[k]),
-                                                       t_cap)) for k in kinds}
-            heapq.heappush(heap, (sum(per_kind.values()), neg_t, True, per_kind))
-            continue
+        per_kind = {k: float(per_kind_lb[k][i]) for k in kinds}
         # every stage's Pareto points, merged with arrays; a partial sum survives only if the stages still
         # to come fit in the room at their least resident state and can still beat the best plan
         r_sum, s_sum = np.zeros(1), np.zeros(1)
@@ -173,9 +155,10 @@ def _solve(job: JobSpec, fronts: Mapping[str, OptionTable], budget: int,
             which = np.column_stack([which[sel // pts[0].size], sel % pts[0].size])
             r_sum, s_sum = r[sel], sec[sel]
         else:
-            i = int(np.argmin(s_sum))
-            if best is None or s_sum[i] < best[0]:
-                best = (float(s_sum[i]), t_cap, {k.value: stage_pts[j][2][which[i, j]] for j, k in enumerate(order)})
+            top = int(np.argmin(s_sum))
+            if best is None or s_sum[top] < best[0]:
+                best = (float(s_sum[top]), t_cap,
+                        {k.value: stage_pts[j][2][which[top, j]] for j, k in enumerate(order)})
     if best is None:
         return None
     sec, t_cap, refs = best

@@ -53,9 +53,7 @@ class WaveSolver:
         self.t_sorted = {m: np.unique(t.transient).tolist() for m, t in fronts.items()}
         self.r_sorted = {m: np.unique(t.resident).tolist() for m, t in fronts.items()}
         self.memo: dict[tuple[object, ...], tuple[float, Pick] | None] = {}
-        self.alone = {m: alone_table(t, budget) for m, t in fronts.items()}
-        # least GPU-seconds per (R, T): a stage needs at least sum(GPU-seconds) / budget (work conservation)
-        self.gpu_seconds = {m: alone_table(t, budget, t.seconds * t.gpus) for m, t in fronts.items()}
+        self.alone: dict[str, tuple[list[int], list[int], list[list[float]], list[list[int]]]] = {}
 
         self.steps_memo: dict[tuple[str, int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         # vectorised wave curves: per member, each row's cell on its (resident level, GPU count) grid
@@ -66,7 +64,15 @@ class WaveSolver:
             self.grid[m] = (np.searchsorted(r_lv, t.resident[idx]), np.searchsorted(g_lv, t.gpus[idx]),
                             np.searchsorted(np.asarray(self.t_sorted[m]), t.transient[idx]), t.seconds[idx],
                             r_lv.astype(float), g_lv)
-        self.tables: dict[tuple[str, int], np.ndarray] = {}
+        # per member, least seconds with transient below level t (axis 0), resident at most level r (axis
+        # 1) and at most GPU count u (axis 2); index 0 of the first two axes admits nothing (inf)
+        self.cubes: dict[str, np.ndarray] = {}
+        for m, (ri, gi, tj, secs, r_lv, g_lv) in self.grid.items():
+            cube = np.full((len(self.t_sorted[m]) + 1, r_lv.size + 1, g_lv.size), np.inf)
+            np.minimum.at(cube, (tj + 1, ri + 1, gi), secs)
+            for axis in (0, 1, 2):
+                np.minimum.accumulate(cube, axis=axis, out=cube)
+            self.cubes[m] = cube
         self.curves: dict[tuple[object, ...], tuple[np.ndarray, np.ndarray]] = {}
         # rows within the budget sorted by (GPUs, seconds): a step function is then one running minimum
         self.by_gpus = {}
@@ -75,65 +81,61 @@ class WaveSolver:
             order = idx[np.lexsort((t.seconds[idx], t.gpus[idx]))]
             self.by_gpus[m] = (t.gpus[order], t.seconds[order], t.resident[order], t.transient[order], order)
 
-    def table(self, member: str, ti: int) -> np.ndarray:
-        """Least seconds with resident <= level r and at most GPU count u, among rows whose transient is
-        below the member's ``ti``-th level: shape (1 + R levels, G levels), row 0 all inf (no level)."""
-        key = (member, ti)
-        tab = self.tables.get(key)
-        if tab is None:
-            ri, gi, tj, secs, r_lv, g_lv = self.grid[member]
-            tab = np.full((r_lv.size + 1, g_lv.size), np.inf)
-            ok = tj < ti
-            np.minimum.at(tab, (ri[ok] + 1, gi[ok]), secs[ok])
-            tab = np.minimum.accumulate(np.minimum.accumulate(tab, axis=0), axis=1)
-            self.tables[key] = tab
-        return tab
-
-    def wave_values(self, members: tuple[str, ...], levels: np.ndarray, t_cap: float) -> np.ndarray:
-        """Best seconds of a wave at each resident cap in ``levels`` (inf where nothing fits): the
-        min-max of :meth:`solve` for every cap at once, over the members' GPU-count grids."""
-        tabs, g_lvs = [], []
-        for m in members:
-            _ri, _gi, _tj, _s, r_lv, g_lv = self.grid[m]
-            tab = self.table(m, self.t_index(m, t_cap))
-            tabs.append(tab[np.searchsorted(r_lv, levels, side="right")])
-            g_lvs.append(g_lv)
-        if len(members) == 1:
-            return tabs[0][:, -1] if g_lvs[0].size else np.full(levels.size, np.inf)
-        if len(members) > 3:
-            out = [self.solve(members, float(r), t_cap) for r in levels]
-            return np.array([np.inf if o is None else o[0] for o in out])
+    def _min_max(self, tabs: list[np.ndarray], g_lvs: list[np.ndarray]) -> np.ndarray:
+        """Per row of the members' (N, GPU count) tables: min over GPU splits within the budget of the
+        slowest member (one, two or three members)."""
+        n = tabs[0].shape[0]
+        if len(tabs) == 1:
+            return tabs[0][:, -1] if g_lvs[0].size else np.full(n, np.inf)
         # the last member takes the GPUs the others leave (index 0 of its padded grid: none fits)
-        last = np.concatenate([np.full((levels.size, 1), np.inf), tabs[-1]], axis=1)
-        if len(members) == 2:
+        last = np.concatenate([np.full((n, 1), np.inf), tabs[-1]], axis=1)
+        if len(tabs) == 2:
             k = np.searchsorted(g_lvs[1], self.budget - g_lvs[0], side="right")
             return np.maximum(tabs[0], last[:, k]).min(axis=1, initial=np.inf)
         k = np.searchsorted(g_lvs[2], self.budget - g_lvs[0][:, None] - g_lvs[1][None, :], side="right")
         both = np.maximum(tabs[0][:, :, None], tabs[1][:, None, :])
-        return np.maximum(both, last[:, k]).reshape(levels.size, -1).min(axis=1, initial=np.inf)
+        return np.maximum(both, last[:, k]).reshape(n, -1).min(axis=1, initial=np.inf)
 
-    def least_many(self, member: str, r_caps: np.ndarray, t_caps: np.ndarray,
-                   gpu_seconds: bool = False) -> np.ndarray:
-        """:meth:`least` for arrays of caps at once (the lower bounds of every transient cap)."""
-        r_levels, t_levels, vals, _rows = (self.gpu_seconds if gpu_seconds else self.alone)[member]
-        table = np.asarray(vals, dtype=float)
-        i = np.searchsorted(np.asarray(r_levels, dtype=float), r_caps, side="right") - 1
-        j = np.searchsorted(np.asarray(t_levels, dtype=float), t_caps, side="right") - 1
-        ok = (i >= 0) & (j >= 0)
-        return np.where(ok, table[np.maximum(i, 0), np.maximum(j, 0)], np.inf)
+    def wave_values(self, members: tuple[str, ...], levels: np.ndarray, t_cap: float) -> np.ndarray:
+        """Best seconds of a wave at each resident cap in ``levels`` (inf where nothing fits): the
+        min-max of :meth:`solve` for every cap at once, over the members' GPU-count grids."""
+        if len(members) > 3:
+            out = [self.solve(members, float(r), t_cap) for r in levels]
+            return np.array([np.inf if o is None else o[0] for o in out])
+        tabs = [self.cubes[m][self.t_index(m, t_cap)][np.searchsorted(self.grid[m][4], levels, side="right")]
+                for m in members]
+        return self._min_max(tabs, [self.grid[m][5] for m in members])
 
-    def least(self, member: str, r_cap: float, t_cap: float, gpu_seconds: bool = False) -> float:
-        """Least seconds (or GPU-seconds) of a member's rows within the caps; inf if none."""
-        r_levels, t_levels, vals, _rows = (self.gpu_seconds if gpu_seconds else self.alone)[member]
-        i = bisect.bisect_right(r_levels, r_cap) - 1
-        j = bisect.bisect_right(t_levels, t_cap) - 1
-        return vals[i][j] if i >= 0 and j >= 0 else float("inf")
+    def floors(self, names: list[str], r_caps: np.ndarray, t_caps: np.ndarray) -> np.ndarray:
+        """Per pair of caps, a lower bound on a stage's seconds when its waves together hold at most
+        ``r_caps`` resident bytes: every way of splitting it into waves, each wave allowed the whole
+        cap (a relaxation of the sum), for every pair at once."""
+        rows = {m: self.cubes[m][np.searchsorted(np.asarray(self.t_sorted[m], dtype=float), t_caps, side="right"),
+                                 np.searchsorted(self.grid[m][4], r_caps, side="right")] for m in names}
+        waves: dict[tuple[str, ...], np.ndarray] = {}
+        best = np.full(t_caps.shape, np.inf)
+        for part in partitions(names):
+            total = np.zeros(t_caps.shape)
+            for wave in part:
+                members = tuple(wave)
+                if members not in waves:
+                    if len(members) > 3:
+                        waves[members] = np.array([np.inf if (o := self.solve(members, float(r), float(t))) is None
+                                                   else o[0] for r, t in zip(r_caps, t_caps)])
+                    else:
+                        waves[members] = self._min_max([rows[m] for m in members],
+                                                       [self.grid[m][5] for m in members])
+                total = total + waves[members]
+            best = np.minimum(best, total)
+        return best
 
     def t_index(self, member: str, t_cap: float) -> int:
         return bisect.bisect_right(self.t_sorted[member], t_cap)
 
     def solve(self, members: tuple[str, ...], r_cap: float, t_cap: float) -> tuple[float, Pick] | None:
         if len(members) == 1:  # a lookup in the member's (R, T) -> fastest row table
+            if members[0] not in self.alone:
+                self.alone[members[0]] = alone_table(self.fronts[members[0]], self.budget)
             r_levels, t_levels, secs, rows = self.alone[members[0]]
             i = bisect.bisect_right(r_levels, r_cap) - 1
             j = bisect.bisect_right(t_levels, t_cap) - 1
@@ -241,24 +243,6 @@ def wave_curve(solver: WaveSolver, members: tuple[str, ...], t_cap: float) -> tu
         ok[1:] &= secs[1:] < secs[:-1]
         curve = solver.curves[key] = (levels[ok], secs[ok])
     return curve
-
-
-def kind_floor(names: list[str], solver: WaveSolver, r_cap: float, t_cap: float) -> float:
-    """A lower bound on a stage's seconds when its waves together hold at most ``r_cap`` resident bytes:
-    every way of splitting it into waves, each wave allowed the whole ``r_cap`` (a relaxation of the
-    sum), read off the memoised wave curves."""
-    best = float("inf")
-    for part in partitions(names):
-        total = 0.0
-        for wave in part:
-            levels, secs = wave_curve(solver, tuple(wave), t_cap)
-            i = int(np.searchsorted(levels, r_cap, side="right")) - 1
-            if i < 0:
-                total = float("inf")
-                break
-            total += float(secs[i])
-        best = min(best, total)
-    return best
 
 
 def kind_points(names: list[str], solver: WaveSolver, t_cap: float
