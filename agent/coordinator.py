@@ -267,6 +267,9 @@ class LocalCoordinator:
                     try:
                         reply = proc.conn.recv()
                     except (EOFError, OSError):
+                        # the pipe closes while the process is still exiting: wait for the exit, so
+                        # that is_alive() agrees with what the reply says
+                        proc.process.join(5.0)
                         reply = Reply(worker=wid, seq=seq, ok=False, error="worker died (pipe closed)")
                     if reply.seq != seq:
                         continue  # a late answer to an earlier request that was given up on

@@ -255,20 +255,28 @@ class Piece:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Message:
-    """What one pair (src -> dst) exchanges in one round: one direct run, or one packed bucket."""
+    """What one pair (src -> dst) exchanges in one round: one buffer of ``length`` bytes holding
+    ``pieces`` at ``layout`` offsets. A side whose pieces sit back to back in its flat buffer (only
+    alignment padding between them) uses that region as the buffer: no packing (``src_start``) or
+    no unpacking (``dst_start``); a message direct on both sides is a plain zero-copy move."""
 
     src_worker: int
     dst_worker: int
     round: int
     tag: int
-    direct: Run | None  # zero-copy: (src byte range, dst byte range) covering all of ``pieces``
-    pieces: tuple[Piece, ...]  # in packing order (packed buckets)
+    pieces: tuple[Piece, ...]
+    layout: tuple[int, ...]
+    length: int
+    src_start: int | None = None
+    dst_start: int | None = None
 
     @property
     def num_bytes(self) -> int:
-        if self.direct is not None:
-            return self.direct[0][1] - self.direct[0][0]
-        return sum(_align(p.num_bytes) for p in self.pieces)
+        return self.length
+
+    @property
+    def direct(self) -> bool:
+        return self.src_start is not None and self.dst_start is not None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -405,6 +413,33 @@ def _stage_pieces(old: StagePlacement, new: StagePlacement) -> list[Piece]:
     return pieces
 
 
+def _back_to_back(prev: tuple[int, int], prev_slot: Slot, nxt: tuple[int, int], nxt_slot: Slot) -> bool:
+    """Whether byte range ``nxt`` follows ``prev`` with nothing but alignment padding in between."""
+    if nxt[0] == prev[1]:
+        return True
+    return (prev[1] == prev_slot.byte_offset + prev_slot.num_bytes and nxt[0] == nxt_slot.byte_offset
+            and nxt[0] == _align(prev[1]))
+
+
+def _adjacent(pieces: list[Piece], side: str) -> tuple[int, tuple[int, ...], int] | None:
+    """(start, offsets relative to start, length) if ``pieces`` lie back to back in one flat buffer
+    on ``side`` ("src" or "dst"), in order; None otherwise."""
+    units = {p.src_unit if side == "src" else p.dst_unit for p in pieces}
+    if len(units) != 1:
+        return None
+    ranges: list[tuple[tuple[int, int], Slot]] = []
+    for p in pieces:
+        slot = p.src_slot if side == "src" else p.dst_slot
+        r = contiguous_range(slot, p.box)
+        if r is None:
+            return None
+        if ranges and not _back_to_back(ranges[-1][0], ranges[-1][1], r, slot):
+            return None
+        ranges.append((r, slot))
+    start = ranges[0][0][0]
+    return start, tuple(r[0] - start for r, _ in ranges), ranges[-1][0][1] - start
+
+
 def _coalesce(pieces: list[Piece]) -> list[tuple[Run | None, list[Piece]]]:
     """Merge pieces contiguous on both sides into byte runs; a piece that is not stays alone (None)."""
     out: list[tuple[Run | None, list[Piece]]] = []
@@ -414,13 +449,13 @@ def _coalesce(pieces: list[Piece]) -> list[tuple[Run | None, list[Piece]]]:
         if src is None or dst is None:
             out.append((None, [p]))
             continue
-        last = out[-1][1][-1] if out else None
-        same_units = last is not None and (last.src_unit, last.dst_unit) == (p.src_unit, p.dst_unit)
-        if out and out[-1][0] is not None and same_units:
+        if out and out[-1][0] is not None:
+            last = out[-1][1][-1]
             (s0, s1), (d0, d1) = out[-1][0]
-            gap_src, gap_dst = src[0] - s1, dst[0] - d1
-            # alignment padding between shards is identical on both sides: copy it along
-            if gap_src == gap_dst and 0 <= gap_src < ALIGN_BYTES:
+            # only alignment padding may lie between runs, and the same amount on both sides
+            if (last.src_unit, last.dst_unit) == (p.src_unit, p.dst_unit) and src[0] - s1 == dst[0] - d1 \
+                    and _back_to_back((s0, s1), last.src_slot, src, p.src_slot) \
+                    and _back_to_back((d0, d1), last.dst_slot, dst, p.dst_slot):
                 out[-1] = (((s0, src[1]), (d0, dst[1])), out[-1][1] + [p])
                 continue
         out.append(((src, dst), [p]))
@@ -459,23 +494,44 @@ def _messages(pieces: list[Piece], max_bucket_bytes: int) -> list[Message]:
         tag = 0
         # direct runs need no buffer: all of them go in round 0, with the first bucket
         for run, members in direct:
-            out.append(Message(src_worker=src, dst_worker=dst, round=0, tag=tag, direct=run,
-                               pieces=tuple(members)))
+            layout = tuple(contiguous_range(p.src_slot, p.box)[0] - run[0][0] for p in members)  # type: ignore[index]
+            out.append(Message(src_worker=src, dst_worker=dst, round=0, tag=tag, pieces=tuple(members),
+                               layout=layout, length=run[0][1] - run[0][0], src_start=run[0][0],
+                               dst_start=run[1][0]))
             tag += 1
-        bucket: list[Piece] = []
+        buckets: list[list[Piece]] = [[]]
         size = 0
-        rnd = 0
         for p in packed:
-            if bucket and size + _align(p.num_bytes) > max_bucket_bytes:
-                out.append(Message(src_worker=src, dst_worker=dst, round=rnd, tag=tag, direct=None,
-                                   pieces=tuple(bucket)))
-                tag, rnd, bucket, size = tag + 1, rnd + 1, [], 0
-            bucket.append(p)
+            if buckets[-1] and size + _align(p.num_bytes) > max_bucket_bytes:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(p)
             size += _align(p.num_bytes)
-        if bucket:
-            out.append(Message(src_worker=src, dst_worker=dst, round=rnd, tag=tag, direct=None,
-                               pieces=tuple(bucket)))
+        for rnd, bucket in enumerate(b for b in buckets if b):
+            out.append(_bucket_message(src, dst, rnd, tag, bucket))
+            tag += 1
     return out
+
+
+def _bucket_message(src: int, dst: int, rnd: int, tag: int, bucket: list[Piece]) -> Message:
+    """A packed bucket, laid out as the destination (else the source) holds it when its pieces sit
+    back to back there, so that side skips its copy."""
+    on_dst, on_src = _adjacent(bucket, "dst"), _adjacent(bucket, "src")
+    if on_dst is not None:
+        start, layout, length = on_dst
+        same = on_src is not None and on_src[1:] == (layout, length)
+        return Message(src_worker=src, dst_worker=dst, round=rnd, tag=tag, pieces=tuple(bucket), layout=layout,
+                       length=length, src_start=on_src[0] if same and on_src else None, dst_start=start)
+    if on_src is not None:
+        start, layout, length = on_src
+        return Message(src_worker=src, dst_worker=dst, round=rnd, tag=tag, pieces=tuple(bucket), layout=layout,
+                       length=length, src_start=start)
+    offsets, cursor = [], 0
+    for p in bucket:
+        offsets.append(cursor)
+        cursor += _align(p.num_bytes)
+    return Message(src_worker=src, dst_worker=dst, round=rnd, tag=tag, pieces=tuple(bucket),
+                   layout=tuple(offsets), length=cursor)
 
 
 def plan_transition(old: Iterable[StagePlacement], new: Iterable[StagePlacement],
@@ -516,6 +572,7 @@ class StepReport:
     bytes_received: int
     bytes_copied_locally: int
     peak_bucket_bytes: int  # transient buffer memory this worker held at once
+    local_copy_s: float = 0.0  # part of measured_s spent copying shards already on this worker
 
 
 @dataclass(kw_only=True, slots=True)
@@ -541,12 +598,8 @@ def _piece_view(state: RankState, slot: Slot, box: Box) -> torch.Tensor:
     return full[idx]
 
 
-def _bucket_layout(pieces: tuple[Piece, ...]) -> list[tuple[Piece, int]]:
-    out, offset = [], 0
-    for p in pieces:
-        out.append((p, offset))
-        offset += _align(p.num_bytes)
-    return out
+def _bucket_layout(m: Message) -> list[tuple[Piece, int]]:
+    return list(zip(m.pieces, m.layout))
 
 
 def _typed(buf: torch.Tensor, offset: int, p: Piece) -> torch.Tensor:
@@ -604,18 +657,18 @@ def _post_round(step: Step, rnd: int, worker: int, resolve: Resolve, channel: Da
         if m.round != rnd or worker not in (m.src_worker, m.dst_worker):
             continue
         if m.src_worker == worker:
-            if m.direct is not None:
-                buf = resolve(m.pieces[0], True).flat[m.direct[0][0]: m.direct[0][1]]
+            if m.src_start is not None:
+                buf = resolve(m.pieces[0], True).flat[m.src_start: m.src_start + m.length]
             else:
                 buf = torch.empty(m.num_bytes, dtype=torch.uint8, device=device)
                 counts["transient"] += m.num_bytes
-                for p, off in _bucket_layout(m.pieces):
+                for p, off in _bucket_layout(m):
                     _typed(buf, off, p).copy_(_piece_view(resolve(p, True), p.src_slot, p.box))
             ops.append(P2POp(peer=m.dst_worker, tensor=buf, is_send=True))
             counts["sent"] += m.num_bytes
         else:
-            if m.direct is not None:
-                buf = resolve(m.pieces[0], False).flat[m.direct[1][0]: m.direct[1][1]]
+            if m.dst_start is not None:
+                buf = resolve(m.pieces[0], False).flat[m.dst_start: m.dst_start + m.length]
             else:
                 buf = torch.empty(m.num_bytes, dtype=torch.uint8, device=device)
                 counts["transient"] += m.num_bytes
@@ -633,7 +686,7 @@ def _run_step(step: Step, worker: int, resolve: Resolve, channel: DataChannel, t
     counts: dict[str, int] = defaultdict(int)
     peak = 0
     in_flight: tuple[InFlight, list[tuple[Message, torch.Tensor]], int] | None = None
-    copied = 0
+    copied, copy_s = 0, 0.0
     for rnd in range(step.num_rounds + 1):
         posted = None
         if rnd < step.num_rounds:
@@ -644,16 +697,19 @@ def _run_step(step: Step, worker: int, resolve: Resolve, channel: DataChannel, t
             posted = (handle, unpack, counts["transient"] - before)
             peak = max(peak, posted[2] + (in_flight[2] if in_flight is not None else 0))
         if rnd == 0:
+            copy_start = time.perf_counter()
             copied = _local_copies(step, worker, resolve)  # overlaps round 0's transfers
+            copy_s = time.perf_counter() - copy_start
         if in_flight is not None:
             in_flight[0].wait(timeout_s)
             for m, buf in in_flight[1]:
-                for p, off in _bucket_layout(m.pieces):
+                for p, off in _bucket_layout(m):
                     _piece_view(resolve(p, False), p.dst_slot, p.box).copy_(_typed(buf, off, p))
         in_flight = posted  # the previous round's buckets are dropped here, once unpacked
     return StepReport(model_stage=step.model_stage, primitive=step.primitive, predicted_s=step.predicted_s,
                       measured_s=time.perf_counter() - start, bytes_sent=counts["sent"],
-                      bytes_received=counts["received"], bytes_copied_locally=copied, peak_bucket_bytes=peak)
+                      bytes_received=counts["received"], bytes_copied_locally=copied, peak_bucket_bytes=peak,
+                      local_copy_s=copy_s)
 
 
 def _local_copies(step: Step, worker: int, resolve: Resolve) -> int:

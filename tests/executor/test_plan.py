@@ -73,8 +73,8 @@ def test_extend_is_one_zero_copy_message_per_new_rank_and_sources_alternate() ->
     assert step.primitive == "Extend" and not step.local  # replicas 0 and 1 stay: nothing copied
     assert sorted((m.src_worker, m.dst_worker) for m in step.messages) == [(0, 2), (1, 3)]
     for m in step.messages:  # the whole flat buffer (but its final padding) in one message, no copy
-        assert m.direct is not None and m.direct[0] == m.direct[1] and m.direct[0][0] == 0
-        assert size - 16 < m.direct[0][1] <= size
+        assert m.direct and m.src_start == m.dst_start == 0
+        assert size - 16 < m.length <= size
 
 
 def test_merge_copies_local_shards_locally_and_balances_remote_sources() -> None:
@@ -90,7 +90,7 @@ def test_merge_copies_local_shards_locally_and_balances_remote_sources() -> None
 def test_bucket_limit_bounds_every_packed_message() -> None:
     old, new = [placement("a", 1, 2, [[0, 1]])], [placement("a", 4, 1, [[0, 1, 2, 3]])]
     plan = plan_transition(old, new, max_bucket_bytes=4096)
-    packed = [m for s in plan.steps for m in s.messages if m.direct is None]
+    packed = [m for s in plan.steps for m in s.messages if not m.direct]
     assert packed and max(m.num_bytes for m in packed) <= 4096
     for pair in {(m.src_worker, m.dst_worker) for m in packed}:
         rounds = [m.round for m in packed if (m.src_worker, m.dst_worker) == pair]
@@ -113,3 +113,17 @@ def test_lost_state_only_when_every_copy_of_a_box_died() -> None:
     assert "model.norm.weight/param" not in lost  # replicated: rank 1 still holds it
     assert f"{COUNTERS}/counters" not in lost
     assert MICRO.num_layers == 4
+
+
+def test_split_buckets_land_directly_in_the_destination_buffer() -> None:
+    """TP1 -> TP2: the halves a new rank needs are scattered in the source (packed there once) but
+    back to back in the destination, so the receiver reads the bucket in place (no unpacking)."""
+    old, new = [placement("a", 1, 1, [[0]])], [placement("a", 2, 1, [[0, 1]])]
+    (step,) = plan_transition(old, new, max_bucket_bytes=64 << 10).steps
+    assert step.messages and all(m.dst_start is not None for m in step.messages)
+    assert any(m.src_start is None for m in step.messages)  # row halves: packed once, at the source
+    # and the reverse (TP2 -> TP1) mostly sends from the source buffer in place (buckets that skip
+    # replicated norms, which the destination already holds, have gaps and are packed)
+    (back,) = plan_transition(new, [placement("a", 1, 1, [[0]])], max_bucket_bytes=64 << 10).steps
+    in_place = [m.src_start is not None for m in back.messages]
+    assert in_place and sum(in_place) > len(in_place) / 2

@@ -70,8 +70,9 @@ def test_small_buckets_many_rounds(pool: LocalCoordinator) -> None:
     assert_same_state(before, logical_state(pool.dump()))
     moving = [r for reports in outcome.reports.values() for r in reports if r.bytes_sent or r.bytes_received]
     assert moving
-    for r in moving:
-        assert 0 < r.peak_bucket_bytes <= 2 * 3 * 2 * 4096  # two rounds in flight x 3 peers x 2 directions
+    for r in moving:  # receivers mostly read buckets in place (0); senders pack
+        assert 0 <= r.peak_bucket_bytes <= 2 * 3 * 2 * 4096  # two rounds in flight x 3 peers x 2 directions
+    assert any(r.peak_bucket_bytes > 0 for r in moving)
 
 
 def test_round_trip_tp_1_2_4_1(pool: LocalCoordinator) -> None:
