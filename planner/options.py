@@ -11,6 +11,7 @@ with numpy: a 1,024-GPU replan stays in milliseconds. Rows are columns of an :cl
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
@@ -133,9 +134,58 @@ def _ring_hops(dp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return ring, hops
 
 
+# Per-layout lines (the Python part of a table) for the last few (model-stage, workload, cluster,
+# efficiencies): a replan after a pool change reuses them. The key holds every input of the lines.
+_LINES_CACHE: OrderedDict[tuple[object, ...], dict[tuple[int, int, bool], tuple[float, ...] | None]] = OrderedDict()
+_LINES_CACHE_SIZE = 64
+
+
+def _lines_for(key: tuple[object, ...]) -> dict[tuple[int, int, bool], tuple[float, ...] | None]:
+    lines = _LINES_CACHE.get(key)
+    if lines is None:
+        lines = _LINES_CACHE[key] = {}
+        if len(_LINES_CACHE) > _LINES_CACHE_SIZE:
+            _LINES_CACHE.popitem(last=False)
+    else:
+        _LINES_CACHE.move_to_end(key)
+    return lines
+
+
+def _layout_line(model: ModelSpec, ms: ModelStage, layout: Layout, workload: Workload, recompute: bool,
+                 cluster: ClusterSpec, eff: Mapping[OpClass, float], usable: float) -> tuple[float, ...] | None:
+    """One layout's scalars, from exact evaluations of the cost and memory models (None: its resident
+    state alone does not fit): resident bytes; GEMM s per sequence, weight-read s, other s per sequence
+    and fixed, of one micro-batch; optimizer-update s, DP gradient bytes and per-link (s per byte,
+    latency) for the all-reduce; transient bytes c0, c1, c2 (c0 + b * (c1 + (min(pp, g) - 1) * c2))."""
+    tp, gpn = layout.tp, cluster.gpus_per_node
+    resident = resident_bytes(model, ms, layout).total_bytes
+    if resident > usable:
+        return None
+    links = Links(tp_intra=tp <= gpn, pp_intra=layout.size <= gpn, dp_intra=True)
+    sync_mem = sum(t.seconds(eff) for t in sync_terms(model, ms, layout, 1, cluster, links))
+    grad_bytes = intra_s = intra_lat = inter_s = inter_lat = 0.0
+    if ms.kind is StageKind.TRAINING:
+        intra = sync_terms(model, ms, layout, 2, cluster, links)[-1]
+        inter = sync_terms(model, ms, layout, 2, cluster, Links(dp_intra=False))[-1]
+        grad_bytes = intra.work / 1.0  # ring factor of dp=2 is 1: work is the bare gradient bytes
+        intra_s, intra_lat = intra.peak_per_s * eff[intra.op_class], intra.latency_s
+        inter_s, inter_lat = inter.peak_per_s * eff[inter.op_class], inter.latency_s
+    t1 = microbatch_terms(model, ms, layout, workload, 1, recompute, cluster, links)
+    t2 = microbatch_terms(model, ms, layout, workload, 2, recompute, cluster, links)
+    c0, c1, c2 = _transient_coeffs(model, ms, layout, workload, recompute)
+    return (float(resident), *_seconds_line(t1, t2, eff), sync_mem, grad_bytes, intra_s, intra_lat, inter_s,
+            inter_lat, float(c0), float(c1), float(c2))
+
+
+_COLUMNS = ("tp", "pp", "dp", "b", "g", "recompute", "seconds", "gpus", "resident", "transient")
+
+
 def option_table(job: JobSpec, ms: ModelStage, cluster: ClusterSpec, num_gpus: int,
                  eff: Mapping[OpClass, float], rules: OptionRules = DEFAULT_RULES) -> OptionTable:
-    """Every candidate of one model-stage on ``num_gpus`` GPUs whose own footprint fits in memory."""
+    """Every candidate of one model-stage on ``num_gpus`` GPUs whose own footprint fits in memory.
+
+    Each layout's lines come from the cost and memory models (Python, cached across calls); every
+    (layout, DP, micro-batch) row is then read off them at once, as (layout x grid) arrays."""
     model = job.model_of(ms)
     workload = job.workload
     gpn = cluster.gpus_per_node
@@ -145,70 +195,61 @@ def option_table(job: JobSpec, ms: ModelStage, cluster: ClusterSpec, num_gpus: i
     grid_dp, grid_b, grid_g = _grid(sequences, num_gpus)
     max_tp = num_gpus if rules.allow_cross_node_tp else min(num_gpus, gpn)
     recompute_opts = (False, True) if rules.allow_recompute and ms.kind is StageKind.TRAINING else (False,)
-    parts: list[dict[str, np.ndarray]] = []
+    lines = _lines_for((model, ms, workload, cluster, tuple(eff[c] for c in OpClass)))
+    layouts: list[tuple[int, int, bool]] = []
+    rows: list[tuple[float, ...]] = []
     for tp in power_of_two_upto(max_tp):
         if not model.valid_tp(tp):
             continue
         for pp in power_of_two_upto(min(model.num_layers, num_gpus // tp)):
-            layout = Layout(tp, pp)
-            size = layout.size
-            resident = resident_bytes(model, ms, layout).total_bytes
-            if resident > usable:
-                continue
-            rows = grid_dp * size <= num_gpus
-            dp, b, g = grid_dp[rows], grid_b[rows], grid_g[rows]
-            links = Links(tp_intra=tp <= gpn, pp_intra=size <= gpn, dp_intra=True)
-            # sync (training): the optimizer update, plus the DP all-reduce whose link depends on dp
-            sync_mem = sum(t.seconds(eff) for t in sync_terms(model, ms, layout, 1, cluster, links))
-            if ms.kind is StageKind.TRAINING:
-                intra = sync_terms(model, ms, layout, 2, cluster, links)[-1]
-                inter = sync_terms(model, ms, layout, 2, cluster, Links(dp_intra=False))[-1]
-                ring, hops = _ring_hops(dp)
-                in_node = dp * size <= gpn
-                bytes_ = intra.work / 1.0  # ring factor of dp=2 is 1: work is the bare gradient bytes
-                sync = sync_mem + np.where(
-                    in_node, bytes_ * ring / (intra.peak_per_s * eff[intra.op_class]) + hops * intra.latency_s,
-                    bytes_ * ring / (inter.peak_per_s * eff[inter.op_class]) + hops * inter.latency_s)
-            else:
-                sync = np.zeros(dp.shape)
             for recompute in recompute_opts:
-                t1 = microbatch_terms(model, ms, layout, workload, 1, recompute, cluster, links)
-                t2 = microbatch_terms(model, ms, layout, workload, 2, recompute, cluster, links)
-                gemm_a, mem_c, other_a, other_c = _seconds_line(t1, t2, eff)
-                mb_s = np.maximum(gemm_a * b, mem_c) + other_a * b + other_c
-                seconds = mb_s * (g + pp - 1) * mini + sync * mini
-                # + slack: the affine read-off may sit a few bytes under transient_bytes' own rounding
-                trans = _transient_line(model, ms, layout, workload, recompute, b, g) + TRANSIENT_SLACK_BYTES
-                ok = resident + trans <= usable
-                if not ok.any():
-                    continue
-                parts.append({"tp": np.full(int(ok.sum()), tp), "pp": np.full(int(ok.sum()), pp),
-                              "dp": dp[ok], "b": b[ok], "g": g[ok],
-                              "recompute": np.full(int(ok.sum()), recompute),
-                              "seconds": seconds[ok], "gpus": dp[ok] * size,
-                              "resident": np.full(int(ok.sum()), resident, dtype=np.int64),
-                              "transient": trans[ok]})
-    keys = ("tp", "pp", "dp", "b", "g", "recompute", "seconds", "gpus", "resident", "transient")
-    if not parts:
+                key = (tp, pp, recompute)
+                if key not in lines:
+                    lines[key] = _layout_line(model, ms, Layout(tp, pp), workload, recompute, cluster, eff, usable)
+                line = lines[key]
+                if line is not None:
+                    layouts.append(key)
+                    rows.append(line)
+    if not layouts:
         empty = {k: np.zeros(0, dtype=bool if k == "recompute" else float if k == "seconds" else np.int64)
-                 for k in keys}
+                 for k in _COLUMNS}
         return OptionTable(model_stage=ms.name, **empty)
-    return OptionTable(model_stage=ms.name, **{k: np.concatenate([p[k] for p in parts]) for k in keys})
+    lay = np.array(layouts, dtype=np.int64)
+    tp_l, pp_l, rec_l = lay[:, 0:1], lay[:, 1:2], lay[:, 2:3].astype(bool)
+    size_l = tp_l * pp_l
+    (resident, gemm_a, mem_c, other_a, other_c, sync_mem, grad_bytes, intra_s, intra_lat, inter_s, inter_lat,
+     c0, c1, c2) = (col[:, None] for col in np.array(rows, dtype=float).T)
+    dp, b, g = grid_dp[None, :], grid_b[None, :], grid_g[None, :]
+    if ms.kind is StageKind.TRAINING:
+        ring, hops = _ring_hops(dp)
+        # sync: the optimizer update, plus the DP all-reduce whose link depends on dp
+        sync = sync_mem + np.where(dp * size_l <= gpn, grad_bytes * ring / intra_s + hops * intra_lat,
+                                   grad_bytes * ring / inter_s + hops * inter_lat)
+    else:
+        sync = np.zeros((1, 1))
+    mb_s = np.maximum(gemm_a * b, mem_c) + other_a * b + other_c
+    seconds = mb_s * (g + pp_l - 1) * mini + sync * mini
+    # + slack: the affine read-off may sit a few bytes under transient_bytes' own rounding
+    in_flight = np.minimum(pp_l, g) - 1
+    trans = (c0 + b * (c1 + in_flight * c2)).astype(np.int64) + TRANSIENT_SLACK_BYTES
+    li, gi = np.nonzero((dp * size_l <= num_gpus) & (resident + trans <= usable))
+    return OptionTable(model_stage=ms.name, tp=lay[li, 0], pp=lay[li, 1], dp=grid_dp[gi], b=grid_b[gi],
+                       g=grid_g[gi], recompute=rec_l[li, 0], seconds=np.broadcast_to(seconds, trans.shape)[li, gi],
+                       gpus=grid_dp[gi] * size_l[li, 0], resident=resident[li, 0].astype(np.int64),
+                       transient=trans[li, gi])
 
 
-def _transient_line(model: ModelSpec, ms: ModelStage, layout: Layout, workload: Workload, recompute: bool,
-                    b: np.ndarray, g: np.ndarray) -> np.ndarray:
-    """Transient bytes of every row: c0 + b * (c1 + min(pp, g) * c2), from three exact evaluations."""
+def _transient_coeffs(model: ModelSpec, ms: ModelStage, layout: Layout, workload: Workload,
+                      recompute: bool) -> tuple[int, int, int]:
+    """Transient bytes of every row are c0 + b * (c1 + (min(pp, g) - 1) * c2): three exact evaluations."""
     def at(bb: int, gg: int) -> int:
         return transient_bytes(model, ms, layout, workload, bb, gg, recompute).total_bytes
 
     t11, t21 = at(1, 1), at(2, 1)
     c1 = t21 - t11
     c0 = t11 - c1
-    if ms.kind is StageKind.TRAINING and layout.pp > 1:
-        c2 = at(1, 2) - t11
-        return np.asarray(c0 + b * (c1 + (np.minimum(layout.pp, g) - 1) * c2))
-    return np.asarray(c0 + b * c1)
+    c2 = at(1, 2) - t11 if ms.kind is StageKind.TRAINING and layout.pp > 1 else 0
+    return c0, c1, c2
 
 
 # Seconds closer than this factor count as equal on the frontier, so a row survives only by needing
