@@ -14,9 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from planner.hardware import ClusterSpec
 from transitions.global_dag import TransitionDAG
 from transitions.primitives import Footprint
+from transitions.replica_classes import ReplicaClass, ReplicaPlan
 
 # NCCL communicator creation for a transition's new rank pairs: tens of ms at small scale; used
 # once per primitive that moves bytes (its communicators are created in parallel).
@@ -79,9 +82,114 @@ def schedule(dag: TransitionDAG, durations: list[float]) -> tuple[list[float], l
     return start, end, held_by
 
 
+def _class_seconds(c: ReplicaClass, cluster: ClusterSpec, setup_s: float) -> tuple[np.ndarray, int, int]:
+    """primitive_seconds of every member of a replica class (the links depend on where its members
+    sit), and its intra- and inter-node bytes."""
+    fp = c.canon
+    labels = c.gpus.shape[1]
+    local = np.zeros(labels)
+    for g, v in fp.local_bytes.items():
+        local[g] = 2.0 * v / cluster.device.hbm_bytes_per_s
+    touched = c.touched
+    if not fp.pair_bytes:
+        if not len(touched):
+            return np.zeros(c.size), 0, 0
+        return np.broadcast_to(local[touched].max(), (c.size,)).copy(), 0, 0
+    pairs = list(fp.pair_bytes.items())
+    src = np.array([s for (s, _), _ in pairs], dtype=np.int64)
+    dst = np.array([d for (_, d), _ in pairs], dtype=np.int64)
+    nbytes = np.array([b for _, b in pairs], dtype=np.float64)
+    per_node = cluster.gpus_per_node
+    intra = c.gpus[:, src] // per_node == c.gpus[:, dst] // per_node
+    fast, slow = cluster.intra_node_link, cluster.inter_node_link
+    t = np.where(intra, nbytes / fast.bytes_per_s + fast.latency_s, nbytes / slow.bytes_per_s + slow.latency_s)
+    send = np.zeros((c.size, labels))
+    recv = np.zeros((c.size, labels))
+    for k in range(len(pairs)):  # pairs of one shape: a handful
+        send[:, src[k]] += t[:, k]
+        recv[:, dst[k]] += t[:, k]
+    per_gpu = np.maximum(send, recv) + local
+    intra_bytes = int((intra * nbytes).sum())
+    return per_gpu[:, touched].max(axis=1) + setup_s, intra_bytes, int(nbytes.sum()) * c.size - intra_bytes
+
+
+def replica_schedule(plan: ReplicaPlan, cluster: ClusterSpec, setup_s: float
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:
+    """``schedule`` over replica classes: (start, end, held back by, intra bytes, inter bytes) per node.
+
+    Members of a class run back to back in the DAG's order; a member starts when its GPUs are free
+    (each GPU runs one primitive at a time) and its data predecessors have ended, as in ``schedule``.
+    """
+    n = plan.num_nodes
+    start = np.zeros(n)
+    end = np.zeros(n)
+    held = np.full(n, -1, dtype=np.int64)
+    gpu_end = np.zeros(cluster.num_gpus)
+    gpu_last = np.full(cluster.num_gpus, -1, dtype=np.int64)
+    node_class = plan.node_class()
+    into = node_class[plan.edge_dst]
+    intra = inter = 0
+    for k in plan.class_order:
+        c = plan.classes[k]
+        ids = np.arange(c.first_node, c.first_node + c.size)
+        dur, a, b = _class_seconds(c, cluster, setup_s)
+        intra += a
+        inter += b
+        t = np.zeros(c.size)
+        by = np.full(c.size, -1, dtype=np.int64)
+        sel = np.flatnonzero(into == k)
+        if len(sel):  # data predecessors: latest end per member
+            src, dst = plan.edge_src[sel], plan.edge_dst[sel] - c.first_node
+            pe = end[src]
+            last = np.lexsort((pe, dst))
+            dst_s, src_s, pe_s = dst[last], src[last], pe[last]
+            tail = np.append(dst_s[1:] != dst_s[:-1], True)
+            t[dst_s[tail]] = pe_s[tail]
+            by[dst_s[tail]] = np.where(pe_s[tail] > 0, src_s[tail], -1)
+        if not len(c.touched):
+            start[ids], end[ids], held[ids] = t, t + dur, by
+            continue
+        g = c.gpus[:, c.touched]
+        if c.single:
+            ge = gpu_end[g]
+            j = ge.argmax(axis=1)
+            tg = ge[np.arange(c.size), j]
+            later = tg > t
+            by = np.where(later, gpu_last[g][np.arange(c.size), j], by)
+            t = np.maximum(t, tg)
+            start[ids], end[ids], held[ids] = t, t + dur, by
+            gpu_end[g] = (t + dur)[:, None]
+            gpu_last[g] = ids[:, None]
+            continue
+        for m in range(c.size):  # members sharing GPUs: one after another
+            row = g[m]
+            j = int(gpu_end[row].argmax())
+            if gpu_end[row[j]] > t[m]:
+                t[m], by[m] = gpu_end[row[j]], gpu_last[row[j]]
+            start[ids[m]], end[ids[m]], held[ids[m]] = t[m], t[m] + dur[m], by[m]
+            gpu_end[row] = t[m] + dur[m]
+            gpu_last[row] = ids[m]
+    return start, end, held, intra, inter
+
+
+def _replica_cost(plan: ReplicaPlan, cluster: ClusterSpec, setup_s: float) -> TransitionCost:
+    start, end, held_by, intra, inter = replica_schedule(plan, cluster, setup_s)
+    path: list[int] = []
+    if len(end):
+        i = int(end.argmax())  # the first node with the latest end, as below
+        while i != -1:
+            path.append(i)
+            i = int(held_by[i])
+    return TransitionCost(seconds=float(end.max()) if len(end) else 0.0, bytes_moved=intra + inter,
+                          intra_node_bytes=intra, inter_node_bytes=inter, critical_path=tuple(reversed(path)),
+                          start_s=tuple(start.tolist()), end_s=tuple(end.tolist()))
+
+
 def transition_cost(dag: TransitionDAG, cluster: ClusterSpec,
                     communicator_setup_s: float = DEFAULT_COMMUNICATOR_SETUP_S) -> TransitionCost:
     """L_tran of ``dag`` on ``cluster`` with its bytes moved and critical path."""
+    if dag.replicas is not None:
+        return _replica_cost(dag.replicas, cluster, communicator_setup_s)
     durations = [primitive_seconds(fp, cluster, communicator_setup_s) for fp in dag.footprints]
     start, end, held_by = schedule(dag, durations)
     intra = inter = 0

@@ -154,7 +154,7 @@ def _greedy(
             if gpu in last_release:
                 resource.append((last_release[gpu], i))
         order.append(i)
-        _apply(fp, used, peak)
+        apply_footprint(fp, used, peak)
         for g, freed in fp.free_bytes.items():
             if freed > fp.alloc_bytes.get(g, 0):
                 last_release[g] = i
@@ -172,7 +172,8 @@ def _greedy(
     return MemoryOrder(order=tuple(order), resource_edges=tuple(resource), peak_bytes=peak)
 
 
-def _apply(fp: Footprint, used: dict[int, int], peak: dict[int, int]) -> None:
+def apply_footprint(fp: Footprint, used: dict[int, int], peak: dict[int, int]) -> None:
+    """Run ``fp`` on the timeline ``used``, raising ``peak`` where it goes higher."""
     for g in fp.gpus:
         during = used.get(g, 0) + fp.alloc_bytes.get(g, 0) + fp.buffer_bytes.get(g, 0)
         if during > peak.get(g, 0):
@@ -229,7 +230,7 @@ def _replay_order(fps: list[Footprint], order: list[int], initial_bytes: dict[in
                 need = fp.alloc_bytes.get(g, 0) + fp.buffer_bytes.get(g, 0)
                 if used.get(g, 0) + freed + need > capacity_bytes and (j, i) not in resource:
                     resource.append((j, i))
-        _apply(fp, used, peak)
+        apply_footprint(fp, used, peak)
         for g, freed in fp.free_bytes.items():
             if freed > fp.alloc_bytes.get(g, 0):
                 last_release[g] = (i, freed)

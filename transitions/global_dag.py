@@ -26,7 +26,7 @@ Pure: no torch, no I/O.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from planner.errors import SpecError
@@ -34,17 +34,16 @@ from planner.hardware import ClusterSpec
 from planner.plan import GlobalPlan
 from planner.workflow import JobSpec, StageKind
 from transitions.emu import EMU, UnitState, job_states
-from transitions.feasibility import MemoryOrder, order_by_memory
+from transitions.feasibility import MemoryOrder, apply_footprint, order_by_memory
 from transitions.local_dag import LastCopyLostError, plan_stage, plan_units
 from transitions.primitives import Footprint, Primitive, footprint
+from transitions.replica_classes import ReplicaPlan, plan_replicas
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class TransitionDAG:
-    """Frozen plan of a transition: primitives, edges, the checked order and its memory peaks."""
+class DagBody:
+    """The unit-level DAG: primitives, edges, the checked order and its memory peaks."""
 
-    old_version: int
-    new_version: int
     nodes: tuple[Primitive, ...]
     stage_order: tuple[int, ...]  # per node: 0 generation, 1 inference, 2 training
     data_edges: tuple[tuple[int, int], ...]
@@ -55,17 +54,108 @@ class TransitionDAG:
     new_units: tuple[EMU, ...]
     renamed: tuple[tuple[str, str], ...]  # (old uid, new uid) of units that stay as they are
     stale_units: tuple[str, ...]  # old units dropped unread (refreshed by a weight sync)
+    peak_bytes: dict[int, int]  # per GPU touched: the highest point of its timeline
+    footprints: tuple[Footprint, ...]
+    gpu_nodes: dict[int, tuple[int, ...]]  # GPU -> node ids in order
+
+
+@dataclass(frozen=True, kw_only=True, slots=True, eq=False)
+class TransitionDAG:
+    """Frozen plan of a transition. Built either unit by unit (``body`` given) or over replica classes
+    (``replicas``, transitions.replica_classes): then the unit-level DAG is expanded on first use of
+    any unit-level attribute, and the schedule (transitions.cost) runs on the classes."""
+
+    old_version: int
+    new_version: int
     capacity_bytes: int
-    peak_bytes: dict[int, int] = field(hash=False)  # per GPU touched: the highest point of its timeline
-    footprints: tuple[Footprint, ...] = field(hash=False, repr=False)
-    gpu_nodes: dict[int, tuple[int, ...]] = field(hash=False, repr=False)  # GPU -> node ids in order
+    replicas: ReplicaPlan | None = field(default=None, repr=False)
+    body_: DagBody | None = field(default=None, repr=False)
+
+    @property
+    def body(self) -> DagBody:
+        body = self.body_
+        if body is None:
+            assert self.replicas is not None
+            body = _expand(self.replicas)
+            object.__setattr__(self, "body_", body)  # a cache of what ``replicas`` determines
+        return body
+
+    @property
+    def expanded(self) -> bool:
+        return self.body_ is not None
+
+    @property
+    def nodes(self) -> tuple[Primitive, ...]:
+        return self.body.nodes
+
+    @property
+    def stage_order(self) -> tuple[int, ...]:
+        return self.body.stage_order
+
+    @property
+    def data_edges(self) -> tuple[tuple[int, int], ...]:
+        return self.body.data_edges
+
+    @property
+    def resource_edges(self) -> tuple[tuple[int, int], ...]:
+        return self.body.resource_edges
+
+    @property
+    def order(self) -> tuple[int, ...]:
+        return self.body.order
+
+    @property
+    def old_units(self) -> tuple[EMU, ...]:
+        return self.body.old_units
+
+    @property
+    def lost_units(self) -> tuple[EMU, ...]:
+        return self.body.lost_units
+
+    @property
+    def new_units(self) -> tuple[EMU, ...]:
+        return self.body.new_units
+
+    @property
+    def renamed(self) -> tuple[tuple[str, str], ...]:
+        return self.body.renamed
+
+    @property
+    def stale_units(self) -> tuple[str, ...]:
+        return self.body.stale_units
+
+    @property
+    def peak_bytes(self) -> dict[int, int]:
+        return self.body.peak_bytes
+
+    @property
+    def footprints(self) -> tuple[Footprint, ...]:
+        return self.body.footprints
+
+    @property
+    def gpu_nodes(self) -> dict[int, tuple[int, ...]]:
+        return self.body.gpu_nodes
+
+    @property
+    def num_nodes(self) -> int:
+        return self.replicas.num_nodes if self.body_ is None and self.replicas else len(self.body.nodes)
 
     def nodes_on(self, gpu: int) -> list[int]:
         """Node ids that touch ``gpu``, in execution order (what one worker runs)."""
         return list(self.gpu_nodes.get(gpu, ()))
 
+    def with_order(self, order: tuple[int, ...], resource_edges: tuple[tuple[int, int], ...] = ()
+                   ) -> TransitionDAG:
+        """The same DAG run in another order (for comparisons; memory is not re-checked)."""
+        body = replace(self.body, order=order, resource_edges=resource_edges,
+                       gpu_nodes=_gpu_index(list(self.body.footprints), order))
+        return TransitionDAG(old_version=self.old_version, new_version=self.new_version,
+                             capacity_bytes=self.capacity_bytes, body_=body)
+
     @property
     def bytes_moved(self) -> int:
+        if self.body_ is None and self.replicas is not None:
+            return self.replicas.bytes_moved
         return sum(fp.moved_bytes for fp in self.footprints)
 
     def to_dict(self) -> dict[str, Any]:
@@ -151,6 +241,7 @@ def build_transition(
     refresh: Mapping[str, str] | None = None,
     capacity_bytes: int | None = None,
     policy: str = "global",
+    exact: bool = False,
 ) -> TransitionDAG:
     """The checked DAG moving every model-stage's state from ``old`` to ``new``.
 
@@ -159,12 +250,22 @@ def build_transition(
     whose replicas overwrite it (the per-step actor-train -> actor-gen weight sync: {"actor-gen":
     "actor-train"}). ``capacity_bytes`` defaults to the device memory. ``policy="per_stage"`` is the
     naive per-model-stage order (for comparison only). Raises InfeasibleError naming GPU and bytes.
+
+    Plain plan changes are planned over replica classes (transitions.replica_classes) and expanded to
+    units on first use; whatever that path does not cover, or ``exact=True``, is planned unit by unit.
     """
     states = _states(job_or_models)
     refresh = dict(refresh or {})
     old_version = old.version if old is not None else -1
     if new.version <= old_version:
         raise SpecError("new.version", f"{new.version} must exceed the old plan's {old_version}")
+    capacity = cluster.device.memory_bytes if capacity_bytes is None else capacity_bytes
+    if not exact and old is not None and not lost_gpus and not refresh and policy == "global" \
+            and all(sp.model_stage in states for sp in (*old, *new)):
+        fast = plan_replicas(states, cluster, old, new, capacity)
+        if fast is not None:
+            return TransitionDAG(old_version=old_version, new_version=new.version, capacity_bytes=capacity,
+                                 replicas=fast)
     for sp in (*(old or ()), *new):
         if sp.model_stage not in states:
             raise SpecError("plan.model_stage", f"{sp.model_stage!r} has no state description",
@@ -212,7 +313,6 @@ def build_transition(
     if missing:
         raise LastCopyLostError(tuple(missing), tuple(sorted(lost_gpus)))
     edges = data_edges(nodes)
-    capacity = cluster.device.memory_bytes if capacity_bytes is None else capacity_bytes
     fps = [footprint(p) for p in nodes]
     initial: dict[int, int] = {}
     for units in intact.values():
@@ -221,14 +321,33 @@ def build_transition(
                 initial[g] = initial.get(g, 0) + u.bytes_on(g)
     stage_order = [_stage_of(p, states) for p in nodes]
     result: MemoryOrder = order_by_memory(fps, edges, stage_order, initial, capacity, policy=policy)
-    return TransitionDAG(
-        old_version=old_version, new_version=new.version, nodes=tuple(nodes), stage_order=tuple(stage_order),
+    body = DagBody(
+        nodes=tuple(nodes), stage_order=tuple(stage_order),
         data_edges=tuple(edges), resource_edges=tuple(result.resource_edges), order=tuple(result.order),
         old_units=tuple(u for us in intact.values() for u in us), lost_units=tuple(lost),
         new_units=tuple(new_units), renamed=tuple(renamed), stale_units=tuple(stale_uids),
-        capacity_bytes=capacity,
         peak_bytes=result.peak_bytes, footprints=tuple(fps), gpu_nodes=_gpu_index(fps, result.order),
     )
+    return TransitionDAG(old_version=old_version, new_version=new.version, capacity_bytes=capacity, body_=body)
+
+
+def _expand(plan: ReplicaPlan) -> DagBody:
+    """The unit-level DAG of a class-level plan: members of each class back to back, in class order;
+    edges re-derived from the primitives, peaks replayed exactly (the class check bounds them)."""
+    nodes, stage_order, old_units, new_units, renamed = plan.expand()
+    fps = [footprint(p) for p in nodes]
+    order = tuple(plan.order())
+    used: dict[int, int] = {}
+    for u in old_units:
+        for g in u.gpus:
+            used[g] = used.get(g, 0) + u.bytes_on(g)
+    peak = dict(used)
+    for i in order:
+        apply_footprint(fps[i], used, peak)
+    return DagBody(nodes=tuple(nodes), stage_order=tuple(stage_order), data_edges=tuple(data_edges(nodes)),
+                   resource_edges=(), order=order, old_units=tuple(old_units), lost_units=(),
+                   new_units=tuple(new_units), renamed=tuple(renamed), stale_units=(), peak_bytes=peak,
+                   footprints=tuple(fps), gpu_nodes=_gpu_index(fps, order))
 
 
 def _gpu_index(fps: list[Footprint], order: tuple[int, ...]) -> dict[int, tuple[int, ...]]:

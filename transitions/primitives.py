@@ -537,17 +537,29 @@ def _shape_key(prim: Primitive) -> tuple[tuple[object, ...], list[int]]:
     return key, gpus
 
 
-def footprint(prim: Primitive) -> Footprint:
-    """Per-GPU memory and traffic of ``prim`` (exact: derived from its pieces and buckets)."""
+def canonical_footprint(prim: Primitive) -> tuple[Footprint, list[int]]:
+    """``prim``'s footprint over GPU labels 0..k-1 (first appearance: each unit's GPUs, then its
+    ``final``'s, units in field order) and the GPU of each label; cached per relative shape, so every
+    replica of the same shape (transitions.replica_classes) shares one derivation."""
     if isinstance(prim, Destroy):
-        return Footprint(alloc_bytes={}, free_bytes={g: prim.unit.bytes_on(g) for g in prim.unit.gpus},
-                         buffer_bytes={}, local_bytes={}, pair_bytes={})
+        gpus = list(prim.unit.gpus)
+        return Footprint(alloc_bytes={}, free_bytes={r: prim.unit.bytes_on(g) for r, g in enumerate(gpus)},
+                         buffer_bytes={}, local_bytes={}, pair_bytes={}), gpus
     key, gpus = _shape_key(prim)
     fp = _FOOTPRINTS.get(key)
     if fp is None:
         if len(_FOOTPRINTS) >= _FOOTPRINT_CACHE_SIZE:
             _FOOTPRINTS.clear()
         fp = _FOOTPRINTS[key] = _canonical_footprint(_canonical(prim)[0])
+    return fp, gpus
+
+
+def footprint(prim: Primitive) -> Footprint:
+    """Per-GPU memory and traffic of ``prim`` (exact: derived from its pieces and buckets)."""
+    if isinstance(prim, Destroy):
+        return Footprint(alloc_bytes={}, free_bytes={g: prim.unit.bytes_on(g) for g in prim.unit.gpus},
+                         buffer_bytes={}, local_bytes={}, pair_bytes={})
+    fp, gpus = canonical_footprint(prim)
     return Footprint(
         alloc_bytes={gpus[g]: v for g, v in fp.alloc_bytes.items()},
         free_bytes={gpus[g]: v for g, v in fp.free_bytes.items()},

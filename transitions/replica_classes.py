@@ -1,0 +1,541 @@
+"""Fast path of ``build_transition``: the DAG planned over replica classes instead of units.
+
+DP replicas of one model-stage undergo the same local sub-plan up to a renaming of GPUs and unit ids.
+A *replica class* is every primitive of one model-stage and kind whose relative shape (each unit's
+layout and GPUs relabelled by first appearance, as primitives.canonical_footprint does) is the same:
+it holds one canonical footprint and an integer array of the GPU of each label per member. At 1,024
+GPUs a plan change has thousands of unit-level primitives but a few dozen classes, so:
+
+- the local plans (transitions.local_dag's rules: reuse, Split, Extend from overlapping replicas, Merge,
+  Destroy) are computed with numpy over the plans' GPU arrays;
+- the memory order is chosen over classes (release before acquire, gen -> inf -> train, longest path)
+  and all members of a class run back to back. Each class is checked against capacity on every GPU at
+  once with an upper bound (what is held before it, plus everything its members allocate there, plus
+  the largest bucket buffer), exact when no two members share a GPU;
+- the schedule (transitions.cost) is evaluated per class with numpy over all its members.
+
+The unit-level DAG (primitives, edges, footprints, per-GPU order and exact peaks) is expanded only
+when someone reads it (``ReplicaPlan.expand``); what it holds is then the same as if it had been built
+unit by unit with this order. ``plan_replicas`` returns None whenever the symmetry it relies on does
+not hold (lost GPUs, a weight-sync refresh, added or removed model-stages, a part nobody overlaps, a
+class that does not fit as a block): the caller then takes the exact per-unit path, so correctness
+never depends on this one. Pure: no torch, no I/O (numpy).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from itertools import chain
+
+import numpy as np
+
+from planner.hardware import ClusterSpec
+from planner.plan import GlobalPlan, Layout, StagePlan
+from transitions.emu import EMU, UnitState, part_gpus, part_indices, parts_nest, rank_bytes, t_sub
+from transitions.feasibility import bottom_levels
+from transitions.local_dag import plan_units, unit_uid
+from transitions.primitives import (
+    Destroy,
+    Extend,
+    Footprint,
+    Merge,
+    Primitive,
+    PrimitiveKind,
+    Split,
+    canonical_footprint,
+    relabels,
+)
+
+_MIX = np.random.default_rng(12345).integers(1, 2**62, size=256, dtype=np.int64) | 1
+_ARRAYS: dict[int, tuple[tuple[tuple[int, ...], ...], np.ndarray]] = {}
+_SHAPES: dict[tuple[object, ...], tuple[Footprint, np.ndarray, bool]] = {}  # relative shape -> footprint
+
+
+def gpu_array(gpu_sets: tuple[tuple[int, ...], ...]) -> np.ndarray:
+    """The GPU sets of a stage plan as a (replicas x unit size) array; memoised per tuple object."""
+    hit = _ARRAYS.get(id(gpu_sets))
+    if hit is not None and hit[0] is gpu_sets:
+        return hit[1]
+    size = len(gpu_sets[0])
+    arr = np.fromiter(chain.from_iterable(gpu_sets), dtype=np.int64, count=size * len(gpu_sets))
+    arr = arr.reshape(len(gpu_sets), size)
+    if len(_ARRAYS) > 4096:
+        _ARRAYS.clear()
+    _ARRAYS[id(gpu_sets)] = (gpu_sets, arr)
+    return arr
+
+
+def _group_rows(keys: np.ndarray) -> list[np.ndarray]:
+    """Row indices grouped by identical rows of ``keys`` (hashed, then verified row by row)."""
+    if len(keys) == 0:
+        return []
+    if (keys == keys[0]).all():  # the usual case: every replica alike
+        return [np.arange(len(keys))]
+    h = keys @ _MIX[: keys.shape[1]]
+    uniq, inv = np.unique(h, return_inverse=True)
+    out = []
+    for k in range(len(uniq)):
+        idx = np.flatnonzero(inv == k) if len(uniq) > 1 else np.arange(len(keys))
+        sub = keys[idx]
+        if not (sub == sub[0]).all():  # hash collision: split exactly
+            for row in np.unique(sub, axis=0):
+                out.append(idx[(sub == row).all(1)])
+            continue
+        out.append(idx)
+    return out
+
+
+def _shape_groups(x: np.ndarray) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Rows of GPU sequences ``x`` grouped by relative shape: (row indices, label positions, first
+    appearance of each position)."""
+    row = x[0]
+    first0 = (row[:, None] == row[None, :]).argmax(axis=1)
+    labels0 = np.flatnonzero(first0 == np.arange(len(row)))
+    lab = x[:, labels0]
+    if (lab[:, np.searchsorted(labels0, first0)] == x).all():  # every row repeats row 0's pattern; are its labels distinct too?
+        srt = np.sort(lab, axis=1)
+        if (srt[:, 1:] != srt[:, :-1]).all():
+            return [(np.arange(len(x)), labels0, first0)]
+    first = (x[:, :, None] == x[:, None, :]).argmax(axis=2)
+    out = []
+    for idx in _group_rows(first):
+        rep = first[idx[0]]
+        out.append((idx, np.flatnonzero(rep == np.arange(len(rep))), rep))
+    return out
+
+
+@dataclass(kw_only=True, slots=True)
+class ReplicaClass:
+    """Primitives of one model-stage, kind and relative shape; member m's label l is on gpus[m, l]."""
+
+    kind: PrimitiveKind
+    stage: str
+    stage_order: int
+    canon: Footprint  # over labels
+    gpus: np.ndarray  # members x labels
+    unit: np.ndarray  # per member: current unit (Split, Destroy), part id (Extend), target unit (Merge)
+    refs: np.ndarray  # per member: Split parts, Extend sources, Merge inputs (part id, or -1-kept unit)
+    first_node: int = 0
+    touched: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    single: bool = True  # no GPU is touched by two members
+
+    @property
+    def size(self) -> int:
+        return int(self.gpus.shape[0])
+
+
+@dataclass(kw_only=True, slots=True)
+class _Stage:
+    name: str
+    state: UnitState
+    current: StagePlan
+    target: StagePlan
+    sub: Layout
+    nq: int  # T_sub parts per target unit (1: the target layout is T_sub, parts are the units)
+    cur: np.ndarray
+    tgt: np.ndarray
+    parts: np.ndarray  # (target units * nq) x sub.size
+    renamed: list[tuple[int, int]]
+
+
+@dataclass(kw_only=True, slots=True)
+class ReplicaPlan:
+    """The class-level DAG, its checked class order, and what expanding it needs."""
+
+    old_version: int
+    new_version: int
+    stages: list[_Stage]
+    classes: list[ReplicaClass]
+    class_order: list[int]
+    num_nodes: int
+    edge_src: np.ndarray  # unit-level data edges, as node ids
+    edge_dst: np.ndarray
+    initial: np.ndarray  # bytes per GPU before the transition
+
+    @property
+    def bytes_moved(self) -> int:
+        return sum(c.size * c.canon.moved_bytes for c in self.classes)
+
+    def node_class(self) -> np.ndarray:
+        out = np.empty(self.num_nodes, dtype=np.int64)
+        for k, c in enumerate(self.classes):
+            out[c.first_node:c.first_node + c.size] = k
+        return out
+
+    def order(self) -> list[int]:
+        out: list[int] = []
+        for k in self.class_order:
+            c = self.classes[k]
+            out += range(c.first_node, c.first_node + c.size)
+        return out
+
+    def expand(self) -> tuple[list[Primitive], list[int], list[EMU], list[EMU], list[tuple[str, str]]]:
+        """(nodes, stage order per node, old units, new units, renamed) at unit level."""
+        nodes: list[Primitive | None] = [None] * self.num_nodes
+        stage_order = [0] * self.num_nodes
+        old_units: list[EMU] = []
+        new_units: list[EMU] = []
+        renamed: list[tuple[str, str]] = []
+        by_stage: dict[str, tuple[list[EMU], list[EMU], list[EMU]]] = {}
+        for st in self.stages:
+            cur = plan_units(st.state, st.current, self.old_version)
+            tgt = plan_units(st.state, st.target, self.new_version)
+            parts = [p for u in tgt for p in _parts(u, st.sub)]
+            by_stage[st.name] = (cur, tgt, parts)
+            old_units += cur
+            new_units += tgt
+            renamed += [(cur[i].uid, tgt[j].uid) for i, j in st.renamed]
+        for c in self.classes:
+            cur, tgt, parts = by_stage[c.stage]
+            for m in range(c.size):
+                nodes[c.first_node + m] = _member(c, m, cur, tgt, parts)
+                stage_order[c.first_node + m] = c.stage_order
+        return [p for p in nodes if p is not None], stage_order, old_units, new_units, renamed
+
+
+def _parts(unit: EMU, sub: Layout) -> list[EMU]:
+    if unit.layout == sub:
+        return [unit]
+    return [EMU(uid=f"{unit.uid}.p{a}.{b}", state=unit.state, layout=sub,
+                gpus=part_gpus(unit.layout, unit.gpus, sub, a, b), version=unit.version, final=unit)
+            for a, b in part_indices(unit.layout, sub)]
+
+
+def _member(c: ReplicaClass, m: int, cur: list[EMU], tgt: list[EMU], parts: list[EMU]) -> Primitive:
+    u = int(c.unit[m])
+    refs = [int(r) for r in c.refs[m]]
+    if c.kind is PrimitiveKind.DESTROY:
+        return Destroy(unit=cur[u])
+    if c.kind is PrimitiveKind.SPLIT:
+        return Split(unit=cur[u], parts=tuple(parts[r] for r in refs))
+    if c.kind is PrimitiveKind.EXTEND:
+        return Extend(sources=tuple(cur[r] for r in refs), target=parts[u])
+    return Merge(parts=tuple(parts[r] if r >= 0 else cur[-1 - r] for r in refs), unit=tgt[u])
+
+
+def _unit_emu(st: _Stage, version: int, index: int, current: bool) -> EMU:
+    plan = st.current if current else st.target
+    return EMU(uid=unit_uid(st.name, version, index), state=st.state, layout=plan.layout,
+               gpus=tuple(plan.gpu_sets[index]), version=version)
+
+
+def _columns(layout: Layout, sub: Layout) -> np.ndarray:
+    ident = tuple(range(layout.size))
+    return np.array([part_gpus(layout, ident, sub, a, b) for a, b in part_indices(layout, sub)], dtype=np.int64)
+
+
+# --- local plans over arrays ----------------------------------------------------------------------
+
+
+@dataclass(kw_only=True, slots=True)
+class _Local:
+    """One model-stage's primitives as member arrays per kind (before grouping by shape)."""
+
+    splits: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)  # (current unit, part ids)
+    extends: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)  # (part id, sources)
+    merges: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)  # (target unit, inputs)
+    destroys: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+
+
+def _local_plan(st: _Stage, num_gpus: int) -> _Local | None:
+    cur, sub = st.cur, st.sub
+    lc, lt = st.current.layout, st.target.layout
+    out = _Local()
+    dc, sc = cur.shape
+    owner = np.full(num_gpus, -1, dtype=np.int64)
+    rank = np.full(num_gpus, -1, dtype=np.int64)
+    owner[cur.ravel()] = np.repeat(np.arange(dc), sc)
+    rank[cur.ravel()] = np.tile(np.arange(sc), dc)
+    own = owner[st.parts]
+    rk = rank[st.parts]
+    one_owner = (own == own[:, :1]).all(1) & (own[:, 0] >= 0)
+    n_parts = len(st.parts)
+    split_c = np.full(n_parts, -1, dtype=np.int64)
+    if lc == sub:
+        reuse = one_owner & (rk == np.arange(sub.size)).all(1)
+        if lt != sub and not parts_nest(st.state, sub, lt):
+            reuse[:] = False
+    else:
+        reuse = np.zeros(n_parts, dtype=bool)
+        for k, cols in enumerate(_columns(lc, sub)):
+            split_c[one_owner & (rk == cols).all(1)] = k
+    ext = ~reuse & (split_c < 0)
+    kept = np.zeros(dc, dtype=bool)
+    kept[own[reuse, 0]] = True
+    if st.nq == 1:
+        st.renamed = list(zip(own[reuse, 0].tolist(), np.flatnonzero(reuse).tolist()))
+    # Extends: sources are the replicas overlapping the part, most shared GPUs first
+    e_ids = np.flatnonzero(ext)
+    if len(e_ids):
+        e_own = own[e_ids]
+        alone = (e_own < 0).all(1)
+        if alone.any():  # parts on GPUs no replica holds: one source each, round-robin (as local_dag)
+            rr = np.arange(int(alone.sum()), dtype=np.int64) % dc
+            out.extends.append((e_ids[alone], rr[:, None]))
+            e_ids, e_own = e_ids[~alone], e_own[~alone]
+    if len(e_ids):
+        first = (e_own[:, :, None] == e_own[:, None, :]).argmax(axis=2)
+        pattern = np.concatenate([first, (e_own < 0).astype(np.int64)], axis=1)
+        for idx in _group_rows(pattern):
+            rep, rep_own = first[idx[0]], e_own[idx[0]]
+            pos = [p for p in range(len(rep)) if rep[p] == p and rep_own[p] >= 0]
+            pos.sort(key=lambda p: (-int((rep == p).sum()), p))
+            out.extends.append((e_ids[idx], e_own[idx][:, pos]))
+    # Merges: every target unit made of several parts
+    if st.nq > 1:
+        inputs = np.where(reuse, -1 - own[:, 0], np.arange(n_parts)).reshape(-1, st.nq)
+        for idx in _group_rows((inputs < 0).astype(np.int64)):
+            out.merges.append((idx, inputs[idx]))
+    # Splits: every current unit some part comes from, with its parts in target order
+    s_ids = np.flatnonzero(split_c >= 0)
+    if len(s_ids):
+        s_unit = own[s_ids, 0]
+        order = np.lexsort((s_ids, s_unit))
+        s_unit, s_ids = s_unit[order], s_ids[order]
+        counts = np.bincount(s_unit, minlength=dc)
+        units = np.flatnonzero(counts)
+        for k in np.unique(counts[units]):
+            chosen = units[counts[units] == k]
+            rows = np.isin(s_unit, chosen)
+            out.splits.append((chosen, s_ids[rows].reshape(-1, int(k))))
+    out.destroys = np.flatnonzero(~kept)
+    return out
+
+
+def _classes_of(st: _Stage, local: _Local, order: int, old_version: int, new_version: int
+                ) -> list[ReplicaClass]:
+    cur, tgt, parts, nq = st.cur, st.tgt, st.parts, st.nq
+
+    def part_seq(pid: np.ndarray) -> list[np.ndarray]:  # a part's GPUs, then its final unit's
+        return [parts[pid]] if nq == 1 else [parts[pid], tgt[pid // nq]]
+
+    out: list[ReplicaClass] = []
+    groups: list[tuple[PrimitiveKind, np.ndarray, np.ndarray, np.ndarray]] = []
+    for u, refs in local.splits:
+        seq = [cur[u]] + [a for k in range(refs.shape[1]) for a in part_seq(refs[:, k])]
+        groups.append((PrimitiveKind.SPLIT, u, refs, np.concatenate(seq, axis=1)))
+    for pid, refs in local.extends:
+        seq = part_seq(pid) + [cur[refs[:, k]] for k in range(refs.shape[1])]
+        groups.append((PrimitiveKind.EXTEND, pid, refs, np.concatenate(seq, axis=1)))
+    for j, refs in local.merges:
+        seq = []
+        for k in range(refs.shape[1]):
+            seq += [cur[-1 - refs[:, k]]] if refs[0, k] < 0 else part_seq(refs[:, k])
+        seq.append(tgt[j])
+        groups.append((PrimitiveKind.MERGE, j, refs, np.concatenate(seq, axis=1)))
+    if len(local.destroys):
+        d = local.destroys
+        groups.append((PrimitiveKind.DESTROY, d, np.zeros((len(d), 0), dtype=np.int64), cur[d]))
+    for kind, unit, refs, x in groups:
+        for idx, labels, first in _shape_groups(x):
+            # the relative shape fixes the canonical footprint: layouts come with the kind and the
+            # inputs' types (a kept current unit, or a T_sub part of a target unit)
+            key = (kind, st.state, st.current.layout, st.target.layout, tuple((refs[idx[0]] < 0).tolist()),
+                   first.tobytes())
+            hit = _SHAPES.get(key)
+            g = x[idx][:, labels]
+            if hit is None:
+                rep = _representative(st, kind, int(unit[idx[0]]), refs[idx[0]], old_version, new_version)
+                canon, gpus = canonical_footprint(rep)
+                if gpus != g[0].tolist():
+                    raise AssertionError(f"replica class labels disagree: {gpus} vs {g[0].tolist()}")
+                touched = np.array(sorted(canon.gpus), dtype=np.int64)
+                empty = not len(touched) and not (kind is PrimitiveKind.MERGE and relabels(rep))
+                if len(_SHAPES) > 4096:
+                    _SHAPES.clear()
+                hit = _SHAPES[key] = (canon, touched, empty)
+            canon, touched, empty = hit
+            if empty:
+                return []  # an empty primitive: let the exact path deal with it
+            out.append(ReplicaClass(kind=kind, stage=st.name, stage_order=order, canon=canon, gpus=g,
+                                    unit=unit[idx], refs=refs[idx], touched=touched))
+    return out
+
+
+def _representative(st: _Stage, kind: PrimitiveKind, unit: int, refs: np.ndarray, old_version: int,
+                    new_version: int) -> Primitive:
+    cur = {int(i): _unit_emu(st, old_version, int(i), True) for i in refs if kind is PrimitiveKind.EXTEND}
+    if kind in (PrimitiveKind.SPLIT, PrimitiveKind.DESTROY):
+        cur[unit] = _unit_emu(st, old_version, unit, True)
+    if kind is PrimitiveKind.MERGE:
+        cur.update({-1 - int(r): _unit_emu(st, old_version, -1 - int(r), True) for r in refs if r < 0})
+    pids = [unit] if kind is PrimitiveKind.EXTEND else [int(r) for r in refs if r >= 0]
+    tgt_ids = {p // st.nq for p in pids} | ({unit} if kind is PrimitiveKind.MERGE else set())
+    tgt = {j: _unit_emu(st, new_version, j, False) for j in tgt_ids}
+    part_of = {p: _parts(tgt[p // st.nq], st.sub)[p % st.nq] for p in pids}
+    if kind is PrimitiveKind.DESTROY:
+        return Destroy(unit=cur[unit])
+    if kind is PrimitiveKind.SPLIT:
+        return Split(unit=cur[unit], parts=tuple(part_of[int(r)] for r in refs))
+    if kind is PrimitiveKind.EXTEND:
+        return Extend(sources=tuple(cur[int(r)] for r in refs), target=part_of[unit])
+    return Merge(parts=tuple(part_of[int(r)] if r >= 0 else cur[-1 - int(r)] for r in refs), unit=tgt[unit])
+
+
+# --- edges, memory order --------------------------------------------------------------------------
+
+
+def _edges(st: _Stage, mine: list[ReplicaClass]) -> tuple[np.ndarray, np.ndarray]:
+    """Unit-level data edges of one model-stage (node ids): producer before reader, readers and
+    producer before the node that frees a unit (global_dag.data_edges' rules, over arrays)."""
+    dc = len(st.cur)
+    n_parts = len(st.parts)
+    destroy_node = np.full(dc, -1, dtype=np.int64)
+    producer = np.full(n_parts, -1, dtype=np.int64)  # node producing each part
+    merge_node = np.full(len(st.tgt), -1, dtype=np.int64)
+    kept_into = np.full(dc, -1, dtype=np.int64)  # merge node freeing a kept unit
+    for c in mine:
+        ids = np.arange(c.first_node, c.first_node + c.size)
+        if c.kind is PrimitiveKind.DESTROY:
+            destroy_node[c.unit] = ids
+        elif c.kind is PrimitiveKind.EXTEND:
+            producer[c.unit] = ids
+        elif c.kind is PrimitiveKind.SPLIT:
+            producer[c.refs] = ids[:, None]
+        else:
+            merge_node[c.unit] = ids
+    for c in mine:
+        if c.kind is PrimitiveKind.MERGE:
+            ids = np.arange(c.first_node, c.first_node + c.size)
+            neg = c.refs < 0
+            kept_into[-1 - c.refs[neg]] = np.broadcast_to(ids[:, None], c.refs.shape)[neg]
+    freer = np.where(destroy_node >= 0, destroy_node, kept_into)  # who frees each current unit
+    src: list[np.ndarray] = []
+    dst: list[np.ndarray] = []
+    for c in mine:
+        ids = np.arange(c.first_node, c.first_node + c.size)
+        if c.kind is PrimitiveKind.EXTEND:
+            f = freer[c.refs]
+            src.append(np.broadcast_to(ids[:, None], f.shape)[f >= 0])
+            dst.append(f[f >= 0])
+            if st.nq > 1:
+                src.append(ids)
+                dst.append(merge_node[c.unit // st.nq])
+        elif c.kind is PrimitiveKind.SPLIT:
+            f = freer[c.unit]
+            src.append(ids[f >= 0])
+            dst.append(f[f >= 0])
+            if st.nq > 1:
+                src.append(np.repeat(ids, c.refs.shape[1]))
+                dst.append(merge_node[c.refs.ravel() // st.nq])
+    if not src:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    return np.concatenate(src), np.concatenate(dst)
+
+
+def _order(classes: list[ReplicaClass], edges: set[tuple[int, int]], initial: np.ndarray,
+           capacity: int) -> list[int] | None:
+    """Greedy class order (global_dag's rules), each class checked on every GPU; None if blocked."""
+    n = len(classes)
+    succ: list[list[int]] = [[] for _ in range(n)]
+    indeg = [0] * n
+    for x, y in edges:
+        succ[x].append(y)
+        indeg[y] += 1
+    level = bottom_levels(n, list(edges), [float(c.canon.moved_bytes + 1) for c in classes])
+    alloc: list[np.ndarray] = []
+    buf: list[np.ndarray] = []
+    delta: list[np.ndarray] = []
+    acquire: list[bool] = []
+    for c in classes:
+        labels = c.touched.tolist()
+        a = np.array([c.canon.alloc_bytes.get(g, 0) for g in labels], dtype=np.int64)
+        b = np.array([c.canon.buffer_bytes.get(g, 0) for g in labels], dtype=np.int64)
+        f = np.array([c.canon.free_bytes.get(g, 0) for g in labels], dtype=np.int64)
+        alloc.append(a)
+        buf.append(b)
+        delta.append(a - f)
+        acquire.append(bool(a.any() or b.any()))
+        if labels:
+            c.single = bool(np.bincount(c.gpus[:, c.touched].ravel()).max() <= 1)
+    heap = [((int(acquire[i]), classes[i].stage_order, -level[i], i), i) for i in range(n) if indeg[i] == 0]
+    heapq.heapify(heap)
+    used = initial.copy()
+    order: list[int] = []
+    while heap:
+        _, i = heapq.heappop(heap)
+        c = classes[i]
+        if len(c.touched):
+            g = c.gpus[:, c.touched]
+            if c.single:
+                if acquire[i] and (used[g] + (alloc[i] + buf[i]) > capacity).any():
+                    return None
+                used[g] += delta[i]
+            else:  # members sharing a GPU run one after another: bound by all their allocations
+                if acquire[i]:
+                    total = used.copy()
+                    np.add.at(total, g, np.broadcast_to(alloc[i], g.shape))
+                    most = np.zeros_like(used)
+                    np.maximum.at(most, g, np.broadcast_to(buf[i], g.shape))
+                    if (total + most > capacity).any():
+                        return None
+                np.add.at(used, g, np.broadcast_to(delta[i], g.shape))
+        order.append(i)
+        for j in succ[i]:
+            indeg[j] -= 1
+            if indeg[j] == 0:
+                heapq.heappush(heap, ((int(acquire[j]), classes[j].stage_order, -level[j], j), j))
+    return order if len(order) == n else None
+
+
+def plan_replicas(states: Mapping[str, UnitState], cluster: ClusterSpec, old: GlobalPlan, new: GlobalPlan,
+                  capacity: int) -> ReplicaPlan | None:
+    """The class-level plan of a transition, or None where the exact per-unit path must be used."""
+    n_gpus = cluster.num_gpus
+    old_names = [sp.model_stage for sp in old]
+    if sorted(old_names) != sorted(sp.model_stage for sp in new):
+        return None
+    stages: list[_Stage] = []
+    initial = np.zeros(n_gpus, dtype=np.int64)
+    for name in old_names:
+        state, cp, tp = states[name], old.stage(name), new.stage(name)
+        cur, tgt = gpu_array(cp.gpu_sets), gpu_array(tp.gpu_sets)
+        if cur.min() < 0 or tgt.min() < 0 or cur.max() >= n_gpus or tgt.max() >= n_gpus:
+            return None  # the exact path names the offending GPU
+        sub = t_sub(cp.layout, tp.layout)
+        if tp.layout == sub:
+            parts, nq = tgt, 1
+        else:
+            cols = _columns(tp.layout, sub)
+            parts, nq = tgt[:, cols].reshape(-1, sub.size), len(cols)
+        initial += np.bincount(cur.ravel(), weights=np.tile(np.array(rank_bytes(state, cp.layout), dtype=np.float64),
+                                                            len(cur)), minlength=n_gpus).astype(np.int64)
+        stages.append(_Stage(name=name, state=state, current=cp, target=tp, sub=sub, nq=nq, cur=cur, tgt=tgt,
+                             parts=parts, renamed=[]))
+    if (initial > capacity).any():
+        return None
+    classes: list[ReplicaClass] = []
+    per_stage: list[list[ReplicaClass]] = []
+    for st in stages:
+        local = _local_plan(st, n_gpus)
+        if local is None:
+            return None
+        mine = _classes_of(st, local, st.state.stage_order, old.version, new.version)
+        if not mine and (len(local.destroys) or local.extends or local.splits or local.merges):
+            return None
+        for c in mine:
+            c.first_node = sum(x.size for x in classes)
+            classes.append(c)
+        per_stage.append(mine)
+    src_parts, dst_parts = [], []
+    for st, mine in zip(stages, per_stage):
+        s, d = _edges(st, mine)
+        src_parts.append(s)
+        dst_parts.append(d)
+    num_nodes = sum(c.size for c in classes)
+    src = np.concatenate(src_parts) if src_parts else np.zeros(0, dtype=np.int64)
+    dst = np.concatenate(dst_parts) if dst_parts else np.zeros(0, dtype=np.int64)
+    plan = ReplicaPlan(old_version=old.version, new_version=new.version, stages=stages, classes=classes,
+                       class_order=[], num_nodes=num_nodes, edge_src=src, edge_dst=dst, initial=initial)
+    node_class = plan.node_class()
+    pairs = np.unique(node_class[src] * len(classes) + node_class[dst]) if len(src) else np.zeros(0, np.int64)
+    class_edges = {(int(p) // len(classes), int(p) % len(classes)) for p in pairs}
+    if any(a == b for a, b in class_edges):
+        return None  # members of one class depend on each other: not a block
+    order = _order(classes, class_edges, initial, capacity)
+    if order is None:
+        return None
+    plan.class_order = order
+    return plan
