@@ -195,7 +195,8 @@ def option_table(job: JobSpec, ms: ModelStage, cluster: ClusterSpec, num_gpus: i
     grid_dp, grid_b, grid_g = _grid(sequences, num_gpus)
     max_tp = num_gpus if rules.allow_cross_node_tp else min(num_gpus, gpn)
     recompute_opts = (False, True) if rules.allow_recompute and ms.kind is StageKind.TRAINING else (False,)
-    lines = _lines_for((model, ms, workload, cluster, tuple(eff[c] for c in OpClass)))
+    eff = {c: eff[c] for c in OpClass}  # a plain dict: the cost terms look classes up many times
+    lines = _lines_for((model, ms, workload, cluster, tuple(eff.values())))
     layouts: list[tuple[int, int, bool]] = []
     rows: list[tuple[float, ...]] = []
     for tp in power_of_two_upto(max_tp):

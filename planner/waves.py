@@ -53,7 +53,6 @@ class WaveSolver:
         self.t_sorted = {m: np.unique(t.transient).tolist() for m, t in fronts.items()}
         self.r_sorted = {m: np.unique(t.resident).tolist() for m, t in fronts.items()}
         self.memo: dict[tuple[object, ...], tuple[float, Pick] | None] = {}
-        self.alone: dict[str, tuple[list[int], list[int], list[list[float]], list[list[int]]]] = {}
 
         self.steps_memo: dict[tuple[str, int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         # vectorised wave curves: per member, each row's cell on its (resident level, GPU count) grid
@@ -74,6 +73,7 @@ class WaveSolver:
                 np.minimum.accumulate(cube, axis=axis, out=cube)
             self.cubes[m] = cube
         self.curves: dict[tuple[object, ...], tuple[np.ndarray, np.ndarray]] = {}
+        self.levels: dict[tuple[str, ...], np.ndarray] = {}  # union of a wave's members' resident levels
         # rows within the budget sorted by (GPUs, seconds): a step function is then one running minimum
         self.by_gpus = {}
         for m, t in fronts.items():
@@ -133,15 +133,6 @@ class WaveSolver:
         return bisect.bisect_right(self.t_sorted[member], t_cap)
 
     def solve(self, members: tuple[str, ...], r_cap: float, t_cap: float) -> tuple[float, Pick] | None:
-        if len(members) == 1:  # a lookup in the member's (R, T) -> fastest row table
-            if members[0] not in self.alone:
-                self.alone[members[0]] = alone_table(self.fronts[members[0]], self.budget)
-            r_levels, t_levels, secs, rows = self.alone[members[0]]
-            i = bisect.bisect_right(r_levels, r_cap) - 1
-            j = bisect.bisect_right(t_levels, t_cap) - 1
-            if i < 0 or j < 0 or rows[i][j] < 0:
-                return None
-            return secs[i][j], ((members[0], rows[i][j]),)
         idx = tuple((bisect.bisect_right(self.r_sorted[m], r_cap), self.t_index(m, t_cap)) for m in members)
         key = (members, idx)
         if key in self.memo:
@@ -165,33 +156,6 @@ class WaveSolver:
         result = min_max(members, steps, self.budget)
         self.memo[key] = result
         return result
-
-
-def alone_table(tab: OptionTable, budget: int, value: np.ndarray | None = None
-                 ) -> tuple[list[int], list[int], list[list[float]], list[list[int]]]:
-    """(R levels, T levels, least ``value`` (default: seconds) and its row with resident <= R and
-    transient <= T)."""
-    value = tab.seconds if value is None else value
-    r_levels = np.unique(tab.resident)
-    t_levels = np.unique(tab.transient)
-    secs = np.full((r_levels.size, t_levels.size), np.inf)
-    rows = np.full((r_levels.size, t_levels.size), -1, dtype=np.int64)
-    ok = np.flatnonzero(tab.gpus <= budget)
-    # fastest row per cell (later, faster writes win), then a running minimum over growing R and T
-    order = ok[np.argsort(-value[ok], kind="stable")]
-    cell_r = np.searchsorted(r_levels, tab.resident[order])
-    cell_t = np.searchsorted(t_levels, tab.transient[order])
-    secs[cell_r, cell_t] = value[order]
-    rows[cell_r, cell_t] = order
-    for axis in (0, 1):
-        run = np.minimum.accumulate(secs, axis=axis)
-        shape = [1, 1]
-        shape[axis] = secs.shape[axis]
-        pos = np.arange(secs.shape[axis]).reshape(shape) * np.ones_like(rows)
-        pos = np.maximum.accumulate(np.where((secs == run) & np.isfinite(secs), pos, 0), axis=axis)
-        rows = np.take_along_axis(rows, pos, axis=axis)
-        secs = run
-    return r_levels.tolist(), t_levels.tolist(), secs.tolist(), rows.tolist()
 
 
 def min_max(members: tuple[str, ...], steps: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
@@ -237,12 +201,23 @@ def wave_curve(solver: WaveSolver, members: tuple[str, ...], t_cap: float) -> tu
     key = (members, tuple(solver.t_index(m, t_cap) for m in members))
     curve = solver.curves.get(key)
     if curve is None:
-        levels = np.unique(np.concatenate([solver.grid[m][4] for m in members]))
+        levels = solver.levels.get(members)
+        if levels is None:
+            levels = solver.levels[members] = np.unique(np.concatenate([solver.grid[m][4] for m in members]))
         secs = solver.wave_values(members, levels, t_cap)
         ok = np.isfinite(secs)
         ok[1:] &= secs[1:] < secs[:-1]
         curve = solver.curves[key] = (levels[ok], secs[ok])
     return curve
+
+
+def front(r: np.ndarray, secs: np.ndarray) -> np.ndarray:
+    """Indices of the (r, seconds) points no other point beats in both, by growing r."""
+    order = np.lexsort((secs, r))
+    s = secs[order]
+    keep = np.ones(s.size, dtype=bool)
+    keep[1:] = s[1:] < np.minimum.accumulate(s)[:-1]
+    return order[keep]
 
 
 def kind_points(names: list[str], solver: WaveSolver, t_cap: float
@@ -253,19 +228,28 @@ def kind_points(names: list[str], solver: WaveSolver, t_cap: float
     hit = solver.memo.get(key)
     if hit is not None:
         return hit  # type: ignore[return-value]
-    points: list[Point] = []
+    all_r, all_s, origin = [], [], []
     for part in partitions(names):
-        combined: list[Point] = [(0.0, 0.0, ())]
-        for wave in part:
-            members = tuple(wave)
-            levels, secs = wave_curve(solver, members, t_cap)
-            wave_pts = [(r, x, ((members, r),)) for r, x in zip(levels.tolist(), secs.tolist())]
-            combined = pareto([(a[0] + b[0], a[1] + b[1], a[2] + b[2]) for a in combined for b in wave_pts])
-            if not combined:
-                break
-        points += combined
-    front = pareto(points)
-    result = (np.array([p[0] for p in front]), np.array([p[1] for p in front]), [p[2] for p in front])
+        waves = [tuple(w) for w in part]
+        curves = [wave_curve(solver, w, t_cap) for w in waves]
+        r, sec = np.zeros(1), np.zeros(1)
+        which = np.zeros((1, 0), dtype=np.int64)  # per point: index on each wave's curve
+        for levels, secs in curves:
+            rr = (r[:, None] + levels[None, :]).ravel()
+            ss = (sec[:, None] + secs[None, :]).ravel()
+            keep = front(rr, ss)
+            which = np.column_stack([which[keep // levels.size], keep % levels.size])
+            r, sec = rr[keep], ss[keep]
+        all_r.append(r)
+        all_s.append(sec)
+        origin += [(waves, curves, which, j) for j in range(r.size)]
+    r, sec = np.concatenate(all_r), np.concatenate(all_s)
+    keep = front(r, sec).tolist()
+    refs = []
+    for i in keep:  # only the points kept name their waves
+        waves, curves, which, j = origin[i]
+        refs.append(tuple((w, float(c[0][which[j, n]])) for n, (w, c) in enumerate(zip(waves, curves))))
+    result = (r[keep], sec[keep], refs)
     solver.memo[key] = result  # type: ignore[assignment]
     return result
 
