@@ -761,7 +761,8 @@ def node_step(dag: TransitionDAG, node: int, worker: int, max_bucket_bytes: int 
         out.append(Piece(src_worker=t.src_gpu, dst_worker=t.dst_gpu, src_slot=unit_slots(src, t.src_gpu)[key],
                          dst_slot=unit_slots(dst, t.dst_gpu)[key], box=(t.offsets, t.lengths),
                          src_unit=t.src_unit, dst_unit=t.dst_unit))
-    out += [p for p in _counter_pieces(prim) if worker in (p.src_worker, p.dst_worker)]
+    # counters first: they sit at the start of every buffer, so buckets stay back to back there
+    out = [p for p in _counter_pieces(prim) if worker in (p.src_worker, p.dst_worker)] + out
     local = tuple(p for p in out if p.src_worker == p.dst_worker)
     messages = tuple(_messages([p for p in out if p.src_worker != p.dst_worker], max_bucket_bytes))
     return Step(model_stage=_node_stage(prim), primitive=f"{prim.kind.value}#{node}", local=local,
