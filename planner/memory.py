@@ -16,7 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from functools import lru_cache
 
-from planner.models import Head, ModelSpec, Parallel
+import numpy as np
+
+from planner.models import Head, ModelSpec, Parallel, TensorSpec
 from planner.plan import GlobalPlan, Layout
 from planner.workflow import JobSpec, ModelStage, StageKind, Workload
 
@@ -61,11 +63,18 @@ def stage_layer_counts(num_layers: int, pp: int) -> tuple[int, ...]:
     return tuple(base + (1 if r < extra else 0) for r in range(pp))
 
 
+@lru_cache(maxsize=256)
+def _shardable_tensors(model: ModelSpec, head: Head) -> tuple[TensorSpec, ...]:
+    """Decoder layer 0's tensors and the ones outside the layers: all shard_params needs (every layer
+    is alike), listed once per model and head instead of once per TP degree."""
+    return tuple(t for t in model.tensors(head) if t.layer is None or t.layer == 0)
+
+
 @lru_cache(maxsize=4096)
 def shard_params(model: ModelSpec, head: Head, tp: int) -> tuple[int, int, int]:
     """(params of one decoder layer, of the embedding, of final norm + head) held by one TP rank."""
     layer = embed = top = 0
-    for t in model.tensors(head):
+    for t in _shardable_tensors(model, head):
         if t.parallel is Parallel.REPLICATED:
             n = t.numel
         else:
@@ -184,36 +193,35 @@ def plan_memory(job: JobSpec, plan: GlobalPlan) -> tuple[dict[int, int], dict[st
     """(GPU -> peak bytes, model-stage -> breakdown on its fullest GPU while it runs).
 
     Every model-stage placed on a GPU keeps its resident state there all step long; a GPU peaks while
-    the model-stage with the largest transient memory on it runs.
+    the model-stage with the largest transient memory on it runs. GPUs are handled as arrays, and
+    each distinct co-resident amount of a model-stage is combined once (a 1,024-GPU plan has few).
     """
     workload = job.workload
+    stages = list(plan)
+    if not stages:
+        return {}, {}
     res: dict[str, MemoryBreakdown] = {}
     trans: dict[str, MemoryBreakdown] = {}
-    resident_on: dict[int, int] = {}
-    for sp in plan:
+    gpus: dict[str, np.ndarray] = {}
+    for sp in stages:
         ms = job.workflow.stage(sp.model_stage)
         model = job.model_of(ms)
         res[sp.model_stage] = resident_bytes(model, ms, sp.layout)
         trans[sp.model_stage] = transient_bytes(model, ms, sp.layout, workload, sp.micro_batch_size,
                                                 sp.grad_accum, sp.recompute)
-        r = res[sp.model_stage].total_bytes
-        for g in sp.gpus:
-            resident_on[g] = resident_on.get(g, 0) + r
-    per_gpu: dict[int, int] = {}
+        gpus[sp.model_stage] = np.asarray(sp.gpu_sets, dtype=np.int64).ravel()
+    ids = np.unique(np.concatenate(list(gpus.values())))
+    resident_on = np.zeros(ids.size, dtype=np.int64)
+    pos = {name: np.searchsorted(ids, g) for name, g in gpus.items()}
+    for sp in stages:
+        resident_on[pos[sp.model_stage]] += res[sp.model_stage].total_bytes  # a stage's GPUs are distinct
+    peak = np.zeros(ids.size, dtype=np.int64)
     per_stage: dict[str, MemoryBreakdown] = {}
-    for sp in plan:
+    for sp in stages:
         own = res[sp.model_stage]
-        own_bytes = own.total_bytes
-        # co-resident bytes take few distinct values across a model-stage's GPUs: combine once per value
-        by_co: dict[int, MemoryBreakdown] = {}
-        totals: dict[int, int] = {}
-        for g in sp.gpus:
-            co = resident_on[g] - own_bytes
-            total = totals.get(co)
-            if total is None:
-                by_co[co] = combine(own, trans[sp.model_stage], co)
-                total = totals[co] = by_co[co].total_bytes
-            if total > per_gpu.get(g, 0):
-                per_gpu[g] = total
-        per_stage[sp.model_stage] = max(by_co.values(), key=lambda m: m.total_bytes)
-    return per_gpu, per_stage
+        co, inverse = np.unique(resident_on[pos[sp.model_stage]] - own.total_bytes, return_inverse=True)
+        by_co = [combine(own, trans[sp.model_stage], int(c)) for c in co.tolist()]
+        totals = np.array([m.total_bytes for m in by_co], dtype=np.int64)
+        np.maximum.at(peak, pos[sp.model_stage], totals[inverse.ravel()])
+        per_stage[sp.model_stage] = by_co[int(np.argmax(totals))]
+    return dict(zip(ids.tolist(), peak.tolist())), per_stage

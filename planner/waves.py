@@ -12,6 +12,7 @@ import bisect
 from collections.abc import Iterator, Mapping
 
 import numpy as np
+import numpy.ma  # noqa: F401  np.unique imports it lazily: 30 ms off a process's first decision
 
 from planner.options import OptionTable
 
