@@ -1,6 +1,6 @@
 """Benchmark the live executor; prints one JSON document with side-by-side figures from one run.
 
-1. Throughput: the executor's transfer phase vs a raw single-buffer batch_isend_irecv of the same bytes
+1. Throughput: the executor (running the transition DAG, and the geometry plan) vs a raw single-buffer batch_isend_irecv of the same bytes
    per worker pair, between the same processes (ratio = executor throughput / raw; target >= 0.8).
 2. EMU transition vs checkpoint/restart for the same change on 4 CPU workers: TP1xDP2 -> TP2xDP2 and
    DP2 -> DP4 (Extend). Checkpoint/restart = DCP save, process exit, new processes, new world, DCP load
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -29,10 +30,15 @@ sys.path[:] = [p for p in sys.path if str(Path(p or ".").resolve()) != _HERE]
 import torch  # noqa: E402
 
 from agent.coordinator import LocalCoordinator  # noqa: E402
+from planner.hardware import cluster_preset  # noqa: E402
 from planner.models import Head, model_preset  # noqa: E402
-from planner.plan import Layout  # noqa: E402
-from transitions.executor import StagePlacement, TransitionPlan, plan_transition  # noqa: E402
+from planner.plan import GlobalPlan, Layout, StagePlan  # noqa: E402
+from planner.workflow import ACTOR_TRAIN  # noqa: E402
+from transitions.executor import StagePlacement, plan_transition  # noqa: E402
 from transitions.geometry import TRAINING_KINDS  # noqa: E402
+from transitions.global_dag import build_transition  # noqa: E402
+from transitions.local_dag import plan_units  # noqa: E402
+from transitions.scenarios import stage_states  # noqa: E402
 
 NUM_WORKERS = 4
 
@@ -42,18 +48,52 @@ def stage(model: str, tp: int, gpu_sets: list[list[int]]) -> StagePlacement:
                           kinds=TRAINING_KINDS, layout=Layout(tp, 1), gpu_sets=tuple(tuple(g) for g in gpu_sets))
 
 
+def global_plan(version: int, tp: int, gpu_sets: list[list[int]]) -> GlobalPlan:
+    return GlobalPlan(version=version, stages=(StagePlan(model_stage="actor-train", layout=Layout(tp, 1),
+                                                         gpu_sets=tuple(tuple(g) for g in gpu_sets),
+                                                         micro_batch_size=1),))
+
+
 CHANGES = {
     "tp1xdp2->tp2xdp2": ((1, [[0], [1]]), (2, [[0, 1], [2, 3]])),
     "dp2->dp4 (extend)": ((1, [[0], [1]]), (1, [[0], [1], [2], [3]])),
 }
 
 
-def pair_bytes(plan: TransitionPlan) -> dict[tuple[int, int], int]:
-    out: dict[tuple[int, int], int] = defaultdict(int)
-    for step in plan.steps:
-        for m in step.messages:
-            out[(m.src_worker, m.dst_worker)] += m.num_bytes
-    return dict(out)
+class Change:
+    """One layout change, as a geometry plan and as a transition DAG, with the state to start from."""
+
+    def __init__(self, model: str, name: str) -> None:
+        (tp0, sets0), (tp1, sets1) = CHANGES[name]
+        self.old, self.new = [stage(model, tp0, sets0)], [stage(model, tp1, sets1)]
+        states = stage_states(model_preset(model), (ACTOR_TRAIN,))
+        old_plan, new_plan = global_plan(1, tp0, sets0), global_plan(2, tp1, sets1)
+        self.cluster = cluster_preset("cpu", NUM_WORKERS)
+        self.dag = build_transition(states, self.cluster, old_plan, new_plan)
+        self.old_units = [u for sp in old_plan for u in plan_units(states[sp.model_stage], sp, 1)]
+
+    def plan_pairs(self) -> dict[tuple[int, int], int]:
+        out: dict[tuple[int, int], int] = defaultdict(int)
+        for step in plan_transition(self.old, self.new).steps:
+            for m in step.messages:
+                out[(m.src_worker, m.dst_worker)] += m.num_bytes
+        return dict(out)
+
+    def dag_pairs(self) -> dict[tuple[int, int], int]:
+        out: dict[tuple[int, int], int] = defaultdict(int)
+        for fp in self.dag.footprints:
+            for pair, n in fp.pair_bytes.items():
+                out[pair] += n
+        return dict(out)
+
+    def run(self, pool: LocalCoordinator, path: str) -> Any:
+        if path == "dag":
+            pool.init_units(self.old_units, seed=1)
+            pool.call(barrier)
+            return pool.run_dag(self.dag, self.cluster)
+        pool.init_state(self.old, seed=1)
+        pool.call(barrier)
+        return pool.transition(self.old, self.new)
 
 
 def raw_exchange(ctx: Any, *, pairs: dict[tuple[int, int], int]) -> float:
@@ -77,47 +117,54 @@ def barrier(ctx: Any) -> None:
 
 
 def throughput(pool: LocalCoordinator, model: str, repeats: int) -> dict[str, Any]:
-    out = {}
-    for name, ((tp0, sets0), (tp1, sets1)) in CHANGES.items():
-        old, new = [stage(model, tp0, sets0)], [stage(model, tp1, sets1)]
-        plan = plan_transition(old, new)
-        pairs = pair_bytes(plan)
-        total = sum(pairs.values())
-        exec_s, raw_s, predicted = [], [], plan.predicted_s
-        for _ in range(repeats):
-            pool.init_state(old, seed=1)
-            pool.call(barrier)
-            outcome = pool.transition(old, new)
-            assert outcome.committed, outcome.errors
-            # the transfer phase as the slowest worker saw it (local copies included)
-            exec_s.append(max(sum(r.measured_s for r in reps) for reps in outcome.reports.values()))
-            raw_s.append(max(pool.call(raw_exchange, pairs=pairs).values()))
-        e, r = statistics.median(exec_s), statistics.median(raw_s)
-        out[name] = {"bytes_moved": total, "pairs": len(pairs), "executor_s": e, "raw_single_buffer_s": r,
-                     "executor_GBps": total / e / 1e9, "raw_GBps": total / r / 1e9,
-                     "throughput_ratio": r / e, "predicted_L_tran_s": predicted,
-                     "direct_messages": sum(1 for s in plan.steps for m in s.messages if m.direct),
-                     "packed_messages": sum(1 for s in plan.steps for m in s.messages if not m.direct)}
+    """Per change and path: the slowest worker's time in the executor (transfers, packing and local
+    copies) vs one raw buffer per pair of the same bytes; min over interleaved repeats (this machine
+    is shared, so the least disturbed sample is the comparable one), medians alongside."""
+    out: dict[str, Any] = {}
+    for name in CHANGES:
+        change = Change(model, name)
+        for path, pairs in (("dag", change.dag_pairs()), ("plan", change.plan_pairs())):
+            total = sum(pairs.values())
+            exec_s, moving_s, raw_s, predicted = [], [], [], 0.0
+            for _ in range(repeats):
+                outcome = change.run(pool, path)
+                assert outcome.committed, outcome.errors
+                exec_s.append(max(sum(r.measured_s for r in reps) for reps in outcome.reports.values()))
+                # without the copies of bytes that never leave their worker (the raw path has none)
+                moving_s.append(max(sum(r.measured_s - r.local_copy_s for r in reps)
+                                    for reps in outcome.reports.values()))
+                predicted = max(sum(r.predicted_s for r in reps) for reps in outcome.reports.values())
+                raw_s.append(max(pool.call(raw_exchange, pairs=pairs).values()))
+            e, r = min(exec_s), min(raw_s)
+            out[f"{name} [{path}]"] = {
+                "bytes_moved": total, "pairs": len(pairs), "executor_s": e, "raw_single_buffer_s": r,
+                "executor_GBps": total / e / 1e9, "raw_GBps": total / r / 1e9, "throughput_ratio": r / e,
+                "throughput_ratio_median": statistics.median(raw_s) / statistics.median(exec_s),
+                "executor_without_local_copies_s": min(moving_s), "transfer_ratio": r / min(moving_s),
+                "bytes_copied_locally": max(sum(x.bytes_copied_locally for x in reps)
+                                            for reps in outcome.reports.values()),
+                "predicted_L_tran_s": predicted}
     return out
 
 
 def emu_vs_restart(model: str, repeats: int) -> dict[str, Any]:
     out = {}
-    for name, ((tp0, sets0), (tp1, sets1)) in CHANGES.items():
-        old, new = [stage(model, tp0, sets0)], [stage(model, tp1, sets1)]
-        emu_s, restart_s, phases = [], [], []
+    for name in CHANGES:
+        change = Change(model, name)
+        emu_s: list[float] = []
+        restart_s: list[float] = []
+        phases = []
         with LocalCoordinator(NUM_WORKERS, timeout_s=120) as pool:
             pool.form_generation()
             for _ in range(repeats):
-                pool.init_state(old, seed=2)
-                outcome = pool.transition(old, new)
+                outcome = change.run(pool, "dag")
                 assert outcome.committed, outcome.errors
-                emu_s.append(outcome.seconds)  # prepare + commit, as the driver sees it
+                emu_s.append(outcome.seconds)  # the whole DAG run as the driver sees it
         for i in range(min(repeats, 2)):  # each restart costs seconds: two samples are enough
             with tempfile.TemporaryDirectory(prefix="nereus-bench-") as tmp:
                 first = LocalCoordinator(NUM_WORKERS, timeout_s=120)
                 first.form_generation()
-                first.init_state(old, seed=2)
+                first.init_state(change.old, seed=2)
                 t0 = time.perf_counter()
                 first.save_checkpoint(tmp, f"ck{i}")
                 t1 = time.perf_counter()
@@ -126,13 +173,14 @@ def emu_vs_restart(model: str, repeats: int) -> dict[str, Any]:
                 second = LocalCoordinator(NUM_WORKERS, timeout_s=120)  # new processes
                 second.form_generation()
                 t3 = time.perf_counter()
-                second.load_checkpoint(tmp, f"ck{i}", new)
+                second.load_checkpoint(tmp, f"ck{i}", change.new)
                 t4 = time.perf_counter()
                 second.close()
             restart_s.append(t4 - t0)
             phases.append({"save_s": t1 - t0, "exit_s": t2 - t1, "spawn_and_join_s": t3 - t2, "load_s": t4 - t3})
-        e, r = statistics.median(emu_s), statistics.median(restart_s)
+        e, r = min(emu_s), min(restart_s)
         out[name] = {"emu_transition_s": e, "checkpoint_restart_s": r, "speedup": r / e,
+                     "speedup_median": statistics.median(restart_s) / statistics.median(emu_s),
                      "restart_phases": phases, "emu_samples_s": emu_s}
     return out
 
@@ -145,12 +193,14 @@ def main() -> None:
     args = parser.parse_args()
     state_bytes = sum(t.numel for t in model_preset(args.model).tensors()) * (2 + 3 * 4)
     result: dict[str, Any] = {"model": args.model, "state_bytes_per_replica": state_bytes,
-                              "workers": NUM_WORKERS, "backend": "gloo", "torch": torch.__version__}
+                              "workers": NUM_WORKERS, "backend": "gloo", "torch": torch.__version__,
+                              "load_average_at_start": os.getloadavg()[0], "cpus": os.cpu_count()}
     with LocalCoordinator(NUM_WORKERS, timeout_s=120) as pool:
         pool.form_generation()
         result["throughput"] = throughput(pool, args.model, args.repeats)
     if not args.skip_restart:
         result["emu_vs_checkpoint_restart"] = emu_vs_restart(args.model, args.repeats)
+    result["load_average_at_end"] = os.getloadavg()[0]
     json.dump(result, sys.stdout, indent=2)
     print()
 
