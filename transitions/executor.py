@@ -1,23 +1,24 @@
 """The executor: moves live EMU state between layouts over the data channel, bit-exactly.
 
-A worker's state for one model-stage is a ``RankState``: ONE flat byte buffer holding every shard of
-its unit rank (every state kind, plus the unit's counters), each shard a typed view at a fixed,
-16-byte-aligned offset. Flat buffers make the common moves (Extend, Move) zero-copy: a run of shards
-that is contiguous on both sides is sent straight from the old buffer into the new one.
+A worker's state for one unit is a ``RankState``: ONE flat byte buffer holding every shard of its
+unit rank (every state kind, plus the unit's counters), each shard a typed view at a fixed,
+16-byte-aligned offset. Flat buffers make the common moves (Extend, Move) zero-copy: pieces that lie
+back to back on both sides travel straight from the old buffer into the new one, and a bucket whose
+pieces lie back to back on one side is read or written in place on that side.
 
-``plan_transition`` (pure: no I/O, deterministic) turns the old and new placements into steps, one
-per model-stage that changes, each a list of pieces (source worker, destination worker, tensor box).
-Every worker computes the same plan and runs only its own part (``run_transition``): local copies,
-then rounds of one ``batch_isend_irecv`` each. Pieces a pair exchanges are coalesced into direct
-runs (no copy) or packed into buckets of at most ``max_bucket_bytes`` per pair per round, which is
-the memory the transition adds beyond the old and new state; buckets are freed once unpacked.
+Two ways to drive it, one engine underneath (``_run_step``: local copies, then pipelined rounds of
+one ``batch_isend_irecv`` each, at most ``max_bucket_bytes`` per pair per round, two rounds in
+flight, buckets freed once unpacked):
 
-Nothing old is freed until ``PendingTransition.commit``: a transition that stops halfway (a peer
-died, a timeout) is aborted and every surviving worker still holds its old state, so no logical
-state is lost unless its last copy died (see ``lost_state``).
+- ``run_dag``: a ``transitions.global_dag.TransitionDAG``. Each worker runs the nodes that touch it
+  in the DAG's order and derives its own pieces (``node_step``); targets are allocated when their
+  node starts, sources freed by the node that frees them, Merges of parts already in final shape
+  only relabel. Time per node is measured next to the cost model's prediction.
+- ``run_transition``: a plan computed from geometry alone (``plan_transition``), two-phase: the new
+  state is built beside the old and swapped in by ``PendingTransition.commit``.
 
-Until the transition DAG (transitions/dag.py) drives it, steps come from geometry alone and are
-labelled with the primitive they amount to; each records measured time next to a predicted L_tran.
+Either way a transition that stops halfway (a peer died, a timeout) loses no logical state unless its
+last copy died: ``lost_state`` and ``agent.coordinator.uncovered_state`` say what needs the checkpoint.
 """
 
 from __future__ import annotations
@@ -816,6 +817,8 @@ def run_dag(dag: TransitionDAG, worker: int, units: dict[str, RankState], channe
     """
     device = channel.device
     reports: list[StepReport] = []
+    # every member is there before anything moves (and NCCL's communicator exists before p2p)
+    channel.barrier(timeout_s)
     # Merges whose parts all arrive in final shape move nothing and touch no GPU's timeline, so they
     # are in no worker's node list: each worker relabels its share as soon as it holds it
     relabel = [prim for prim in dag.nodes if isinstance(prim, Merge) and relabels(prim)]
