@@ -147,10 +147,28 @@ def _matmul_params(model: ModelSpec, ms: ModelStage, layout: Layout) -> int:
     return max(counts[0] * layer + (top if layout.pp == 1 else 0), counts[-1] * layer + top)
 
 
+# (op class, work, peak per s, messages, latency s) of one term: what OpTerm holds, without building one
+# (the option tables evaluate thousands of terms per replan).
+RawTerm = tuple[OpClass, float, float, float, float]
+
+
+def raw_seconds(t: RawTerm, eff: Mapping[OpClass, float]) -> float:
+    """OpTerm.seconds of a raw term (repeat 1)."""
+    return t[1] / (t[2] * eff[t[0]]) + t[3] * t[4]
+
+
 def microbatch_terms(model: ModelSpec, ms: ModelStage, layout: Layout, workload: Workload,
                      micro_batch_size: int, recompute: bool, cluster: ClusterSpec,
                      links: Links) -> tuple[OpTerm, ...]:
     """Work of one micro-batch (generation: one wave of concurrent sequences) on the slowest GPU."""
+    return tuple(OpTerm(op_class=c, work=w, peak_per_s=p, messages=m, latency_s=lat) for c, w, p, m, lat in
+                 microbatch_raw(model, ms, layout, workload, micro_batch_size, recompute, cluster, links))
+
+
+def microbatch_raw(model: ModelSpec, ms: ModelStage, layout: Layout, workload: Workload,
+                   micro_batch_size: int, recompute: bool, cluster: ClusterSpec,
+                   links: Links) -> list[RawTerm]:
+    """:func:`microbatch_terms` as raw tuples, in the same order."""
     tp, pp, b = layout.tp, layout.pp, micro_batch_size
     dev = cluster.device
     tp_link = cluster.intra_node_link if links.tp_intra else cluster.inter_node_link
@@ -167,61 +185,63 @@ def microbatch_terms(model: ModelSpec, ms: ModelStage, layout: Layout, workload:
         # QK^T and AV over a causal mask: 2 GEMMs * 2 FLOPs * s^2/2 * q_dim, per layer
         return 2.0 * b * tokens_per_seq**2 * q_dim_per_gpu * layers
 
-    def tp_allreduces(count: float, tokens: float) -> OpTerm:
-        return OpTerm(op_class=tp_cls, work=count * tokens * act * _ring(tp), peak_per_s=tp_link.bytes_per_s,
-                      messages=count * _hops(tp), latency_s=tp_link.latency_s)
+    def tp_allreduces(count: float, tokens: float) -> RawTerm:
+        return (tp_cls, count * tokens * act * _ring(tp), tp_link.bytes_per_s, count * _hops(tp),
+                tp_link.latency_s)
 
-    def pp_sends(count: float, tokens_total: float) -> OpTerm:
-        return OpTerm(op_class=pp_cls, work=tokens_total * act, peak_per_s=pp_link.bytes_per_s,
-                      messages=count, latency_s=pp_link.latency_s)
+    def pp_sends(count: float, tokens_total: float) -> RawTerm:
+        return (pp_cls, tokens_total * act, pp_link.bytes_per_s, count, pp_link.latency_s)
 
-    terms: list[OpTerm] = []
+    terms: list[RawTerm] = []
     if ms.kind is StageKind.GENERATION:
         p, r = workload.prompt_tokens, workload.response_tokens
         ctx = p + r / 2  # mean context length over the decode
         decode_flops = 2.0 * w * b * r
         decode_bytes = float(w * model.bytes_per_param * r)
-        gemm = OpTerm(op_class=OpClass.GEMM, work=2.0 * w * b * p + decode_flops, peak_per_s=dev.peak_flops_bf16)
-        weights = OpTerm(op_class=OpClass.MEMORY_BOUND, work=decode_bytes, peak_per_s=dev.hbm_bytes_per_s)
+        gemm = (OpClass.GEMM, 2.0 * w * b * p + decode_flops, dev.peak_flops_bf16, 0.0, 0.0)
+        weights = (OpClass.MEMORY_BOUND, decode_bytes, dev.hbm_bytes_per_s, 0.0, 0.0)
         terms += [gemm, weights]  # roofline: the search keeps both; stage_cost takes the larger of the two
-        terms.append(OpTerm(op_class=OpClass.ATTENTION_PREFILL, work=attention_flops(p),
-                            peak_per_s=dev.peak_flops_bf16))
-        terms.append(OpTerm(op_class=OpClass.ATTENTION_DECODE,
-                            work=float(b * ctx * kv_bytes_per_token_per_gpu(model, layout) * r),
-                            peak_per_s=dev.hbm_bytes_per_s))
+        terms.append((OpClass.ATTENTION_PREFILL, attention_flops(p), dev.peak_flops_bf16, 0.0, 0.0))
+        terms.append((OpClass.ATTENTION_DECODE, float(b * ctx * kv_bytes_per_token_per_gpu(model, layout) * r),
+                      dev.hbm_bytes_per_s, 0.0, 0.0))
         if tp > 1:
             terms.append(tp_allreduces(2 * layers, b * p))
             terms.append(tp_allreduces(2 * layers * r, b))
         if pp > 1:
             terms.append(pp_sends(1 + r, b * (p + r)))  # the prompt once, then one token per step
-        return tuple(terms)
+        return terms
     s = workload.tokens_per_sequence
     passes = 1 if ms.kind is StageKind.INFERENCE else (4 if recompute else 3)  # fwd (+ bwd 2x, + refwd)
-    terms.append(OpTerm(op_class=OpClass.GEMM, work=passes * 2.0 * w * b * s, peak_per_s=dev.peak_flops_bf16))
-    terms.append(OpTerm(op_class=OpClass.ATTENTION_PREFILL, work=passes * attention_flops(s),
-                        peak_per_s=dev.peak_flops_bf16))
+    terms.append((OpClass.GEMM, passes * 2.0 * w * b * s, dev.peak_flops_bf16, 0.0, 0.0))
+    terms.append((OpClass.ATTENTION_PREFILL, passes * attention_flops(s), dev.peak_flops_bf16, 0.0, 0.0))
     if tp > 1:
         terms.append(tp_allreduces((2 if passes == 1 else 2 * (passes - 1)) * layers, b * s))
     if pp > 1:
         n_sends = 1 if passes == 1 else 2  # activations forward, gradients backward
         terms.append(pp_sends(n_sends, n_sends * b * s))
-    return tuple(terms)
+    return terms
 
 
 def sync_terms(model: ModelSpec, ms: ModelStage, layout: Layout, dp: int, cluster: ClusterSpec,
                links: Links) -> tuple[OpTerm, ...]:
     """Once per optimizer step of a training model-stage: DP gradient all-reduce and the Adam update."""
+    return tuple(OpTerm(op_class=c, work=w, peak_per_s=p, messages=m, latency_s=lat)
+                 for c, w, p, m, lat in sync_raw(model, ms, layout, dp, cluster, links))
+
+
+def sync_raw(model: ModelSpec, ms: ModelStage, layout: Layout, dp: int, cluster: ClusterSpec,
+             links: Links) -> list[RawTerm]:
+    """:func:`sync_terms` as raw tuples, in the same order."""
     if ms.kind is not StageKind.TRAINING:
-        return ()
+        return []
     n = params_per_gpu(model, ms.role.head, layout)
-    terms = [OpTerm(op_class=OpClass.MEMORY_BOUND, work=2.0 * n * TRAINING_BYTES_PER_PARAM,
-                    peak_per_s=cluster.device.hbm_bytes_per_s)]
+    terms: list[RawTerm] = [(OpClass.MEMORY_BOUND, 2.0 * n * TRAINING_BYTES_PER_PARAM,
+                             cluster.device.hbm_bytes_per_s, 0.0, 0.0)]
     if dp > 1:
         link = cluster.intra_node_link if links.dp_intra else cluster.inter_node_link
         cls = OpClass.DP_ALLREDUCE_INTRA if links.dp_intra else OpClass.DP_ALLREDUCE_INTER
-        terms.append(OpTerm(op_class=cls, work=n * BYTES_BF16 * _ring(dp), peak_per_s=link.bytes_per_s,
-                            messages=_hops(dp), latency_s=link.latency_s))
-    return tuple(terms)
+        terms.append((cls, n * BYTES_BF16 * _ring(dp), link.bytes_per_s, _hops(dp), link.latency_s))
+    return terms
 
 
 def roofline(terms: tuple[OpTerm, ...], eff: Mapping[OpClass, float]) -> tuple[OpTerm, ...]:

@@ -139,6 +139,14 @@ def _layer_activation_bytes_per_token(model: ModelSpec, tp: int) -> float:
 def transient_bytes(model: ModelSpec, ms: ModelStage, layout: Layout, workload: Workload,
                     micro_batch_size: int, grad_accum: int, recompute: bool) -> MemoryBreakdown:
     """Memory a model-stage needs only while it runs (worst GPU of a unit)."""
+    kv, act = transient_parts(model, ms, layout, workload, micro_batch_size, grad_accum, recompute)
+    return MemoryBreakdown(kv_cache_bytes=kv, activations_bytes=act)
+
+
+def transient_parts(model: ModelSpec, ms: ModelStage, layout: Layout, workload: Workload,
+                    micro_batch_size: int, grad_accum: int, recompute: bool) -> tuple[int, int]:
+    """(KV-cache bytes, activation bytes) of :func:`transient_bytes`, without building the breakdown
+    (the option tables evaluate it thousands of times per replan)."""
     tp, pp = layout.tp, layout.pp
     layers = stage_layer_counts(model.num_layers, pp)[0]
     b = micro_batch_size
@@ -149,13 +157,13 @@ def transient_bytes(model: ModelSpec, ms: ModelStage, layout: Layout, workload: 
         # logits of the batch being sampled (fp32) and one layer's prefill activations of one sequence
         logits = b * model.vocab_size // tp * BYTES_FP32
         prefill = int(workload.prompt_tokens * _layer_activation_bytes_per_token(model, tp))
-        return MemoryBreakdown(kv_cache_bytes=kv, activations_bytes=logits + prefill)
+        return kv, logits + prefill
     s = workload.max_tokens_per_sequence
     per_layer = b * s * _layer_activation_bytes_per_token(model, tp)
     # log-probs / loss over the vocabulary: bf16 logits plus an fp32 copy for the softmax
     logits = b * s * (model.vocab_size // tp) * (BYTES_BF16 + BYTES_FP32) if ms.role.head is Head.LM else 0
     if ms.kind is StageKind.INFERENCE:
-        return MemoryBreakdown(activations_bytes=int(per_layer + logits))
+        return 0, int(per_layer + logits)
     # 1F1B: the first PP stage keeps min(pp, micro-batches) micro-batches in flight
     in_flight = min(pp, grad_accum)
     if recompute:
@@ -163,7 +171,7 @@ def transient_bytes(model: ModelSpec, ms: ModelStage, layout: Layout, workload: 
         act = kept + per_layer  # one layer rematerialised at a time
     else:
         act = in_flight * layers * per_layer
-    return MemoryBreakdown(activations_bytes=int(act + logits))
+    return 0, int(act + logits)
 
 
 def with_headroom(m: MemoryBreakdown, workspace_bytes: int = WORKSPACE_BYTES) -> MemoryBreakdown:

@@ -18,9 +18,9 @@ from functools import lru_cache
 
 import numpy as np
 
-from planner.cost import Links, OpClass, OpTerm, microbatch_terms, sync_terms
+from planner.cost import Links, OpClass, RawTerm, microbatch_raw, raw_seconds, sync_raw
 from planner.hardware import ClusterSpec
-from planner.memory import HEADROOM_FRACTION, WORKSPACE_BYTES, resident_bytes, transient_bytes
+from planner.memory import HEADROOM_FRACTION, WORKSPACE_BYTES, resident_bytes, transient_parts
 from planner.models import ModelSpec
 from planner.plan import Layout, power_of_two_upto
 from planner.workflow import JobSpec, ModelStage, StageKind, Workload
@@ -110,17 +110,17 @@ def _grid(sequences: int, max_dp: int) -> tuple[np.ndarray, np.ndarray, np.ndarr
     return arr[:, 0], arr[:, 1], arr[:, 2]
 
 
-def _seconds_line(t1: tuple[OpTerm, ...], t2: tuple[OpTerm, ...],
+def _seconds_line(t1: list[RawTerm], t2: list[RawTerm],
                   eff: Mapping[OpClass, float]) -> tuple[float, float, float, float]:
     """(GEMM s per sequence, weight-read s, other s per sequence, other fixed s) of one micro-batch.
 
     Generation keeps max(GEMM, weight read) per micro-batch (roofline, as planner.cost.roofline does)."""
     gemm_a = mem_c = other_a = other_c = 0.0
     for a, b in zip(t1, t2):
-        s1, s2 = a.seconds(eff), b.seconds(eff)
-        if a.op_class is OpClass.GEMM:
+        s1, s2 = raw_seconds(a, eff), raw_seconds(b, eff)
+        if a[0] is OpClass.GEMM:
             gemm_a += s2 - s1
-        elif a.op_class is OpClass.MEMORY_BOUND:
+        elif a[0] is OpClass.MEMORY_BOUND:
             mem_c += s1
         else:
             other_a += s2 - s1
@@ -162,16 +162,16 @@ def _layout_line(model: ModelSpec, ms: ModelStage, layout: Layout, workload: Wor
     if resident > usable:
         return None
     links = Links(tp_intra=tp <= gpn, pp_intra=layout.size <= gpn, dp_intra=True)
-    sync_mem = sum(t.seconds(eff) for t in sync_terms(model, ms, layout, 1, cluster, links))
+    sync_mem = sum(raw_seconds(t, eff) for t in sync_raw(model, ms, layout, 1, cluster, links))
     grad_bytes = intra_s = intra_lat = inter_s = inter_lat = 0.0
     if ms.kind is StageKind.TRAINING:
-        intra = sync_terms(model, ms, layout, 2, cluster, links)[-1]
-        inter = sync_terms(model, ms, layout, 2, cluster, Links(dp_intra=False))[-1]
-        grad_bytes = intra.work / 1.0  # ring factor of dp=2 is 1: work is the bare gradient bytes
-        intra_s, intra_lat = intra.peak_per_s * eff[intra.op_class], intra.latency_s
-        inter_s, inter_lat = inter.peak_per_s * eff[inter.op_class], inter.latency_s
-    t1 = microbatch_terms(model, ms, layout, workload, 1, recompute, cluster, links)
-    t2 = microbatch_terms(model, ms, layout, workload, 2, recompute, cluster, links)
+        intra = sync_raw(model, ms, layout, 2, cluster, links)[-1]
+        inter = sync_raw(model, ms, layout, 2, cluster, Links(dp_intra=False))[-1]
+        grad_bytes = intra[1] / 1.0  # ring factor of dp=2 is 1: work is the bare gradient bytes
+        intra_s, intra_lat = intra[2] * eff[intra[0]], intra[4]
+        inter_s, inter_lat = inter[2] * eff[inter[0]], inter[4]
+    t1 = microbatch_raw(model, ms, layout, workload, 1, recompute, cluster, links)
+    t2 = microbatch_raw(model, ms, layout, workload, 2, recompute, cluster, links)
     c0, c1, c2 = _transient_coeffs(model, ms, layout, workload, recompute)
     return (float(resident), *_seconds_line(t1, t2, eff), sync_mem, grad_bytes, intra_s, intra_lat, inter_s,
             inter_lat, float(c0), float(c1), float(c2))
@@ -244,7 +244,7 @@ def _transient_coeffs(model: ModelSpec, ms: ModelStage, layout: Layout, workload
                       recompute: bool) -> tuple[int, int, int]:
     """Transient bytes of every row are c0 + b * (c1 + (min(pp, g) - 1) * c2): three exact evaluations."""
     def at(bb: int, gg: int) -> int:
-        return transient_bytes(model, ms, layout, workload, bb, gg, recompute).total_bytes
+        return sum(transient_parts(model, ms, layout, workload, bb, gg, recompute))
 
     t11, t21 = at(1, 1), at(2, 1)
     c1 = t21 - t11
