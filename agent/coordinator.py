@@ -165,6 +165,11 @@ class Coordinator(Protocol):
     def transition(self, old: Iterable[StagePlacement], new: Iterable[StagePlacement],
                    max_bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> TransitionOutcome: ...
 
+    def init_units(self, units: Iterable[EMU], seed: int) -> None: ...
+
+    def run_dag(self, dag: TransitionDAG, cluster: ClusterSpec, *,
+                max_bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> TransitionOutcome: ...
+
     def dump(self) -> dict[int, Any]: ...
 
     def close(self) -> None: ...
@@ -459,3 +464,7 @@ def _covers(shape: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int
         if reach >= shape[dim]:
             return True
     return not shape or any(box_intersection(b, full) == full for b in boxes)
+
+
+def _implements(c: LocalCoordinator) -> Coordinator:  # checked by mypy: the local driver is a Coordinator
+    return c
