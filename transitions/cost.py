@@ -84,104 +84,132 @@ def schedule(dag: TransitionDAG, durations: list[float]) -> tuple[list[float], l
 
 def _class_seconds(c: ReplicaClass, cluster: ClusterSpec, setup_s: float) -> tuple[np.ndarray, int, int]:
     """primitive_seconds of every member of a replica class (the links depend on where its members
-    sit), and its intra- and inter-node bytes."""
+    sit), and its intra- and inter-node bytes; memoised on the class per cluster."""
+    key = (cluster, setup_s)
+    hit = c.seconds.get(key)
+    if hit is not None:
+        return hit
     fp = c.canon
     labels = c.gpus.shape[1]
     local = np.zeros(labels)
     for g, v in fp.local_bytes.items():
         local[g] = 2.0 * v / cluster.device.hbm_bytes_per_s
     touched = c.touched
+    out: tuple[np.ndarray, int, int]
     if not fp.pair_bytes:
-        if not len(touched):
-            return np.zeros(c.size), 0, 0
-        return np.broadcast_to(local[touched].max(), (c.size,)).copy(), 0, 0
-    pairs = list(fp.pair_bytes.items())
-    src = np.array([s for (s, _), _ in pairs], dtype=np.int64)
-    dst = np.array([d for (_, d), _ in pairs], dtype=np.int64)
-    nbytes = np.array([b for _, b in pairs], dtype=np.float64)
-    per_node = cluster.gpus_per_node
-    intra = c.gpus[:, src] // per_node == c.gpus[:, dst] // per_node
-    fast, slow = cluster.intra_node_link, cluster.inter_node_link
-    t = np.where(intra, nbytes / fast.bytes_per_s + fast.latency_s, nbytes / slow.bytes_per_s + slow.latency_s)
-    send = np.zeros((c.size, labels))
-    recv = np.zeros((c.size, labels))
-    for k in range(len(pairs)):  # pairs of one shape: a handful
-        send[:, src[k]] += t[:, k]
-        recv[:, dst[k]] += t[:, k]
-    per_gpu = np.maximum(send, recv) + local
-    intra_bytes = int((intra * nbytes).sum())
-    return per_gpu[:, touched].max(axis=1) + setup_s, intra_bytes, int(nbytes.sum()) * c.size - intra_bytes
+        seconds = np.full(c.size, local[touched].max() if len(touched) else 0.0)
+        out = (seconds, 0, 0)
+    else:
+        pairs = list(fp.pair_bytes.items())
+        src = np.array([s for (s, _), _ in pairs], dtype=np.int64)
+        dst = np.array([d for (_, d), _ in pairs], dtype=np.int64)
+        nbytes = np.array([b for _, b in pairs], dtype=np.float64)
+        per_node = cluster.gpus_per_node
+        intra = c.gpus[:, src] // per_node == c.gpus[:, dst] // per_node
+        fast, slow = cluster.intra_node_link, cluster.inter_node_link
+        t = np.where(intra, nbytes / fast.bytes_per_s + fast.latency_s, nbytes / slow.bytes_per_s + slow.latency_s)
+        send = np.zeros((c.size, labels))
+        recv = np.zeros((c.size, labels))
+        for k in range(len(pairs)):  # pairs of one shape: a handful
+            send[:, src[k]] += t[:, k]
+            recv[:, dst[k]] += t[:, k]
+        per_gpu = np.maximum(send, recv) + local
+        intra_bytes = int((intra * nbytes).sum())
+        out = (per_gpu[:, touched].max(axis=1) + setup_s, intra_bytes, int(nbytes.sum()) * c.size - intra_bytes)
+    if len(c.seconds) > 8:
+        c.seconds.clear()
+    c.seconds[key] = out
+    return out
+
+
+_Seen = tuple[np.ndarray, np.ndarray, np.ndarray]  # per class: predecessor ends, GPU ends, GPU last nodes
 
 
 def replica_schedule(plan: ReplicaPlan, cluster: ClusterSpec, setup_s: float
-                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:
-    """``schedule`` over replica classes: (start, end, held back by, intra bytes, inter bytes) per node.
+                     ) -> tuple[np.ndarray, np.ndarray, list[int], int, int]:
+    """``schedule`` over replica classes: (start, end per node, critical path, intra bytes, inter bytes).
 
     Members of a class run back to back in the DAG's order; a member starts when its GPUs are free
     (each GPU runs one primitive at a time) and its data predecessors have ended, as in ``schedule``.
+    What held a node back is only looked up along the critical path.
     """
-    n = plan.num_nodes
-    start = np.zeros(n)
-    end = np.zeros(n)
-    held = np.full(n, -1, dtype=np.int64)
+    ends = [np.zeros(sc.num_nodes + 1) for sc in plan.stages]  # stage-local; the last is a 0 for padding
+    starts = [np.zeros(sc.num_nodes) for sc in plan.stages]
     gpu_end = np.zeros(cluster.num_gpus)
     gpu_last = np.full(cluster.num_gpus, -1, dtype=np.int64)
-    node_class = plan.node_class()
-    into = node_class[plan.edge_dst]
+    seen: dict[int, _Seen] = {}
     intra = inter = 0
+    empty = np.zeros((0, 0))
     for k in plan.class_order:
         c = plan.classes[k]
-        ids = np.arange(c.first_node, c.first_node + c.size)
+        st = plan.class_stage[k]
+        end = ends[st]
         dur, a, b = _class_seconds(c, cluster, setup_s)
         intra += a
         inter += b
-        t = np.zeros(c.size)
-        by = np.full(c.size, -1, dtype=np.int64)
-        sel = np.flatnonzero(into == k)
-        if len(sel):  # data predecessors: latest end per member
-            src, dst = plan.edge_src[sel], plan.edge_dst[sel] - c.first_node
-            pe = end[src]
-            last = np.lexsort((pe, dst))
-            dst_s, src_s, pe_s = dst[last], src[last], pe[last]
-            tail = np.append(dst_s[1:] != dst_s[:-1], True)
-            t[dst_s[tail]] = pe_s[tail]
-            by[dst_s[tail]] = np.where(pe_s[tail] > 0, src_s[tail], -1)
+        has_preds = c.preds.shape[1] > 0
+        pe = end[c.preds] if has_preds else empty
+        t = pe.max(axis=1) if has_preds else np.zeros(c.size)
+        lo, hi = c.first, c.first + c.size
         if not len(c.touched):
-            start[ids], end[ids], held[ids] = t, t + dur, by
+            starts[st][lo:hi] = t
+            end[lo:hi] = t + dur
+            seen[k] = (pe, empty, empty)
             continue
-        g = c.gpus[:, c.touched]
+        g = c.g
         if c.single:
             ge = gpu_end[g]
-            j = ge.argmax(axis=1)
-            tg = ge[np.arange(c.size), j]
-            later = tg > t
-            by = np.where(later, gpu_last[g][np.arange(c.size), j], by)
-            t = np.maximum(t, tg)
-            start[ids], end[ids], held[ids] = t, t + dur, by
-            gpu_end[g] = (t + dur)[:, None]
-            gpu_last[g] = ids[:, None]
+            gl = gpu_last[g]
+            t = np.maximum(t, ge.max(axis=1))
+            starts[st][lo:hi] = t
+            end[lo:hi] = t + dur
+            gpu_end[g] = end[lo:hi, None]
+            gpu_last[g] = np.arange(plan.first[k], plan.first[k] + c.size)[:, None]
+            seen[k] = (pe, ge, gl)
             continue
+        ge_rows = np.zeros(g.shape)
+        gl_rows = np.zeros(g.shape, dtype=np.int64)
         for m in range(c.size):  # members sharing GPUs: one after another
             row = g[m]
-            j = int(gpu_end[row].argmax())
-            if gpu_end[row[j]] > t[m]:
-                t[m], by[m] = gpu_end[row[j]], gpu_last[row[j]]
-            start[ids[m]], end[ids[m]], held[ids[m]] = t[m], t[m] + dur[m], by[m]
+            ge_rows[m], gl_rows[m] = gpu_end[row], gpu_last[row]
+            t[m] = max(t[m], float(ge_rows[m].max()))
             gpu_end[row] = t[m] + dur[m]
-            gpu_last[row] = ids[m]
-    return start, end, held, intra, inter
+            gpu_last[row] = plan.first[k] + m
+        starts[st][lo:hi] = t
+        end[lo:hi] = t + dur
+        seen[k] = (pe, ge_rows, gl_rows)
+    start = np.concatenate(starts) if starts else np.zeros(0)
+    end_all = np.concatenate([e[:-1] for e in ends]) if ends else np.zeros(0)
+    return start, end_all, _critical_path(plan, start, end_all, seen), intra, inter
+
+
+def _critical_path(plan: ReplicaPlan, start: np.ndarray, end: np.ndarray, seen: dict[int, _Seen]) -> list[int]:
+    """From the first node with the latest end back through what held each node back: a data
+    predecessor ending at its start (checked first, as ``schedule`` does), else the GPU it waited on."""
+    if not len(end):
+        return []
+    firsts = np.array(plan.first)
+    path = [int(end.argmax())]
+    while True:
+        i = path[-1]
+        k = max(j for j in np.flatnonzero(firsts <= i).tolist() if i < firsts[j] + plan.classes[j].size)
+        c, m = plan.classes[k], i - int(firsts[k])
+        pe, ge, gl = seen[k]
+        s = float(start[i])
+        by = -1
+        if s > 0 and pe.shape[1] and float(pe[m].max()) >= s:
+            by = int(c.preds[m, int(pe[m].argmax())]) + plan.stage_base[plan.class_stage[k]]
+        elif s > 0 and ge.shape[1] and float(ge[m].max()) >= s:
+            by = int(gl[m, int(ge[m].argmax())])
+        if by < 0:
+            return path[::-1]
+        path.append(by)
 
 
 def _replica_cost(plan: ReplicaPlan, cluster: ClusterSpec, setup_s: float) -> TransitionCost:
-    start, end, held_by, intra, inter = replica_schedule(plan, cluster, setup_s)
-    path: list[int] = []
-    if len(end):
-        i = int(end.argmax())  # the first node with the latest end, as below
-        while i != -1:
-            path.append(i)
-            i = int(held_by[i])
+    start, end, path, intra, inter = replica_schedule(plan, cluster, setup_s)
     return TransitionCost(seconds=float(end.max()) if len(end) else 0.0, bytes_moved=intra + inter,
-                          intra_node_bytes=intra, inter_node_bytes=inter, critical_path=tuple(reversed(path)),
+                          intra_node_bytes=intra, inter_node_bytes=inter, critical_path=tuple(path),
                           start_s=tuple(start.tolist()), end_s=tuple(end.tolist()))
 
 

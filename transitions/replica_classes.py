@@ -53,6 +53,16 @@ _ARRAYS: dict[int, tuple[tuple[tuple[int, ...], ...], np.ndarray]] = {}
 _SHAPES: dict[tuple[object, ...], tuple[Footprint, np.ndarray, bool]] = {}  # relative shape -> footprint
 
 
+def clear_caches() -> None:
+    """Empty every geometry, footprint and replica-class cache (a cold start, for benchmarks)."""
+    from transitions import emu, primitives
+
+    for fn in (emu.rank_shards, emu.rank_boxes, emu.rank_bytes, emu.parts_nest, primitives._tensor_index):
+        fn.cache_clear()
+    for cache in (primitives._FOOTPRINTS, _SHAPES, _STAGES, _INITIAL, _ARRAYS):
+        cache.clear()
+
+
 def gpu_array(gpu_sets: tuple[tuple[int, ...], ...]) -> np.ndarray:
     """The GPU sets of a stage plan as a (replicas x unit size) array; memoised per tuple object."""
     hit = _ARRAYS.get(id(gpu_sets))
@@ -108,7 +118,10 @@ def _shape_groups(x: np.ndarray) -> list[tuple[np.ndarray, np.ndarray, np.ndarra
 
 @dataclass(kw_only=True, slots=True)
 class ReplicaClass:
-    """Primitives of one model-stage, kind and relative shape; member m's label l is on gpus[m, l]."""
+    """Primitives of one model-stage, kind and relative shape; member m's label l is on gpus[m, l].
+
+    Built once per pair of stage plans and shared by every DAG built from them: never mutated after
+    ``_finish`` (except ``seconds``, a per-cluster memo of transitions.cost)."""
 
     kind: PrimitiveKind
     stage: str
@@ -117,13 +130,30 @@ class ReplicaClass:
     gpus: np.ndarray  # members x labels
     unit: np.ndarray  # per member: current unit (Split, Destroy), part id (Extend), target unit (Merge)
     refs: np.ndarray  # per member: Split parts, Extend sources, Merge inputs (part id, or -1-kept unit)
-    first_node: int = 0
-    touched: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    touched: np.ndarray  # labels the primitive occupies (its footprint's GPUs)
+    first: int = 0  # stage-local node id of member 0
+    g: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.int64))  # gpus[:, touched]
     single: bool = True  # no GPU is touched by two members
+    alloc: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # per touched label
+    buf: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    delta: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # alloc - free
+    acquire: bool = False
+    preds: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.int64))  # stage-local, -1 pad
+    seconds: dict[object, tuple[np.ndarray, int, int]] = field(default_factory=dict)
 
     @property
     def size(self) -> int:
         return int(self.gpus.shape[0])
+
+    def _finish(self) -> None:
+        labels = self.touched.tolist()
+        fp = self.canon
+        self.alloc = np.array([fp.alloc_bytes.get(g, 0) for g in labels], dtype=np.int64)
+        self.buf = np.array([fp.buffer_bytes.get(g, 0) for g in labels], dtype=np.int64)
+        self.delta = self.alloc - np.array([fp.free_bytes.get(g, 0) for g in labels], dtype=np.int64)
+        self.acquire = bool(self.alloc.any() or self.buf.any())
+        self.g = self.gpus[:, self.touched]
+        self.single = not labels or bool(np.bincount(self.g.ravel()).max() <= 1)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -141,58 +171,60 @@ class _Stage:
 
 
 @dataclass(kw_only=True, slots=True)
+class StageClasses:
+    """One model-stage's class-level local plan (cached per pair of stage plans)."""
+
+    stage: _Stage
+    classes: list[ReplicaClass]
+    edges: list[tuple[int, int]]  # between its classes (indices into ``classes``)
+    num_nodes: int
+
+
+@dataclass(kw_only=True, slots=True)
 class ReplicaPlan:
-    """The class-level DAG, its checked class order, and what expanding it needs."""
+    """The class-level DAG of one transition, its checked class order, and what expanding it needs.
+    Node ids: model-stages one after another, each stage's classes in order, members in order."""
 
     old_version: int
     new_version: int
-    stages: list[_Stage]
-    classes: list[ReplicaClass]
+    stages: list[StageClasses]
+    classes: list[ReplicaClass]  # every stage's, flattened
+    class_stage: list[int]  # index into ``stages``
+    first: list[int]  # global node id of each class's member 0
+    stage_base: list[int]  # global node id of each stage's first node
     class_order: list[int]
     num_nodes: int
-    edge_src: np.ndarray  # unit-level data edges, as node ids
-    edge_dst: np.ndarray
     initial: np.ndarray  # bytes per GPU before the transition
 
     @property
     def bytes_moved(self) -> int:
         return sum(c.size * c.canon.moved_bytes for c in self.classes)
 
-    def node_class(self) -> np.ndarray:
-        out = np.empty(self.num_nodes, dtype=np.int64)
-        for k, c in enumerate(self.classes):
-            out[c.first_node:c.first_node + c.size] = k
-        return out
-
     def order(self) -> list[int]:
         out: list[int] = []
         for k in self.class_order:
-            c = self.classes[k]
-            out += range(c.first_node, c.first_node + c.size)
+            out += range(self.first[k], self.first[k] + self.classes[k].size)
         return out
 
     def expand(self) -> tuple[list[Primitive], list[int], list[EMU], list[EMU], list[tuple[str, str]]]:
         """(nodes, stage order per node, old units, new units, renamed) at unit level."""
-        nodes: list[Primitive | None] = [None] * self.num_nodes
-        stage_order = [0] * self.num_nodes
+        nodes: list[Primitive] = []
+        stage_order: list[int] = []
         old_units: list[EMU] = []
         new_units: list[EMU] = []
         renamed: list[tuple[str, str]] = []
-        by_stage: dict[str, tuple[list[EMU], list[EMU], list[EMU]]] = {}
-        for st in self.stages:
+        for sc in self.stages:
+            st = sc.stage
             cur = plan_units(st.state, st.current, self.old_version)
             tgt = plan_units(st.state, st.target, self.new_version)
             parts = [p for u in tgt for p in _parts(u, st.sub)]
-            by_stage[st.name] = (cur, tgt, parts)
             old_units += cur
             new_units += tgt
             renamed += [(cur[i].uid, tgt[j].uid) for i, j in st.renamed]
-        for c in self.classes:
-            cur, tgt, parts = by_stage[c.stage]
-            for m in range(c.size):
-                nodes[c.first_node + m] = _member(c, m, cur, tgt, parts)
-                stage_order[c.first_node + m] = c.stage_order
-        return [p for p in nodes if p is not None], stage_order, old_units, new_units, renamed
+            for c in sc.classes:
+                nodes += [_member(c, m, cur, tgt, parts) for m in range(c.size)]
+                stage_order += [c.stage_order] * c.size
+        return nodes, stage_order, old_units, new_units, renamed
 
 
 def _parts(unit: EMU, sub: Layout) -> list[EMU]:
@@ -304,8 +336,7 @@ def _local_plan(st: _Stage, num_gpus: int) -> _Local | None:
     return out
 
 
-def _classes_of(st: _Stage, local: _Local, order: int, old_version: int, new_version: int
-                ) -> list[ReplicaClass]:
+def _classes_of(st: _Stage, local: _Local, order: int) -> list[ReplicaClass]:
     cur, tgt, parts, nq = st.cur, st.tgt, st.parts, st.nq
 
     def part_seq(pid: np.ndarray) -> list[np.ndarray]:  # a part's GPUs, then its final unit's
@@ -337,7 +368,7 @@ def _classes_of(st: _Stage, local: _Local, order: int, old_version: int, new_ver
             hit = _SHAPES.get(key)
             g = x[idx][:, labels]
             if hit is None:
-                rep = _representative(st, kind, int(unit[idx[0]]), refs[idx[0]], old_version, new_version)
+                rep = _representative(st, kind, int(unit[idx[0]]), refs[idx[0]])
                 canon, gpus = canonical_footprint(rep)
                 if gpus != g[0].tolist():
                     raise AssertionError(f"replica class labels disagree: {gpus} vs {g[0].tolist()}")
@@ -349,13 +380,16 @@ def _classes_of(st: _Stage, local: _Local, order: int, old_version: int, new_ver
             canon, touched, empty = hit
             if empty:
                 return []  # an empty primitive: let the exact path deal with it
-            out.append(ReplicaClass(kind=kind, stage=st.name, stage_order=order, canon=canon, gpus=g,
-                                    unit=unit[idx], refs=refs[idx], touched=touched))
+            c = ReplicaClass(kind=kind, stage=st.name, stage_order=order, canon=canon, gpus=g, unit=unit[idx],
+                             refs=refs[idx], touched=touched, first=sum(x.size for x in out))
+            c._finish()
+            out.append(c)
     return out
 
 
-def _representative(st: _Stage, kind: PrimitiveKind, unit: int, refs: np.ndarray, old_version: int,
-                    new_version: int) -> Primitive:
+def _representative(st: _Stage, kind: PrimitiveKind, unit: int, refs: np.ndarray) -> Primitive:
+    """Member ``unit`` of a class as a real primitive (uids and versions do not change its shape)."""
+    old_version, new_version = 0, 1
     cur = {int(i): _unit_emu(st, old_version, int(i), True) for i in refs if kind is PrimitiveKind.EXTEND}
     if kind in (PrimitiveKind.SPLIT, PrimitiveKind.DESTROY):
         cur[unit] = _unit_emu(st, old_version, unit, True)
@@ -378,8 +412,8 @@ def _representative(st: _Stage, kind: PrimitiveKind, unit: int, refs: np.ndarray
 
 
 def _edges(st: _Stage, mine: list[ReplicaClass]) -> tuple[np.ndarray, np.ndarray]:
-    """Unit-level data edges of one model-stage (node ids): producer before reader, readers and
-    producer before the node that frees a unit (global_dag.data_edges' rules, over arrays)."""
+    """Unit-level data edges of one model-stage (stage-local node ids): producer before reader,
+    readers and producer before the node that frees a unit (global_dag.data_edges' rules, over arrays)."""
     dc = len(st.cur)
     n_parts = len(st.parts)
     destroy_node = np.full(dc, -1, dtype=np.int64)
@@ -387,7 +421,7 @@ def _edges(st: _Stage, mine: list[ReplicaClass]) -> tuple[np.ndarray, np.ndarray
     merge_node = np.full(len(st.tgt), -1, dtype=np.int64)
     kept_into = np.full(dc, -1, dtype=np.int64)  # merge node freeing a kept unit
     for c in mine:
-        ids = np.arange(c.first_node, c.first_node + c.size)
+        ids = np.arange(c.first, c.first + c.size)
         if c.kind is PrimitiveKind.DESTROY:
             destroy_node[c.unit] = ids
         elif c.kind is PrimitiveKind.EXTEND:
@@ -398,14 +432,14 @@ def _edges(st: _Stage, mine: list[ReplicaClass]) -> tuple[np.ndarray, np.ndarray
             merge_node[c.unit] = ids
     for c in mine:
         if c.kind is PrimitiveKind.MERGE:
-            ids = np.arange(c.first_node, c.first_node + c.size)
+            ids = np.arange(c.first, c.first + c.size)
             neg = c.refs < 0
             kept_into[-1 - c.refs[neg]] = np.broadcast_to(ids[:, None], c.refs.shape)[neg]
     freer = np.where(destroy_node >= 0, destroy_node, kept_into)  # who frees each current unit
     src: list[np.ndarray] = []
     dst: list[np.ndarray] = []
     for c in mine:
-        ids = np.arange(c.first_node, c.first_node + c.size)
+        ids = np.arange(c.first, c.first + c.size)
         if c.kind is PrimitiveKind.EXTEND:
             f = freer[c.refs]
             src.append(np.broadcast_to(ids[:, None], f.shape)[f >= 0])
@@ -425,7 +459,31 @@ def _edges(st: _Stage, mine: list[ReplicaClass]) -> tuple[np.ndarray, np.ndarray
     return np.concatenate(src), np.concatenate(dst)
 
 
-def _order(classes: list[ReplicaClass], edges: set[tuple[int, int]], initial: np.ndarray,
+def _link(st: _Stage, mine: list[ReplicaClass]) -> list[tuple[int, int]] | None:
+    """Each class's data predecessors per member (``preds``) and the edges between classes; None if
+    members of one class would depend on each other (not a block)."""
+    src, dst = _edges(st, mine)
+    num = sum(c.size for c in mine)
+    node_class = np.repeat(np.arange(len(mine)), [c.size for c in mine]) if mine else np.zeros(0, np.int64)
+    pairs = np.unique(node_class[src] * len(mine) + node_class[dst]) if len(src) else np.zeros(0, np.int64)
+    edges = [(int(p) // len(mine), int(p) % len(mine)) for p in pairs]
+    if any(x == y for x, y in edges) or (len(dst) and (dst.min() < 0 or dst.max() >= num)):
+        return None
+    order = np.argsort(dst, kind="stable")
+    src, dst = src[order], dst[order]
+    for c in mine:
+        lo, hi = np.searchsorted(dst, [c.first, c.first + c.size])
+        d, p = dst[lo:hi] - c.first, src[lo:hi]
+        counts = np.bincount(d, minlength=c.size)
+        preds = np.full((c.size, int(counts.max()) if len(d) else 0), -1, dtype=np.int64)
+        if len(d):
+            starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+            preds[d, np.arange(len(d)) - starts[d]] = p
+        c.preds = preds
+    return edges
+
+
+def _order(classes: list[ReplicaClass], edges: list[tuple[int, int]], initial: np.ndarray,
            capacity: int) -> list[int] | None:
     """Greedy class order (global_dag's rules), each class checked on every GPU; None if blocked."""
     n = len(classes)
@@ -434,23 +492,8 @@ def _order(classes: list[ReplicaClass], edges: set[tuple[int, int]], initial: np
     for x, y in edges:
         succ[x].append(y)
         indeg[y] += 1
-    level = bottom_levels(n, list(edges), [float(c.canon.moved_bytes + 1) for c in classes])
-    alloc: list[np.ndarray] = []
-    buf: list[np.ndarray] = []
-    delta: list[np.ndarray] = []
-    acquire: list[bool] = []
-    for c in classes:
-        labels = c.touched.tolist()
-        a = np.array([c.canon.alloc_bytes.get(g, 0) for g in labels], dtype=np.int64)
-        b = np.array([c.canon.buffer_bytes.get(g, 0) for g in labels], dtype=np.int64)
-        f = np.array([c.canon.free_bytes.get(g, 0) for g in labels], dtype=np.int64)
-        alloc.append(a)
-        buf.append(b)
-        delta.append(a - f)
-        acquire.append(bool(a.any() or b.any()))
-        if labels:
-            c.single = bool(np.bincount(c.gpus[:, c.touched].ravel()).max() <= 1)
-    heap = [((int(acquire[i]), classes[i].stage_order, -level[i], i), i) for i in range(n) if indeg[i] == 0]
+    level = bottom_levels(n, edges, [float(c.canon.moved_bytes + 1) for c in classes])
+    heap = [((int(c.acquire), c.stage_order, -level[i], i), i) for i, c in enumerate(classes) if indeg[i] == 0]
     heapq.heapify(heap)
     used = initial.copy()
     order: list[int] = []
@@ -458,26 +501,85 @@ def _order(classes: list[ReplicaClass], edges: set[tuple[int, int]], initial: np
         _, i = heapq.heappop(heap)
         c = classes[i]
         if len(c.touched):
-            g = c.gpus[:, c.touched]
+            g = c.g
             if c.single:
-                if acquire[i] and (used[g] + (alloc[i] + buf[i]) > capacity).any():
+                if c.acquire and (used[g] + (c.alloc + c.buf) > capacity).any():
                     return None
-                used[g] += delta[i]
+                used[g] += c.delta
             else:  # members sharing a GPU run one after another: bound by all their allocations
-                if acquire[i]:
+                if c.acquire:
                     total = used.copy()
-                    np.add.at(total, g, np.broadcast_to(alloc[i], g.shape))
+                    np.add.at(total, g, np.broadcast_to(c.alloc, g.shape))
                     most = np.zeros_like(used)
-                    np.maximum.at(most, g, np.broadcast_to(buf[i], g.shape))
+                    np.maximum.at(most, g, np.broadcast_to(c.buf, g.shape))
                     if (total + most > capacity).any():
                         return None
-                np.add.at(used, g, np.broadcast_to(delta[i], g.shape))
+                np.add.at(used, g, np.broadcast_to(c.delta, g.shape))
         order.append(i)
         for j in succ[i]:
             indeg[j] -= 1
             if indeg[j] == 0:
-                heapq.heappush(heap, ((int(acquire[j]), classes[j].stage_order, -level[j], j), j))
+                d = classes[j]
+                heapq.heappush(heap, ((int(d.acquire), d.stage_order, -level[j], j), j))
     return order if len(order) == n else None
+
+
+_STAGES: dict[tuple[object, ...], tuple[object, object, StageClasses | None]] = {}
+_INITIAL: dict[tuple[object, ...], tuple[object, np.ndarray]] = {}
+
+
+def _stage_classes(state: UnitState, cp: StagePlan, tp: StagePlan, n_gpus: int) -> StageClasses | None:
+    """The class-level local plan of one model-stage; memoised per pair of stage plans (by identity:
+    a planner keeps proposing the same plans), None where it is not symmetric."""
+    key = (id(cp), id(tp), state, n_gpus)
+    hit = _STAGES.get(key)
+    if hit is not None and hit[0] is cp and hit[1] is tp:
+        return hit[2]
+    out = _build_stage(state, cp, tp, n_gpus)
+    if len(_STAGES) > 1024:
+        _STAGES.clear()
+    _STAGES[key] = (cp, tp, out)
+    return out
+
+
+def _build_stage(state: UnitState, cp: StagePlan, tp: StagePlan, n_gpus: int) -> StageClasses | None:
+    cur, tgt = gpu_array(cp.gpu_sets), gpu_array(tp.gpu_sets)
+    if cur.min() < 0 or tgt.min() < 0 or cur.max() >= n_gpus or tgt.max() >= n_gpus:
+        return None  # the exact path names the offending GPU
+    sub = t_sub(cp.layout, tp.layout)
+    if tp.layout == sub:
+        parts, nq = tgt, 1
+    else:
+        cols = _columns(tp.layout, sub)
+        parts, nq = tgt[:, cols].reshape(-1, sub.size), len(cols)
+    st = _Stage(name=state.model_stage, state=state, current=cp, target=tp, sub=sub, nq=nq, cur=cur, tgt=tgt,
+                parts=parts, renamed=[])
+    local = _local_plan(st, n_gpus)
+    if local is None:
+        return None
+    mine = _classes_of(st, local, state.stage_order)
+    if not mine and (len(local.destroys) or local.extends or local.splits or local.merges):
+        return None
+    edges = _link(st, mine)
+    if edges is None:
+        return None
+    return StageClasses(stage=st, classes=mine, edges=edges, num_nodes=sum(c.size for c in mine))
+
+
+def _initial(state: UnitState, cp: StagePlan, n_gpus: int) -> np.ndarray:
+    """Bytes each GPU holds of one stage plan's units (memoised per plan, by identity)."""
+    key = (id(cp), state, n_gpus)
+    hit = _INITIAL.get(key)
+    if hit is not None and hit[0] is cp:
+        return hit[1]
+    cur = gpu_array(cp.gpu_sets)
+    per_rank = np.array(rank_bytes(state, cp.layout), dtype=np.int64)
+    out = np.zeros(n_gpus, dtype=np.int64)
+    np.add.at(out, cur.ravel(), np.tile(per_rank, len(cur)))
+    if len(_INITIAL) > 1024:
+        _INITIAL.clear()
+    _INITIAL[key] = (cp, out)
+    return out
 
 
 def plan_replicas(states: Mapping[str, UnitState], cluster: ClusterSpec, old: GlobalPlan, new: GlobalPlan,
@@ -487,55 +589,35 @@ def plan_replicas(states: Mapping[str, UnitState], cluster: ClusterSpec, old: Gl
     old_names = [sp.model_stage for sp in old]
     if sorted(old_names) != sorted(sp.model_stage for sp in new):
         return None
-    stages: list[_Stage] = []
+    stages: list[StageClasses] = []
     initial = np.zeros(n_gpus, dtype=np.int64)
     for name in old_names:
-        state, cp, tp = states[name], old.stage(name), new.stage(name)
-        cur, tgt = gpu_array(cp.gpu_sets), gpu_array(tp.gpu_sets)
-        if cur.min() < 0 or tgt.min() < 0 or cur.max() >= n_gpus or tgt.max() >= n_gpus:
-            return None  # the exact path names the offending GPU
-        sub = t_sub(cp.layout, tp.layout)
-        if tp.layout == sub:
-            parts, nq = tgt, 1
-        else:
-            cols = _columns(tp.layout, sub)
-            parts, nq = tgt[:, cols].reshape(-1, sub.size), len(cols)
-        initial += np.bincount(cur.ravel(), weights=np.tile(np.array(rank_bytes(state, cp.layout), dtype=np.float64),
-                                                            len(cur)), minlength=n_gpus).astype(np.int64)
-        stages.append(_Stage(name=name, state=state, current=cp, target=tp, sub=sub, nq=nq, cur=cur, tgt=tgt,
-                             parts=parts, renamed=[]))
+        cp = old.stage(name)
+        sc = _stage_classes(states[name], cp, new.stage(name), n_gpus)
+        if sc is None:
+            return None
+        stages.append(sc)
+        initial += _initial(states[name], cp, n_gpus)
     if (initial > capacity).any():
         return None
     classes: list[ReplicaClass] = []
-    per_stage: list[list[ReplicaClass]] = []
-    for st in stages:
-        local = _local_plan(st, n_gpus)
-        if local is None:
-            return None
-        mine = _classes_of(st, local, st.state.stage_order, old.version, new.version)
-        if not mine and (len(local.destroys) or local.extends or local.splits or local.merges):
-            return None
-        for c in mine:
-            c.first_node = sum(x.size for x in classes)
+    class_stage: list[int] = []
+    first: list[int] = []
+    stage_base: list[int] = []
+    edges: list[tuple[int, int]] = []
+    base = 0
+    for k, sc in enumerate(stages):
+        offset = len(classes)
+        edges += [(x + offset, y + offset) for x, y in sc.edges]
+        stage_base.append(base)
+        for c in sc.classes:
             classes.append(c)
-        per_stage.append(mine)
-    src_parts, dst_parts = [], []
-    for st, mine in zip(stages, per_stage):
-        s, d = _edges(st, mine)
-        src_parts.append(s)
-        dst_parts.append(d)
-    num_nodes = sum(c.size for c in classes)
-    src = np.concatenate(src_parts) if src_parts else np.zeros(0, dtype=np.int64)
-    dst = np.concatenate(dst_parts) if dst_parts else np.zeros(0, dtype=np.int64)
-    plan = ReplicaPlan(old_version=old.version, new_version=new.version, stages=stages, classes=classes,
-                       class_order=[], num_nodes=num_nodes, edge_src=src, edge_dst=dst, initial=initial)
-    node_class = plan.node_class()
-    pairs = np.unique(node_class[src] * len(classes) + node_class[dst]) if len(src) else np.zeros(0, np.int64)
-    class_edges = {(int(p) // len(classes), int(p) % len(classes)) for p in pairs}
-    if any(a == b for a, b in class_edges):
-        return None  # members of one class depend on each other: not a block
-    order = _order(classes, class_edges, initial, capacity)
+            class_stage.append(k)
+            first.append(base + c.first)
+        base += sc.num_nodes
+    order = _order(classes, edges, initial, capacity)
     if order is None:
         return None
-    plan.class_order = order
-    return plan
+    return ReplicaPlan(old_version=old.version, new_version=new.version, stages=stages, classes=classes,
+                       class_stage=class_stage, first=first, stage_base=stage_base, class_order=order,
+                       num_nodes=base, initial=initial)
