@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.nereus-installed
 
-.PHONY: venv run test lint typecheck unit clean
+.PHONY: venv run test lint typecheck bench clean
 
 $(STAMP): pyproject.toml etc/constraints-cpu.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -30,6 +30,17 @@ typecheck: $(STAMP)
 
 test: $(STAMP) lint typecheck
 	$(BIN)/python -m pytest -n 2 --dist loadgroup $(PYTEST_ARGS)
+
+# Every benchmark, JSON into runs/bench/ (each compares its own figures side by side as ratios).
+bench: $(STAMP)
+	mkdir -p runs/bench
+	$(BIN)/python bench/planner.py --quick > runs/bench/planner.json
+	$(BIN)/python bench/transitions.py --quick > runs/bench/transitions.json
+	$(BIN)/python bench/executor.py > runs/bench/executor.json
+	$(BIN)/python bench/rl_step.py > runs/bench/rl_step.json
+	$(BIN)/python bench/daemon.py --seconds 15 > runs/bench/daemon.json
+	$(BIN)/python bench/slurm_poll.py > runs/bench/slurm_poll.json
+	@echo "JSON in runs/bench/"
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache
