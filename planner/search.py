@@ -72,13 +72,20 @@ Choice = tuple[tuple[StageOption, ...], ...]  # waves of one stage, each a tuple
 
 def order_pool(pool: Sequence[int], cluster: ClusterSpec) -> tuple[int, ...]:
     """GPUs of whole nodes first (node order), then partial nodes, largest first; unique ids."""
-    by_node: dict[int, list[int]] = {}
-    for g in sorted(set(pool)):
-        if g < 0 or g >= cluster.num_gpus:
-            raise SpecError("pool", f"GPU {g} is not in the cluster", f"0..{cluster.num_gpus - 1}")
-        by_node.setdefault(cluster.node_of(g), []).append(g)
-    nodes = sorted(by_node, key=lambda n: (-len(by_node[n]), n))
-    return tuple(g for n in nodes for g in by_node[n])
+    ids = sorted(set(pool))
+    if not ids:
+        return ()
+    if ids[0] < 0 or ids[-1] >= cluster.num_gpus:
+        bad = next(g for g in ids if g < 0 or g >= cluster.num_gpus)
+        raise SpecError("pool", f"GPU {bad} is not in the cluster", f"0..{cluster.num_gpus - 1}")
+    # node runs of the sorted ids, as arrays: a 4,096-GPU pool is one pass, not a loop per GPU
+    nodes = np.asarray(ids, dtype=np.int64) // cluster.gpus_per_node
+    starts = np.flatnonzero(np.concatenate([[True], nodes[1:] != nodes[:-1]]))
+    counts = np.diff(np.append(starts, len(ids)))
+    if (counts == counts[0]).all():
+        return tuple(ids)  # equal runs: node order is id order
+    order = np.lexsort((nodes[starts], -counts)).tolist()
+    return tuple(g for i in order for g in ids[int(starts[i]):int(starts[i] + counts[i])])
 
 
 def usable_bytes(cluster: ClusterSpec) -> float:

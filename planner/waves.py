@@ -67,20 +67,30 @@ class WaveSolver:
         # per member, least seconds with transient below level t (axis 0), resident at most level r (axis
         # 1) and at most GPU count u (axis 2); index 0 of the first two axes admits nothing (inf)
         self.cubes: dict[str, np.ndarray] = {}
+        by_table: dict[int, np.ndarray] = {}  # model-stages sharing one table (critic-inf, reward-inf)
         for m, (ri, gi, tj, secs, r_lv, g_lv) in self.grid.items():
-            cube = np.full((len(self.t_sorted[m]) + 1, r_lv.size + 1, g_lv.size), np.inf)
-            np.minimum.at(cube, (tj + 1, ri + 1, gi), secs)
-            for axis in (0, 1, 2):
-                np.minimum.accumulate(cube, axis=axis, out=cube)
+            cube = by_table.get(id(fronts[m].seconds))
+            if cube is None:
+                cube = np.full((len(self.t_sorted[m]) + 1, r_lv.size + 1, g_lv.size), np.inf)
+                np.minimum.at(cube, (tj + 1, ri + 1, gi), secs)
+                for axis in (0, 1, 2):
+                    np.minimum.accumulate(cube, axis=axis, out=cube)
+                by_table[id(fronts[m].seconds)] = cube
             self.cubes[m] = cube
+        self.t_arrays = {m: np.asarray(v, dtype=float) for m, v in self.t_sorted.items()}
         self.curves: dict[tuple[object, ...], tuple[np.ndarray, np.ndarray]] = {}
         self.levels: dict[tuple[str, ...], np.ndarray] = {}  # union of a wave's members' resident levels
-        # rows within the budget sorted by (GPUs, seconds): a step function is then one running minimum
-        self.by_gpus = {}
-        for m, t in fronts.items():
-            idx = np.flatnonzero(t.gpus <= budget)
+        self._by_gpus: dict[str, tuple[np.ndarray, ...]] = {}
+
+    def by_gpus(self, m: str) -> tuple[np.ndarray, ...]:
+        """A member's rows within the budget sorted by (GPUs, seconds): a step function is then one
+        running minimum (only the plan's own picks need them)."""
+        if m not in self._by_gpus:
+            t = self.fronts[m]
+            idx = np.flatnonzero(t.gpus <= self.budget)
             order = idx[np.lexsort((t.seconds[idx], t.gpus[idx]))]
-            self.by_gpus[m] = (t.gpus[order], t.seconds[order], t.resident[order], t.transient[order], order)
+            self._by_gpus[m] = (t.gpus[order], t.seconds[order], t.resident[order], t.transient[order], order)
+        return self._by_gpus[m]
 
     def _min_max(self, tabs: list[np.ndarray], g_lvs: list[np.ndarray]) -> np.ndarray:
         """Per row of the members' (N, GPU count) tables: min over GPU splits within the budget of the
@@ -111,7 +121,7 @@ class WaveSolver:
         """Per pair of caps, a lower bound on a stage's seconds when its waves together hold at most
         ``r_caps`` resident bytes: every way of splitting it into waves, each wave allowed the whole
         cap (a relaxation of the sum), for every pair at once."""
-        rows = {m: self.cubes[m][np.searchsorted(np.asarray(self.t_sorted[m], dtype=float), t_caps, side="right"),
+        rows = {m: self.cubes[m][np.searchsorted(self.t_arrays[m], t_caps, side="right"),
                                  np.searchsorted(self.grid[m][4], r_caps, side="right")] for m in names}
         waves: dict[tuple[str, ...], np.ndarray] = {}
         best = np.full(t_caps.shape, np.inf)
@@ -142,7 +152,7 @@ class WaveSolver:
         for m, (ri, ti) in zip(members, idx):
             st: tuple[np.ndarray, np.ndarray, np.ndarray] | None = self.steps_memo.get((m, ri, ti))
             if st is None:
-                g_col, s_col, r_col, t_col, order = self.by_gpus[m]
+                g_col, s_col, r_col, t_col, order = self.by_gpus(m)
                 ok = (r_col <= r_cap) & (t_col <= t_cap)
                 masked = np.where(ok, s_col, np.inf)
                 best = np.minimum.accumulate(masked)
