@@ -120,3 +120,39 @@ def test_idle_training_state_stays_resident_during_generation() -> None:
     assert gen.co_resident_bytes >= train_res  # actor-train's weights, grads and Adam state
     assert set(per_gpu) == {0, 1}
     assert per_gpu[0] == max(m.total_bytes for m in per_stage.values())
+
+
+def test_plan_memory_matches_a_per_gpu_sum_on_a_fragmented_plan() -> None:
+    """Stages on overlapping, uneven GPU sets: every GPU's peak is its residents plus the largest
+    transient among the stages on it (with workspace and headroom), summed GPU by GPU here."""
+    from planner.memory import combine
+
+    j = job("ppo", prompts=16)
+    w = j.workload
+    sets = {"actor-gen": ((0, 1), (2, 3)), "ref-inf": ((1,), (5,)), "critic-inf": ((0,), (6,)),
+            "reward-inf": ((7,),), "actor-train": ((0, 1, 2, 3),), "critic-train": ((4, 5), (6, 7))}
+    layouts = {k: Layout(len(v[0]), 1) for k, v in sets.items()}
+    plan = GlobalPlan(version=1, stages=tuple(
+        StagePlan(model_stage=k, layout=layouts[k], gpu_sets=v, micro_batch_size=16 // len(v)) for k, v in sets.items()))
+    per_gpu, per_stage = plan_memory(j, plan)
+    res = {sp.model_stage: resident_bytes(j.model_of(j.workflow.stage(sp.model_stage)),
+                                          j.workflow.stage(sp.model_stage), sp.layout) for sp in plan}
+    expected: dict[int, int] = {}
+    for g in range(8):
+        on = [sp for sp in plan if g in sp.gpus]
+        total_res = sum(res[sp.model_stage].total_bytes for sp in on)
+        peaks = []
+        for sp in on:
+            ms = j.workflow.stage(sp.model_stage)
+            t = transient_bytes(j.model_of(ms), ms, sp.layout, w, sp.micro_batch_size, sp.grad_accum, sp.recompute)
+            own = res[sp.model_stage]
+            peaks.append(combine(own, t, total_res - own.total_bytes).total_bytes)
+        expected[g] = max(peaks)
+    assert per_gpu == expected
+    for sp in plan:  # each stage's breakdown is the one on its fullest GPU
+        assert per_stage[sp.model_stage].total_bytes == max(
+            combine(res[sp.model_stage], transient_bytes(j.model_of(j.workflow.stage(sp.model_stage)),
+                                                         j.workflow.stage(sp.model_stage), sp.layout, w,
+                                                         sp.micro_batch_size, sp.grad_accum, sp.recompute),
+                    sum(res[o.model_stage].total_bytes for o in plan if g in o.gpus)
+                    - res[sp.model_stage].total_bytes).total_bytes for g in sp.gpus)

@@ -58,3 +58,23 @@ def test_frontier_keeps_what_no_other_row_beats() -> None:
         g, r, t, s = int(full.gpus[i]), int(full.resident[i]), int(full.transient[i]), float(full.seconds[i])
         assert any(kg == g and kr == r and kt <= t and ks <= s for kg, kr, kt, ks in rows)
     assert Layout(1, 1) in {Layout(int(a), int(b)) for a, b in zip(full.tp, full.pp)}
+
+
+def test_cached_lines_follow_efficiencies_and_workload() -> None:
+    """Tables reuse per-layout lines across calls: a change of efficiencies or workload must not."""
+    from planner.cost import Efficiencies, OpClass
+
+    cl = h200(32)
+    slow = Efficiencies({OpClass.GEMM: 0.2, OpClass.DP_ALLREDUCE_INTRA: 0.3})
+    for j in (job("ppo", prompts=64, response_tokens=2048), job("ppo", prompts=64, response_tokens=3000)):
+        ms = j.workflow.stage("actor-train")
+        for eff in (PRIORS, slow, PRIORS):
+            table = option_table(j, ms, cl, 32, eff)
+            for i in range(0, len(table), max(1, len(table) // 10)):
+                o = table.option(i)
+                gpn = cl.gpus_per_node
+                links = Links(tp_intra=o.layout.tp <= gpn, pp_intra=o.layout.size <= gpn, dp_intra=o.num_gpus <= gpn)
+                exact = stage_cost(j.model_of(ms), ms, o.layout, j.workload, micro_batch_size=o.micro_batch_size,
+                                   grad_accum=o.grad_accum, recompute=o.recompute, dp=o.dp, cluster=cl, links=links,
+                                   eff=eff)
+                assert o.seconds == pytest.approx(exact.seconds, rel=1e-9)

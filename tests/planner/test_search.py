@@ -140,3 +140,13 @@ def test_bad_pools_name_the_field() -> None:
         search(job("grpo", model="tiny-3m", prompts=4), h200(8), pool=[])
     with pytest.raises(SpecError, match="pool"):
         search(job("grpo", model="tiny-3m", prompts=4), h200(8), pool=[0, 99])
+
+
+def test_order_pool_puts_whole_nodes_first_then_larger_partial_nodes() -> None:
+    cl = h200(32)
+    pool = [17, 18, 0, 1, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31, 0, 19]
+    # nodes 1 and 3 whole (node order), then the partial nodes, larger first: node 2 (3), node 0 (2)
+    assert order_pool(pool, cl) == (*range(8, 16), *range(24, 32), 17, 18, 19, 0, 1)
+    assert order_pool([4, 5, 17, 18], cl) == (4, 5, 17, 18)  # equal partial nodes: node order
+    assert order_pool(list(range(32)), cl) == tuple(range(32))
+    assert order_pool([], cl) == ()
