@@ -6,7 +6,9 @@ slowest GPU, the time to push what that GPU sends and to take what it receives t
 intra-node link, others the inter-node link, ClusterSpec.link_between), plus local copies at HBM speed.
 Start times follow the execution rule of transitions.global_dag: data and resource edges, and each GPU
 runs the primitives touching it one at a time in ``order``. L_tran is the latest end; the critical path
-is the chain of whatever held each primitive back. Pure: no torch, no I/O.
+is the chain of whatever held each primitive back. A DAG planned over replica classes
+(transitions.replica_classes) is scheduled class by class with numpy over all members at once, with
+the same start and end times as the unit-level schedule of its order. Pure: no torch, no I/O.
 """
 
 from __future__ import annotations

@@ -20,7 +20,11 @@ How one worker runs its part (everything derived locally from the frozen DAG):
         send / receive primitives.buckets(prim, gpu), unpacking each item at its dst slices;
         free u.shards(gpu) for u in prim.frees.
     Units in ``renamed`` keep their tensors under the new uid; ``lost_units`` are simply gone.
-Pure: no torch, no I/O.
+Plain plan changes (no lost GPUs, no weight sync, the same model-stages before and after) are
+planned over replica classes (transitions.replica_classes: DP replicas alike up to a renaming of
+GPUs), which keeps the 1,024-GPU build near a millisecond; the unit-level DAG above is expanded from
+them on first use, so consumers see the same attributes. Anything else, or ``exact=True``, is planned
+unit by unit. Pure: no torch, no I/O.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from transitions.emu import EMU, UnitState, job_states
 from transitions.feasibility import MemoryOrder, apply_footprint, order_by_memory
 from transitions.local_dag import LastCopyLostError, plan_stage, plan_units
 from transitions.primitives import Footprint, Primitive, footprint
-from transitions.replica_classes import ReplicaPlan, plan_replicas
+from transitions.replica_classes import MIN_NODES, ReplicaPlan, plan_replicas
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -241,7 +245,7 @@ def build_transition(
     refresh: Mapping[str, str] | None = None,
     capacity_bytes: int | None = None,
     policy: str = "global",
-    exact: bool = False,
+    exact: bool | None = None,
 ) -> TransitionDAG:
     """The checked DAG moving every model-stage's state from ``old`` to ``new``.
 
@@ -251,8 +255,9 @@ def build_transition(
     "actor-train"}). ``capacity_bytes`` defaults to the device memory. ``policy="per_stage"`` is the
     naive per-model-stage order (for comparison only). Raises InfeasibleError naming GPU and bytes.
 
-    Plain plan changes are planned over replica classes (transitions.replica_classes) and expanded to
-    units on first use; whatever that path does not cover, or ``exact=True``, is planned unit by unit.
+    ``exact``: None (default) plans plain plan changes of at least replica_classes.MIN_NODES
+    primitives over replica classes (expanded to units on first use), anything else unit by unit;
+    True always unit by unit; False over replica classes whenever they apply, however small.
     """
     states = _states(job_or_models)
     refresh = dict(refresh or {})
@@ -260,9 +265,9 @@ def build_transition(
     if new.version <= old_version:
         raise SpecError("new.version", f"{new.version} must exceed the old plan's {old_version}")
     capacity = cluster.device.memory_bytes if capacity_bytes is None else capacity_bytes
-    if not exact and old is not None and not lost_gpus and not refresh and policy == "global" \
+    if exact is not True and old is not None and not lost_gpus and not refresh and policy == "global" \
             and all(sp.model_stage in states for sp in (*old, *new)):
-        fast = plan_replicas(states, cluster, old, new, capacity)
+        fast = plan_replicas(states, cluster, old, new, capacity, min_nodes=0 if exact is False else MIN_NODES)
         if fast is not None:
             return TransitionDAG(old_version=old_version, new_version=new.version, capacity_bytes=capacity,
                                  replicas=fast)

@@ -48,6 +48,9 @@ from transitions.primitives import (
     relabels,
 )
 
+# Below this many unit-level primitives the exact path is as fast, and its per-unit order is finer
+# (greedy vs optimum on <= 7-node instances: mean gap 2.5% per unit, 3.75% per class).
+MIN_NODES = 64
 _MIX = np.random.default_rng(12345).integers(1, 2**62, size=256, dtype=np.int64) | 1
 _ARRAYS: dict[int, tuple[tuple[tuple[int, ...], ...], np.ndarray]] = {}
 _SHAPES: dict[tuple[object, ...], tuple[Footprint, np.ndarray, bool]] = {}  # relative shape -> footprint
@@ -583,8 +586,9 @@ def _initial(state: UnitState, cp: StagePlan, n_gpus: int) -> np.ndarray:
 
 
 def plan_replicas(states: Mapping[str, UnitState], cluster: ClusterSpec, old: GlobalPlan, new: GlobalPlan,
-                  capacity: int) -> ReplicaPlan | None:
-    """The class-level plan of a transition, or None where the exact per-unit path must be used."""
+                  capacity: int, min_nodes: int = 0) -> ReplicaPlan | None:
+    """The class-level plan of a transition, or None where the exact per-unit path must be used
+    (also below ``min_nodes`` unit-level primitives, where that one is as fast and orders finer)."""
     n_gpus = cluster.num_gpus
     old_names = [sp.model_stage for sp in old]
     if sorted(old_names) != sorted(sp.model_stage for sp in new):
@@ -615,6 +619,8 @@ def plan_replicas(states: Mapping[str, UnitState], cluster: ClusterSpec, old: Gl
             class_stage.append(k)
             first.append(base + c.first)
         base += sc.num_nodes
+    if base < min_nodes:
+        return None
     order = _order(classes, edges, initial, capacity)
     if order is None:
         return None

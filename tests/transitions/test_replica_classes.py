@@ -24,7 +24,7 @@ from planner.plan import GlobalPlan, Layout
 from transitions.cost import transition_cost
 from transitions.global_dag import TransitionDAG, build_transition
 from transitions.replay import replay
-from transitions.scenarios import PPO_STAGES, random_model, stage_plan, stage_states
+from transitions.scenarios import PPO_STAGES, ppo_plan, random_model, stage_plan, stage_states
 
 PROPERTY = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -98,7 +98,7 @@ def _check_order_and_cost(dag: TransitionDAG, cluster: ClusterSpec) -> None:
 @given(seed=st.integers(0, 2**32 - 1))
 def test_fast_path_matches_exact_and_replays(seed: int) -> None:
     states, cluster, old, new = symmetric_case(seed)
-    fast = build_transition(states, cluster, old, new, capacity_bytes=1 << 50)
+    fast = build_transition(states, cluster, old, new, capacity_bytes=1 << 50, exact=False)
     exact = build_transition(states, cluster, old, new, capacity_bytes=1 << 50, exact=True)
     assert exact.replicas is None
     if fast.replicas is None:
@@ -119,7 +119,7 @@ def test_tight_capacity_is_respected_or_left_to_the_exact_path(seed: int, squeez
     roomy = build_transition(states, cluster, old, new, capacity_bytes=1 << 50, exact=True)
     capacity = int(max(roomy.peak_bytes.values(), default=1) * squeeze)
     try:
-        dag = build_transition(states, cluster, old, new, capacity_bytes=capacity)
+        dag = build_transition(states, cluster, old, new, capacity_bytes=capacity, exact=False)
     except InfeasibleError as err:
         assert "GPU" in str(err) and "bytes" in str(err)
         with pytest.raises(InfeasibleError):  # the fast path never refuses what the exact path finds
@@ -130,18 +130,29 @@ def test_tight_capacity_is_respected_or_left_to_the_exact_path(seed: int, squeez
 
 
 def test_share_of_symmetric_cases_on_the_fast_path() -> None:
-    """The fast path must actually carry the symmetric cases (not fall back on most of them)."""
-    used = sum(build_transition(*symmetric_case(seed), capacity_bytes=1 << 50).replicas is not None
+    """The fast path must actually carry the symmetric cases (not fall back on most of them); by
+    default small ones go the exact way (MIN_NODES) and large symmetric ones the fast way."""
+    used = sum(build_transition(*symmetric_case(seed), capacity_bytes=1 << 50, exact=False).replicas is not None
                for seed in range(60))
     assert used >= 45, f"only {used}/60 symmetric cases took the replica-class path"
+    states, cluster, old, new = symmetric_case(3)
+    assert build_transition(states, cluster, old, new).replicas is None  # tiny: exact by default
+    model = ModelSpec(name="tiny", num_layers=2, hidden_size=8, num_attention_heads=4, num_kv_heads=2, head_dim=2,
+                      ffn_hidden_size=24, vocab_size=11)
+    big = stage_states(model, PPO_STAGES)
+    cluster = ClusterSpec(device=CPU, num_nodes=32, gpus_per_node=4, intra_node_link=NVLINK4,
+                          inter_node_link=LOOPBACK)
+    old = ppo_plan(1, cluster.num_gpus, {ms.name: Layout(1, 1) for ms in PPO_STAGES})
+    new = ppo_plan(2, cluster.num_gpus, {ms.name: Layout(2, 1) for ms in PPO_STAGES})
+    assert build_transition(big, cluster, old, new, capacity_bytes=1 << 50).replicas is not None
 
 
 def test_cached_stage_classes_do_not_leak_between_dags() -> None:
     """Two DAGs sharing stage plans (and so cached classes) each expand to their own correct DAG."""
     states, cluster, old, new = symmetric_case(11)
-    first = build_transition(states, cluster, old, new, capacity_bytes=1 << 50)
+    first = build_transition(states, cluster, old, new, capacity_bytes=1 << 50, exact=False)
     newer = GlobalPlan(version=5, stages=new.stages)
-    second = build_transition(states, cluster, old, newer, capacity_bytes=1 << 50)
+    second = build_transition(states, cluster, old, newer, capacity_bytes=1 << 50, exact=False)
     assert first.replicas is not None and second.replicas is not None
     exact = build_transition(states, cluster, old, new, capacity_bytes=1 << 50, exact=True)
     _same_as_exact(first, exact)

@@ -53,12 +53,13 @@ def _assert_really_lost(sc: Scenario, err: LastCopyLostError) -> None:
 
 
 @PROPERTY
-@given(seed=st.integers(0, 2**32 - 1), loss=st.sampled_from([0.0, 0.5]))
-def test_replay_fills_every_target_exactly(seed: int, loss: float) -> None:
+@given(seed=st.integers(0, 2**32 - 1), loss=st.sampled_from([0.0, 0.5]), exact=st.booleans())
+def test_replay_fills_every_target_exactly(seed: int, loss: float, exact: bool) -> None:
+    """Both paths: replica classes wherever they apply (exact=False) and the per-unit one (True)."""
     sc = random_scenario(random.Random(seed), loss_probability=loss)
     try:
         dag = build_transition(sc.states, sc.cluster, sc.old, sc.new, lost_gpus=sc.lost_gpus,
-                               capacity_bytes=1 << 50)
+                               capacity_bytes=1 << 50, exact=exact)
     except LastCopyLostError as err:
         _assert_really_lost(sc, err)
         return
@@ -69,8 +70,8 @@ def test_replay_fills_every_target_exactly(seed: int, loss: float) -> None:
 
 
 @PROPERTY
-@given(seed=st.integers(0, 2**32 - 1), squeeze=st.floats(1.0, 2.0))
-def test_tight_memory_is_respected_or_refused(seed: int, squeeze: float) -> None:
+@given(seed=st.integers(0, 2**32 - 1), squeeze=st.floats(1.0, 2.0), exact=st.booleans())
+def test_tight_memory_is_respected_or_refused(seed: int, squeeze: float, exact: bool) -> None:
     """With a capacity near the larger of the old and new per-GPU state, the builder either returns
     an order under which no GPU ever exceeds it (checked by replay) or refuses, naming GPU and bytes."""
     sc = random_scenario(random.Random(seed), max_stages=4)
@@ -84,7 +85,7 @@ def test_tight_memory_is_respected_or_refused(seed: int, squeeze: float) -> None
     held = {g: max(before.get(g, 0), after.get(g, 0)) for g in before.keys() | after.keys()}
     capacity = int(max(held.values()) * squeeze)
     try:
-        dag = build_transition(sc.states, sc.cluster, sc.old, sc.new, capacity_bytes=capacity)
+        dag = build_transition(sc.states, sc.cluster, sc.old, sc.new, capacity_bytes=capacity, exact=exact)
     except InfeasibleError as err:
         assert "GPU" in str(err) and "bytes" in str(err)
         return
