@@ -13,6 +13,7 @@ Activations follow Korthikanti et al. (2022) with flash attention (no s^2 term),
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from functools import lru_cache
 
@@ -197,8 +198,10 @@ def peak_total(resident_sum: int, transient_max: int) -> int:
     return int((resident_sum + transient_max + WORKSPACE_BYTES) * (1 + HEADROOM_FRACTION))
 
 
-def plan_memory(job: JobSpec, plan: GlobalPlan) -> tuple[dict[int, int], dict[str, MemoryBreakdown]]:
-    """(GPU -> peak bytes, model-stage -> breakdown on its fullest GPU while it runs).
+def plan_memory(job: JobSpec, plan: GlobalPlan, gpu_arrays: Mapping[str, np.ndarray] | None = None
+                ) -> tuple[dict[int, int], dict[str, MemoryBreakdown]]:
+    """(GPU -> peak bytes, model-stage -> breakdown on its fullest GPU while it runs); ``gpu_arrays``:
+    each model-stage's GPU ids as an array, if the caller has them already.
 
     Every model-stage placed on a GPU keeps its resident state there all step long; a GPU peaks while
     the model-stage with the largest transient memory on it runs. GPUs are handled as arrays, and
@@ -217,19 +220,27 @@ def plan_memory(job: JobSpec, plan: GlobalPlan) -> tuple[dict[int, int], dict[st
         res[sp.model_stage] = resident_bytes(model, ms, sp.layout)
         trans[sp.model_stage] = transient_bytes(model, ms, sp.layout, workload, sp.micro_batch_size,
                                                 sp.grad_accum, sp.recompute)
-        gpus[sp.model_stage] = np.asarray(sp.gpu_sets, dtype=np.int64).ravel()
-    ids = np.unique(np.concatenate(list(gpus.values())))
-    resident_on = np.zeros(ids.size, dtype=np.int64)
-    pos = {name: np.searchsorted(ids, g) for name, g in gpus.items()}
+        gpus[sp.model_stage] = (np.asarray(sp.gpu_sets, dtype=np.int64).ravel() if gpu_arrays is None
+                                else gpu_arrays[sp.model_stage])
+    # dense arrays over the id range (ids are small integers); a stage's own GPUs are distinct, so plain
+    # fancy indexing accumulates correctly
+    lo = min(int(g.min()) for g in gpus.values())
+    gpus = {k: g - lo for k, g in gpus.items()}
+    size = 1 + max(int(g.max()) for g in gpus.values())
+    resident_on = np.zeros(size, dtype=np.int64)
+    present = np.zeros(size, dtype=bool)
     for sp in stages:
-        resident_on[pos[sp.model_stage]] += res[sp.model_stage].total_bytes  # a stage's GPUs are distinct
-    peak = np.zeros(ids.size, dtype=np.int64)
+        resident_on[gpus[sp.model_stage]] += res[sp.model_stage].total_bytes
+        present[gpus[sp.model_stage]] = True
+    peak = np.zeros(size, dtype=np.int64)
     per_stage: dict[str, MemoryBreakdown] = {}
     for sp in stages:
         own = res[sp.model_stage]
-        co, inverse = np.unique(resident_on[pos[sp.model_stage]] - own.total_bytes, return_inverse=True)
+        on = gpus[sp.model_stage]
+        co, inverse = np.unique(resident_on[on] - own.total_bytes, return_inverse=True)
         by_co = [combine(own, trans[sp.model_stage], int(c)) for c in co.tolist()]
         totals = np.array([m.total_bytes for m in by_co], dtype=np.int64)
-        np.maximum.at(peak, pos[sp.model_stage], totals[inverse.ravel()])
+        peak[on] = np.maximum(peak[on], totals[inverse.ravel()])
         per_stage[sp.model_stage] = by_co[int(np.argmax(totals))]
-    return dict(zip(ids.tolist(), peak.tolist())), per_stage
+    ids = np.flatnonzero(present)
+    return dict(zip((ids + lo).tolist(), peak[ids].tolist())), per_stage
