@@ -71,8 +71,9 @@ class WaveSolver:
         for m, (ri, gi, tj, secs, r_lv, g_lv) in self.grid.items():
             cube = by_table.get(id(fronts[m].seconds))
             if cube is None:
-                cube = np.full((len(self.t_sorted[m]) + 1, r_lv.size + 1, g_lv.size), np.inf)
-                np.minimum.at(cube, (tj + 1, ri + 1, gi), secs)
+                # GPU axis padded in front too: index 0 is "no GPU count fits" (inf), for the min-max
+                cube = np.full((len(self.t_sorted[m]) + 1, r_lv.size + 1, g_lv.size + 1), np.inf)
+                np.minimum.at(cube, (tj + 1, ri + 1, gi + 1), secs)
                 for axis in (0, 1, 2):
                     np.minimum.accumulate(cube, axis=axis, out=cube)
                 by_table[id(fronts[m].seconds)] = cube
@@ -81,6 +82,8 @@ class WaveSolver:
         self.curves: dict[tuple[object, ...], tuple[np.ndarray, np.ndarray]] = {}
         self.levels: dict[tuple[str, ...], np.ndarray] = {}  # union of a wave's members' resident levels
         self._by_gpus: dict[str, tuple[np.ndarray, ...]] = {}
+        self.splits: dict[tuple[str, ...], np.ndarray] = {}  # per wave: GPU index left to its last member
+        self.parts: dict[tuple[str, ...], list[list[tuple[str, ...]]]] = {}
 
     def by_gpus(self, m: str) -> tuple[np.ndarray, ...]:
         """A member's rows within the budget sorted by (GPUs, seconds): a step function is then one
@@ -92,20 +95,21 @@ class WaveSolver:
             self._by_gpus[m] = (t.gpus[order], t.seconds[order], t.resident[order], t.transient[order], order)
         return self._by_gpus[m]
 
-    def _min_max(self, tabs: list[np.ndarray], g_lvs: list[np.ndarray]) -> np.ndarray:
-        """Per row of the members' (N, GPU count) tables: min over GPU splits within the budget of the
-        slowest member (one, two or three members)."""
+    def _min_max(self, members: tuple[str, ...], tabs: list[np.ndarray]) -> np.ndarray:
+        """Per row of the members' (N, 1 + GPU counts) padded tables: min over GPU splits within the
+        budget of the slowest member (one, two or three members)."""
         n = tabs[0].shape[0]
         if len(tabs) == 1:
-            return tabs[0][:, -1] if g_lvs[0].size else np.full(n, np.inf)
-        # the last member takes the GPUs the others leave (index 0 of its padded grid: none fits)
-        last = np.concatenate([np.full((n, 1), np.inf), tabs[-1]], axis=1)
+            return tabs[0][:, -1]
+        k = self.splits.get(members)
+        if k is None:  # the last member takes the GPUs the others leave (padded index 0: none fits)
+            g = [self.grid[m][5] for m in members]
+            left = self.budget - g[0] if len(g) == 2 else self.budget - g[0][:, None] - g[1][None, :]
+            k = self.splits[members] = np.searchsorted(g[-1], left, side="right")
         if len(tabs) == 2:
-            k = np.searchsorted(g_lvs[1], self.budget - g_lvs[0], side="right")
-            return np.maximum(tabs[0], last[:, k]).min(axis=1, initial=np.inf)
-        k = np.searchsorted(g_lvs[2], self.budget - g_lvs[0][:, None] - g_lvs[1][None, :], side="right")
-        both = np.maximum(tabs[0][:, :, None], tabs[1][:, None, :])
-        return np.maximum(both, last[:, k]).reshape(n, -1).min(axis=1, initial=np.inf)
+            return np.maximum(tabs[0][:, 1:], tabs[1][:, k]).min(axis=1, initial=np.inf)
+        both = np.maximum(tabs[0][:, 1:, None], tabs[1][:, None, 1:])
+        return np.maximum(both, tabs[2][:, k]).reshape(n, -1).min(axis=1, initial=np.inf)
 
     def wave_values(self, members: tuple[str, ...], levels: np.ndarray, t_cap: float) -> np.ndarray:
         """Best seconds of a wave at each resident cap in ``levels`` (inf where nothing fits): the
@@ -113,9 +117,8 @@ class WaveSolver:
         if len(members) > 3:
             out = [self.solve(members, float(r), t_cap) for r in levels]
             return np.array([np.inf if o is None else o[0] for o in out])
-        tabs = [self.cubes[m][self.t_index(m, t_cap)][np.searchsorted(self.grid[m][4], levels, side="right")]
-                for m in members]
-        return self._min_max(tabs, [self.grid[m][5] for m in members])
+        return self._min_max(members, [self.cubes[m][self.t_index(m, t_cap)][
+            np.searchsorted(self.grid[m][4], levels, side="right")] for m in members])
 
     def floors(self, names: list[str], r_caps: np.ndarray, t_caps: np.ndarray) -> np.ndarray:
         """Per pair of caps, a lower bound on a stage's seconds when its waves together hold at most
@@ -134,8 +137,7 @@ class WaveSolver:
                         waves[members] = np.array([np.inf if (o := self.solve(members, float(r), float(t))) is None
                                                    else o[0] for r, t in zip(r_caps, t_caps)])
                     else:
-                        waves[members] = self._min_max([rows[m] for m in members],
-                                                       [self.grid[m][5] for m in members])
+                        waves[members] = self._min_max(members, [rows[m] for m in members])
                 total = total + waves[members]
             best = np.minimum(best, total)
         return best
@@ -239,13 +241,16 @@ def kind_points(names: list[str], solver: WaveSolver, t_cap: float
     hit = solver.memo.get(key)
     if hit is not None:
         return hit  # type: ignore[return-value]
-    all_r, all_s, origin = [], [], []
-    for part in partitions(names):
-        waves = [tuple(w) for w in part]
+    names_key = tuple(names)
+    parts = solver.parts.get(names_key)
+    if parts is None:
+        parts = solver.parts[names_key] = [[tuple(w) for w in p] for p in partitions(names)]
+    all_r, all_s, combos = [], [], []
+    for waves in parts:
         curves = [wave_curve(solver, w, t_cap) for w in waves]
-        r, sec = np.zeros(1), np.zeros(1)
-        which = np.zeros((1, 0), dtype=np.int64)  # per point: index on each wave's curve
-        for levels, secs in curves:
+        r, sec = curves[0]  # a curve is already a Pareto front
+        which = np.arange(r.size)[:, None]  # per point: index on each wave's curve
+        for levels, secs in curves[1:]:
             rr = (r[:, None] + levels[None, :]).ravel()
             ss = (sec[:, None] + secs[None, :]).ravel()
             keep = front(rr, ss)
@@ -253,12 +258,16 @@ def kind_points(names: list[str], solver: WaveSolver, t_cap: float
             r, sec = rr[keep], ss[keep]
         all_r.append(r)
         all_s.append(sec)
-        origin += [(waves, curves, which, j) for j in range(r.size)]
+        combos.append((waves, curves, which))
+    sizes = [x.size for x in all_r]
     r, sec = np.concatenate(all_r), np.concatenate(all_s)
     keep = front(r, sec).tolist()
+    bounds = np.cumsum(sizes).tolist()
     refs = []
     for i in keep:  # only the points kept name their waves
-        waves, curves, which, j = origin[i]
+        p = bisect.bisect_right(bounds, i)
+        waves, curves, which = combos[p]
+        j = i - (bounds[p - 1] if p else 0)
         refs.append(tuple((w, float(c[0][which[j, n]])) for n, (w, c) in enumerate(zip(waves, curves))))
     result = (r[keep], sec[keep], refs)
     solver.memo[key] = result  # type: ignore[assignment]
