@@ -13,6 +13,7 @@ the same start and end times as the unit-level schedule of its order. Pure: no t
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,10 +88,9 @@ def schedule(dag: TransitionDAG, durations: list[float]) -> tuple[list[float], l
 def _class_seconds(c: ReplicaClass, cluster: ClusterSpec, setup_s: float) -> tuple[np.ndarray, int, int]:
     """primitive_seconds of every member of a replica class (the links depend on where its members
     sit), and its intra- and inter-node bytes; memoised on the class per cluster."""
-    key = (cluster, setup_s)
-    hit = c.seconds.get(key)
-    if hit is not None:
-        return hit
+    hit = c.seconds.get(id(cluster))  # by identity: hashing a ClusterSpec costs more than a lookup
+    if hit is not None and hit[0] is cluster and hit[1] == setup_s:
+        return hit[2]
     fp = c.canon
     labels = c.gpus.shape[1]
     local = np.zeros(labels)
@@ -110,17 +110,15 @@ def _class_seconds(c: ReplicaClass, cluster: ClusterSpec, setup_s: float) -> tup
         intra = c.gpus[:, src] // per_node == c.gpus[:, dst] // per_node
         fast, slow = cluster.intra_node_link, cluster.inter_node_link
         t = np.where(intra, nbytes / fast.bytes_per_s + fast.latency_s, nbytes / slow.bytes_per_s + slow.latency_s)
-        send = np.zeros((c.size, labels))
-        recv = np.zeros((c.size, labels))
-        for k in range(len(pairs)):  # pairs of one shape: a handful
-            send[:, src[k]] += t[:, k]
-            recv[:, dst[k]] += t[:, k]
+        onto = np.eye(labels)  # pair k's time summed onto its source (sends) and destination (receives)
+        send = t @ onto[src]
+        recv = t @ onto[dst]
         per_gpu = np.maximum(send, recv) + local
         intra_bytes = int((intra * nbytes).sum())
         out = (per_gpu[:, touched].max(axis=1) + setup_s, intra_bytes, int(nbytes.sum()) * c.size - intra_bytes)
     if len(c.seconds) > 8:
         c.seconds.clear()
-    c.seconds[key] = out
+    c.seconds[id(cluster)] = (cluster, setup_s, out)
     return out
 
 
@@ -190,12 +188,11 @@ def _critical_path(plan: ReplicaPlan, start: np.ndarray, end: np.ndarray, seen: 
     predecessor ending at its start (checked first, as ``schedule`` does), else the GPU it waited on."""
     if not len(end):
         return []
-    firsts = np.array(plan.first)
     path = [int(end.argmax())]
     while True:
         i = path[-1]
-        k = max(j for j in np.flatnonzero(firsts <= i).tolist() if i < firsts[j] + plan.classes[j].size)
-        c, m = plan.classes[k], i - int(firsts[k])
+        k = bisect_right(plan.first, i) - 1  # classes hold consecutive, non-empty node ranges
+        c, m = plan.classes[k], i - plan.first[k]
         pe, ge, gl = seen[k]
         s = float(start[i])
         by = -1

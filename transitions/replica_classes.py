@@ -51,6 +51,10 @@ from transitions.primitives import (
 # Below this many unit-level primitives the exact path is as fast, and its per-unit order is finer
 # (greedy vs optimum on <= 7-node instances: mean gap 2.5% per unit, 3.75% per class).
 MIN_NODES = 64
+# Memoised plans (arrays of their GPUs, owners, bytes) and stage-plan pairs (their classes): bounded,
+# since at 4,096 GPUs one pair's classes take about a MB.
+_CACHE_PLANS = 256
+_CACHE_PAIRS = 64
 _MIX = np.random.default_rng(12345).integers(1, 2**62, size=256, dtype=np.int64) | 1
 _ARRAYS: dict[int, tuple[tuple[tuple[int, ...], ...], np.ndarray]] = {}
 _SHAPES: dict[tuple[object, ...], tuple[Footprint, np.ndarray, bool]] = {}  # relative shape -> footprint
@@ -62,7 +66,7 @@ def clear_caches() -> None:
 
     for fn in (emu.rank_shards, emu.rank_boxes, emu.rank_bytes, emu.parts_nest, primitives._tensor_index):
         fn.cache_clear()
-    for cache in (primitives._FOOTPRINTS, _SHAPES, _STAGES, _INITIAL, _ARRAYS):
+    for cache in (primitives._FOOTPRINTS, _SHAPES, _STAGES, _INITIAL, _ARRAYS, _OWNERS):
         cache.clear()
 
 
@@ -74,7 +78,7 @@ def gpu_array(gpu_sets: tuple[tuple[int, ...], ...]) -> np.ndarray:
     size = len(gpu_sets[0])
     arr = np.fromiter(chain.from_iterable(gpu_sets), dtype=np.int64, count=size * len(gpu_sets))
     arr = arr.reshape(len(gpu_sets), size)
-    if len(_ARRAYS) > 4096:
+    if len(_ARRAYS) > _CACHE_PLANS:
         _ARRAYS.clear()
     _ARRAYS[id(gpu_sets)] = (gpu_sets, arr)
     return arr
@@ -142,7 +146,7 @@ class ReplicaClass:
     delta: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # alloc - free
     acquire: bool = False
     preds: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.int64))  # stage-local, -1 pad
-    seconds: dict[object, tuple[np.ndarray, int, int]] = field(default_factory=dict)
+    seconds: dict[int, tuple[object, float, tuple[np.ndarray, int, int]]] = field(default_factory=dict)
 
     @property
     def size(self) -> int:
@@ -274,15 +278,33 @@ class _Local:
     destroys: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
 
-def _local_plan(st: _Stage, num_gpus: int) -> _Local | None:
-    cur, sub = st.cur, st.sub
-    lc, lt = st.current.layout, st.target.layout
-    out = _Local()
+_OWNERS: dict[tuple[int, int], tuple[StagePlan, np.ndarray, np.ndarray]] = {}
+
+
+def _owners(plan: StagePlan, num_gpus: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per GPU: the replica of ``plan`` on it and its rank there (-1: none); memoised per plan, by
+    identity (the current plan stays the same while a planner tries candidates)."""
+    hit = _OWNERS.get((id(plan), num_gpus))
+    if hit is not None and hit[0] is plan:
+        return hit[1], hit[2]
+    cur = gpu_array(plan.gpu_sets)
     dc, sc = cur.shape
     owner = np.full(num_gpus, -1, dtype=np.int64)
     rank = np.full(num_gpus, -1, dtype=np.int64)
     owner[cur.ravel()] = np.repeat(np.arange(dc), sc)
     rank[cur.ravel()] = np.tile(np.arange(sc), dc)
+    if len(_OWNERS) > _CACHE_PLANS:
+        _OWNERS.clear()
+    _OWNERS[(id(plan), num_gpus)] = (plan, owner, rank)
+    return owner, rank
+
+
+def _local_plan(st: _Stage, num_gpus: int) -> _Local | None:
+    cur, sub = st.cur, st.sub
+    lc, lt = st.current.layout, st.target.layout
+    out = _Local()
+    dc, sc = cur.shape
+    owner, rank = _owners(st.current, num_gpus)
     own = owner[st.parts]
     rk = rank[st.parts]
     one_owner = (own == own[:, :1]).all(1) & (own[:, 0] >= 0)
@@ -363,13 +385,16 @@ def _classes_of(st: _Stage, local: _Local, order: int) -> list[ReplicaClass]:
         d = local.destroys
         groups.append((PrimitiveKind.DESTROY, d, np.zeros((len(d), 0), dtype=np.int64), cur[d]))
     for kind, unit, refs, x in groups:
-        for idx, labels, first in _shape_groups(x):
+        # a Destroy's shape is its unit's GPUs in rank order: one class
+        shapes = _shape_groups(x) if kind is not PrimitiveKind.DESTROY else [
+            (np.arange(len(x)), np.arange(x.shape[1]), np.arange(x.shape[1]))]
+        for idx, labels, first in shapes:
             # the relative shape fixes the canonical footprint: layouts come with the kind and the
             # inputs' types (a kept current unit, or a T_sub part of a target unit)
             key = (kind, st.state, st.current.layout, st.target.layout, tuple((refs[idx[0]] < 0).tolist()),
                    first.tobytes())
             hit = _SHAPES.get(key)
-            g = x[idx][:, labels]
+            g = (x if len(idx) == len(x) else x[idx])[:, labels]
             if hit is None:
                 rep = _representative(st, kind, int(unit[idx[0]]), refs[idx[0]])
                 canon, gpus = canonical_footprint(rep)
@@ -539,7 +564,7 @@ def _stage_classes(state: UnitState, cp: StagePlan, tp: StagePlan, n_gpus: int) 
     if hit is not None and hit[0] is cp and hit[1] is tp:
         return hit[2]
     out = _build_stage(state, cp, tp, n_gpus)
-    if len(_STAGES) > 1024:
+    if len(_STAGES) > _CACHE_PAIRS:
         _STAGES.clear()
     _STAGES[key] = (cp, tp, out)
     return out
@@ -579,7 +604,7 @@ def _initial(state: UnitState, cp: StagePlan, n_gpus: int) -> np.ndarray:
     per_rank = np.array(rank_bytes(state, cp.layout), dtype=np.int64)
     out = np.zeros(n_gpus, dtype=np.int64)
     np.add.at(out, cur.ravel(), np.tile(per_rank, len(cur)))
-    if len(_INITIAL) > 1024:
+    if len(_INITIAL) > _CACHE_PLANS:
         _INITIAL.clear()
     _INITIAL[key] = (cp, out)
     return out
