@@ -34,7 +34,7 @@ from planner.memory import HEADROOM_FRACTION, WORKSPACE_BYTES
 from planner.options import OptionRules, OptionTable, StageOption, frontier, option_table
 from planner.plan import GlobalPlan, StagePlan
 from planner.prediction import Prediction, predict
-from planner.waves import Pick, WaveRef, WaveSolver, kind_points, wave_picks
+from planner.waves import Pick, WaveRef, WaveSolver, front, kind_points, wave_picks
 from planner.workflow import JobSpec, StageKind
 
 __all__ = ["SearchResult", "predict", "search", "assign", "order_pool", "URGENT_RULES"]
@@ -131,41 +131,48 @@ def _solve(job: JobSpec, fronts: Mapping[str, OptionTable], budget: int,
     lbs = np.sum([per_kind_lb[k] for k in kinds], axis=0)
     # cheap stages first, so a cap is abandoned before its costly stages when it cannot win
     order = sorted(kinds, key=lambda k: len(names[k]))
+    # per position in that order: least resident state and bound of the stages still to come
+    rest_res = [sum(min_res[x] for x in order[n:]) for n in range(1, len(order) + 1)]
+    rest_lb = [np.sum([per_kind_lb[x] for x in order[n:]], axis=0) if order[n:] else np.zeros(caps.size)
+               for n in range(1, len(order) + 1)]
     best: tuple[float, float, dict[str, tuple[WaveRef, ...]]] | None = None  # seconds, T cap, waves
     live = np.flatnonzero(np.isfinite(lbs))
+    last = len(order) - 1
     for i in live[np.lexsort((-caps[live], lbs[live]))].tolist():
         if best is not None and lbs[i] >= best[0] * _KEEP:
             break  # bounds are sorted: no remaining cap can beat the best by more than the tolerance
         t_cap = float(caps[i])
         room = usable - t_cap
-        per_kind = {k: float(per_kind_lb[k][i]) for k in kinds}
         # every stage's Pareto points, merged with arrays; a partial sum survives only if the stages still
         # to come fit in the room at their least resident state and can still beat the best plan
-        r_sum, s_sum = np.zeros(1), np.zeros(1)
-        which = np.zeros((1, 0), dtype=np.int64)  # per partial sum: index of the point of each stage so far
+        r_sum: np.ndarray = np.zeros(0)
+        s_sum: np.ndarray = np.zeros(0)
+        which: np.ndarray = np.zeros((0, 0), dtype=np.int64)
         stage_pts = []
-        for n_done, k in enumerate(order, start=1):
+        for n, k in enumerate(order):
             pts = kind_points(names[k], solver, t_cap)
             stage_pts.append(pts)
-            rest = order[n_done:]
-            r = (r_sum[:, None] + pts[0][None, :]).ravel()
-            sec = (s_sum[:, None] + pts[1][None, :]).ravel()
-            ok = r + sum(min_res[x] for x in rest) <= room
+            if n == 0:  # a stage's points are already a Pareto front
+                r, secs = pts[0], pts[1]
+            else:
+                r = (r_sum[:, None] + pts[0][None, :]).ravel()
+                secs = (s_sum[:, None] + pts[1][None, :]).ravel()
+            ok = r + rest_res[n] <= room
             if best is not None:
-                ok &= sec + sum(per_kind[x] for x in rest) < best[0] * _KEEP
+                ok &= secs + rest_lb[n][i] < best[0] * _KEEP
             sel = np.flatnonzero(ok)
             if sel.size == 0:
                 break
-            sel = sel[np.lexsort((sec[sel], r[sel]))]
-            front = sec[sel] < np.minimum.accumulate(np.concatenate([[np.inf], sec[sel][:-1]]))
-            sel = sel[front]
-            which = np.column_stack([which[sel // pts[0].size], sel % pts[0].size])
-            r_sum, s_sum = r[sel], sec[sel]
+            if n == last:  # only the fastest complete plan matters
+                sel = sel[[int(np.argmin(secs[sel]))]]
+            elif n > 0:
+                sel = sel[front(r[sel], secs[sel])]
+            size = pts[0].size
+            which = sel[:, None] if n == 0 else np.column_stack([which[sel // size], sel % size])
+            r_sum, s_sum = r[sel], secs[sel]
         else:
-            top = int(np.argmin(s_sum))
-            if best is None or s_sum[top] < best[0]:
-                best = (float(s_sum[top]), t_cap,
-                        {k.value: stage_pts[j][2][which[top, j]] for j, k in enumerate(order)})
+            if best is None or s_sum[0] < best[0]:
+                best = (float(s_sum[0]), t_cap, {k.value: stage_pts[j][2][which[0, j]] for j, k in enumerate(order)})
     if best is None:
         return None
     sec, t_cap, refs = best
