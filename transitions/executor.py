@@ -46,7 +46,7 @@ COUNTERS = "_meta.counters"  # per unit: version, optimizer step, minibatch posi
 COUNTERS_KIND = "counters"
 NUM_COUNTERS = 4
 DEFAULT_BUCKET_BYTES = 8 << 20  # per pair per round; two rounds are in flight at once (pipelining)
-DIRECT_MIN_BYTES = 4 << 20  # smaller contiguous runs go through a bucket: one message beats many
+DIRECT_MIN_BYTES = 1 << 20  # smaller contiguous runs go through a bucket: one message beats many
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, lengths) in the global tensor
 Run = tuple[tuple[int, int], tuple[int, int]]  # (src byte range, dst byte range) of a zero-copy move

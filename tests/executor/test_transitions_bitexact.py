@@ -107,3 +107,19 @@ def test_unknown_model_change_is_refused(pool: LocalCoordinator) -> None:
     outcome = pool.transition(old, new)
     assert not outcome.committed and all("model" in e for e in outcome.errors.values())
     assert outcome.dead_workers == () and not outcome.needs_checkpoint
+
+
+WIDE = ModelSpec(name="wide-ffn", num_layers=2, hidden_size=128, num_attention_heads=4, num_kv_heads=2,
+                 head_dim=32, ffn_hidden_size=4096, vocab_size=64)
+
+
+def test_mixed_zero_copy_runs_and_packed_buckets(pool: LocalCoordinator) -> None:
+    """Large contiguous halves (ffn rows, >= 1 MiB) travel as zero-copy messages in round 0 next to
+    packed buckets over several rounds; still bit-exact, both ways."""
+    from transitions.executor import plan_transition
+
+    old, new = [placement("a", 1, 1, [[0]], model=WIDE)], [placement("a", 2, 1, [[1, 2]], model=WIDE)]
+    messages = [m for s in plan_transition(old, new, max_bucket_bytes=256 << 10).steps for m in s.messages]
+    assert any(m.direct for m in messages) and any(not m.direct for m in messages)
+    assert max(m.round for m in messages) >= 2
+    _run_chain(pool, [old, new, [placement("a", 1, 1, [[3]], model=WIDE)]], seed=12, bucket=256 << 10)
