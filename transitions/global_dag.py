@@ -41,7 +41,7 @@ from transitions.emu import EMU, UnitState, job_states
 from transitions.feasibility import MemoryOrder, apply_footprint, order_by_memory
 from transitions.local_dag import LastCopyLostError, plan_stage, plan_units
 from transitions.primitives import Footprint, Primitive, footprint
-from transitions.replica_classes import MIN_NODES, ReplicaPlan, plan_replicas
+from transitions.replica_classes import MIN_UNITS, ReplicaPlan, plan_replicas
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -255,8 +255,8 @@ def build_transition(
     "actor-train"}). ``capacity_bytes`` defaults to the device memory. ``policy="per_stage"`` is the
     naive per-model-stage order (for comparison only). Raises InfeasibleError naming GPU and bytes.
 
-    ``exact``: None (default) plans plain plan changes of at least replica_classes.MIN_NODES
-    primitives over replica classes (expanded to units on first use), anything else unit by unit;
+    ``exact``: None (default) plans plain plan changes of at least replica_classes.MIN_UNITS
+    units over replica classes (expanded to units on first use), anything else unit by unit;
     True always unit by unit; False over replica classes whenever they apply, however small.
     """
     states = _states(job_or_models)
@@ -267,7 +267,7 @@ def build_transition(
     capacity = cluster.device.memory_bytes if capacity_bytes is None else capacity_bytes
     if exact is not True and old is not None and not lost_gpus and not refresh and policy == "global" \
             and all(sp.model_stage in states for sp in (*old, *new)):
-        fast = plan_replicas(states, cluster, old, new, capacity, min_nodes=0 if exact is False else MIN_NODES)
+        fast = plan_replicas(states, cluster, old, new, capacity, min_units=0 if exact is False else MIN_UNITS)
         if fast is not None:
             return TransitionDAG(old_version=old_version, new_version=new.version, capacity_bytes=capacity,
                                  replicas=fast)

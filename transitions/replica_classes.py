@@ -48,9 +48,9 @@ from transitions.primitives import (
     relabels,
 )
 
-# Below this many unit-level primitives the exact path is as fast, and its per-unit order is finer
+# With fewer units (old and new together) the exact path is as fast, and its per-unit order is finer
 # (greedy vs optimum on <= 7-node instances: mean gap 2.5% per unit, 3.75% per class).
-MIN_NODES = 64
+MIN_UNITS = 32
 # Memoised plans (arrays of their GPUs, owners, bytes) and stage-plan pairs (their classes): bounded,
 # since at 4,096 GPUs one pair's classes take about a MB.
 _CACHE_PLANS = 256
@@ -611,9 +611,11 @@ def _initial(state: UnitState, cp: StagePlan, n_gpus: int) -> np.ndarray:
 
 
 def plan_replicas(states: Mapping[str, UnitState], cluster: ClusterSpec, old: GlobalPlan, new: GlobalPlan,
-                  capacity: int, min_nodes: int = 0) -> ReplicaPlan | None:
+                  capacity: int, min_units: int = 0) -> ReplicaPlan | None:
     """The class-level plan of a transition, or None where the exact per-unit path must be used
-    (also below ``min_nodes`` unit-level primitives, where that one is as fast and orders finer)."""
+    (also with fewer than ``min_units`` units, where that one is as fast and orders finer)."""
+    if sum(len(sp.gpu_sets) for sp in (*old, *new)) < min_units:
+        return None
     n_gpus = cluster.num_gpus
     old_names = [sp.model_stage for sp in old]
     if sorted(old_names) != sorted(sp.model_stage for sp in new):
@@ -644,8 +646,6 @@ def plan_replicas(states: Mapping[str, UnitState], cluster: ClusterSpec, old: Gl
             class_stage.append(k)
             first.append(base + c.first)
         base += sc.num_nodes
-    if base < min_nodes:
-        return None
     order = _order(classes, edges, initial, capacity)
     if order is None:
         return None

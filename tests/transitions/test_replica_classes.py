@@ -26,7 +26,7 @@ from transitions.global_dag import TransitionDAG, build_transition
 from transitions.replay import replay
 from transitions.scenarios import PPO_STAGES, ppo_plan, random_model, stage_plan, stage_states
 
-PROPERTY = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+PROPERTY = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def _layouts(rng: random.Random, model: ModelSpec, max_size: int) -> Layout:
@@ -131,7 +131,7 @@ def test_tight_capacity_is_respected_or_left_to_the_exact_path(seed: int, squeez
 
 def test_share_of_symmetric_cases_on_the_fast_path() -> None:
     """The fast path must actually carry the symmetric cases (not fall back on most of them); by
-    default small ones go the exact way (MIN_NODES) and large symmetric ones the fast way."""
+    default small ones go the exact way (MIN_UNITS) and large symmetric ones the fast way."""
     used = sum(build_transition(*symmetric_case(seed), capacity_bytes=1 << 50, exact=False).replicas is not None
                for seed in range(60))
     assert used >= 45, f"only {used}/60 symmetric cases took the replica-class path"
