@@ -7,12 +7,15 @@
 3. Memory couples the stages: a GPU holds the resident state of one model-stage per wave and peaks
    while the largest transient runs, so peak <= sum over waves of the resident cap R_w + the transient
    cap T. For a cap T, a wave's best time as a function of R_w (min-max over members under the GPU
-   budget, found with step functions over GPU counts) gives (R, time) points; dynamic programming over
-   waves and stages keeps the Pareto points and takes the fastest that fits.
-4. Caps T are tried best lower bound first (slowest member, and GPU-seconds over the pool) and a cap is
-   dropped, even halfway through its stages, once its bound cannot beat the best plan: exact, and a
-   1,024-GPU replan stays in tens of milliseconds. Only above MAX_TRANSIENT_LEVELS distinct transient
-   sizes are they rounded up (never unsafe: a rounded plan needs less memory than assumed).
+   budget, read off per-member (T, R, GPU count) least-seconds cubes for every R at once) gives
+   (R, time) points; merging waves and stages as arrays keeps the Pareto points and takes the fastest
+   that fits.
+4. Caps T are tried best lower bound first and a cap is dropped, even halfway through its stages, once
+   its bound cannot beat the best plan (up to TIE_TOLERANCE): exact. The bound of every cap comes at
+   once from the cubes: each stage's exact best time when each of its waves may use all the resident
+   room the other stages leave, so most caps are never solved and a 1,024-GPU replan takes a few
+   tens of milliseconds of CPU or less. Only above MAX_TRANSIENT_LEVELS distinct transient sizes are
+   they rounded up (never unsafe: a rounded plan needs less memory than assumed).
 5. GPU sets are assigned from the pool (whole nodes first, larger units first so TP stays in a node),
    and the plan is scored with planner.prediction.predict.
 Urgent path: when nothing fits, recomputation, then TP across nodes are allowed.

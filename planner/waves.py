@@ -2,8 +2,13 @@
 
 Members of a wave run concurrently on disjoint GPUs (together at most the pool); waves of a stage run one
 after another. For a resident cap R and a transient cap T, a wave's best time is the min over member
-choices of its slowest member with their GPUs within the budget (step functions over GPU counts); a
-stage's (sum of wave caps, seconds) Pareto points come from every split of its members into waves.
+choices of its slowest member with their GPUs within the budget; a stage's (sum of wave caps, seconds)
+Pareto points come from every split of its members into waves.
+
+Per member, a cube holds the least seconds with transient below level t, resident at most level r and
+at most u GPUs (running minima over the three axes), so a wave's time at many caps is one array
+expression (WaveSolver.wave_values, .floors). The scalar path (WaveSolver.solve: step functions over
+GPU counts) gives the same times and names the rows, for the plan chosen only.
 """
 
 from __future__ import annotations
