@@ -10,6 +10,7 @@ rest goes point-to-point as one contiguous buffer per (source, destination) pair
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from agent.engine.parallel import StageEngine
 from planner.models import Head, ModelSpec
 from planner.plan import StagePlan
+from transitions.emu import box_intersection
 from transitions.geometry import unit_shards
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, lengths)
@@ -34,25 +36,11 @@ class Transfer:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for k in self.lengths:
-            n *= k
-        return n
+        return math.prod(self.lengths)
 
     @property
     def is_local(self) -> bool:
         return self.src_rank == self.dst_rank
-
-
-def _intersect(a: Box, b: Box) -> Box | None:
-    offs, lens = [], []
-    for ao, al, bo, bl in zip(a[0], a[1], b[0], b[1]):
-        lo, hi = max(ao, bo), min(ao + al, bo + bl)
-        if hi <= lo:
-            return None
-        offs.append(lo)
-        lens.append(hi - lo)
-    return tuple(offs), tuple(lens)
 
 
 def _holders(spec: ModelSpec, head: Head, plan: StagePlan, replica: int) -> dict[str, list[tuple[int, Box]]]:
@@ -75,7 +63,7 @@ def sync_plan(spec: ModelSpec, head: Head, src: StagePlan, dst: StagePlan) -> tu
                 def local_elems(r: int, need: Box = need, dst_rank: int = dst_rank, name: str = s.tensor) -> int:
                     total = 0
                     for rank, box in src_holders[r][name]:
-                        cut = _intersect(need, box)
+                        cut = box_intersection(need, box)
                         if cut is not None and rank == dst_rank:
                             total += Transfer(tensor=name, src_rank=rank, dst_rank=rank, offsets=cut[0],
                                               lengths=cut[1]).numel
@@ -89,7 +77,7 @@ def sync_plan(spec: ModelSpec, head: Head, src: StagePlan, dst: StagePlan) -> tu
                 for rank, box in src_holders[best][s.tensor]:
                     by_box[box].append(rank)
                 for box, ranks in by_box.items():
-                    cut = _intersect(need, box)
+                    cut = box_intersection(need, box)
                     if cut is not None:
                         rank = dst_rank if dst_rank in ranks else ranks[u % len(ranks)]
                         out.append(Transfer(tensor=s.tensor, src_rank=rank, dst_rank=dst_rank,
