@@ -3,8 +3,10 @@
     .venv/bin/python bench/transitions.py [--quick]
 
 - plan_time: DAG build (local plans, footprints, memory order) + schedule (L_tran) for PPO plan
-  changes of Llama-3.1-8B and Llama-3.3-70B on H200 clusters of 32 .. 4,096 GPUs; cold (first call,
-  geometry caches empty) and warm (median of repeats), with node counts and the 1.2 ms target.
+  changes of Llama-3.1-8B and Llama-3.3-70B on H200 clusters of 32 .. 4,096 GPUs, side by side over
+  replica classes ("fast", transitions.replica_classes) and unit by unit ("exact"): cold (every cache
+  empty), fresh (a candidate plan never seen, geometry warm) and warm (the same plans again), with
+  node and class counts, the time to expand the unit-level DAG, and the 1.2 ms target.
 - one_gpu_derive: time for one GPU to derive its own transfer list (all primitives touching it) in
   the largest case, with its bytes and buckets.
 - greedy_vs_optimum: makespan of the greedy order vs the best memory-feasible order found by brute
@@ -66,7 +68,7 @@ def _time_once(states: dict[str, UnitState], cluster: ClusterSpec, old: GlobalPl
                exact: bool) -> tuple[float, float, float, TransitionDAG, float]:
     """(build s, schedule s, CPU s, dag, L_tran) of one build_transition + transition_cost."""
     c0, t0 = time.process_time(), time.perf_counter()
-    dag = build_transition(states, cluster, old, new, exact=exact)
+    dag = build_transition(states, cluster, old, new, exact=exact)  # False: replica classes at any size
     t1 = time.perf_counter()
     cost = transition_cost(dag, cluster)
     c2, t2 = time.process_time(), time.perf_counter()
@@ -95,8 +97,9 @@ def plan_time(num_gpus: int, name: str, repeats: int, exact: bool) -> dict[str, 
     nodes = len(dag.nodes)  # the unit-level DAG (expanded on first use on the fast path)
     expand_ms = 1e3 * (time.perf_counter() - t0)
     units = len(dag.old_units) + len(dag.new_units)
+    default = build_transition(states, cluster, old, new)  # what callers get without ``exact``
     return {"gpus": num_gpus, "change": name, "path": "exact" if exact else "fast",
-            "used_classes": dag.replicas is not None,
+            "used_classes": dag.replicas is not None, "default_uses_classes": default.replicas is not None,
             "classes": len(dag.replicas.classes) if dag.replicas is not None else None,
             "nodes": nodes, "units": units,
             "cold_ms": round(1e3 * (build_cold + sched_cold), 2), "fresh_plans_ms": round(fresh_ms, 3),
