@@ -817,6 +817,10 @@ def run_dag(dag: TransitionDAG, worker: int, units: dict[str, RankState], channe
     """
     device = channel.device
     reports: list[StepReport] = []
+    # derive every node's pieces and messages first: planning, not moving, stays out of the timings
+    steps = {node: node_step(dag, node, worker, max_bucket_bytes,
+                             predicted_s[node] if predicted_s is not None else 0.0)
+             for node in dag.nodes_on(worker) if not relabels(dag.nodes[node])}
     # every member is there before anything moves (and NCCL's communicator exists before p2p)
     channel.barrier(timeout_s)
     # Merges whose parts all arrive in final shape move nothing and touch no GPU's timeline, so they
@@ -834,8 +838,9 @@ def run_dag(dag: TransitionDAG, worker: int, units: dict[str, RankState], channe
         for target in prim.targets:
             if target.uid in allocated:
                 units[target.uid] = allocate_unit(target, worker, device)
-        step = node_step(dag, node, worker, max_bucket_bytes,
-                         predicted_s[node] if predicted_s is not None else 0.0)
+        if node not in steps:
+            continue  # a relabelling Merge: handled by _apply_relabels
+        step = steps[node]
 
         def resolve(p: Piece, is_source: bool) -> RankState:
             return units[p.src_unit if is_source else p.dst_unit]
