@@ -150,3 +150,14 @@ def test_order_pool_puts_whole_nodes_first_then_larger_partial_nodes() -> None:
     assert order_pool([4, 5, 17, 18], cl) == (4, 5, 17, 18)  # equal partial nodes: node order
     assert order_pool(list(range(32)), cl) == tuple(range(32))
     assert order_pool([], cl) == ()
+
+
+def test_a_wave_with_two_resident_levels_keeps_both() -> None:
+    """Regression: on 32 GPUs only two actor-train layouts of a 70B model fit, so its wave curve has
+    two resident levels; the smaller one (the only one that leaves room for generation's KV cache)
+    was once skipped and the search fell back to the urgent options for a plan needing none."""
+    j = job("grpo", model="llama-3.3-70b", prompts=96, samples=2, prompt_tokens=256, response_tokens=16384)
+    res = search(j, h200(32))
+    assert not res.urgent_options
+    assert not any(sp.recompute for sp in res.plan)
+    assert res.prediction.feasible
