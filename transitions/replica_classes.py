@@ -107,13 +107,15 @@ def _group_rows(keys: np.ndarray) -> list[np.ndarray]:
 def _shape_groups(x: np.ndarray) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Rows of GPU sequences ``x`` grouped by relative shape: (row indices, label positions, first
     appearance of each position)."""
-    row = x[0]
-    first0 = (row[:, None] == row[None, :]).argmax(axis=1)
-    labels0 = np.flatnonzero(first0 == np.arange(len(row)))
+    seen: dict[int, int] = {}
+    first_list = [seen.setdefault(g, i) for i, g in enumerate(x[0].tolist())]  # small: plain Python
+    label_list = [i for i, f in enumerate(first_list) if f == i]
+    label_of = {p: k for k, p in enumerate(label_list)}
+    labels0, first0 = np.array(label_list, dtype=np.int64), np.array(first_list, dtype=np.int64)
     lab = x[:, labels0]
-    if (lab[:, np.searchsorted(labels0, first0)] == x).all():  # every row repeats row 0's pattern; are its labels distinct too?
+    if (lab[:, [label_of[f] for f in first_list]] == x).all():  # every row repeats row 0's pattern
         srt = np.sort(lab, axis=1)
-        if (srt[:, 1:] != srt[:, :-1]).all():
+        if (srt[:, 1:] != srt[:, :-1]).all():  # ... with distinct GPUs for distinct labels
             return [(np.arange(len(x)), labels0, first0)]
     first = (x[:, :, None] == x[:, None, :]).argmax(axis=2)
     out = []
@@ -520,7 +522,11 @@ def _order(classes: list[ReplicaClass], edges: list[tuple[int, int]], initial: n
     for x, y in edges:
         succ[x].append(y)
         indeg[y] += 1
-    level = bottom_levels(n, edges, [float(c.canon.moved_bytes + 1) for c in classes])
+    try:  # classes only lead from Split/Extend to Merge/Destroy, so this cannot close a cycle; if it
+        # ever did, the per-unit path (whose DAG is finer) decides
+        level = bottom_levels(n, edges, [float(c.canon.moved_bytes + 1) for c in classes])
+    except AssertionError:
+        return None
     heap = [((int(c.acquire), c.stage_order, -level[i], i), i) for i, c in enumerate(classes) if indeg[i] == 0]
     heapq.heapify(heap)
     used = initial.copy()
