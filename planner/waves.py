@@ -247,6 +247,11 @@ def kind_points(names: list[str], solver: WaveSolver, t_cap: float
     if hit is not None:
         return hit  # type: ignore[return-value]
     names_key = tuple(names)
+    if len(names_key) == 1:  # one wave: its curve is the stage's Pareto front
+        levels, secs = wave_curve(solver, names_key, t_cap)
+        one: list[tuple[WaveRef, ...]] = [((names_key, float(r)),) for r in levels.tolist()]
+        solver.memo[key] = (levels, secs, one)  # type: ignore[assignment]
+        return levels, secs, one
     parts = solver.parts.get(names_key)
     if parts is None:
         parts = solver.parts[names_key] = [[tuple(w) for w in p] for p in partitions(names)]
