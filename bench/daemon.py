@@ -155,7 +155,7 @@ def _simulate(endpoint: str, keys: str, jobs: int, agents: int, seconds: float, 
 
 
 def _admin_latencies(admin: CurveClient, seconds: float, jobs: int) -> list[float]:
-    ops = [("status", {}), ("jobs", {})] + [(op, {"job": f"job{j}"}) for j in range(min(jobs, 2))
+    ops: list[tuple[str, dict[str, Any]]] = [("status", {}), ("jobs", {})] + [(op, {"job": f"job{j}"}) for j in range(min(jobs, 2))
                                             for op in ("job-plan", "decisions")]
     out = []
     end = time.monotonic() + seconds
@@ -210,7 +210,7 @@ def scale(tmp: Path, agents: int, jobs: int, seconds: float) -> dict[str, Any]:
         rss = [daemon.memory_info().rss]
         idle = _admin_latencies(admin, 5, jobs)
 
-        ready, out = mp.Event(), mp.Queue()
+        ready, out = mp.Event(), mp.Queue()  # type: ignore[var-annotated]
         sim = mp.Process(target=_simulate, args=(endpoints["control"], str(tmp / "sim"), jobs, agents, seconds,
                                                  ready, out))
         t_reg = time.perf_counter()

@@ -73,7 +73,7 @@ def decision_time(model: str, gpus: int, repeats: int) -> dict[str, Any]:
     a response length never seen (what a replan after a sequence-length drift costs)."""
     try:
         cur = search(_job("ppo", model, 1024, 1, 3072), cluster_preset("h200", gpus))
-        current = (cur.plan, cur.prediction)
+        current: tuple[Any, Any] = (cur.plan, cur.prediction)
     except InfeasibleError:
         current = (None, None)
     cold_ms, cold_cpu, dec = _decide(model, gpus, 4096, current)

@@ -289,16 +289,26 @@ def _plain(obj: Any) -> Any:
     return obj
 
 
+class CandidateLike(Protocol):
+    """What a replan returns: a plan and its prediction (planner.search.SearchResult is one)."""
+
+    @property
+    def plan(self) -> Any: ...
+
+    @property
+    def prediction(self) -> PredictionLike: ...
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Candidate:
-    """What a replan returns: the proposed plan and its prediction (a planner SearchResult fits)."""
+    """A plain CandidateLike, for callers that have a plan and a prediction but no SearchResult."""
 
     plan: Any
     prediction: PredictionLike
 
 
 def decide(*, trigger: Trigger, current_plan: Any, current_prediction: PredictionLike | None,
-           replan: Callable[[], Candidate], transition_s: Callable[[Any, Any], float],
+           replan: Callable[[], CandidateLike], transition_s: Callable[[Any, Any], float],
            gamma: float = DEFAULT_GAMMA, policy: Policy = Policy.PAYBACK) -> Decision:
     """Replan and judge the candidate. ``replan`` runs the search (raising InfeasibleError when nothing
     fits, smaller micro-batches and recomputation included); ``transition_s(old, new)`` predicts L_tran.
