@@ -49,7 +49,8 @@ def run(rank: int, world: int, name: str, steps: int) -> dict[str, object]:
         r = loop.step(s)
         out.append({"step_s": time.perf_counter() - t0, "stages": r.stage_seconds,
                     "score": r.mean_score, "response_tokens": r.mean_response_tokens,
-                    "sync_sent_elems": r.sync_sent_elems})
+                    "sync_sent_bytes": r.sync_sent_bytes, "sync_predicted_s": r.sync_predicted_s,
+                    "sync_measured_s": r.sync_measured_s})
     return {"steps": out}
 
 
@@ -61,7 +62,11 @@ def summarise(name: str, per_rank: list[dict]) -> dict[str, Any]:
     return {"layout": name, "ranks": len(per_rank), "step_s_median": statistics.median(steps),
             "stage_s_median": {k: round(v, 4) for k, v in stages.items()},
             "mean_response_tokens": per_rank[0]["steps"][-1]["response_tokens"],
-            "weight_sync_sent_mb_per_step": round(sum(r["steps"][-1]["sync_sent_elems"] for r in per_rank) * 4 / 1e6, 3)}
+            "weight_sync_sent_mb_per_step": round(sum(r["steps"][-1]["sync_sent_bytes"] for r in per_rank) / 1e6, 3),
+            # the executor's prediction for the sync vs the slowest rank's measured run (median of steps)
+            "weight_sync_predicted_s": round(per_rank[0]["steps"][-1]["sync_predicted_s"], 5),
+            "weight_sync_measured_s_median": round(statistics.median(
+                max(r["steps"][i]["sync_measured_s"] for r in per_rank) for i in range(len(steps))), 5)}
 
 
 def main() -> None:

@@ -31,7 +31,7 @@ from agent.engine.parallel import PipelineRunner, StageEngine
 from agent.engine.ppo import PPOConfig, ppo_advantages
 from agent.engine.remax import ReMaxConfig, remax_advantages
 from agent.engine.rollout import Rollout, SamplingParams, generate
-from agent.engine.sync import move_training_state, sync_weights
+from agent.engine.sync import SyncReport, move_training_state, transfer
 from agent.engine.tasks import ByteTokenizer, SortDigits, Task, accuracy, problems_for_step, rule_reward
 from planner.errors import SpecError
 from planner.models import Head, ModelSpec
@@ -147,7 +147,11 @@ class StepResult:
     seconds: float
     stage_seconds: dict[str, float]  # per model-stage, plus "weight-sync" (train -> gen/inf)
     tokens: torch.Tensor = field(repr=False)  # the step's rollout, for reproducibility checks
-    sync_sent_elems: int = 0  # weight-sync elements this rank sent point-to-point (local copies excluded)
+    # the weight sync (one executor transition): bytes this rank sent point-to-point (local copies
+    # excluded), the executor's predicted time for the whole plan, this rank's measured run
+    sync_sent_bytes: int = 0
+    sync_predicted_s: float = 0.0
+    sync_measured_s: float = 0.0
 
 
 class RLLoop:
@@ -220,16 +224,16 @@ class RLLoop:
         self.plan = plan
         self._sync_all()
 
-    def _sync_all(self) -> dict[str, int]:
-        moved: dict[str, int] = {}
+    def _sync_all(self) -> SyncReport | None:
+        """Every generation/inference stage fed by a trainer, in one executor transition."""
+        pairs = []
         for ms in self.cfg.workflow.model_stages:
             if ms.kind is StageKind.TRAINING:
                 continue
             trainer = {Role.ACTOR: "actor-train", Role.CRITIC: "critic-train"}.get(ms.role)
             if trainer is not None and trainer in self.engines:
-                stats = sync_weights(self.engines[trainer], self.engines[ms.name])
-                moved[ms.name] = stats["sent_elems"]
-        return moved
+                pairs.append((self.engines[trainer], self.engines[ms.name]))
+        return transfer(pairs) if pairs else None
 
     # --- one RL step ---------------------------------------------------------------------------
     def _seeds(self, step: int, n: int, salt: int = 0) -> list[int]:
@@ -326,7 +330,7 @@ class RLLoop:
             critic_loss = sum(closs) / n_mb
         self.optimizer_steps += n_mb
         t_sync = time.perf_counter()
-        sent = self._sync_all()
+        sync = self._sync_all()
         if self.vllm is not None:
             self.vllm.push_weights(self.engines["actor-gen"].local_tensors())
         stage_seconds = {m.model_stage: m.seconds for m in timer.of_step(step).values()}
@@ -335,7 +339,9 @@ class RLLoop:
         return StepResult(step=step, mean_score=float(scores.mean()), mean_accuracy=acc,
                           mean_response_tokens=float(mask.sum(1).mean()), actor_loss=sum(losses) / n_mb,
                           critic_loss=critic_loss, seconds=time.perf_counter() - t0, stage_seconds=stage_seconds,
-                          tokens=roll.tokens, sync_sent_elems=sum(sent.values()))
+                          tokens=roll.tokens, sync_sent_bytes=sync.bytes_sent if sync else 0,
+                          sync_predicted_s=sync.predicted_s if sync else 0.0,
+                          sync_measured_s=sync.measured_s if sync else 0.0)
 
     def measurements(self, step: int) -> dict[str, StageMeasurement]:
         return self.timer.of_step(step)

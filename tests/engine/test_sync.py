@@ -1,5 +1,6 @@
-"""Weight sync between layouts: the pure plan covers every destination box exactly once and keeps
-colocated same-layout syncs local; 4 real ranks move weights between different layouts exactly."""
+"""Weight sync between layouts runs through the executor: its plan covers every destination box once
+and keeps colocated same-layout syncs in place; real ranks move weights between different layouts
+exactly, send exactly the plan's bytes, and a colocated same-layout sync sends nothing."""
 
 from __future__ import annotations
 
@@ -9,22 +10,35 @@ from engine_dist import run_workers
 
 from agent.engine.model import build_decoder
 from agent.engine.parallel import StageEngine
-from agent.engine.sync import sync_plan, sync_weights
+from agent.engine.sync import PARAMS, plan_placement, sync_weights
 from planner.models import Head, ModelSpec
 from planner.plan import Layout, StagePlan
+from transitions.executor import COUNTERS, TransitionPlan, plan_transition
 from transitions.geometry import tp_slice, unit_shards
 
 SPEC = ModelSpec(name="t", num_layers=4, hidden_size=64, num_attention_heads=4, num_kv_heads=2, head_dim=16,
                  ffn_hidden_size=128, vocab_size=272, rope_theta=10_000.0)
+FP32 = 4
 
 
 def plan(name: str, tp: int, pp: int, *gpu_sets: tuple[int, ...]) -> StagePlan:
     return StagePlan(model_stage=name, layout=Layout(tp, pp), gpu_sets=tuple(gpu_sets), micro_batch_size=1)
 
 
-def covered(dst: StagePlan) -> int:
-    return sum(s.numel for d in range(dst.dp) for u in range(dst.layout.size)
-               for s in unit_shards(SPEC, Head.LM, dst.layout, u))
+def executor_plan(src: StagePlan, dst: StagePlan) -> TransitionPlan:
+    return plan_transition([plan_placement(SPEC, Head.LM, src, "b", PARAMS)],
+                           [plan_placement(SPEC, Head.LM, dst, "b", PARAMS)])
+
+
+def covered_bytes(dst: StagePlan) -> int:
+    return FP32 * sum(s.numel for d in range(dst.dp) for u in range(dst.layout.size)
+                      for s in unit_shards(SPEC, Head.LM, dst.layout, u))
+
+
+def weight_bytes(p: TransitionPlan) -> int:
+    """Bytes of every weight piece (local or sent), counters left out."""
+    pieces = [*p.steps[0].local, *(q for m in p.steps[0].messages for q in m.pieces)]
+    return sum(q.num_bytes for q in pieces if q.dst_slot.tensor != COUNTERS)
 
 
 @pytest.mark.parametrize(("src", "dst"), [
@@ -33,41 +47,60 @@ def covered(dst: StagePlan) -> int:
     (plan("a", 1, 2, (0, 1)), plan("b", 2, 2, (0, 1, 2, 3))),
 ])
 def test_plan_covers_each_destination_box_once(src: StagePlan, dst: StagePlan) -> None:
-    transfers = sync_plan(SPEC, Head.LM, src, dst)
-    assert sum(t.numel for t in transfers) == covered(dst)
+    assert weight_bytes(executor_plan(src, dst)) == covered_bytes(dst)
 
 
-def test_same_layout_colocated_moves_nothing_remote() -> None:
+def test_same_layout_colocated_moves_nothing() -> None:
     p = plan("a", 2, 2, (0, 1, 2, 3))
-    transfers = sync_plan(SPEC, Head.LM, p, p)
-    assert transfers and all(t.is_local for t in transfers)
+    step = executor_plan(p, p).steps[0]
+    assert step.bytes_moved == 0 and not step.local  # every rank keeps its packed buffer
 
 
 def test_replica_on_same_ranks_is_preferred() -> None:
     src = plan("a", 2, 1, (0, 1), (2, 3))
     dst = plan("b", 2, 1, (2, 3))
-    assert all(t.is_local for t in sync_plan(SPEC, Head.LM, src, dst))
+    assert executor_plan(src, dst).steps[0].bytes_moved == 0
+
+
+def test_other_ranks_send_only_what_they_lack() -> None:
+    # destination PP2 on ranks 1 and 3: each keeps what its own TP source shard covers
+    src, dst = plan("a", 2, 1, (0, 1), (2, 3)), plan("b", 1, 2, (1, 3))
+    step = executor_plan(src, dst).steps[0]
+    local = sum(q.num_bytes for q in step.local if q.dst_slot.tensor != COUNTERS)
+    assert local > 0 and step.bytes_moved + local >= covered_bytes(dst)
+    assert step.bytes_moved < covered_bytes(dst)
 
 
 def sync_worker(rank: int, world: int, layouts: tuple[tuple[int, int, tuple[tuple[int, ...], ...]], ...]) -> dict:
     (stp, spp, sg), (dtp, dpp, dg) = layouts
     src = StageEngine("actor-train", SPEC, Head.LM, plan("actor-train", stp, spp, *sg), seed=5)
     dst = StageEngine("actor-gen", SPEC, Head.LM, plan("actor-gen", dtp, dpp, *dg), seed=9)
-    stats = sync_weights(src, dst)
+    report = sync_weights(src, dst)
     ok = True
     if dst.coord is not None:
         full = build_decoder(SPEC, Head.LM, seed=5).state_dict()
         specs = {t.name: t for t in SPEC.tensors()}
         for n, local in dst.local_tensors():
             ok &= bool(torch.equal(local, full[n][tp_slice(specs[n], SPEC, dtp, dst.coord.tp_rank)]))
-    return {"ok": ok, **stats}
+    return {"ok": ok, "sent": report.bytes_sent, "received": report.bytes_received,
+            "copied": report.bytes_copied_locally, "plan_bytes": report.plan_bytes,
+            "predicted_s": report.predicted_s, "measured_s": report.measured_s}
 
 
 @pytest.mark.multiprocess
-def test_sync_between_layouts_is_exact() -> None:
+def test_sync_between_layouts_is_exact_and_sends_the_plan() -> None:
     layouts = ((2, 1, ((0, 1), (2, 3))), (1, 2, ((1, 3), (0, 2))))
     results = run_workers(sync_worker, 4, layouts)
     assert all(r["ok"] for r in results)
-    moved = sum(r["recv_elems"] + r["copied_elems"] for r in results)
-    assert moved == covered(plan("b", 1, 2, (1, 3), (0, 2)))
-    assert sum(r["copied_elems"] for r in results) > 0  # colocated boxes never cross the wire
+    plan_bytes = executor_plan(plan("a", 2, 1, (0, 1), (2, 3)), plan("b", 1, 2, (1, 3), (0, 2))).steps[0].bytes_moved
+    assert plan_bytes > 0 and all(r["plan_bytes"] == plan_bytes for r in results)
+    assert sum(r["sent"] for r in results) == sum(r["received"] for r in results) == plan_bytes
+    assert sum(r["copied"] for r in results) > 0  # colocated boxes never cross the wire
+    assert all(r["predicted_s"] > 0 and r["measured_s"] > 0 for r in results)
+
+
+@pytest.mark.multiprocess
+def test_colocated_same_layout_sync_sends_nothing() -> None:
+    results = run_workers(sync_worker, 2, ((2, 1, ((0, 1),)), (2, 1, ((0, 1),))))
+    assert all(r["ok"] for r in results)  # the weights still arrive (from the packed buffer)
+    assert all(r["sent"] == r["received"] == r["copied"] == r["plan_bytes"] == 0 for r in results)
