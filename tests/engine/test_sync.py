@@ -10,7 +10,7 @@ from engine_dist import run_workers
 
 from agent.engine.model import build_decoder
 from agent.engine.parallel import StageEngine
-from agent.engine.sync import PARAMS, plan_placement, sync_weights
+from agent.engine.sync import PARAMS, move_training_state, plan_placement, sync_weights
 from planner.models import Head, ModelSpec
 from planner.plan import Layout, StagePlan
 from transitions.executor import COUNTERS, TransitionPlan, plan_transition
@@ -104,3 +104,36 @@ def test_colocated_same_layout_sync_sends_nothing() -> None:
     results = run_workers(sync_worker, 2, ((2, 1, ((0, 1),)), (2, 1, ((0, 1),))))
     assert all(r["ok"] for r in results)  # the weights still arrive (from the packed buffer)
     assert all(r["sent"] == r["received"] == r["copied"] == r["plan_bytes"] == 0 for r in results)
+
+
+def full_moment(name: str, shape: tuple[int, ...], salt: int) -> torch.Tensor:
+    """A deterministic stand-in for one AdamW moment of a whole tensor (the same on every rank)."""
+    index = [t.name for t in SPEC.tensors()].index(name)  # not hash(): string hashes differ per process
+    return torch.rand(shape, generator=torch.Generator().manual_seed(index * 3 + salt)) + salt
+
+
+def replan_worker(rank: int, world: int) -> dict:
+    specs = {t.name: t for t in SPEC.tensors()}
+    src = StageEngine("actor-train", SPEC, Head.LM, plan("actor-train", 2, 1, (0, 1)), seed=5, lr=1e-3)
+    assert src.coord is not None
+    for kind, salt in (("exp_avg", 1), ("exp_avg_sq", 2)):
+        for n, local in src.local_tensors(kind):
+            local.copy_(full_moment(n, specs[n].shape, salt)[tp_slice(specs[n], SPEC, 2, src.coord.tp_rank)])
+    # the new layout puts PP stage 0 on rank 1: nothing stays in place
+    dst = StageEngine("actor-train", SPEC, Head.LM, plan("actor-train", 1, 2, (1, 0)), seed=9, lr=1e-3)
+    report = move_training_state(src, dst, optimizer_steps=7)
+    assert dst.module is not None
+    full = build_decoder(SPEC, Head.LM, seed=5).state_dict()
+    ok = all(torch.equal(t, full[n]) for n, t in dst.local_tensors())
+    for kind, salt in (("exp_avg", 1), ("exp_avg_sq", 2)):
+        ok &= all(torch.equal(t, full_moment(n, specs[n].shape, salt)) for n, t in dst.local_tensors(kind))
+    steps = {int(dst.optimizer_state(p)["step"]) for p in dst.module.parameters()}
+    return {"ok": ok, "steps": steps, "sent": report.bytes_sent, "plan_bytes": report.plan_bytes}
+
+
+@pytest.mark.multiprocess
+def test_replan_moves_weights_moments_and_step_through_the_executor() -> None:
+    results = run_workers(replan_worker, 2)
+    assert all(r["ok"] for r in results)
+    assert all(r["steps"] == {7} for r in results)  # carried in the executor's unit counters
+    assert sum(r["sent"] for r in results) == results[0]["plan_bytes"] > 0
