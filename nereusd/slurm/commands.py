@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nereusd.logs import get_logger
+from nereusd.slurm.hostlist import expand, split_top_level
 from planner.errors import SpecError
 
 TIMED_OUT = 124  # returncode reported for a command killed at its timeout (as timeout(1) does)
@@ -150,7 +151,7 @@ def parse_show_job(text: str) -> dict[str, str]:
 def gres_indices(gres: str, name: str = "gpu") -> tuple[int, ...]:
     """Device indices out of a GRES detail string: ``gpu:4(IDX:0-1,3)`` -> (0, 1, 3); none -> ()."""
     out: list[int] = []
-    for item in _split_gres(gres):
+    for item in split_top_level(gres, "()"):
         if not item.startswith(name + ":") or "(IDX:" not in item:
             continue
         body = item.split("(IDX:", 1)[1].rstrip(")")
@@ -162,23 +163,8 @@ def gres_indices(gres: str, name: str = "gpu") -> tuple[int, ...]:
     return tuple(out)
 
 
-def _split_gres(gres: str) -> list[str]:
-    items, depth, start = [], 0, 0
-    for i, ch in enumerate(gres):
-        if ch == "(":
-            depth += 1
-        elif ch == ")":
-            depth -= 1
-        elif ch == "," and depth == 0:
-            items.append(gres[start:i])
-            start = i + 1
-    items.append(gres[start:])
-    return [s for s in items if s]
-
-
 def node_gpu_indices(fields: Mapping[str, str], name: str = "gpu") -> dict[str, tuple[int, ...]]:
     """Per-node device indices from ``parse_show_job`` output: {'node1': (0, 1, 2, 3), ...}."""
-    from nereusd.slurm.hostlist import expand
 
     out: dict[str, tuple[int, ...]] = {}
     for pair in filter(None, fields.get("_node_gres", "").split(";")):

@@ -13,13 +13,14 @@ from planner.errors import SpecError
 _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
 
 
-def _split_top_level(text: str) -> list[str]:
-    """Split on commas that are not inside brackets."""
+def split_top_level(text: str, brackets: str = "[]") -> list[str]:
+    """Split on commas that are not inside ``brackets`` (an opening and a closing character)."""
+    opening, closing = brackets[0], brackets[1]
     parts, depth, start = [], 0, 0
     for i, ch in enumerate(text):
-        if ch == "[":
+        if ch == opening:
             depth += 1
-        elif ch == "]":
+        elif ch == closing:
             depth -= 1
         elif ch == "," and depth == 0:
             parts.append(text[start:i])
@@ -52,7 +53,7 @@ def expand(hostlist: str | None) -> tuple[str, ...]:
     """All host names of a Slurm host list, in Slurm's order; '' or None gives ()."""
     if not hostlist or hostlist in ("(null)", "None"):
         return ()
-    return tuple(name for item in _split_top_level(hostlist) for name in _expand_one(item))
+    return tuple(name for item in split_top_level(hostlist) for name in _expand_one(item))
 
 
 def compress(names: tuple[str, ...] | list[str]) -> str:
