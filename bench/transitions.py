@@ -5,7 +5,8 @@
 - plan_time: DAG build (local plans, footprints, memory order) + schedule (L_tran) for PPO plan
   changes of Llama-3.1-8B and Llama-3.3-70B on H200 clusters of 32 .. 4,096 GPUs, side by side over
   replica classes ("fast", transitions.replica_classes) and unit by unit ("exact"): cold (every cache
-  empty), fresh (a candidate plan never seen, geometry warm) and warm (the same plans again), with
+  empty), fresh (a new candidate plan object of a stage-pair shape seen before), new_shape (a
+  candidate of a stage-pair shape never seen, geometry warm) and warm (the same plans again), with
   node and class counts, the time to expand the unit-level DAG, and the 1.2 ms target.
 - one_gpu_derive: time for one GPU to derive its own transfer list (all primitives touching it) in
   the largest case, with its bytes and buckets.
@@ -32,6 +33,7 @@ from planner.errors import InfeasibleError  # noqa: E402
 from planner.hardware import ClusterSpec  # noqa: E402
 from planner.models import LLAMA_31_8B, LLAMA_33_70B, ModelSpec  # noqa: E402
 from planner.plan import GlobalPlan, Layout  # noqa: E402
+from transitions import replica_classes  # noqa: E402
 from transitions.cost import (  # noqa: E402
     DEFAULT_COMMUNICATOR_SETUP_S,
     primitive_seconds,
@@ -77,8 +79,10 @@ def _time_once(states: dict[str, UnitState], cluster: ClusterSpec, old: GlobalPl
 
 def plan_time(num_gpus: int, name: str, repeats: int, exact: bool) -> dict[str, object]:
     """cold: caches empty; fresh: the same current plan, a new target plan object (a planner's first
-    look at a candidate: geometry and footprint caches warm, its stage plans never seen); warm: the
-    same plans again (median of repeats; best CPU time)."""
+    look at a candidate: geometry, footprint and stage-shape caches warm, its stage plan objects never
+    seen); new_shape: as fresh, with the stage-shape cache (replica_classes._SHAPE_STAGES) emptied,
+    i.e. a candidate whose stage pairs have a relative shape never seen; warm: the same plans again
+    (median of repeats; best CPU time)."""
     model, old_layouts, new_layouts = CHANGES[name]
     states = stage_states(model)
     cluster = h200_cluster(num_gpus)
@@ -89,10 +93,15 @@ def plan_time(num_gpus: int, name: str, repeats: int, exact: bool) -> dict[str, 
     fresh = [_time_once(states, cluster, old, ppo_plan(2, num_gpus, new_layouts), exact)
              for _ in range(max(1, repeats // 2))]
     warm = [_time_once(states, cluster, old, new, exact) for _ in range(repeats)]
+    novel = []  # a candidate whose stage-pair shapes were never seen (geometry and footprints warm)
+    for _ in range(max(1, repeats // 2)):
+        replica_classes._SHAPE_STAGES.clear()
+        novel.append(_time_once(states, cluster, old, ppo_plan(2, num_gpus, new_layouts), exact))
     build_ms = 1e3 * statistics.median(w[0] for w in warm)
     sched_ms = 1e3 * statistics.median(w[1] for w in warm)
     cpu_ms = 1e3 * min(w[2] for w in warm)  # CPU time of the best repeat: least disturbed by load
     fresh_ms = 1e3 * min(f[0] + f[1] for f in fresh)
+    novel_ms = 1e3 * min(f[0] + f[1] for f in novel)
     t0 = time.perf_counter()
     nodes = len(dag.nodes)  # the unit-level DAG (expanded on first use on the fast path)
     expand_ms = 1e3 * (time.perf_counter() - t0)
@@ -103,6 +112,7 @@ def plan_time(num_gpus: int, name: str, repeats: int, exact: bool) -> dict[str, 
             "classes": len(dag.replicas.classes) if dag.replicas is not None else None,
             "nodes": nodes, "units": units,
             "cold_ms": round(1e3 * (build_cold + sched_cold), 2), "fresh_plans_ms": round(fresh_ms, 3),
+            "new_shape_ms": round(novel_ms, 3),
             "build_ms": round(build_ms, 3), "schedule_ms": round(sched_ms, 3),
             "total_ms": round(build_ms + sched_ms, 3), "best_cpu_ms": round(cpu_ms, 3),
             "expand_ms": round(expand_ms, 2),

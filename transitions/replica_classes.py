@@ -66,7 +66,7 @@ def clear_caches() -> None:
 
     for fn in (emu.rank_shards, emu.rank_boxes, emu.rank_bytes, emu.parts_nest, primitives._tensor_index):
         fn.cache_clear()
-    for cache in (primitives._FOOTPRINTS, _SHAPES, _STAGES, _INITIAL, _ARRAYS, _OWNERS):
+    for cache in (primitives._FOOTPRINTS, _SHAPES, _STAGES, _SHAPE_STAGES, _INITIAL, _ARRAYS, _OWNERS):
         cache.clear()
 
 
@@ -569,11 +569,77 @@ def _stage_classes(state: UnitState, cp: StagePlan, tp: StagePlan, n_gpus: int) 
     hit = _STAGES.get(key)
     if hit is not None and hit[0] is cp and hit[1] is tp:
         return hit[2]
-    out = _build_stage(state, cp, tp, n_gpus)
+    out = _relabelled_stage(state, cp, tp, n_gpus)
     if len(_STAGES) > _CACHE_PAIRS:
         _STAGES.clear()
     _STAGES[key] = (cp, tp, out)
     return out
+
+
+@dataclass(kw_only=True, slots=True)
+class _ShapeEntry:
+    """A stage's class-level plan over GPU labels (what ``_build_stage`` gives for every pair of
+    stage plans with the same relative shape): the plan built for the first such pair, and its
+    classes' and parts' GPUs as labels."""
+
+    built: StageClasses | None
+    labels: list[np.ndarray]  # per class: labels of ``gpus``
+    parts: np.ndarray  # labels of the stage's T_sub parts
+    gpu_of: np.ndarray  # the GPU of each label in ``built``
+
+
+# Relative shape of a pair of stage plans (state, layouts, target GPUs as labels: a current GPU is
+# labelled by its position in the current plan, a GPU only the target uses by its order of appearance)
+# -> its class-level plan. Everything ``_build_stage`` derives is equivariant under renaming GPUs
+# (it only compares GPU ids for equality), so one entry serves every candidate of that shape.
+_SHAPE_STAGES: dict[tuple[object, ...], _ShapeEntry] = {}
+
+
+def _relabelled_stage(state: UnitState, cp: StagePlan, tp: StagePlan, n_gpus: int) -> StageClasses | None:
+    cur, tgt = gpu_array(cp.gpu_sets), gpu_array(tp.gpu_sets)
+    if cur.min() < 0 or tgt.min() < 0 or cur.max() >= n_gpus or tgt.max() >= n_gpus:
+        return None  # the exact path names the offending GPU
+    owner, rank = _owners(cp, n_gpus)
+    flat = tgt.ravel()
+    own = owner[flat]
+    label = own * cur.shape[1] + rank[flat]
+    fresh = own < 0
+    n_fresh = int(fresh.sum())
+    if n_fresh:  # target GPUs are distinct (StagePlan), so appearance order is position order
+        label[fresh] = cur.size + np.arange(n_fresh, dtype=np.int64)
+        gpu_of = np.concatenate([cur.ravel(), flat[fresh]])
+    else:
+        gpu_of = cur.ravel()
+    key = (state, cp.layout, tp.layout, cur.shape, tgt.shape, label.tobytes())
+    entry = _SHAPE_STAGES.get(key)
+    if entry is None:
+        built = _build_stage(state, cp, tp, n_gpus)
+        label_of = np.full(n_gpus, -1, dtype=np.int64)
+        label_of[gpu_of] = np.arange(len(gpu_of), dtype=np.int64)
+        entry = _ShapeEntry(built=built, labels=[] if built is None else [label_of[c.gpus] for c in built.classes],
+                            parts=np.zeros(0, dtype=np.int64) if built is None else label_of[built.stage.parts],
+                            gpu_of=gpu_of)
+        if len(_SHAPE_STAGES) > _CACHE_PAIRS:
+            _SHAPE_STAGES.clear()
+        _SHAPE_STAGES[key] = entry
+        return built
+    b = entry.built
+    if b is None:
+        return None
+    st = b.stage
+    stage = _Stage(name=st.name, state=state, current=cp, target=tp, sub=st.sub, nq=st.nq, cur=cur, tgt=tgt,
+                   parts=gpu_of[entry.parts], renamed=st.renamed)
+    # on the very same GPUs the classes' durations (transitions.cost memo, per cluster) are the same too
+    same_gpus = len(gpu_of) == len(entry.gpu_of) and bool((gpu_of == entry.gpu_of).all())
+    classes = []
+    for c, lab in zip(b.classes, entry.labels, strict=True):
+        gpus = c.gpus if same_gpus else gpu_of[lab]
+        classes.append(ReplicaClass(kind=c.kind, stage=c.stage, stage_order=c.stage_order, canon=c.canon, gpus=gpus,
+                                    unit=c.unit, refs=c.refs, touched=c.touched, first=c.first,
+                                    g=c.g if same_gpus else gpus[:, c.touched], single=c.single, alloc=c.alloc,
+                                    buf=c.buf, delta=c.delta, acquire=c.acquire, preds=c.preds,
+                                    seconds=c.seconds if same_gpus else {}))
+    return StageClasses(stage=stage, classes=classes, edges=b.edges, num_nodes=b.num_nodes)
 
 
 def _build_stage(state: UnitState, cp: StagePlan, tp: StagePlan, n_gpus: int) -> StageClasses | None:

@@ -159,3 +159,37 @@ def test_cached_stage_classes_do_not_leak_between_dags() -> None:
     assert {u.version for u in second.new_units} == {5}
     replay(second)
     replay(first)
+
+
+def _renamed(plan: GlobalPlan, version: int, perm: list[int]) -> GlobalPlan:
+    return GlobalPlan(version=version, stages=tuple(
+        stage_plan(sp.model_stage, sp.layout, [perm[g] for s in sp.gpu_sets for g in s], sp.dp) for sp in plan))
+
+
+@PROPERTY
+@given(seed=st.integers(0, 2**32 - 1))
+def test_plans_of_a_seen_shape_reuse_its_classes_on_their_own_gpus(seed: int) -> None:
+    """Candidates whose stage plans have the shape of a pair seen before (the same plans as new objects,
+    or every GPU renamed) take the class-level plan from the shape cache, mapped onto their GPUs: the
+    result is still exactly the exact path's, and its schedule the unit-level one on the new GPUs."""
+    from transitions import replica_classes
+
+    states, cluster, old, new = symmetric_case(seed)
+    replica_classes.clear_caches()  # a bounded cache filled by earlier cases could be emptied midway
+    first = build_transition(states, cluster, old, new, capacity_bytes=1 << 50, exact=False)
+    if first.replicas is None:
+        return
+    transition_cost(first, cluster)  # fills the class durations memo the same-GPU candidate shares
+    shapes = len(replica_classes._SHAPE_STAGES)
+    perm = list(range(cluster.num_gpus))
+    random.Random(seed).shuffle(perm)
+    for cur, cand in ((old, _renamed(new, 3, list(range(cluster.num_gpus)))),
+                      (_renamed(old, 1, perm), _renamed(new, 2, perm))):
+        dag = build_transition(states, cluster, cur, cand, capacity_bytes=1 << 50, exact=False)
+        assert dag.replicas is not None
+        assert len(replica_classes._SHAPE_STAGES) == shapes  # served from the shape cache
+        exact = build_transition(states, cluster, cur, cand, capacity_bytes=1 << 50, exact=True)
+        _check_order_and_cost(dag, cluster)
+        _same_as_exact(dag, exact)
+        report = replay(dag)
+        assert report.bytes_remote == dag.bytes_moved
