@@ -34,13 +34,22 @@ from planner.hardware import cluster_preset  # noqa: E402
 from planner.models import Head, model_preset  # noqa: E402
 from planner.plan import GlobalPlan, Layout, StagePlan  # noqa: E402
 from planner.workflow import ACTOR_TRAIN  # noqa: E402
-from transitions.executor import StagePlacement, plan_transition  # noqa: E402
+from transitions.executor import DEFAULT_BUCKET_BYTES, StagePlacement, plan_transition  # noqa: E402
 from transitions.geometry import TRAINING_KINDS  # noqa: E402
 from transitions.global_dag import build_transition  # noqa: E402
 from transitions.local_dag import plan_units  # noqa: E402
 from transitions.scenarios import stage_states  # noqa: E402
 
 NUM_WORKERS = 4
+BUCKET_BYTES = [DEFAULT_BUCKET_BYTES]  # --bucket-mib
+RATIO = ("throughput_ratio = raw_single_buffer_s / executor_s (same bytes, so = executor GB/s / raw GB/s). "
+         "executor_s: per worker the sum of its nodes' measured_s (the whole transition on that worker: "
+         "allocation of new state, packing, transfers, unpacking, local copies), max over workers, min over "
+         "repeats. raw_single_buffer_s: one fresh uint8 buffer per (src, dst) pair holding that pair's total "
+         "bytes of the transition, all pairs in one batch_isend_irecv between the same 4 processes, max over "
+         "workers, min over repeats interleaved with the executor's. *_median: the same with medians. "
+         "throughput_ratio_vs_warm_raw: against receive buffers allocated and touched beforehand. "
+         "transfer_ratio: executor time without copies of bytes that stay on their worker.")
 
 
 def stage(model: str, tp: int, gpu_sets: list[list[int]]) -> StagePlacement:
@@ -90,14 +99,16 @@ class Change:
         if path == "dag":
             pool.init_units(self.old_units, seed=1)
             pool.call(barrier)
-            return pool.run_dag(self.dag, self.cluster)
+            return pool.run_dag(self.dag, self.cluster, max_bucket_bytes=BUCKET_BYTES[0])
         pool.init_state(self.old, seed=1)
         pool.call(barrier)
-        return pool.transition(self.old, self.new)
+        return pool.transition(self.old, self.new, max_bucket_bytes=BUCKET_BYTES[0])
 
 
-def raw_exchange(ctx: Any, *, pairs: dict[tuple[int, int], int]) -> float:
-    """In a worker: one buffer per pair it is part of, one batch_isend_irecv, timed."""
+def raw_exchange(ctx: Any, *, pairs: dict[tuple[int, int], int], warm: bool = False) -> float:
+    """In a worker: one buffer per pair it is part of, one batch_isend_irecv, timed. Cold (the
+    default): the receive buffer is allocated fresh, as a transition's new state is; warm: buffers
+    allocated and touched before the clock starts (pure transport, a stricter baseline)."""
     from transitions.channel import P2POp
 
     ops = []
@@ -105,7 +116,8 @@ def raw_exchange(ctx: Any, *, pairs: dict[tuple[int, int], int]) -> float:
         if ctx.worker_id == src:
             ops.append(P2POp(peer=dst, tensor=torch.ones(n, dtype=torch.uint8), is_send=True))
         elif ctx.worker_id == dst:
-            ops.append(P2POp(peer=src, tensor=torch.empty(n, dtype=torch.uint8), is_send=False))
+            ops.append(P2POp(peer=src, tensor=torch.zeros(n, dtype=torch.uint8) if warm
+                             else torch.empty(n, dtype=torch.uint8), is_send=False))
     ctx.channel.barrier()
     start = time.perf_counter()
     ctx.channel.exchange(ops)
@@ -125,7 +137,8 @@ def throughput(pool: LocalCoordinator, model: str, repeats: int) -> dict[str, An
         change = Change(model, name)
         for path, pairs in (("dag", change.dag_pairs()), ("plan", change.plan_pairs())):
             total = sum(pairs.values())
-            exec_s, moving_s, raw_s, predicted = [], [], [], 0.0
+            exec_s, moving_s, raw_s, warm_s, predicted = [], [], [], [], 0.0
+            pack_s, unpack_s = [], []
             for _ in range(repeats):
                 outcome = change.run(pool, path)
                 assert outcome.committed, outcome.errors
@@ -134,13 +147,21 @@ def throughput(pool: LocalCoordinator, model: str, repeats: int) -> dict[str, An
                 moving_s.append(max(sum(r.measured_s - r.local_copy_s for r in reps)
                                     for reps in outcome.reports.values()))
                 predicted = max(sum(r.predicted_s for r in reps) for reps in outcome.reports.values())
+                pack_s.append(max(sum(r.pack_s for r in reps) for reps in outcome.reports.values()))
+                unpack_s.append(max(sum(r.unpack_s for r in reps) for reps in outcome.reports.values()))
                 raw_s.append(max(pool.call(raw_exchange, pairs=pairs).values()))
-            e, r = min(exec_s), min(raw_s)
+                warm_s.append(max(pool.call(raw_exchange, pairs=pairs, warm=True).values()))
+            e, r, w = min(exec_s), min(raw_s), min(warm_s)
             out[f"{name} [{path}]"] = {
+                "samples_executor_s": exec_s, "samples_raw_s": raw_s,
                 "bytes_moved": total, "pairs": len(pairs), "executor_s": e, "raw_single_buffer_s": r,
                 "executor_GBps": total / e / 1e9, "raw_GBps": total / r / 1e9, "throughput_ratio": r / e,
                 "throughput_ratio_median": statistics.median(raw_s) / statistics.median(exec_s),
                 "executor_without_local_copies_s": min(moving_s), "transfer_ratio": r / min(moving_s),
+                "raw_warm_buffers_s": w, "throughput_ratio_vs_warm_raw": w / e,
+                "pack_s": min(pack_s), "unpack_s": min(unpack_s),
+                "alongside": sorted({f"{x.primitive} with {x.alongside}" for reps in outcome.reports.values()
+                                     for x in reps if getattr(x, "alongside", "")}),
                 "bytes_copied_locally": max(sum(x.bytes_copied_locally for x in reps)
                                             for reps in outcome.reports.values()),
                 "predicted_L_tran_s": predicted}
@@ -190,10 +211,13 @@ def main() -> None:
     parser.add_argument("--model", default="tiny-25m")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-restart", action="store_true", help="throughput figures only")
+    parser.add_argument("--bucket-mib", type=float, default=DEFAULT_BUCKET_BYTES / (1 << 20),
+                        help="max bucket per pair per round")
     args = parser.parse_args()
+    BUCKET_BYTES[0] = int(args.bucket_mib * (1 << 20))
     state_bytes = sum(t.numel for t in model_preset(args.model).tensors()) * (2 + 3 * 4)
-    result: dict[str, Any] = {"model": args.model, "state_bytes_per_replica": state_bytes,
-                              "workers": NUM_WORKERS, "backend": "gloo", "torch": torch.__version__,
+    result: dict[str, Any] = {"ratio": RATIO, "model": args.model, "state_bytes_per_replica": state_bytes,
+                              "workers": NUM_WORKERS, "max_bucket_bytes": BUCKET_BYTES[0], "backend": "gloo", "torch": torch.__version__,
                               "load_average_at_start": os.getloadavg()[0], "cpus": os.cpu_count()}
     with LocalCoordinator(NUM_WORKERS, timeout_s=120) as pool:
         pool.form_generation()

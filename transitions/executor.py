@@ -6,14 +6,16 @@ unit rank (every state kind, plus the unit's counters), each shard a typed view 
 back to back on both sides travel straight from the old buffer into the new one, and a bucket whose
 pieces lie back to back on one side is read or written in place on that side.
 
-Two ways to drive it, one engine underneath (``_run_step``: local copies, then pipelined rounds of
-one ``batch_isend_irecv`` each, at most ``max_bucket_bytes`` per pair per round, two rounds in
-flight, buckets freed once unpacked):
+Two ways to drive it, one engine underneath (``_run_step``: pipelined rounds, at most
+``max_bucket_bytes`` of buckets per pair per round, two rounds in flight; in each round receives and
+in-place sends are posted before the buckets are packed; local copies run once the last round is
+posted; bucket buffers come from a per-transition ``BucketPool`` and are reused once unpacked, since
+first-touching fresh pages costs more than the packing itself):
 
 - ``run_dag``: a ``transitions.global_dag.TransitionDAG``. Each worker runs the nodes that touch it
   in the DAG's order and derives its own pieces (``node_step``); targets are allocated when their
   node starts, sources freed by the node that frees them, Merges of parts already in final shape
-  only relabel. Time per node is measured next to the cost model's prediction.
+  only relabel; local-only nodes right after a remote one run alongside its transfers. Time per node is measured next to the cost model's prediction.
 - ``run_transition``: a plan computed from geometry alone (``plan_transition``), two-phase: the new
   state is built beside the old and swapped in by ``PendingTransition.commit``.
 
@@ -23,6 +25,7 @@ last copy died: ``lost_state`` and ``agent.coordinator.uncovered_state`` say wha
 
 from __future__ import annotations
 
+import mmap
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
@@ -46,7 +49,9 @@ COUNTERS = "_meta.counters"  # per unit: version, optimizer step, minibatch posi
 COUNTERS_KIND = "counters"
 NUM_COUNTERS = 4
 DEFAULT_BUCKET_BYTES = 8 << 20  # per pair per round; two rounds are in flight at once (pipelining)
-DIRECT_MIN_BYTES = 1 << 20  # smaller contiguous runs go through a bucket: one message beats many
+DIRECT_MIN_BYTES = 128 << 10  # smaller contiguous runs go through a bucket: one message beats many
+SPLIT_MIN_BYTES = 256 << 10  # a bucket this big ends where its pieces stop being adjacent at the destination
+HUGE_MIN_BYTES = 2 << 20  # CPU buffers from here on are mapped with transparent huge pages
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, lengths) in the global tensor
 Run = tuple[tuple[int, int], tuple[int, int]]  # (src byte range, dst byte range) of a zero-copy move
@@ -101,6 +106,18 @@ class StagePlacement:
 
 
 # --- flat per-rank state --------------------------------------------------------------------------
+
+
+def alloc_bytes(num_bytes: int, device: torch.device) -> torch.Tensor:
+    """An uninitialised uint8 buffer. On CPU, large ones are anonymous mappings advised to use
+    transparent huge pages: a fresh buffer's first touch (the kernel zeroing and mapping its pages)
+    is what a transition's copies and receives pay for new state, and 2 MiB pages halve it here
+    (measured 1.3 -> 2.7 GB/s). The tensor keeps the mapping alive; it is unmapped with its last view."""
+    if device.type != "cpu" or num_bytes < HUGE_MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    region = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(region, dtype=torch.uint8)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -179,7 +196,7 @@ class RankState:
         slots, size = rank_slots(placement, rank)
         # not zeroed: a transition, a random init or a checkpoint load writes every slot, and zeroing
         # would cost one more pass over the whole state (only the alignment padding stays undefined)
-        flat = torch.empty(size, dtype=torch.uint8, device=device)
+        flat = alloc_bytes(size, device)
         return cls(placement=placement, replica=replica, rank=rank, flat=flat,
                    slots={s.key: s for s in slots})
 
@@ -474,7 +491,7 @@ def _split_piece(p: Piece, max_bytes: int) -> list[Piece]:
         n = min(rows, p.box[1][0] - start)
         box = ((p.box[0][0] + start, *p.box[0][1:]), (n, *p.box[1][1:]))
         out.append(Piece(src_worker=p.src_worker, dst_worker=p.dst_worker, src_slot=p.src_slot,
-                         dst_slot=p.dst_slot, box=box))
+                         dst_slot=p.dst_slot, box=box, src_unit=p.src_unit, dst_unit=p.dst_unit))
     return out
 
 
@@ -503,13 +520,24 @@ def _messages(pieces: list[Piece], max_bucket_bytes: int) -> list[Message]:
         buckets: list[list[Piece]] = [[]]
         size = 0
         for p in packed:
-            if buckets[-1] and size + _align(p.num_bytes) > max_bucket_bytes:
+            # a bucket also closes where the pieces stop lying back to back in the destination (a
+            # direct run sits in between): the destination then receives each bucket in place instead
+            # of unpacking it, unless that would make the bucket too small to be worth a message
+            gap = bool(buckets[-1]) and size >= SPLIT_MIN_BYTES and _adjacent(buckets[-1] + [p], "dst") is None
+            if buckets[-1] and (size + _align(p.num_bytes) > max_bucket_bytes or gap):
                 buckets.append([])
                 size = 0
             buckets[-1].append(p)
             size += _align(p.num_bytes)
-        for rnd, bucket in enumerate(b for b in buckets if b):
-            out.append(_bucket_message(src, dst, rnd, tag, bucket))
+        # rounds by volume: each round carries at most max_bucket_bytes of buckets per pair
+        rnd, volume = 0, 0
+        for bucket in (b for b in buckets if b):
+            message = _bucket_message(src, dst, rnd, tag, bucket)
+            if volume and volume + message.length > max_bucket_bytes:
+                rnd, volume = rnd + 1, 0
+                message = _bucket_message(src, dst, rnd, tag, bucket)
+            volume += message.length
+            out.append(message)
             tag += 1
     return out
 
@@ -574,6 +602,9 @@ class StepReport:
     bytes_copied_locally: int
     peak_bucket_bytes: int  # transient buffer memory this worker held at once
     local_copy_s: float = 0.0  # part of measured_s spent copying shards already on this worker
+    pack_s: float = 0.0  # part of measured_s spent packing buckets (sender side)
+    unpack_s: float = 0.0  # part of measured_s spent unpacking buckets (receiver side)
+    alongside: str = ""  # a local-only node run while this remote node's transfers were in flight
 
 
 @dataclass(kw_only=True, slots=True)
@@ -634,6 +665,7 @@ def run_transition(plan: TransitionPlan, worker: int, states: dict[str, RankStat
             continue
         new_states[name] = RankState.allocate(placement, pos[0], pos[1], device)
     pending = PendingTransition(worker=worker, new_states=new_states, dropped=dropped)
+    pool = BucketPool(device=device)
     # every member is there before anything moves: a missing one fails the transition at once
     channel.barrier(timeout_s)
 
@@ -641,76 +673,153 @@ def run_transition(plan: TransitionPlan, worker: int, states: dict[str, RankStat
         def resolve(p: Piece, is_source: bool, name: str = step.model_stage) -> RankState:
             return states[name] if is_source else new_states[name]
 
-        pending.reports.append(_run_step(step, worker, resolve, channel, timeout_s, on_round))
+        pending.reports.append(_run_step(step, worker, resolve, channel, timeout_s, on_round, pool)[0])
     return pending
 
 
 Resolve = Callable[[Piece, bool], RankState]  # (piece, is_source) -> the rank state it reads/writes
 
 
+@dataclass(slots=True)
+class BucketPool:
+    """The transient bucket buffers of one transition, reused across its rounds and nodes.
+
+    A fresh buffer costs a first touch of every page (the kernel maps and zeroes them: ~1.3 GB/s
+    here, 10x slower than copying into warm memory), so packing into new buckets each round costed
+    more than the packing itself. A request takes the smallest free buffer that fits; only when none
+    fits are the smaller free ones dropped and a new one allocated, so what the pool holds never
+    exceeds the buffers in use at once (two rounds in flight). Dropped with the transition's driver.
+    """
+
+    device: torch.device
+    free: list[torch.Tensor] = field(default_factory=list)
+    held_bytes: int = 0  # in use or free
+    peak_bytes: int = 0
+
+    def take(self, num_bytes: int) -> torch.Tensor:
+        fits = [b for b in self.free if b.numel() >= num_bytes]
+        if fits:
+            best = min(fits, key=lambda b: b.numel())
+            self.free = [b for b in self.free if b is not best]
+            return best
+        self.held_bytes -= sum(b.numel() for b in self.free)
+        self.free = []
+        buf = alloc_bytes(num_bytes, self.device)
+        self.held_bytes += num_bytes
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+        return buf
+
+    def give(self, bufs: Iterable[torch.Tensor]) -> None:
+        self.free.extend(bufs)
+
+
+@dataclass(slots=True)
+class _Round:
+    """One posted round: its in-flight operations, the buckets to unpack, the pool buffers it holds."""
+
+    handles: list[InFlight]
+    unpack: list[tuple[Message, torch.Tensor]]
+    buffers: list[torch.Tensor]
+    pack_s: float = 0.0
+
+
 def _post_round(step: Step, rnd: int, worker: int, resolve: Resolve, channel: DataChannel,
-                counts: dict[str, int]) -> tuple[InFlight, list[tuple[Message, torch.Tensor]]]:
-    """Pack this worker's sends of round ``rnd`` and post them with its receives (not waited for)."""
-    device = channel.device
+                counts: dict[str, int], pool: BucketPool) -> _Round:
+    """Post this worker's part of round ``rnd`` (not waited for): first every receive and the sends
+    read in place, so that zero-copy transfers run while the buckets are packed; then the packed sends.
+    Each pair's sends keep the message order (its receiver posts in that order; gloo and NCCL match
+    a pair's messages in order, and a mismatch aborts the process): a send read in place that follows
+    a packed one to the same peer waits for the second batch."""
     ops: list[P2POp] = []
-    unpack: list[tuple[Message, torch.Tensor]] = []
+    packed: list[Message] = []
+    out = _Round(handles=[], unpack=[], buffers=[])
     for m in step.messages:
         if m.round != rnd or worker not in (m.src_worker, m.dst_worker):
             continue
         if m.src_worker == worker:
-            if m.src_start is not None:
-                buf = resolve(m.pieces[0], True).flat[m.src_start: m.src_start + m.length]
-            else:
-                buf = torch.empty(m.num_bytes, dtype=torch.uint8, device=device)
-                counts["transient"] += m.num_bytes
-                for p, off in _bucket_layout(m):
-                    _typed(buf, off, p).copy_(_piece_view(resolve(p, True), p.src_slot, p.box))
-            ops.append(P2POp(peer=m.dst_worker, tensor=buf, is_send=True))
             counts["sent"] += m.num_bytes
+            if m.src_start is None or any(q.dst_worker == m.dst_worker for q in packed):
+                packed.append(m)  # after a packed one to the same peer: keeps each pair's order
+                continue
+            buf = resolve(m.pieces[0], True).flat[m.src_start: m.src_start + m.length]
+            ops.append(P2POp(peer=m.dst_worker, tensor=buf, is_send=True))
         else:
+            counts["received"] += m.num_bytes
             if m.dst_start is not None:
                 buf = resolve(m.pieces[0], False).flat[m.dst_start: m.dst_start + m.length]
             else:
-                buf = torch.empty(m.num_bytes, dtype=torch.uint8, device=device)
-                counts["transient"] += m.num_bytes
-                unpack.append((m, buf))
+                base = pool.take(m.num_bytes)
+                out.buffers.append(base)
+                buf = base[: m.num_bytes]
+                out.unpack.append((m, buf))
             ops.append(P2POp(peer=m.src_worker, tensor=buf, is_send=False))
-            counts["received"] += m.num_bytes
-    return channel.start(ops), unpack
+    out.handles.append(channel.start(ops))
+    if packed:
+        start = time.perf_counter()
+        sends: list[P2POp] = []
+        for m in packed:
+            if m.src_start is not None:
+                buf = resolve(m.pieces[0], True).flat[m.src_start: m.src_start + m.length]
+                sends.append(P2POp(peer=m.dst_worker, tensor=buf, is_send=True))
+                continue
+            base = pool.take(m.num_bytes)
+            out.buffers.append(base)
+            buf = base[: m.num_bytes]
+            for p, off in _bucket_layout(m):
+                _typed(buf, off, p).copy_(_piece_view(resolve(p, True), p.src_slot, p.box))
+            sends.append(P2POp(peer=m.dst_worker, tensor=buf, is_send=True))
+        out.pack_s = time.perf_counter() - start
+        out.handles.append(channel.start(sends))
+    return out
 
 
 def _run_step(step: Step, worker: int, resolve: Resolve, channel: DataChannel, timeout_s: float | None,
-              on_round: Callable[[str, int], None] | None) -> StepReport:
-    """Rounds are pipelined: round r+1 is packed and posted before round r is waited for and
-    unpacked, and local copies run while round 0 is in flight; at most two rounds of buckets live."""
+              on_round: Callable[[str, int], None] | None, pool: BucketPool | None = None,
+              riders: Sequence[Step] = ()) -> tuple[StepReport, list[float]]:
+    """Rounds are pipelined: round r+1 is posted before round r is waited for and unpacked, so at
+    most two rounds of buckets live. Local copies, this step's and those of ``riders`` (local-only
+    steps run alongside), are made once the last round is posted, while it is in flight. Returns the report and each rider's
+    copy seconds (counted in the riders' reports, not in this one's measured time)."""
     start = time.perf_counter()
+    pool = pool if pool is not None else BucketPool(device=channel.device)
+    pool.peak_bytes = pool.held_bytes
     counts: dict[str, int] = defaultdict(int)
-    peak = 0
-    in_flight: tuple[InFlight, list[tuple[Message, torch.Tensor]], int] | None = None
-    copied, copy_s = 0, 0.0
+    in_flight: _Round | None = None
+    copied, copy_s, pack_s, unpack_s = 0, 0.0, 0.0, 0.0
+    rider_s: list[float] = []
     for rnd in range(step.num_rounds + 1):
         posted = None
         if rnd < step.num_rounds:
             if on_round is not None:
                 on_round(step.model_stage, rnd)
-            before = counts["transient"]
-            handle, unpack = _post_round(step, rnd, worker, resolve, channel, counts)
-            posted = (handle, unpack, counts["transient"] - before)
-            peak = max(peak, posted[2] + (in_flight[2] if in_flight is not None else 0))
-        if rnd == 0:
+            posted = _post_round(step, rnd, worker, resolve, channel, counts, pool)
+            pack_s += posted.pack_s
+        if rnd == max(step.num_rounds - 1, 0):
+            # once every round is posted: copies overlap the last transfers and never hold back a
+            # round the peers wait for (the sender's packing, not the copies, paces the receivers)
             copy_start = time.perf_counter()
-            copied = _local_copies(step, worker, resolve)  # overlaps round 0's transfers
+            copied = _local_copies(step, worker, resolve)
             copy_s = time.perf_counter() - copy_start
+            for rider in riders:
+                rider_start = time.perf_counter()
+                _local_copies(rider, worker, resolve)
+                rider_s.append(time.perf_counter() - rider_start)
         if in_flight is not None:
-            in_flight[0].wait(timeout_s)
-            for m, buf in in_flight[1]:
+            for handle in in_flight.handles:
+                handle.wait(timeout_s)
+            unpack_start = time.perf_counter()
+            for m, buf in in_flight.unpack:
                 for p, off in _bucket_layout(m):
                     _piece_view(resolve(p, False), p.dst_slot, p.box).copy_(_typed(buf, off, p))
-        in_flight = posted  # the previous round's buckets are dropped here, once unpacked
-    return StepReport(model_stage=step.model_stage, primitive=step.primitive, predicted_s=step.predicted_s,
-                      measured_s=time.perf_counter() - start, bytes_sent=counts["sent"],
-                      bytes_received=counts["received"], bytes_copied_locally=copied, peak_bucket_bytes=peak,
-                      local_copy_s=copy_s)
+            unpack_s += time.perf_counter() - unpack_start
+            pool.give(in_flight.buffers)  # the round's buckets are free for the next rounds
+        in_flight = posted
+    report = StepReport(model_stage=step.model_stage, primitive=step.primitive, predicted_s=step.predicted_s,
+                        measured_s=time.perf_counter() - start - sum(rider_s), bytes_sent=counts["sent"],
+                        bytes_received=counts["received"], bytes_copied_locally=copied,
+                        peak_bucket_bytes=pool.peak_bytes if counts["sent"] or counts["received"] else 0,
+                        local_copy_s=copy_s, pack_s=pack_s, unpack_s=unpack_s)
+    return report, rider_s
 
 
 def _local_copies(step: Step, worker: int, resolve: Resolve) -> int:
@@ -827,40 +936,95 @@ def run_dag(dag: TransitionDAG, worker: int, units: dict[str, RankState], channe
     # are in no worker's node list: each worker relabels its share as soon as it holds it
     relabel = [prim for prim in dag.nodes if isinstance(prim, Merge) and relabels(prim)]
     _apply_relabels(relabel, worker, units)
-    for node in dag.nodes_on(worker):
+    pool = BucketPool(device=device)
+    order = dag.nodes_on(worker)
+    carried: set[int] = set()  # local-only nodes already run alongside an earlier remote node
+    for index, node in enumerate(order):
+        if node in carried:
+            continue
         prim = dag.nodes[node]
         start = time.perf_counter()
         if isinstance(prim, Merge):
             for part in prim.parts:
                 if part.final == prim.unit and part.holds(worker) and part.uid in units:
                     units[prim.unit.uid] = units.pop(part.uid)  # already in final shape: relabel
-        allocated = [t.uid for t in prim.targets if t.holds(worker) and t.uid not in units]
-        for target in prim.targets:
-            if target.uid in allocated:
-                units[target.uid] = allocate_unit(target, worker, device)
+        allocated = _allocate_targets(prim, worker, units, device)
         if node not in steps:
             continue  # a relabelling Merge: handled by _apply_relabels
         step = steps[node]
+        riders = _riders(dag, order[index + 1:], steps, worker, units, prim) if _remote(step, worker) else []
+        for rider in riders:
+            allocated += _allocate_targets(dag.nodes[rider], worker, units, device)
 
         def resolve(p: Piece, is_source: bool) -> RankState:
             return units[p.src_unit if is_source else p.dst_unit]
 
         try:
-            report = _run_step(step, worker, resolve, channel, timeout_s, on_round)
+            report, rider_s = _run_step(step, worker, resolve, channel, timeout_s, on_round, pool,
+                                        [steps[r] for r in riders])
         except BaseException:
             for uid in allocated:  # half-filled: never mistake them for a surviving copy
                 units.pop(uid, None)
             raise
-        for unit in prim.frees:
-            if unit.holds(worker):
-                units.pop(unit.uid, None)  # Destroy (or a Merge's parts): the buffer goes with it
-        report.measured_s = time.perf_counter() - start
+        report.measured_s = time.perf_counter() - start - sum(rider_s)
         reports.append(report)
+        # frees in the DAG's order, once every node that ran here is done reading
+        for done, seconds in ((node, None), *zip(riders, rider_s)):
+            for unit in dag.nodes[done].frees:
+                if unit.holds(worker):
+                    units.pop(unit.uid, None)  # Destroy (or a Merge's parts): the buffer goes with it
+            if seconds is not None:
+                rider_step = steps[done]
+                reports.append(StepReport(
+                    model_stage=rider_step.model_stage, primitive=rider_step.primitive,
+                    predicted_s=rider_step.predicted_s, measured_s=seconds, bytes_sent=0, bytes_received=0,
+                    bytes_copied_locally=sum(p.num_bytes for p in rider_step.local if p.dst_worker == worker),
+                    peak_bucket_bytes=0, local_copy_s=seconds, alongside=step.primitive))
+                carried.add(done)
         _apply_relabels(relabel, worker, units)
     for old_uid, new_uid in dag.renamed:  # units that stay as they are take their new plan's name
         if old_uid in units:
             units[new_uid] = units.pop(old_uid)
     return reports
+
+
+def _allocate_targets(prim: Primitive, worker: int, units: dict[str, RankState],
+                      device: torch.device) -> list[str]:
+    allocated = [t.uid for t in prim.targets if t.holds(worker) and t.uid not in units]
+    for target in prim.targets:
+        if target.uid in allocated:
+            units[target.uid] = allocate_unit(target, worker, device)
+    return allocated
+
+
+def _remote(step: Step, worker: int) -> bool:
+    return any(worker in (m.src_worker, m.dst_worker) for m in step.messages)
+
+
+def _riders(dag: TransitionDAG, later: Sequence[int], steps: dict[int, Step], worker: int,
+            units: dict[str, RankState], host: Primitive) -> list[int]:
+    """The local-only nodes right after a remote node in ``worker``'s order that may run while its
+    transfers are in flight: they move nothing between workers, read only units this worker already
+    holds whole (none the remote node writes), and relabel no part. Their targets are then allocated
+    one node early (the transient cost of overlapping them: one node's targets beside the buckets);
+    their frees still wait until the remote node is done reading."""
+    written = {t.uid for t in host.targets}
+    out: list[int] = []
+    for node in later:
+        prim = dag.nodes[node]
+        step = steps.get(node)
+        if step is None or _remote(step, worker) or not any(p.dst_worker == worker for p in step.local):
+            break
+        if isinstance(prim, Merge) and any(p.final == prim.unit and p.holds(worker) for p in prim.parts):
+            break
+        reads = {p.src_unit for p in step.local if p.dst_worker == worker}
+        if not reads <= set(units) or reads & written:
+            break
+        if any(t.holds(worker) and t.uid in units for t in prim.targets):
+            break  # a target already exists here (written by an earlier node): keep the DAG's order
+        written |= {t.uid for t in prim.targets}
+        out.append(node)
+    return out
 
 
 # --- what survives a failure (pure) ----------------------------------------------------------------

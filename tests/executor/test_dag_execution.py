@@ -72,3 +72,23 @@ def test_dag_run_is_bit_exact(pool: LocalCoordinator, name: str) -> None:
     # what the DAG planned, plus the units' 32-byte counters and 16-byte alignment inside buckets
     assert sent == sum(r.bytes_received for r in nodes)
     assert dag.bytes_moved <= sent <= 1.01 * dag.bytes_moved + 4096
+
+
+def test_local_merge_runs_alongside_the_extends(pool: LocalCoordinator) -> None:
+    """TP1 x DP2 -> TP2 x DP2: workers 0 and 1 send their halves to the new replica (Extend) and build
+    their own new rank locally (Merge); the local Merge runs while the Extend's transfers are in
+    flight, and the state stays exact."""
+    old, new = CASES["tp1 x dp2 -> tp2 x dp2"]
+    dag = build_transition(STATES, CLUSTER, old, new)
+    pool.init_units(_units(old), seed=3)
+    before = logical_state(pool.dump())
+    outcome = pool.run_dag(dag, CLUSTER, max_bucket_bytes=16 << 10)
+    assert outcome.committed, outcome.errors
+    assert_same_state(before, logical_state(pool.dump()))
+    for worker in (0, 1):
+        reps = outcome.reports[worker]
+        (merge,) = [r for r in reps if r.primitive.startswith("merge")]
+        (extend,) = [r for r in reps if r.primitive.startswith("extend")]
+        assert merge.alongside == extend.primitive and merge.bytes_copied_locally > 0
+        assert extend.bytes_sent > 0 and extend.pack_s > 0
+    assert all(not r.alongside for w in (2, 3) for r in outcome.reports[w])
