@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import chain
 
 from planner.errors import SpecError
 
@@ -50,6 +51,17 @@ class StagePlan:
     def __post_init__(self) -> None:
         if not self.gpu_sets:
             raise SpecError(f"{self.model_stage}.gpu_sets", "a model-stage needs at least one replica")
+        # fast path (planners build thousands of candidates): right sizes and no GPU twice anywhere
+        # imply every per-replica check below; otherwise those checks name the first fault in order
+        size = self.layout.size
+        if set(map(len, self.gpu_sets)) != {size} \
+                or len(set(chain.from_iterable(self.gpu_sets))) != size * len(self.gpu_sets):
+            self._check_sets()
+        if self.micro_batch_size < 1 or self.grad_accum < 1:
+            raise SpecError(f"{self.model_stage}.micro_batch_size",
+                            "micro_batch_size and grad_accum must be >= 1")
+
+    def _check_sets(self) -> None:
         for i, gpus in enumerate(self.gpu_sets):
             if len(gpus) != self.layout.size:
                 raise SpecError(f"{self.model_stage}.gpu_sets[{i}]",
@@ -59,9 +71,6 @@ class StagePlan:
         flat = [g for s in self.gpu_sets for g in s]
         if len(set(flat)) != len(flat):
             raise SpecError(f"{self.model_stage}.gpu_sets", "two replicas share a GPU")
-        if self.micro_batch_size < 1 or self.grad_accum < 1:
-            raise SpecError(f"{self.model_stage}.micro_batch_size",
-                            "micro_batch_size and grad_accum must be >= 1")
 
     @property
     def dp(self) -> int:
