@@ -7,7 +7,9 @@ it holds one canonical footprint and an integer array of the GPU of each label p
 GPUs a plan change has thousands of unit-level primitives but a few dozen classes, so:
 
 - the local plans (transitions.local_dag's rules: reuse, Split, Extend from overlapping replicas, Merge,
-  Destroy) are computed with numpy over the plans' GPU arrays;
+  Destroy) are computed with numpy over the plans' GPU arrays, once per relative shape of a pair of
+  stage plans (the target's GPUs named by their place in the current plan): a candidate of a shape
+  seen before gets that shape's classes mapped onto its own GPUs;
 - the memory order is chosen over classes (release before acquire, gen -> inf -> train, longest path)
   and all members of a class run back to back. Each class is checked against capacity on every GPU at
   once with an upper bound (what is held before it, plus everything its members allocate there, plus
@@ -611,16 +613,18 @@ def _relabelled_stage(state: UnitState, cp: StagePlan, tp: StagePlan, n_gpus: in
     else:
         gpu_of = cur.ravel()
     key = (state, cp.layout, tp.layout, cur.shape, tgt.shape, label.tobytes())
-    entry = _SHAPE_STAGES.get(key)
-    if entry is None:
+    entry = _SHAPE_STAGES.pop(key, None)
+    if entry is not None:
+        _SHAPE_STAGES[key] = entry  # least recently used first: a planner's hot shapes stay
+    else:
         built = _build_stage(state, cp, tp, n_gpus)
         label_of = np.full(n_gpus, -1, dtype=np.int64)
         label_of[gpu_of] = np.arange(len(gpu_of), dtype=np.int64)
         entry = _ShapeEntry(built=built, labels=[] if built is None else [label_of[c.gpus] for c in built.classes],
                             parts=np.zeros(0, dtype=np.int64) if built is None else label_of[built.stage.parts],
                             gpu_of=gpu_of)
-        if len(_SHAPE_STAGES) > _CACHE_PAIRS:
-            _SHAPE_STAGES.clear()
+        if len(_SHAPE_STAGES) >= _CACHE_PAIRS:
+            del _SHAPE_STAGES[next(iter(_SHAPE_STAGES))]
         _SHAPE_STAGES[key] = entry
         return built
     b = entry.built
