@@ -51,7 +51,10 @@ NUM_COUNTERS = 4
 DEFAULT_BUCKET_BYTES = 8 << 20  # per pair per round; two rounds are in flight at once (pipelining)
 DIRECT_MIN_BYTES = 128 << 10  # smaller contiguous runs go through a bucket: one message beats many
 SPLIT_MIN_BYTES = 256 << 10  # a bucket this big ends where its pieces stop being adjacent at the destination
-HUGE_MIN_BYTES = 2 << 20  # CPU buffers from here on are mapped with transparent huge pages
+HUGE_MIN_BYTES = 2 << 20  # with huge pages: CPU buffers from here on are mapped with them
+# Off: on the shared 2-core machine, tiny-25m TP1xDP2 -> TP2xDP2 took min 0.25 s vs 0.34 s with them
+# but median 0.50 s vs 0.38 s (the kernel compacts memory at fault time, and stalls under pressure)
+HUGE_PAGES = False
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, lengths) in the global tensor
 Run = tuple[tuple[int, int], tuple[int, int]]  # (src byte range, dst byte range) of a zero-copy move
@@ -108,12 +111,13 @@ class StagePlacement:
 # --- flat per-rank state --------------------------------------------------------------------------
 
 
-def alloc_bytes(num_bytes: int, device: torch.device) -> torch.Tensor:
-    """An uninitialised uint8 buffer. On CPU, large ones are anonymous mappings advised to use
-    transparent huge pages: a fresh buffer's first touch (the kernel zeroing and mapping its pages)
-    is what a transition's copies and receives pay for new state, and 2 MiB pages halve it here
-    (measured 1.3 -> 2.7 GB/s). The tensor keeps the mapping alive; it is unmapped with its last view."""
-    if device.type != "cpu" or num_bytes < HUGE_MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
+def alloc_bytes(num_bytes: int, device: torch.device, *, huge_pages: bool | None = None) -> torch.Tensor:
+    """An uninitialised uint8 buffer. With ``huge_pages`` (default ``HUGE_PAGES``), large CPU ones are
+    anonymous mappings advised to use transparent huge pages: a fresh buffer's first touch (the kernel
+    zeroing and mapping its pages) is what a transition's copies and receives pay for new state, and
+    2 MiB pages halve it in isolation (1.3 -> 2.7 GB/s). The tensor keeps the mapping alive."""
+    huge = HUGE_PAGES if huge_pages is None else huge_pages
+    if not huge or device.type != "cpu" or num_bytes < HUGE_MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(num_bytes, dtype=torch.uint8, device=device)
     region = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     region.madvise(mmap.MADV_HUGEPAGE)

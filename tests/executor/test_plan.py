@@ -134,3 +134,15 @@ def test_split_buckets_land_directly_in_the_destination_buffer() -> None:
     (back,) = plan_transition(new, [placement("a", 1, 1, [[0]])], max_bucket_bytes=64 << 10).steps
     in_place = [m.src_start is not None for m in back.messages]
     assert in_place and sum(in_place) > len(in_place) / 2
+
+
+def test_huge_page_buffers_hold_what_is_written() -> None:
+    import torch
+
+    from transitions.executor import HUGE_MIN_BYTES, alloc_bytes
+
+    buf = alloc_bytes(HUGE_MIN_BYTES + 48, torch.device("cpu"), huge_pages=True)
+    assert buf.dtype == torch.uint8 and buf.numel() == HUGE_MIN_BYTES + 48
+    view = buf[16: 16 + 4 * 1000].view(torch.float32)
+    view.copy_(torch.arange(1000, dtype=torch.float32))
+    assert torch.equal(buf[16: 16 + 4 * 1000].view(torch.float32), torch.arange(1000, dtype=torch.float32))
