@@ -25,6 +25,7 @@ last copy died: ``lost_state`` and ``agent.coordinator.uncovered_state`` say wha
 
 from __future__ import annotations
 
+import math
 import mmap
 import time
 from collections import defaultdict
@@ -38,7 +39,7 @@ from planner.errors import SpecError
 from planner.models import Head, ModelSpec
 from planner.plan import Layout
 from transitions.channel import DataChannel, InFlight, P2POp
-from transitions.emu import EMU
+from transitions.emu import EMU, box_intersection
 from transitions.geometry import StateKind, check_layout, unit_shards
 from transitions.global_dag import TransitionDAG
 from transitions.primitives import Merge, Primitive, relabels
@@ -142,10 +143,7 @@ class Slot:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for k in self.lengths:
-            n *= k
-        return n
+        return math.prod(self.lengths)
 
     @property
     def element_bytes(self) -> int:
@@ -221,24 +219,6 @@ class RankState:
 # --- box arithmetic (pure) ------------------------------------------------------------------------
 
 
-def intersect(a: Box, b: Box) -> Box | None:
-    offs, lens = [], []
-    for ao, al, bo, bl in zip(a[0], a[1], b[0], b[1]):
-        lo, hi = max(ao, bo), min(ao + al, bo + bl)
-        if hi <= lo:
-            return None
-        offs.append(lo)
-        lens.append(hi - lo)
-    return tuple(offs), tuple(lens)
-
-
-def _numel(lengths: tuple[int, ...]) -> int:
-    n = 1
-    for k in lengths:
-        n *= k
-    return n
-
-
 def contiguous_range(slot: Slot, box: Box) -> tuple[int, int] | None:
     """Byte range [start, end) of ``box`` inside the flat buffer holding ``slot``, if contiguous."""
     local = [o - so for o, so in zip(box[0], slot.offsets)]
@@ -252,7 +232,7 @@ def contiguous_range(slot: Slot, box: Box) -> tuple[int, int] | None:
     for d in range(len(lens)):
         linear = linear * slot.lengths[d] + local[d]
     start = slot.byte_offset + linear * slot.element_bytes
-    return start, start + _numel(lens) * slot.element_bytes
+    return start, start + math.prod(lens) * slot.element_bytes
 
 
 # --- the plan (pure) -------------------------------------------------------------------------------
@@ -272,7 +252,7 @@ class Piece:
 
     @property
     def num_bytes(self) -> int:
-        return _numel(self.box[1]) * self.src_slot.element_bytes
+        return math.prod(self.box[1]) * self.src_slot.element_bytes
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -416,7 +396,7 @@ def _stage_pieces(old: StagePlacement, new: StagePlacement) -> list[Piece]:
                 need = (slot.offsets, slot.lengths)
                 covered = 0
                 for box, owners in holders[src_replica][slot.key]:
-                    part = intersect(box, need)
+                    part = box_intersection(box, need)
                     if part is None:
                         continue
                     local = [o for o in owners if o[0] == worker]
@@ -427,7 +407,7 @@ def _stage_pieces(old: StagePlacement, new: StagePlacement) -> list[Piece]:
                         load[src_worker] += piece.num_bytes
                         replica_load[src_replica] += piece.num_bytes
                     pieces.append(piece)
-                    covered += _numel(part[1])
+                    covered += math.prod(part[1])
                 if covered != slot.numel:
                     raise SpecError(f"{new.model_stage}.layout",
                                     f"{slot.tensor}/{slot.kind}: old replica {src_replica} covers {covered} "
