@@ -362,8 +362,10 @@ class SlurmLab:
                                                     "SUSPENDED", "RESIZING", "REQUEUED")]
 
     def sbatch(self, *args: str, script: str = "#!/bin/sh\nsleep 600\n") -> str:
-        """Submit a batch job; returns its id."""
-        out = _run(["sbatch", "--parsable", *args], env=self.env, input_text=script).stdout
+        """Submit a batch job; returns its id. Its output goes under the lab's root, not the caller's cwd."""
+        (self.root / "jobs").mkdir(parents=True, exist_ok=True)
+        out = _run(["sbatch", "--parsable", f"--output={self.root}/jobs/slurm-%j.out", *args], env=self.env,
+                   input_text=script).stdout
         return out.strip().split(";")[0]
 
     def job_field(self, job_id: str, key: str) -> str | None:
