@@ -58,7 +58,8 @@ class StageTransition:
     renamed: list[tuple[str, str]] = field(default_factory=list)  # (current uid, target uid): unchanged
 
 
-def _target_parts(unit: EMU, sub: Layout) -> list[EMU]:
+def target_parts(unit: EMU, sub: Layout) -> list[EMU]:
+    """The T_sub parts ``unit`` splits into (itself when its layout already is ``sub``)."""
     if unit.layout == sub:
         return [unit]
     return [EMU(uid=f"{unit.uid}.p{a}.{b}", state=unit.state, layout=sub,
@@ -107,7 +108,7 @@ def plan_stage(
     kept: set[str] = set()  # current units living on (renamed, or merged as a full part)
     rr = 0
     for unit in target:
-        parts = _target_parts(unit, sub)
+        parts = target_parts(unit, sub)
         merge_inputs: list[EMU] = []
         for part in parts:
             same = reusable.get(part.gpus)

@@ -37,7 +37,7 @@ from planner.hardware import ClusterSpec
 from planner.plan import GlobalPlan, Layout, StagePlan
 from transitions.emu import EMU, UnitState, part_gpus, part_indices, parts_nest, rank_bytes, t_sub
 from transitions.feasibility import bottom_levels
-from transitions.local_dag import plan_units, unit_uid
+from transitions.local_dag import plan_units, target_parts, unit_uid
 from transitions.primitives import (
     Destroy,
     Extend,
@@ -228,7 +228,7 @@ class ReplicaPlan:
             st = sc.stage
             cur = plan_units(st.state, st.current, self.old_version)
             tgt = plan_units(st.state, st.target, self.new_version)
-            parts = [p for u in tgt for p in _parts(u, st.sub)]
+            parts = [p for u in tgt for p in target_parts(u, st.sub)]
             old_units += cur
             new_units += tgt
             renamed += [(cur[i].uid, tgt[j].uid) for i, j in st.renamed]
@@ -236,14 +236,6 @@ class ReplicaPlan:
                 nodes += [_member(c, m, cur, tgt, parts) for m in range(c.size)]
                 stage_order += [c.stage_order] * c.size
         return nodes, stage_order, old_units, new_units, renamed
-
-
-def _parts(unit: EMU, sub: Layout) -> list[EMU]:
-    if unit.layout == sub:
-        return [unit]
-    return [EMU(uid=f"{unit.uid}.p{a}.{b}", state=unit.state, layout=sub,
-                gpus=part_gpus(unit.layout, unit.gpus, sub, a, b), version=unit.version, final=unit)
-            for a, b in part_indices(unit.layout, sub)]
 
 
 def _member(c: ReplicaClass, m: int, cur: list[EMU], tgt: list[EMU], parts: list[EMU]) -> Primitive:
@@ -430,7 +422,7 @@ def _representative(st: _Stage, kind: PrimitiveKind, unit: int, refs: np.ndarray
     pids = [unit] if kind is PrimitiveKind.EXTEND else [int(r) for r in refs if r >= 0]
     tgt_ids = {p // st.nq for p in pids} | ({unit} if kind is PrimitiveKind.MERGE else set())
     tgt = {j: _unit_emu(st, new_version, j, False) for j in tgt_ids}
-    part_of = {p: _parts(tgt[p // st.nq], st.sub)[p % st.nq] for p in pids}
+    part_of = {p: target_parts(tgt[p // st.nq], st.sub)[p % st.nq] for p in pids}
     if kind is PrimitiveKind.DESTROY:
         return Destroy(unit=cur[unit])
     if kind is PrimitiveKind.SPLIT:
