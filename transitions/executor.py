@@ -25,12 +25,14 @@ last copy died: ``lost_state`` and ``agent.coordinator.uncovered_state`` say wha
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import math
 import mmap
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 import torch
@@ -39,7 +41,7 @@ from planner.errors import SpecError
 from planner.models import Head, ModelSpec
 from planner.plan import Layout
 from transitions.channel import DataChannel, InFlight, P2POp
-from transitions.emu import EMU, box_intersection
+from transitions.emu import EMU, box_contains, box_intersection
 from transitions.geometry import StateKind, check_layout, unit_shards
 from transitions.global_dag import TransitionDAG
 from transitions.primitives import Merge, Primitive, relabels
@@ -56,6 +58,12 @@ HUGE_MIN_BYTES = 2 << 20  # with huge pages: CPU buffers from here on are mapped
 # Off: on the shared 2-core machine, tiny-25m TP1xDP2 -> TP2xDP2 took min 0.25 s vs 0.34 s with them
 # but median 0.50 s vs 0.38 s (the kernel compacts memory at fault time, and stalls under pressure)
 HUGE_PAGES = False
+# CPU: a unit cut from another one on the same worker (a TP or PP Split/Merge keeping part of the
+# shard) is built inside the buffer of the unit it is cut from, which the same node frees: copying
+# into fresh pages costs their first touch (1.7-2 GB/s here) where compacting warm memory runs at
+# ~7 GB/s, and the worker's peak memory drops by the new unit's size. Off on GPUs: the caching
+# allocator hands out warm memory, and a block cannot give back its tail.
+IN_PLACE = True
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, lengths) in the global tensor
 Run = tuple[tuple[int, int], tuple[int, int]]  # (src byte range, dst byte range) of a zero-copy move
@@ -147,7 +155,7 @@ class Slot:
 
     @property
     def element_bytes(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
     def num_bytes(self) -> int:
@@ -221,18 +229,23 @@ class RankState:
 
 def contiguous_range(slot: Slot, box: Box) -> tuple[int, int] | None:
     """Byte range [start, end) of ``box`` inside the flat buffer holding ``slot``, if contiguous."""
-    local = [o - so for o, so in zip(box[0], slot.offsets)]
-    lens = box[1]
+    offsets, lens = box
+    full = slot.lengths
     # row-major: contiguous iff every dim after the last partial one is full and every dim before it
     # has length 1 (a whole shard, a run of whole rows, or part of one row)
-    partial = [d for d in range(len(lens)) if lens[d] != slot.lengths[d]]
-    if partial and any(lens[d] != 1 for d in range(partial[-1])):
-        return None
-    linear = 0
-    for d in range(len(lens)):
-        linear = linear * slot.lengths[d] + local[d]
-    start = slot.byte_offset + linear * slot.element_bytes
-    return start, start + math.prod(lens) * slot.element_bytes
+    last = len(lens) - 1
+    while last >= 0 and lens[last] == full[last]:
+        last -= 1
+    for d in range(last):
+        if lens[d] != 1:
+            return None
+    linear, numel = 0, 1
+    for o, so, n, k in zip(offsets, slot.offsets, full, lens):
+        linear = linear * n + o - so
+        numel *= k
+    size = slot.dtype.itemsize
+    start = slot.byte_offset + linear * size
+    return start, start + numel * size
 
 
 # --- the plan (pure) -------------------------------------------------------------------------------
@@ -503,14 +516,20 @@ def _messages(pieces: list[Piece], max_bucket_bytes: int) -> list[Message]:
             tag += 1
         buckets: list[list[Piece]] = [[]]
         size = 0
+        adjacent, last = False, None  # whether the open bucket lies back to back in the destination
         for p in packed:
             # a bucket also closes where the pieces stop lying back to back in the destination (a
             # direct run sits in between): the destination then receives each bucket in place instead
             # of unpacking it, unless that would make the bucket too small to be worth a message
-            gap = bool(buckets[-1]) and size >= SPLIT_MIN_BYTES and _adjacent(buckets[-1] + [p], "dst") is None
+            here = contiguous_range(p.dst_slot, p.box)
+            follows = (here is not None and last is not None and adjacent and last[2] == p.dst_unit
+                       and _back_to_back(last[0], last[1], here, p.dst_slot))
+            gap = bool(buckets[-1]) and size >= SPLIT_MIN_BYTES and not follows
             if buckets[-1] and (size + _align(p.num_bytes) > max_bucket_bytes or gap):
                 buckets.append([])
                 size = 0
+            adjacent = here is not None and (follows or not buckets[-1])
+            last = (here, p.dst_slot, p.dst_unit) if here is not None else None
             buckets[-1].append(p)
             size += _align(p.num_bytes)
         # rounds by volume: each round carries at most max_bucket_bytes of buckets per pair
@@ -589,6 +608,7 @@ class StepReport:
     pack_s: float = 0.0  # part of measured_s spent packing buckets (sender side)
     unpack_s: float = 0.0  # part of measured_s spent unpacking buckets (receiver side)
     alongside: str = ""  # a local-only node run while this remote node's transfers were in flight
+    in_place: bool = False  # built inside the buffer of the unit it was cut from (no new memory)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -708,13 +728,15 @@ class _Round:
 
 
 def _post_round(step: Step, rnd: int, worker: int, resolve: Resolve, channel: DataChannel,
-                counts: dict[str, int], pool: BucketPool) -> _Round:
+                counts: dict[str, int], pool: BucketPool, feed: Compactor | None = None) -> _Round:
     """Post this worker's part of round ``rnd`` (not waited for): first every receive and the sends
     read in place, so that zero-copy transfers run while the buckets are packed; then the packed sends.
     Each pair's sends keep the message order (its receiver posts in that order; gloo and NCCL match
     a pair's messages in order, and a mismatch aborts the process): a send read in place that follows
-    a packed one to the same peer waits for the second batch."""
+    a packed one to the same peer waits for the second batch. With ``feed`` (the unit sent from is
+    still being compacted in place), each send is posted on its own once its bytes are final."""
     ops: list[P2POp] = []
+    fed: list[Message] = []
     packed: list[Message] = []
     out = _Round(handles=[], unpack=[], buffers=[])
     for m in step.messages:
@@ -724,6 +746,9 @@ def _post_round(step: Step, rnd: int, worker: int, resolve: Resolve, channel: Da
             counts["sent"] += m.num_bytes
             if m.src_start is None or any(q.dst_worker == m.dst_worker for q in packed):
                 packed.append(m)  # after a packed one to the same peer: keeps each pair's order
+                continue
+            if feed is not None:
+                fed.append(m)
                 continue
             buf = resolve(m.pieces[0], True).flat[m.src_start: m.src_start + m.length]
             ops.append(P2POp(peer=m.dst_worker, tensor=buf, is_send=True))
@@ -738,10 +763,16 @@ def _post_round(step: Step, rnd: int, worker: int, resolve: Resolve, channel: Da
                 out.unpack.append((m, buf))
             ops.append(P2POp(peer=m.src_worker, tensor=buf, is_send=False))
     out.handles.append(channel.start(ops))
+    for m in fed:  # in message order: each pair's order is kept
+        feed.before(m)  # type: ignore[union-attr]
+        buf = resolve(m.pieces[0], True).flat[m.src_start: m.src_start + m.length]  # type: ignore[operator]
+        out.handles.append(channel.start([P2POp(peer=m.dst_worker, tensor=buf, is_send=True)]))
     if packed:
         start = time.perf_counter()
         sends: list[P2POp] = []
         for m in packed:
+            if feed is not None:
+                feed.before(m)
             if m.src_start is not None:
                 buf = resolve(m.pieces[0], True).flat[m.src_start: m.src_start + m.length]
                 sends.append(P2POp(peer=m.dst_worker, tensor=buf, is_send=True))
@@ -759,7 +790,7 @@ def _post_round(step: Step, rnd: int, worker: int, resolve: Resolve, channel: Da
 
 def _run_step(step: Step, worker: int, resolve: Resolve, channel: DataChannel, timeout_s: float | None,
               on_round: Callable[[str, int], None] | None, pool: BucketPool | None = None,
-              riders: Sequence[Step] = ()) -> tuple[StepReport, list[float]]:
+              riders: Sequence[Step] = (), feed: Compactor | None = None) -> tuple[StepReport, list[float]]:
     """Rounds are pipelined: round r+1 is posted before round r is waited for and unpacked, so at
     most two rounds of buckets live. Local copies, this step's and those of ``riders`` (local-only
     steps run alongside), are made once the last round is posted, while it is in flight. Returns the report and each rider's
@@ -776,11 +807,13 @@ def _run_step(step: Step, worker: int, resolve: Resolve, channel: DataChannel, t
         if rnd < step.num_rounds:
             if on_round is not None:
                 on_round(step.model_stage, rnd)
-            posted = _post_round(step, rnd, worker, resolve, channel, counts, pool)
+            posted = _post_round(step, rnd, worker, resolve, channel, counts, pool, feed)
             pack_s += posted.pack_s
         if rnd == max(step.num_rounds - 1, 0):
             # once every round is posted: copies overlap the last transfers and never hold back a
             # round the peers wait for (the sender's packing, not the copies, paces the receivers)
+            if feed is not None:
+                feed.upto(feed.plan.target_bytes + 1)  # the local copies may read any of it
             copy_start = time.perf_counter()
             copied = _local_copies(step, worker, resolve)
             copy_s = time.perf_counter() - copy_start
@@ -898,14 +931,17 @@ def _node_stage(prim: Primitive) -> str:
 
 def run_dag(dag: TransitionDAG, worker: int, units: dict[str, RankState], channel: DataChannel, *,
             predicted_s: Sequence[float] | None = None, max_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-            timeout_s: float | None = None,
-            on_round: Callable[[str, int], None] | None = None) -> list[StepReport]:
+            timeout_s: float | None = None, on_round: Callable[[str, int], None] | None = None,
+            in_place: bool | None = None) -> list[StepReport]:
     """Run the DAG nodes that touch ``worker``, in the DAG's order, on ``units`` (EMU uid -> state).
 
     Each worker runs its nodes one at a time in the global order, so pairs meet in the same node and
     memory follows the DAG's checked timeline: targets are allocated when their node starts, sources
     freed by the Destroy/Merge that frees them, buckets once unpacked. A part delivered in final shape
-    is relabelled by its Merge, never copied. Raises ChannelBroken on any communication failure;
+    is relabelled by its Merge, never copied. On CPU (``in_place``, default ``IN_PLACE``) a unit cut
+    from one this worker frees in the same node is compacted inside that unit's buffer, and run
+    before the nodes that read the old unit when they read only what the new one keeps
+    (``in_place_plan``, ``_hoist``). Raises ChannelBroken on any communication failure;
     ``units`` then holds whatever existed at that point (old units are only freed after their readers).
     """
     device = channel.device
@@ -914,6 +950,14 @@ def run_dag(dag: TransitionDAG, worker: int, units: dict[str, RankState], channe
     steps = {node: node_step(dag, node, worker, max_bucket_bytes,
                              predicted_s[node] if predicted_s is not None else 0.0)
              for node in dag.nodes_on(worker) if not relabels(dag.nodes[node])}
+    order = list(dag.nodes_on(worker))
+    plans: dict[int, InPlace] = {}
+    if (IN_PLACE if in_place is None else in_place) and device.type == "cpu":
+        for node in order:
+            plan = in_place_plan(dag, node, steps[node], worker) if node in steps else None
+            if plan is not None:
+                plans[node] = plan
+        order, steps = _hoist(dag, order, steps, worker, plans)
     # every member is there before anything moves (and NCCL's communicator exists before p2p)
     channel.barrier(timeout_s)
     # Merges whose parts all arrive in final shape move nothing and touch no GPU's timeline, so they
@@ -921,8 +965,11 @@ def run_dag(dag: TransitionDAG, worker: int, units: dict[str, RankState], channe
     relabel = [prim for prim in dag.nodes if isinstance(prim, Merge) and relabels(prim)]
     _apply_relabels(relabel, worker, units)
     pool = BucketPool(device=device)
-    order = dag.nodes_on(worker)
     carried: set[int] = set()  # local-only nodes already run alongside an earlier remote node
+
+    def resolve(p: Piece, is_source: bool) -> RankState:
+        return units[p.src_unit if is_source else p.dst_unit]
+
     for index, node in enumerate(order):
         if node in carried:
             continue
@@ -932,16 +979,48 @@ def run_dag(dag: TransitionDAG, worker: int, units: dict[str, RankState], channe
             for part in prim.parts:
                 if part.final == prim.unit and part.holds(worker) and part.uid in units:
                     units[prim.unit.uid] = units.pop(part.uid)  # already in final shape: relabel
+        plan = plans.get(node)
+        if plan is not None and plan.target.uid not in units and plan.donor in units \
+                and units[plan.donor].flat.numel() >= plan.target_bytes:
+            host = _fed_host(dag, order, index, steps, worker, plan)
+            compactor = Compactor.start(plan, worker, units)
+            allocated = _allocate_targets(dag.nodes[host], worker, units, device) if host is not None else []
+            host_report = None
+            try:
+                if host is not None:  # its sends go out as their bytes are compacted
+                    host_report, _ = _run_step(steps[host], worker, resolve, channel, timeout_s, on_round,
+                                               pool, feed=compactor)
+                copied = compactor.finish(units)
+            except BaseException:
+                compactor.abandon(units)
+                for uid in allocated:
+                    units.pop(uid, None)
+                raise
+            for done in (node, host):
+                if done is not None:
+                    for unit in dag.nodes[done].frees:
+                        if unit.holds(worker):
+                            units.pop(unit.uid, None)
+            step = steps[node]
+            reports.append(StepReport(
+                model_stage=step.model_stage, primitive=step.primitive, predicted_s=step.predicted_s,
+                measured_s=compactor.seconds, bytes_sent=0, bytes_received=0, bytes_copied_locally=copied,
+                peak_bucket_bytes=0, local_copy_s=compactor.seconds, in_place=True,
+                alongside=steps[host].primitive if host is not None else ""))
+            if host_report is not None and host is not None:
+                host_report.measured_s = time.perf_counter() - start - compactor.seconds
+                reports.append(host_report)
+                carried.add(host)
+            _apply_relabels(relabel, worker, units)
+            continue
         allocated = _allocate_targets(prim, worker, units, device)
         if node not in steps:
             continue  # a relabelling Merge: handled by _apply_relabels
         step = steps[node]
-        riders = _riders(dag, order[index + 1:], steps, worker, units, prim) if _remote(step, worker) else []
+        riders = _riders(dag, order[index + 1:], steps, worker, units, prim, set(plans)) \
+            if _remote(step, worker) else []
         for rider in riders:
             allocated += _allocate_targets(dag.nodes[rider], worker, units, device)
-
-        def resolve(p: Piece, is_source: bool) -> RankState:
-            return units[p.src_unit if is_source else p.dst_unit]
 
         try:
             report, rider_s = _run_step(step, worker, resolve, channel, timeout_s, on_round, pool,
@@ -985,8 +1064,22 @@ def _remote(step: Step, worker: int) -> bool:
     return any(worker in (m.src_worker, m.dst_worker) for m in step.messages)
 
 
+def _fed_host(dag: TransitionDAG, order: Sequence[int], index: int, steps: dict[int, Step], worker: int,
+              plan: InPlace) -> int | None:
+    """The node right after in-place node ``order[index]`` if it is a remote node sending from the
+    unit being built (after ``_hoist``): it then runs while the compaction goes on, each message
+    posted once its bytes are final."""
+    if index + 1 >= len(order):
+        return None
+    host = order[index + 1]
+    step = steps.get(host)
+    if step is None or not _remote(step, worker) or isinstance(dag.nodes[host], Merge):
+        return None
+    return host if _reads(step, worker, plan.target.uid) else None
+
+
 def _riders(dag: TransitionDAG, later: Sequence[int], steps: dict[int, Step], worker: int,
-            units: dict[str, RankState], host: Primitive) -> list[int]:
+            units: dict[str, RankState], host: Primitive, in_place: set[int] | None = None) -> list[int]:
     """The local-only nodes right after a remote node in ``worker``'s order that may run while its
     transfers are in flight: they move nothing between workers, read only units this worker already
     holds whole (none the remote node writes), and relabel no part. Their targets are then allocated
@@ -999,6 +1092,8 @@ def _riders(dag: TransitionDAG, later: Sequence[int], steps: dict[int, Step], wo
         step = steps.get(node)
         if step is None or _remote(step, worker) or not any(p.dst_worker == worker for p in step.local):
             break
+        if in_place and node in in_place:
+            break  # it overwrites its donor, which the remote node may still be reading
         if isinstance(prim, Merge) and any(p.final == prim.unit and p.holds(worker) for p in prim.parts):
             break
         reads = {p.src_unit for p in step.local if p.dst_worker == worker}
@@ -1009,6 +1104,287 @@ def _riders(dag: TransitionDAG, later: Sequence[int], steps: dict[int, Step], wo
         written |= {t.uid for t in prim.targets}
         out.append(node)
     return out
+
+
+# --- building a unit inside the buffer it is cut from (CPU) ---------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class InPlace:
+    """A local-only node that builds ``target`` inside the buffer of ``donor`` on one worker.
+
+    Chosen only when the node frees the donor, every local piece of the node goes from the donor into
+    the target, the target's buffer is no larger, and copying the pieces forward in ``pieces`` order
+    (target byte order), row by row, never overwrites a donor byte that is still to be read."""
+
+    node: int
+    donor: str
+    target: EMU
+    target_bytes: int
+    pieces: tuple[Piece, ...]
+    starts: tuple[int, ...]  # where each piece starts in the target's buffer
+
+
+@lru_cache(maxsize=4096)
+def unit_buffer_bytes(unit: EMU, gpu: int) -> int:
+    placement, _ = unit_placement(unit)
+    return rank_slots(placement, placement.gpu_sets[0].index(gpu))[1]
+
+
+def _rows(slot: Slot, box: Box) -> tuple[int, int, int]:
+    """(first byte, rows, bytes from one row to the next) of ``box`` inside the buffer holding
+    ``slot``; rows run along dim 0 (a 1-D box: one element a row)."""
+    linear = 0
+    for d in range(len(box[1])):
+        linear = linear * slot.lengths[d] + box[0][d] - slot.offsets[d]
+    pitch = math.prod(slot.lengths[1:]) * slot.element_bytes
+    return slot.byte_offset + linear * slot.element_bytes, box[1][0], pitch
+
+
+def _forward_order(pieces: Sequence[Piece]) -> tuple[Piece, ...] | None:
+    """``pieces`` in destination byte order if compacting them forward inside one buffer is safe:
+    each destination is contiguous, starts at or before its source and advances no faster per row
+    (rows along dim 0, each one contiguous run in the source), and ends before every later piece's
+    source begins. None when any of that fails."""
+    spans = []
+    for p in pieces:
+        dst = contiguous_range(p.dst_slot, p.box)
+        if dst is None:
+            return None
+        src_start, rows, pitch = _rows(p.src_slot, p.box)
+        if dst[0] > src_start or (dst[1] - dst[0]) // rows > pitch:
+            return None
+        one_row = (p.box[0], (1, *p.box[1][1:]))
+        if contiguous_range(p.src_slot, one_row) is None:
+            return None  # a row must be one run: rows that overlap their destination are memmoved
+        spans.append((dst[0], dst[1], src_start, p))
+    spans.sort(key=lambda x: x[0])
+    later = math.inf
+    for _, dst_end, src_start, _ in reversed(spans):
+        if dst_end > later:
+            return None
+        later = min(later, src_start)
+    return tuple(p for *_, p in spans)
+
+
+def in_place_plan(dag: TransitionDAG, node: int, step: Step, worker: int) -> InPlace | None:
+    """Whether node ``node`` can build its target on ``worker`` inside the buffer of the unit it
+    frees there (a Split or Merge keeping part of a shard), and how: pure, from the DAG alone."""
+    prim = dag.nodes[node]
+    if _remote(step, worker):
+        return None
+    local = [p for p in step.local if p.dst_worker == worker]
+    pairs = {(p.src_unit, p.dst_unit) for p in local}
+    if len(pairs) != 1:
+        return None
+    donor_uid, target_uid = next(iter(pairs))
+    donor = next((u for u in prim.frees if u.uid == donor_uid and u.holds(worker)), None)
+    mine = [t for t in prim.targets if t.holds(worker)]
+    if donor is None or len(mine) != 1 or mine[0].uid != target_uid:
+        return None
+    target = mine[0]
+    if isinstance(prim, Merge) and any(part.final == target and part.holds(worker) for part in prim.parts):
+        return None  # a part is relabelled into the target here: it exists before the copies
+    size = unit_buffer_bytes(target, worker)
+    if size > unit_buffer_bytes(donor, worker):
+        return None
+    ordered = _forward_order(local)
+    if ordered is None:
+        return None
+    starts = tuple(contiguous_range(p.dst_slot, p.box)[0] for p in ordered)  # type: ignore[index]
+    return InPlace(node=node, donor=donor_uid, target=target, target_bytes=size, pieces=ordered, starts=starts)
+
+
+def _reads(step: Step, worker: int, uid: str) -> list[Piece]:
+    """The pieces of ``step`` that ``worker`` reads from unit ``uid`` (local copies and sends)."""
+    out = [p for p in step.local if p.src_unit == uid and p.src_worker == worker]
+    for m in step.messages:
+        if m.src_worker == worker:
+            out.extend(p for p in m.pieces if p.src_unit == uid)
+    return out
+
+
+def _read_from(step: Step, worker: int, donor: str, target: EMU) -> Step:
+    """``step`` with every piece ``worker`` reads from ``donor`` read from ``target`` instead (which
+    holds the same boxes); a message whose pieces now lie back to back in the target, laid out as the
+    message, is sent straight from it. Peers see the same messages: only where bytes come from changes."""
+    slots = unit_slots(target, worker)
+
+    def moved(p: Piece) -> Piece:
+        if p.src_unit != donor or p.src_worker != worker:
+            return p
+        return replace(p, src_unit=target.uid, src_slot=slots[p.src_slot.key])
+
+    messages = []
+    for m in step.messages:
+        if m.src_worker != worker or not any(p.src_unit == donor for p in m.pieces):
+            messages.append(m)
+            continue
+        pieces = tuple(moved(p) for p in m.pieces)
+        on_src = _adjacent(list(pieces), "src")
+        start = on_src[0] if on_src is not None and on_src[1:] == (m.layout, m.length) else None
+        messages.append(replace(m, pieces=pieces, src_start=start))
+    return replace(step, local=tuple(moved(p) for p in step.local), messages=tuple(messages))
+
+
+def _hoist(dag: TransitionDAG, order: list[int], steps: dict[int, Step], worker: int,
+           plans: dict[int, InPlace]) -> tuple[list[int], dict[int, Step]]:
+    """Move each in-place node ahead of the earlier nodes on ``worker`` that read its donor, when
+    they read only boxes the new unit holds: they then read the new unit (compacted, so a TP split's
+    sends go out unpacked, straight from it). Local work only: peers' messages do not change. The
+    donor is then consumed before those nodes run: what survives a failure is what is held
+    (``agent.coordinator.uncovered_state``), and the new units of a layout change cover the state."""
+    order, steps = list(order), dict(steps)
+    for node, plan in plans.items():
+        j = order.index(node)
+        readers = [i for i in range(j) if order[i] in steps and _reads(steps[order[i]], worker, plan.donor)]
+        if not readers:
+            continue
+        between = order[readers[0]:j]
+        boxes = {key: (s.offsets, s.lengths) for key, s in unit_slots(plan.target, worker).items()}
+        early_frees = {f.uid for f in dag.nodes[node].frees if f.holds(worker)} - {plan.donor}
+        ok = True
+        for n in between:
+            prim = dag.nodes[n]
+            touched = {u.uid for u in (*prim.targets, *prim.frees)}
+            if isinstance(prim, Merge):
+                touched |= {part.uid for part in prim.parts}
+            if touched & {plan.donor, plan.target.uid} or n not in steps:
+                ok = False
+                break
+            step = steps[n]
+            used = {p.src_unit for p in (*step.local, *(q for m in step.messages for q in m.pieces))}
+            if used & early_frees or not all(
+                    p.src_slot.key in boxes and box_contains(boxes[p.src_slot.key], p.box)
+                    for p in _reads(step, worker, plan.donor)):
+                ok = False
+                break
+        if not ok:
+            continue
+        for n in between:
+            steps[n] = _read_from(steps[n], worker, plan.donor, plan.target)
+        order.pop(j)
+        order.insert(readers[0], node)
+    return order, steps
+
+
+def _compact_piece(p: Piece, donor: RankState, target: RankState) -> None:
+    """Copy one piece from ``donor`` into ``target`` (a view of the donor's buffer), forward: a run
+    contiguous on both sides is one memmove; strided rows go in chunks copied directly once their
+    destination ends before their source begins, row by row (memmove) before that.
+    ``_forward_order`` made every step safe: no write reaches a byte still to be read."""
+    src = _piece_view(donor, p.src_slot, p.box)
+    dst = _piece_view(target, p.dst_slot, p.box)
+    src_start, dst_start = src.data_ptr(), dst.data_ptr()
+    if src_start == dst_start and src.is_contiguous():
+        return  # already in place (the counters, at the start of every buffer)
+    if src.is_contiguous():
+        _memmove(dst_start, src_start, p.num_bytes)
+        return
+    size = src.element_size()
+    pitch, row = src.stride(0) * size, dst.stride(0) * size
+    rows, r = src.shape[0], 0
+    while r < rows:
+        direct = (src_start + r * pitch - dst_start - r * row) // row  # rows that cannot overlap
+        if direct >= 1:
+            k = min(rows - r, direct)
+            dst[r:r + k].copy_(src[r:r + k])
+        else:  # this row's destination overlaps its own source: memmove allows that
+            k = 1
+            _memmove(dst_start + r * row, src_start + r * pitch, src[r].numel() * size)
+        r += k
+
+
+@dataclass(slots=True)
+class Compactor:
+    """Builds an ``InPlace`` node's target inside its donor's buffer, piece by piece in target byte
+    order, so that a node sending from the target can post each message as soon as its bytes are
+    final (``before``) while the rest is still being compacted. ``seconds``: time spent copying."""
+
+    plan: InPlace
+    donor: RankState
+    target: RankState
+    done: int = 0  # pieces compacted so far
+    seconds: float = 0.0
+
+    @classmethod
+    def start(cls, plan: InPlace, worker: int, units: dict[str, RankState]) -> Compactor:
+        donor = units[plan.donor]
+        placement, _ = unit_placement(plan.target)
+        target = RankState(placement=placement, replica=0, rank=placement.gpu_sets[0].index(worker),
+                           flat=donor.flat[: plan.target_bytes], slots=unit_slots(plan.target, worker))
+        units[plan.target.uid] = target
+        return cls(plan=plan, donor=donor, target=target)
+
+    def upto(self, end: int) -> None:
+        """Compact every piece whose destination starts before byte ``end`` of the target."""
+        began = time.perf_counter()
+        pieces = self.plan.pieces
+        while self.done < len(pieces):
+            p = pieces[self.done]
+            if self.plan.starts[self.done] >= end:
+                break
+            _compact_piece(p, self.donor, self.target)
+            self.done += 1
+        self.seconds += time.perf_counter() - began
+
+    def before(self, m: Message) -> None:
+        """Called before message ``m`` is sent or packed: its bytes in the target must be final."""
+        uid = self.plan.target.uid
+        ends = [p.src_slot.byte_offset + p.src_slot.num_bytes for p in m.pieces if p.src_unit == uid]
+        if ends:
+            self.upto(max(ends))
+
+    def finish(self, units: dict[str, RankState]) -> int:
+        """Compact the rest, drop the donor, give its pages past the target back. Returns bytes copied."""
+        self.upto(self.plan.target_bytes + 1)
+        units.pop(self.plan.donor, None)
+        release_tail(self.donor.flat, self.plan.target_bytes)
+        return sum(p.num_bytes for p in self.plan.pieces)
+
+    def abandon(self, units: dict[str, RankState]) -> None:
+        """After a failure half-way: neither the donor nor the target is a copy of anything any more."""
+        units.pop(self.plan.target.uid, None)
+        units.pop(self.plan.donor, None)
+
+
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+_LIBC.memmove.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+_LIBC.memmove.restype = ctypes.c_void_p
+_LIBC.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_LIBC.madvise.restype = ctypes.c_int
+_MADV_DONTNEED = 4
+
+
+def _memmove(dst: int, src: int, num_bytes: int) -> None:
+    """libc memmove between two addresses of this process's CPU memory (overlap allowed)."""
+    _LIBC.memmove(dst, src, num_bytes)
+
+
+def release_tail(flat: torch.Tensor, keep: int) -> int:
+    """Give the whole pages of ``flat`` past its first ``keep`` bytes back to the OS (CPU): the
+    buffer a unit was compacted into keeps only what the new unit uses. Returns the bytes released."""
+    if flat.device.type != "cpu" or not hasattr(mmap, "PAGESIZE"):
+        return 0
+    page = mmap.PAGESIZE
+    start = -(-(flat.data_ptr() + keep) // page) * page
+    end = (flat.data_ptr() + flat.numel()) // page * page
+    if end - start < page:
+        return 0
+    if _LIBC.madvise(start, end - start, _MADV_DONTNEED) != 0:
+        return 0  # memory stays held: correct, only less frugal
+    return end - start
+
+
+def _build_in_place(plan: InPlace, worker: int, units: dict[str, RankState]) -> tuple[int, float]:
+    """Run an in-place node on its own. Returns the bytes copied and the seconds spent copying."""
+    compactor = Compactor.start(plan, worker, units)
+    try:
+        copied = compactor.finish(units)
+    except BaseException:
+        compactor.abandon(units)
+        raise
+    return copied, compactor.seconds
 
 
 # --- what survives a failure (pure) ----------------------------------------------------------------

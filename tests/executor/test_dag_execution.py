@@ -75,14 +75,14 @@ def test_dag_run_is_bit_exact(pool: LocalCoordinator, name: str) -> None:
 
 
 def test_local_merge_runs_alongside_the_extends(pool: LocalCoordinator) -> None:
-    """TP1 x DP2 -> TP2 x DP2: workers 0 and 1 send their halves to the new replica (Extend) and build
-    their own new rank locally (Merge); the local Merge runs while the Extend's transfers are in
-    flight, and the state stays exact."""
+    """TP1 x DP2 -> TP2 x DP2 with in-place building off: workers 0 and 1 send their halves to the new
+    replica (Extend) and build their own new rank locally (Merge) in fresh memory; the local Merge
+    runs while the Extend's transfers are in flight, and the state stays exact."""
     old, new = CASES["tp1 x dp2 -> tp2 x dp2"]
     dag = build_transition(STATES, CLUSTER, old, new)
     pool.init_units(_units(old), seed=3)
     before = logical_state(pool.dump())
-    outcome = pool.run_dag(dag, CLUSTER, max_bucket_bytes=16 << 10)
+    outcome = pool.run_dag(dag, CLUSTER, max_bucket_bytes=16 << 10, in_place=False)
     assert outcome.committed, outcome.errors
     assert_same_state(before, logical_state(pool.dump()))
     for worker in (0, 1):
@@ -90,5 +90,36 @@ def test_local_merge_runs_alongside_the_extends(pool: LocalCoordinator) -> None:
         (merge,) = [r for r in reps if r.primitive.startswith("merge")]
         (extend,) = [r for r in reps if r.primitive.startswith("extend")]
         assert merge.alongside == extend.primitive and merge.bytes_copied_locally > 0
+        assert not merge.in_place
         assert extend.bytes_sent > 0 and extend.pack_s > 0
     assert all(not r.alongside for w in (2, 3) for r in outcome.reports[w])
+
+
+def test_local_merge_compacts_in_place_and_the_extend_sends_from_it(pool: LocalCoordinator) -> None:
+    """The same change with in-place building (the CPU default): the local Merge compacts each worker's
+    old replica into its new rank inside the same buffer, moved ahead of the Extend (which only sends
+    the half the worker keeps), and the Extend sends that half unpacked, straight from the new unit,
+    each message as soon as the compaction has made its bytes final.
+    Exact state, same bytes on the wire, and no buffer beyond the old one on the workers that merge."""
+    old, new = CASES["tp1 x dp2 -> tp2 x dp2"]
+    dag = build_transition(STATES, CLUSTER, old, new)
+    pool.init_units(_units(old), seed=3)
+    before = logical_state(pool.dump())
+    reference = pool.run_dag(dag, CLUSTER, max_bucket_bytes=16 << 10, in_place=False)
+    pool.init_units(_units(old), seed=3)
+    outcome = pool.run_dag(dag, CLUSTER, max_bucket_bytes=16 << 10, in_place=True)
+    assert outcome.committed, outcome.errors
+    assert_same_state(before, logical_state(pool.dump()))
+    from agent.worker import held_units
+
+    assert pool.call(held_units) == {w: sorted(u.uid for u in _units(new) if u.holds(w)) for w in pool.alive}
+    for worker in (0, 1):
+        reps = outcome.reports[worker]
+        names = [r.primitive.split("#")[0] for r in reps]
+        assert names == ["merge", "extend"], names  # hoisted ahead of the Extend that reads the old unit
+        merge, extend = reps
+        # the Extend's sends go out as the compaction makes their bytes final
+        assert merge.in_place and merge.bytes_copied_locally > 0 and merge.alongside == extend.primitive
+        assert extend.pack_s == 0 and extend.peak_bucket_bytes == 0  # nothing packed, no bucket held
+        assert extend.bytes_sent == sum(r.bytes_sent for r in reference.reports[worker])
+    assert all(not r.in_place for w in (2, 3) for r in outcome.reports[w])
