@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from nereusd import protocol
 from nereusd.allocation import AllocationEvent, EventKind
@@ -37,7 +37,8 @@ class TransitionSketch:
 
 
 class PlannerPort(Protocol):
-    """The numerical side of a decision (bound to planner/ and transitions/ in nereusd/planning.py)."""
+    """The numerical side of a decision (bound to planner/ and transitions/ in nereusd/planning.py).
+    A port may also be a TransitionObserver (below): the controller then feeds it completed transitions."""
 
     def search(self, job: dict[str, Any], pool: frozenset[int], version: int) -> admission.Candidate:
         """Best plan for the job spec on ``pool``; raises InfeasibleError when nothing fits."""
@@ -51,6 +52,18 @@ class PlannerPort(Protocol):
     def transition(self, job: dict[str, Any], old: GlobalPlan | None, new: GlobalPlan, pool: frozenset[int],
                    node_of_gpu: Callable[[int], str]) -> TransitionSketch:
         """Build the global DAG old -> new (old None: initial placement), its cost and per-node parts."""
+
+
+@runtime_checkable
+class TransitionObserver(Protocol):
+    """Optional part of a PlannerPort: learns L_tran from completed transitions (a port without it, such
+    as a test's fake, simply never corrects its transition cost)."""
+
+    def observe_transition(self, job: dict[str, Any], transition: dict[str, Any]) -> None:
+        """Feed one completed transition (its store row: id, dag, predicted_s, measured_s, bytes_moved)."""
+
+
+TRANSITIONS_REPLAYED = 64  # completed transitions fed back on restart (more than any calibration window)
 
 
 # --- plans as stored data -------------------------------------------------------------------------
@@ -131,6 +144,11 @@ class JobController:
         self.prediction: Any = None
         self._predicted_once = False
         self._pending_prediction: Any = None  # the candidate's prediction, until its transition is done
+        # The L_tran correction is not stored itself: it is a function of the completed transitions, which
+        # are, so a restarted daemon replays them (the efficiencies, by contrast, restart from the priors).
+        done = [t for t in store.transitions(job_id) if t["state"] == "done"]
+        for t in done[-TRANSITIONS_REPLAYED:]:
+            self._observe_transition(t)
 
     # --- passive sync -------------------------------------------------------------------------------
     @property
@@ -327,6 +345,7 @@ class JobController:
         if ok:
             self.metrics.transition_cost.labels("measured").observe(float(t["measured_s"] or 0.0))
             self.metrics.transition_bytes.labels(self.job_id).inc(int(t["bytes_moved"]))
+            self._observe_transition(self.store.transition(t["id"]) or t)
             row = self.store.plan(self.job_id, t["to_version"])
             if row is not None:
                 self.plan = plan_from_dict(row["plan"])
@@ -375,6 +394,14 @@ class JobController:
             spec["workload"] = {**workload, "response_tokens": response,
                                 "max_response_tokens": max(response, int(workload.get("max_response_tokens") or 0))}
         return spec
+
+    def _observe_transition(self, t: dict[str, Any]) -> None:
+        if not isinstance(self.planner, TransitionObserver):
+            return
+        try:
+            self.planner.observe_transition(self._spec_now(), t)
+        except NereusError as exc:  # a malformed row must not stop the daemon; the correction stays as it was
+            self.log.warning("transition-calibration-skipped", transition=t.get("id"), error=str(exc))
 
     def _node_of_gpu(self, gpu: int) -> str:
         return self.gpu_owner.get(gpu, "?")

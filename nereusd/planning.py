@@ -24,6 +24,7 @@ from planner.errors import SpecError
 from planner.hardware import ClusterSpec, cluster_preset
 from planner.models import model_preset
 from planner.plan import GlobalPlan
+from planner.transition_calibration import TransitionCalibrator, TransitionSample
 from planner.workflow import JobSpec, Workload, same_model_job, workflow_preset
 
 SPEC_KEYS = ("model", "algo", "device", "gpus_per_node", "workload", "learned_reward", "elastic")
@@ -57,6 +58,8 @@ class PlannerBinding:
 
     def __init__(self) -> None:
         self.efficiency: dict[str, Any] = {}  # job spec key -> fitted per-op-class efficiencies
+        # transition key (spec without workload) -> measured/predicted L_tran correction
+        self.transition_calibration: dict[str, TransitionCalibrator] = {}
 
     def warm_up(self) -> None:
         """Import the numerical modules (numpy, search, DAG) ahead of the first decision; run in a thread
@@ -93,6 +96,18 @@ class PlannerBinding:
                                                     self.efficiency.get(key),
                                                     cluster=cluster_for(job, plan.gpus))
 
+    def observe_transition(self, job: dict[str, Any], transition: dict[str, Any]) -> None:
+        """Feed one completed transition (its store row) into the job's L_tran correction. The row's
+        predicted_s is already corrected, so the model's own figure is read back from the summary that
+        transition() stored (rows without one, e.g. initial placement, predicted the raw figure)."""
+        model_s = (transition.get("dag") or {}).get("l_tran", {}).get("model_s", transition.get("predicted_s"))
+        sample = TransitionSample(model_s=float(model_s if model_s is not None else 0.0),
+                                  measured_s=float(transition.get("measured_s") or 0.0),
+                                  bytes_moved=int(transition.get("bytes_moved") or 0),
+                                  transition_id=transition.get("id"))
+        key = _transition_key(job)
+        self.transition_calibration[key] = self.transition_calibration.get(key, TransitionCalibrator()).observe(sample)
+
     def transition(self, job: dict[str, Any], old: GlobalPlan | None, new: GlobalPlan, pool: frozenset[int],
                    node_of_gpu: Callable[[int], str]) -> TransitionSketch:
         from transitions.cost import transition_cost
@@ -116,9 +131,18 @@ class PlannerBinding:
             part["gpus"].append(gpu)
             part["dag_nodes"] = sorted(set(part["dag_nodes"]) | set(dag.nodes_on(gpu)))
         summary: dict[str, Any] = {"kind": "transition", **dag.to_dict()}
-        summary["cost"] = cost.to_dict()
+        summary["cost"] = cost.to_dict()  # the model's figures, uncorrected
         summary["primitives"] = _count(p["kind"] for p in summary["nodes"])
-        return TransitionSketch(predicted_s=cost.seconds, bytes_moved=dag.bytes_moved, dag=summary, parts=parts)
+        correction = self.transition_calibration.get(_transition_key(job), TransitionCalibrator())
+        summary["l_tran"] = correction.explain(cost.seconds)
+        return TransitionSketch(predicted_s=summary["l_tran"]["corrected_s"], bytes_moved=dag.bytes_moved,
+                                dag=summary, parts=parts)
+
+
+def _transition_key(spec: dict[str, Any]) -> str:
+    """Transition speed depends on the model, the devices and the data channel, not on sequence lengths:
+    the correction survives workload drift (which changes the efficiency key) and is learned per job spec."""
+    return json.dumps({k: v for k, v in spec.items() if k != "workload"}, sort_keys=True)
 
 
 def _count(kinds: Any) -> dict[str, int]:
