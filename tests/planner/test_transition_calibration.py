@@ -33,7 +33,9 @@ def test_factor_converges_to_the_true_slow_down_under_noise(true_factor: float) 
     many = _fed(rng, true_factor, 32, noise=0.2)
     assert many.factor == pytest.approx(true_factor, rel=0.1)
     assert abs(math.log(many.factor / true_factor)) <= abs(math.log(few.factor / true_factor)) + 0.05
-    assert many.correct(0.2) == pytest.approx(0.2 * many.factor)
+    # no fixed cost in the truth: the line through the samples finds (almost) none
+    assert 0 <= many.fixed_s < 0.01 * true_factor
+    assert many.correct(0.2) == pytest.approx(many.fixed_s + 0.2 * many.factor)
     assert len(many.samples) == 32
 
 
@@ -50,6 +52,43 @@ def test_one_stalled_transition_does_not_flip_the_factor() -> None:
     assert recovered.factor == pytest.approx(1.0, rel=0.1) and len(recovered.samples) == recovered.window
 
 
+def _affine(rng: np.random.Generator, fixed_s: float, factor: float, n: int, noise: float,
+            cal: TransitionCalibrator | None = None) -> TransitionCalibrator:
+    """Transitions of 10 ms - 2 s predicted that really take fixed_s + factor x prediction, with noise."""
+    cal = cal or TransitionCalibrator()
+    for _ in range(n):
+        model_s = float(10 ** rng.uniform(-2, 0.3))
+        measured = (fixed_s + factor * model_s) * float(rng.lognormal(0.0, noise))
+        cal = cal.observe(TransitionSample(model_s=model_s, measured_s=measured, bytes_moved=int(model_s * 3e9)))
+    return cal
+
+
+def test_a_fixed_part_is_separated_from_the_bandwidth_part() -> None:
+    rng = np.random.default_rng(5)
+    cal = _affine(rng, fixed_s=0.1, factor=1.5, n=32, noise=0.05)
+    assert cal.fixed_s == pytest.approx(0.1, abs=0.02) and cal.factor == pytest.approx(1.5, rel=0.1)
+    # a small and a large move are both priced right, which no single factor can do
+    assert cal.correct(0.02) == pytest.approx(0.1 + 1.5 * 0.02, rel=0.15)
+    assert cal.correct(2.0) == pytest.approx(0.1 + 1.5 * 2.0, rel=0.1)
+    # stalls in a quarter of the transitions move neither part much
+    stalled = cal
+    for model_s in (0.05, 0.3, 1.0, 1.7, 0.02, 0.6, 0.1, 1.2):
+        stalled = stalled.observe(TransitionSample(model_s=model_s, measured_s=40 * model_s + 2, bytes_moved=1))
+    assert stalled.fixed_s == pytest.approx(0.1, abs=0.04) and stalled.factor == pytest.approx(1.5, rel=0.2)
+
+
+def test_too_few_or_too_similar_sizes_fit_a_factor_only() -> None:
+    # bench/executor.py on the CPU box: TP1xDP2->TP2xDP2 0.109 -> 0.274 s, DP2->DP4 0.147 -> 0.331 s
+    pairs = [(0.109, 0.274), (0.147, 0.331), (0.109, 0.281), (0.147, 0.322), (0.12, 0.29)]
+    cal = TransitionCalibrator()
+    for model_s, measured_s in pairs:
+        cal = cal.observe(TransitionSample(model_s=model_s, measured_s=measured_s, bytes_moved=1))
+    assert cal.fixed_s == 0.0 and cal.factor == pytest.approx(0.29 / 0.12, rel=0.02)
+    rng = np.random.default_rng(3)
+    three = _affine(rng, fixed_s=0.1, factor=1.5, n=3, noise=0.0)
+    assert three.fixed_s == 0.0  # three points are not enough to trust a line
+
+
 def test_factor_is_bounded() -> None:
     slow = TransitionCalibrator(max_factor=10.0).observe(TransitionSample(model_s=0.01, measured_s=5.0,
                                                                          bytes_moved=1))
@@ -64,7 +103,8 @@ def test_factor_stays_in_bounds_for_any_history(pairs: list[tuple[float, float]]
     cal = TransitionCalibrator()
     for model_s, measured_s in pairs:
         cal = cal.observe(TransitionSample(model_s=model_s, measured_s=measured_s, bytes_moved=0))
-    assert cal.min_factor <= cal.factor <= cal.max_factor
+    assert cal.min_factor <= cal.factor <= cal.max_factor and cal.fixed_s >= 0
+    assert cal.correct(1.0) >= cal.min_factor
     assert len(cal.samples) <= cal.window
 
 
@@ -75,7 +115,7 @@ def test_neutral_without_informative_data() -> None:
     placed = cal.observe(TransitionSample(model_s=0.0, measured_s=0.5, bytes_moved=0))
     assert placed is cal and placed.factor == 1.0
     explained = cal.explain(0.3)
-    assert explained == {"model_s": 0.3, "factor": 1.0, "corrected_s": 0.3, "samples": 0,
+    assert explained == {"model_s": 0.3, "fixed_s": 0.0, "factor": 1.0, "corrected_s": 0.3, "samples": 0,
                          "measured_bytes_per_s": None}
 
 
@@ -105,7 +145,8 @@ def test_bad_samples_are_rejected_naming_the_field(kwargs: dict[str, float], fie
 @pytest.mark.parametrize(("kwargs", "field"), [
     ({"window": 0}, "window"), ({"min_factor": 0.0}, "min_factor"), ({"min_factor": 2.0}, "min_factor"),
     ({"max_factor": 0.5}, "max_factor"), ({"max_factor": float("nan")}, "max_factor"),
-    ({"min_model_s": 0.0}, "min_model_s"),
+    ({"min_model_s": 0.0}, "min_model_s"), ({"min_affine_samples": 2}, "min_affine_samples"),
+    ({"affine_spread": 1.0}, "affine_spread"),
 ])
 def test_bad_settings_are_rejected_naming_the_field(kwargs: dict[str, float], field: str) -> None:
     with pytest.raises(SpecError, match=f"transition_calibrator.{field}"):
