@@ -288,13 +288,18 @@ class JobController:
         self.trigger_state = admission.after_replan(self.trigger_state or admission.initial_state(obs), obs)
         self._save()
         v = decision.verdict
+        inputs = decision.to_dict()
+        # The model's L_tran and the correction applied to it, kept with the decision: a rejected one has no
+        # transition row to show them.
+        if "s" in sketch and "l_tran" in sketch["s"].dag:
+            inputs["l_tran"] = sketch["s"].dag["l_tran"]
         did = self.store.add_decision(
             job_id=self.job_id, trigger=trigger.kind.value, urgent=trigger.kind is admission.TriggerKind.URGENT,
             admitted=v.admitted, rule=v.rule.value, reason=v.reason,
             from_version=self.plan.version if self.plan else None,
             to_version=version if decision.candidate_plan is not None else None,
             delta_l_s=v.saving_s_per_step, l_tran_s=v.transition_s, h_x=v.h_steps, gamma=v.gamma,
-            decision_ms=decision_s * 1e3, inputs=decision.to_dict())
+            decision_ms=decision_s * 1e3, inputs=inputs)
         self.metrics.decision_time.observe(decision_s)
         self.metrics.decisions.labels(self.job_id, str(v.admitted).lower()).inc()
         self.log.info("decision", id=did, trigger=trigger.kind.value, admitted=v.admitted, rule=v.rule.value,

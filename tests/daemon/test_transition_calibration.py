@@ -113,6 +113,10 @@ def test_measured_slow_down_prices_the_next_transition_and_flips_admission(tmp_p
     assert judged["delta_l_s"] == pytest.approx(d_l) and judged["h_x"] == pytest.approx(h)
     assert judged["l_tran_s"] == pytest.approx(SLOW_DOWN * raw_l)
     assert not judged["admitted"], judged["reason"]
+    # explain shows why: the model's figure and the correction, though no transition row was made
+    assert judged["inputs"]["l_tran"]["model_s"] == pytest.approx(raw_l)
+    assert judged["inputs"]["l_tran"]["factor"] == pytest.approx(SLOW_DOWN)
+    assert honest["inputs"]["l_tran"]["factor"] == 1.0
 
 
 def test_correction_survives_a_daemon_restart(tmp_path: Path) -> None:
