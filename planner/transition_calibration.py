@@ -114,12 +114,7 @@ class TransitionCalibrator:
 
     def correct(self, model_s: float) -> float:
         """The corrected L_tran of a DAG the cost model priced at ``model_s`` (0 stays 0: nothing moves)."""
-        if not (math.isfinite(model_s) and model_s >= 0):
-            raise SpecError("model_s", f"must be a finite number >= 0, got {model_s!r}")
-        if model_s == 0:
-            return 0.0
-        fixed_s, factor = self.fit()
-        return fixed_s + factor * model_s
+        return _apply(model_s, *self.fit())
 
     def _bounded(self, factor: float) -> float:
         return min(self.max_factor, max(self.min_factor, factor))
@@ -128,10 +123,17 @@ class TransitionCalibrator:
         """What a transition summary shows: the model's figure, the factor, the corrected figure, and the
         effective bandwidth the samples imply (median bytes / measured second, None without bytes)."""
         rates = [s.bytes_moved / s.measured_s for s in self.samples if s.bytes_moved > 0]
-        fixed_s, factor = self.fit()
-        return {"model_s": model_s, "fixed_s": fixed_s, "factor": factor, "corrected_s": self.correct(model_s),
+        fixed_s, factor = self.fit()  # once: the line fit is O(window^2)
+        return {"model_s": model_s, "fixed_s": fixed_s, "factor": factor,
+                "corrected_s": _apply(model_s, fixed_s, factor),
                 "samples": len(self.samples),
                 "measured_bytes_per_s": statistics.median(rates) if rates else None}
+
+
+def _apply(model_s: float, fixed_s: float, factor: float) -> float:
+    if not (math.isfinite(model_s) and model_s >= 0):
+        raise SpecError("model_s", f"must be a finite number >= 0, got {model_s!r}")
+    return 0.0 if model_s == 0 else fixed_s + factor * model_s
 
 
 def _repeated_median_slope(xs: list[float], ys: list[float]) -> float:
