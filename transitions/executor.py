@@ -920,7 +920,7 @@ def _counter_pieces(prim: Primitive) -> list[Piece]:
 def _apply_relabels(merges: list[Merge], worker: int, units: dict[str, RankState]) -> None:
     for merge in merges:
         mine = [p for p in merge.parts if p.holds(worker)]
-        if mine and all(p.uid in units for p in mine):
+        if mine and all(p.uid in units and p.final == merge.unit for p in mine):
             for part in mine:
                 units[merge.unit.uid] = units.pop(part.uid)
 
@@ -954,7 +954,7 @@ def run_dag(dag: TransitionDAG, worker: int, units: dict[str, RankState], channe
     plans: dict[int, InPlace] = {}
     if (IN_PLACE if in_place is None else in_place) and device.type == "cpu":
         for node in order:
-            plan = in_place_plan(dag, node, steps[node], worker) if node in steps else None
+            plan = in_place_plan(dag, node, steps[node], worker, order, steps) if node in steps else None
             if plan is not None:
                 plans[node] = plan
         order, steps = _hoist(dag, order, steps, worker, plans)
@@ -962,10 +962,15 @@ def run_dag(dag: TransitionDAG, worker: int, units: dict[str, RankState], channe
     channel.barrier(timeout_s)
     # Merges whose parts all arrive in final shape move nothing and touch no GPU's timeline, so they
     # are in no worker's node list: each worker relabels its share as soon as it holds it
-    relabel = [prim for prim in dag.nodes if isinstance(prim, Merge) and relabels(prim)]
+    # so are Merges that copy on other GPUs but only relabel here (a part that arrived in final shape
+    # on a GPU the Merge's copies do not touch): without this the part would keep its name
+    mine = set(order)
+    relabel = [prim for i, prim in enumerate(dag.nodes)
+               if isinstance(prim, Merge) and (relabels(prim) or i not in mine)]
     _apply_relabels(relabel, worker, units)
     pool = BucketPool(device=device)
     carried: set[int] = set()  # local-only nodes already run alongside an earlier remote node
+    deferred: dict[int, list[InPlace]] = {}  # node -> in-place builds waiting for its transfers
 
     def resolve(p: Piece, is_source: bool) -> RankState:
         return units[p.src_unit if is_source else p.dst_unit]
@@ -980,8 +985,10 @@ def run_dag(dag: TransitionDAG, worker: int, units: dict[str, RankState], channe
                 if part.final == prim.unit and part.holds(worker) and part.uid in units:
                     units[prim.unit.uid] = units.pop(part.uid)  # already in final shape: relabel
         plan = plans.get(node)
-        if plan is not None and plan.target.uid not in units and plan.donor in units \
-                and units[plan.donor].flat.numel() >= plan.target_bytes:
+        if plan is not None and not (plan.target.uid not in units and plan.donor in units
+                                     and units[plan.donor].flat.numel() >= plan.target_bytes):
+            plan = None  # not as planned here (a unit missing or built already): the ordinary path
+        if plan is not None and not plan.after_transfers:
             host = _fed_host(dag, order, index, steps, worker, plan)
             compactor = Compactor.start(plan, worker, units)
             allocated = _allocate_targets(dag.nodes[host], worker, units, device) if host is not None else []
@@ -1013,7 +1020,11 @@ def run_dag(dag: TransitionDAG, worker: int, units: dict[str, RankState], channe
                 carried.add(host)
             _apply_relabels(relabel, worker, units)
             continue
-        allocated = _allocate_targets(prim, worker, units, device)
+        # an in-place target of a node that moves data is built once the donor's last reader is done
+        later = {plan.target.uid} if plan is not None else set()
+        if plan is not None:
+            deferred.setdefault(plan.build_after, []).append(plan)
+        allocated = _allocate_targets(prim, worker, units, device, later)
         if node not in steps:
             continue  # a relabelling Merge: handled by _apply_relabels
         step = steps[node]
@@ -1021,10 +1032,20 @@ def run_dag(dag: TransitionDAG, worker: int, units: dict[str, RankState], channe
             if _remote(step, worker) else []
         for rider in riders:
             allocated += _allocate_targets(dag.nodes[rider], worker, units, device)
+        moving = step if plan is None else replace(
+            step, local=tuple(p for p in step.local if p.dst_worker != worker or p.dst_unit not in later))
 
         try:
-            report, rider_s = _run_step(step, worker, resolve, channel, timeout_s, on_round, pool,
+            report, rider_s = _run_step(moving, worker, resolve, channel, timeout_s, on_round, pool,
                                         [steps[r] for r in riders])
+            for done in (node, *riders):
+                for waiting in deferred.pop(done, []):
+                    if waiting.target.uid in units or waiting.donor not in units:
+                        continue  # not as planned here: the target was made otherwise
+                    copied, compact_s = _build_in_place(waiting, worker, units)
+                    report.in_place = True
+                    report.bytes_copied_locally += copied
+                    report.local_copy_s += compact_s
         except BaseException:
             for uid in allocated:  # half-filled: never mistake them for a surviving copy
                 units.pop(uid, None)
@@ -1052,8 +1073,8 @@ def run_dag(dag: TransitionDAG, worker: int, units: dict[str, RankState], channe
 
 
 def _allocate_targets(prim: Primitive, worker: int, units: dict[str, RankState],
-                      device: torch.device) -> list[str]:
-    allocated = [t.uid for t in prim.targets if t.holds(worker) and t.uid not in units]
+                      device: torch.device, skip: set[str] | frozenset[str] = frozenset()) -> list[str]:
+    allocated = [t.uid for t in prim.targets if t.holds(worker) and t.uid not in units and t.uid not in skip]
     for target in prim.targets:
         if target.uid in allocated:
             units[target.uid] = allocate_unit(target, worker, device)
@@ -1123,6 +1144,8 @@ class InPlace:
     target_bytes: int
     pieces: tuple[Piece, ...]
     starts: tuple[int, ...]  # where each piece starts in the target's buffer
+    after_transfers: bool = False  # compact once the transfers reading the donor are done ...
+    build_after: int = -1  # ... those of this node (the node itself, or a later reader of the donor)
 
 
 @lru_cache(maxsize=4096)
@@ -1167,24 +1190,37 @@ def _forward_order(pieces: Sequence[Piece]) -> tuple[Piece, ...] | None:
     return tuple(p for *_, p in spans)
 
 
-def in_place_plan(dag: TransitionDAG, node: int, step: Step, worker: int) -> InPlace | None:
-    """Whether node ``node`` can build its target on ``worker`` inside the buffer of the unit it
-    frees there (a Split or Merge keeping part of a shard), and how: pure, from the DAG alone."""
+def in_place_plan(dag: TransitionDAG, node: int, step: Step, worker: int, order: Sequence[int] = (),
+                  steps: dict[int, Step] | None = None) -> InPlace | None:
+    """Whether node ``node`` can build its target on ``worker`` inside the buffer of the unit it cuts
+    it from (a Split or Merge keeping part of a shard), and how. The donor must be freed by the node
+    itself, or (given ``worker``'s ``order`` and ``steps``) by a later node; the build then waits for
+    the transfers of the last node that reads the donor here (``build_after``). A node that moves data
+    itself must receive nothing into the target. Pure: from the DAG and the steps alone."""
     prim = dag.nodes[node]
-    if _remote(step, worker):
-        return None
     local = [p for p in step.local if p.dst_worker == worker]
     pairs = {(p.src_unit, p.dst_unit) for p in local}
     if len(pairs) != 1:
         return None
     donor_uid, target_uid = next(iter(pairs))
-    donor = next((u for u in prim.frees if u.uid == donor_uid and u.holds(worker)), None)
+    donor = next((u for u in prim.sources if u.uid == donor_uid and u.holds(worker)), None)
     mine = [t for t in prim.targets if t.holds(worker)]
     if donor is None or len(mine) != 1 or mine[0].uid != target_uid:
         return None
     target = mine[0]
+    if any(u.uid == donor_uid for u in prim.frees):
+        build_after = node
+    else:
+        last = _last_reader(dag, node, donor_uid, target.uid, worker, order, steps)
+        if last is None:
+            return None
+        build_after = last
     if isinstance(prim, Merge) and any(part.final == target and part.holds(worker) for part in prim.parts):
         return None  # a part is relabelled into the target here: it exists before the copies
+    remote = _remote(step, worker)
+    if remote and any(m.dst_worker == worker and any(p.dst_unit == target_uid for p in m.pieces)
+                      for m in step.messages):
+        return None  # a receive would land in the donor's buffer while the node still reads it
     size = unit_buffer_bytes(target, worker)
     if size > unit_buffer_bytes(donor, worker):
         return None
@@ -1192,7 +1228,31 @@ def in_place_plan(dag: TransitionDAG, node: int, step: Step, worker: int) -> InP
     if ordered is None:
         return None
     starts = tuple(contiguous_range(p.dst_slot, p.box)[0] for p in ordered)  # type: ignore[index]
-    return InPlace(node=node, donor=donor_uid, target=target, target_bytes=size, pieces=ordered, starts=starts)
+    return InPlace(node=node, donor=donor_uid, target=target, target_bytes=size, pieces=ordered, starts=starts,
+                   after_transfers=remote or build_after != node, build_after=build_after)
+
+
+def _last_reader(dag: TransitionDAG, node: int, donor: str, target: str, worker: int, order: Sequence[int],
+                 steps: dict[int, Step] | None) -> int | None:
+    """When a later node in ``worker``'s order frees ``donor`` here: the last node up to it that reads
+    the donor on this worker (``node`` itself if none does), after which the target can be built in
+    the donor's buffer. None when no later node frees it, or a node in between touches the target or
+    relabels the donor (the target must not exist, nor the donor change, before the build)."""
+    if steps is None or node not in order:
+        return None
+    last = node
+    for later in order[order.index(node) + 1:]:
+        prim = dag.nodes[later]
+        touched = {u.uid for u in (*prim.sources, *prim.targets)}
+        if isinstance(prim, Merge):
+            touched |= {part.uid for part in prim.parts}
+        if target in touched or (isinstance(prim, Merge) and donor in {part.uid for part in prim.parts}):
+            return None
+        if later in steps and _reads(steps[later], worker, donor):
+            last = later
+        if any(u.uid == donor and u.holds(worker) for u in prim.frees):
+            return last if not (later in steps and _reads(steps[later], worker, donor)) else None
+    return None
 
 
 def _reads(step: Step, worker: int, uid: str) -> list[Piece]:
@@ -1236,6 +1296,8 @@ def _hoist(dag: TransitionDAG, order: list[int], steps: dict[int, Step], worker:
     (``agent.coordinator.uncovered_state``), and the new units of a layout change cover the state."""
     order, steps = list(order), dict(steps)
     for node, plan in plans.items():
+        if plan.after_transfers:
+            continue  # it reads the donor itself until its transfers are done
         j = order.index(node)
         readers = [i for i in range(j) if order[i] in steps and _reads(steps[order[i]], worker, plan.donor)]
         if not readers:

@@ -44,6 +44,11 @@ CASES = {
                             _plan(2, actor_train=(1, 1, [[0], [1], [2], [3]]))),
     "pp2 x dp2 -> tp2 x pp2 (merge)": (_plan(1, actor_train=(1, 2, [[0, 1], [2, 3]])),
                                        _plan(2, actor_train=(2, 2, [[0, 2, 1, 3]]))),
+    # new ranks 0 and 2 stay on GPUs 0 and 1 (each keeps part of its old shard), 1 and 3 go to 2 and 3
+    "tp2 -> tp4 (split, same gpus)": (_plan(1, actor_train=(2, 1, [[0, 1]])),
+                                      _plan(2, actor_train=(4, 1, [[0, 2, 1, 3]]))),
+    "pp2 -> pp4 (split, same gpus)": (_plan(1, actor_train=(1, 2, [[0, 1]])),
+                                      _plan(2, actor_train=(1, 4, [[0, 2, 1, 3]]))),
     "three stages, shared gpus": (
         _plan(1, actor_gen=(2, 1, [[0, 1], [2, 3]]), ref_inf=(1, 1, [[3], [2]]), actor_train=(1, 2, [[0, 1]])),
         _plan(2, actor_gen=(4, 1, [[3, 2, 1, 0]]), ref_inf=(2, 1, [[0, 1]]), actor_train=(2, 1, [[2, 3]]))),
@@ -123,3 +128,26 @@ def test_local_merge_compacts_in_place_and_the_extend_sends_from_it(pool: LocalC
         assert extend.pack_s == 0 and extend.peak_bucket_bytes == 0  # nothing packed, no bucket held
         assert extend.bytes_sent == sum(r.bytes_sent for r in reference.reports[worker])
     assert all(not r.in_place for w in (2, 3) for r in outcome.reports[w])
+
+
+@pytest.mark.parametrize("name", ["tp2 -> tp4 (split, same gpus)", "pp2 -> pp4 (split, same gpus)"])
+def test_splits_on_the_same_gpus_compact_in_place(pool: LocalCoordinator, name: str) -> None:
+    """GPUs 0 and 1 keep part of their old shard: they send the rest, then compact what they keep
+    inside the old buffer (a later Destroy frees the old unit); the state stays exact and the bytes on
+    the wire are those of the fresh-memory run."""
+    old, new = CASES[name]
+    dag = build_transition(STATES, CLUSTER, old, new)
+    pool.init_units(_units(old), seed=11)
+    before = logical_state(pool.dump())
+    reference = pool.run_dag(dag, CLUSTER, in_place=False)
+    pool.init_units(_units(old), seed=11)
+    outcome = pool.run_dag(dag, CLUSTER, in_place=True)
+    assert outcome.committed, outcome.errors
+    assert_same_state(before, logical_state(pool.dump()))
+    for worker in (0, 1):
+        built = [r for r in outcome.reports[worker] if r.in_place]
+        assert len(built) == 1 and built[0].bytes_copied_locally > 0, outcome.reports[worker]
+    assert not any(r.in_place for w in (2, 3) for r in outcome.reports[w])
+    for worker in pool.alive:
+        assert sum(r.bytes_sent for r in outcome.reports[worker]) == \
+            sum(r.bytes_sent for r in reference.reports[worker])

@@ -60,7 +60,7 @@ def changes(draw: st.DrawFn) -> tuple[GlobalPlan, GlobalPlan]:
 
 
 def _donor(plan: InPlace, dag: TransitionDAG, worker: int, seed: int) -> torch.Tensor:
-    unit = next(u for u in dag.nodes[plan.node].frees if u.uid == plan.donor)
+    unit = next(u for u in dag.nodes[plan.node].sources if u.uid == plan.donor)
     state = allocate_unit(unit, worker, torch.device("cpu"))
     state.flat.copy_(torch.randint(0, 256, state.flat.shape, generator=torch.Generator().manual_seed(seed),
                                    dtype=torch.uint8))
@@ -72,7 +72,7 @@ def _check_node(dag: TransitionDAG, plan: InPlace, worker: int) -> None:
     original = donor.flat.clone()
     # the reference: the same pieces copied out of an untouched copy into fresh memory
     reference = allocate_unit(plan.target, worker, torch.device("cpu"))
-    pristine = allocate_unit(next(u for u in dag.nodes[plan.node].frees if u.uid == plan.donor), worker,
+    pristine = allocate_unit(next(u for u in dag.nodes[plan.node].sources if u.uid == plan.donor), worker,
                              torch.device("cpu"))
     pristine.flat.copy_(original)
     for p in plan.pieces:
@@ -97,22 +97,19 @@ def test_in_place_nodes_build_exactly_what_a_fresh_copy_builds(change: tuple[Glo
     old, new = change
     dag = build_transition(STATES, CLUSTER, old, new)
     for worker in range(WORLD):
-        for node in dag.nodes_on(worker):
-            step = node_step(dag, node, worker)
-            plan = in_place_plan(dag, node, step, worker)
-            if plan is not None:
-                _check_node(dag, plan, worker)
+        for plan in _worker_plans(dag, worker):
+            _check_node(dag, plan, worker)
+
+
+def _worker_plans(dag: TransitionDAG, worker: int) -> list[InPlace]:
+    order = list(dag.nodes_on(worker))
+    steps = {n: node_step(dag, n, worker) for n in order}
+    return [p for n in order if (p := in_place_plan(dag, n, steps[n], worker, order, steps)) is not None]
 
 
 def _all_plans(old: GlobalPlan, new: GlobalPlan) -> list[tuple[TransitionDAG, InPlace, int]]:
     dag = build_transition(STATES, CLUSTER, old, new)
-    out = []
-    for worker in range(WORLD):
-        for node in dag.nodes_on(worker):
-            plan = in_place_plan(dag, node, node_step(dag, node, worker), worker)
-            if plan is not None:
-                out.append((dag, plan, worker))
-    return out
+    return [(dag, plan, worker) for worker in range(WORLD) for plan in _worker_plans(dag, worker)]
 
 
 @pytest.mark.parametrize("old, new", [
@@ -120,11 +117,12 @@ def _all_plans(old: GlobalPlan, new: GlobalPlan) -> list[tuple[TransitionDAG, In
     ((1, 1, 2), (2, 1, 1)),  # two replicas -> one TP2 unit on the same GPUs
     ((1, 1, 4), (4, 1, 1)),  # four replicas -> one TP4 unit on the same GPUs
     ((1, 1, 4), (2, 1, 2)),  # four replicas -> two TP2 units
+    ((2, 1, 1), (4, 1, 1)),  # TP 2 -> 4 on the same GPUs: compacted once the other quarter is sent
+    ((1, 2, 1), (1, 4, 1)),  # PP 2 -> 4: each GPU keeps a run of its layers, the Destroy comes later
 ])
 def test_common_layout_changes_are_built_in_place(old: tuple[int, int, int], new: tuple[int, int, int]) -> None:
     """Merges that cut a smaller shard out of the replica a GPU already holds run in place (so the
-    random test above is not vacuous), exactly. (A Split whose old unit is freed by a later Destroy,
-    such as TP 2 -> 4 on the same GPUs, is not built in place yet: its sends read the old unit.)"""
+    random test above is not vacuous), exactly; so do Splits whose old unit a later Destroy frees."""
     gpus = list(range(WORLD))
     found = _all_plans(_plan(1, *old, gpus), _plan(2, *new, gpus))
     assert found, f"{old} -> {new}: no node built in place"
