@@ -177,10 +177,24 @@ def _explain(args: argparse.Namespace) -> int:
                      f"{_cell(d['decision_ms'])} ms")
         lines.append(f"  plan v{_cell(d['from_version'])} -> v{_cell(d['to_version'])}; transitions: "
                      f"{_cell(d['transitions']) if d['transitions'] else 'none'}")
+        correction = l_tran_line((d.get("inputs") or {}).get("l_tran"))
+        if correction:
+            lines.append(correction)
         for r in (d.get("inputs") or {}).get("infeasible_reasons", []):
             lines.append(f"  infeasible: {r}")
         return "\n".join(lines)
     return _emit(args, ask(args, "explain", id=args.id), render)
+
+
+def l_tran_line(l_tran: dict[str, Any] | None) -> str:
+    """How L_tran was priced: the transition model's figure corrected by the job's measured transitions."""
+    if not l_tran:
+        return ""
+    rate = l_tran.get("measured_bytes_per_s")
+    seen = f", measured {rate / 1e9:.3g} GB/s" if rate else ""
+    return (f"  L_tran = {_cell(l_tran.get('fixed_s'))} s + {_cell(l_tran.get('factor'))} x "
+            f"{_cell(l_tran.get('model_s'))} s (model) = {_cell(l_tran.get('corrected_s'))} s, "
+            f"from {l_tran.get('samples', 0)} measured transition(s){seen}")
 
 
 def _alloc(args: argparse.Namespace) -> int:

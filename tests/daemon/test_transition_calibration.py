@@ -153,3 +153,12 @@ def test_a_port_without_feedback_still_drives_the_job(tmp_path: Path) -> None:
     assert [t["state"] for t in store.transitions("j")] == ["done"] * 4
     assert rows[3]["dag"]["l_tran"]["factor"] == 1.0  # nothing fed back, nothing corrected
     assert port.binding.transition_calibration == {}
+
+
+def test_explain_shows_how_l_tran_was_priced() -> None:
+    from nereusd.admin_cli import l_tran_line
+
+    line = l_tran_line({"model_s": 0.109, "fixed_s": 0.0, "factor": 2.5, "corrected_s": 0.2725, "samples": 4,
+                        "measured_bytes_per_s": 1.4e9})
+    assert "2.5 x 0.109 s (model) = 0.2725 s" in line and "4 measured" in line and "1.4 GB/s" in line
+    assert l_tran_line(None) == "" and l_tran_line({}) == ""
