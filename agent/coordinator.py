@@ -73,6 +73,7 @@ class RunDag:
     max_bucket_bytes: int = DEFAULT_BUCKET_BYTES
     kill_at: tuple[str, int] | None = None
     in_place: bool | None = None  # None: the executor's default (transitions.executor.IN_PLACE, CPU only)
+    fan_out: bool | None = None  # Extend fan-outs as broadcasts; None: the executor's default (NCCL only)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -344,7 +345,8 @@ class LocalCoordinator:
 
     def run_dag(self, dag: TransitionDAG, cluster: ClusterSpec, *, max_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                 kill_at: dict[int, tuple[str, int]] | None = None,
-                setup_s: float = DEFAULT_COMMUNICATOR_SETUP_S, in_place: bool | None = None) -> TransitionOutcome:
+                setup_s: float = DEFAULT_COMMUNICATOR_SETUP_S, in_place: bool | None = None,
+                fan_out: bool | None = None) -> TransitionOutcome:
         """Every worker runs its nodes of ``dag``; on a failure the survivors re-form a generation and
         the model-stages whose state no surviving unit still covers are reported (checkpoint needed)."""
         start = time.perf_counter()
@@ -352,7 +354,7 @@ class LocalCoordinator:
         members = self.spec.members if self.spec is not None else self.alive
         cmds: dict[int, Command] = {
             w: RunDag(dag=dag, predicted_s=predicted, max_bucket_bytes=max_bucket_bytes,
-                      kill_at=(kill_at or {}).get(w), in_place=in_place)
+                      kill_at=(kill_at or {}).get(w), in_place=in_place, fan_out=fan_out)
             for w in members
         }
         replies = self.request(cmds)

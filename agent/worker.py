@@ -132,7 +132,8 @@ def handle(ctx: WorkerContext, cmd: Any) -> Any:
                 os.kill(os.getpid(), signal.SIGKILL)
 
         return run_dag(cmd.dag, ctx.worker_id, ctx.units, ctx.channel, predicted_s=cmd.predicted_s,
-                       max_bucket_bytes=cmd.max_bucket_bytes, on_round=on_round_dag, in_place=cmd.in_place)
+                       max_bucket_bytes=cmd.max_bucket_bytes, on_round=on_round_dag, in_place=cmd.in_place,
+                       fan_out=cmd.fan_out)
     if isinstance(cmd, Prepare):
         ctx.pending = None
         plan = plan_transition(cmd.old, cmd.new, max_bucket_bytes=cmd.max_bucket_bytes)

@@ -1,18 +1,23 @@
 """Benchmark the live executor; prints one JSON document with side-by-side figures from one run.
 
-1. Throughput: the executor (running the transition DAG, and the geometry plan) vs a raw single-buffer batch_isend_irecv of the same bytes
-   per worker pair, between the same processes (ratio = executor throughput / raw; target >= 0.8).
+1. Throughput: the executor (the transition DAG with in-place building, the same DAG into fresh
+   memory, and the geometry plan) vs a raw single-buffer batch_isend_irecv of the same bytes per
+   worker pair, between the same processes (ratio = executor throughput / raw; target >= 0.8).
 2. EMU transition vs checkpoint/restart for the same change on 4 CPU workers: TP1xDP2 -> TP2xDP2 and
-   DP2 -> DP4 (Extend). Checkpoint/restart = DCP save, process exit, new processes, new world, DCP load
-   (target: >= 100x faster live).
+   DP2 -> DP4 (Extend), for each model given. Checkpoint/restart = DCP save, process exit, new
+   processes, new world, DCP load (target: >= 100x faster live). Restart has a large fixed part and
+   both grow with the state, so the speedup depends on the state size: a fit over the models gives
+   the state size up to which the live transition is >= 100x faster on this machine.
 
-Run: ``.venv/bin/python bench/executor.py [--model tiny-25m] [--repeats 3]`` (CPU, gloo, 4 workers).
+Run: ``.venv/bin/python bench/executor.py [--model tiny-25m] [--restart-models tiny-3m tiny-25m]``
+(CPU, gloo, 4 workers).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -42,7 +47,12 @@ from transitions.scenarios import stage_states  # noqa: E402
 
 NUM_WORKERS = 4
 BUCKET_BYTES = [DEFAULT_BUCKET_BYTES]  # --bucket-mib
+DEVICE = ["cpu"]  # --device: cpu (gloo) or cuda (NCCL, one GPU per worker)
 RATIO = ("throughput_ratio = raw_single_buffer_s / executor_s (same bytes, so = executor GB/s / raw GB/s). "
+         "Paths: [dag] the transition DAG as the executor runs it on CPU (units cut from one the worker "
+         "frees are compacted inside its buffer, and sends read the compacted unit); [dag, fresh memory] the "
+         "same DAG with every new unit in freshly allocated memory; [plan] the geometry plan; [dag, broadcast] an "
+         "Extend fan-out run as one broadcast (on by default only with NCCL). "
          "executor_s: per worker the sum of its nodes' measured_s (the whole transition on that worker: "
          "allocation of new state, packing, transfers, unpacking, local copies), max over workers, min over "
          "repeats. raw_single_buffer_s: one fresh uint8 buffer per (src, dst) pair holding that pair's total "
@@ -67,13 +77,18 @@ CHANGES = {
     "tp1xdp2->tp2xdp2": ((1, [[0], [1]]), (2, [[0, 1], [2, 3]])),
     "dp2->dp4 (extend)": ((1, [[0], [1]]), (1, [[0], [1], [2], [3]])),
 }
+# throughput only: one replica feeding three (point-to-point Extends vs one broadcast; the broadcast
+# pays off on NCCL, which pipelines it, not on gloo, which sends root-to-each)
+FAN_OUT = {"dp1->dp4 (fan-out)": ((1, [[0]]), (1, [[0], [1], [2], [3]]))}
+PATHS = ("dag", "dag, fresh memory", "plan")
+FAN_OUT_PATHS = ("dag", "dag, broadcast")
 
 
 class Change:
     """One layout change, as a geometry plan and as a transition DAG, with the state to start from."""
 
     def __init__(self, model: str, name: str) -> None:
-        (tp0, sets0), (tp1, sets1) = CHANGES[name]
+        (tp0, sets0), (tp1, sets1) = {**CHANGES, **FAN_OUT}[name]
         self.old, self.new = [stage(model, tp0, sets0)], [stage(model, tp1, sets1)]
         states = stage_states(model_preset(model), (ACTOR_TRAIN,))
         old_plan, new_plan = global_plan(1, tp0, sets0), global_plan(2, tp1, sets1)
@@ -96,10 +111,11 @@ class Change:
         return dict(out)
 
     def run(self, pool: LocalCoordinator, path: str) -> Any:
-        if path == "dag":
+        if path.startswith("dag"):
             pool.init_units(self.old_units, seed=1)
             pool.call(barrier)
-            return pool.run_dag(self.dag, self.cluster, max_bucket_bytes=BUCKET_BYTES[0])
+            return pool.run_dag(self.dag, self.cluster, max_bucket_bytes=BUCKET_BYTES[0],
+                                in_place=path != "dag, fresh memory", fan_out=path == "dag, broadcast")
         pool.init_state(self.old, seed=1)
         pool.call(barrier)
         return pool.transition(self.old, self.new, max_bucket_bytes=BUCKET_BYTES[0])
@@ -114,13 +130,15 @@ def raw_exchange(ctx: Any, *, pairs: dict[tuple[int, int], int], warm: bool = Fa
     ops = []
     for (src, dst), n in pairs.items():
         if ctx.worker_id == src:
-            ops.append(P2POp(peer=dst, tensor=torch.ones(n, dtype=torch.uint8), is_send=True))
+            ops.append(P2POp(peer=dst, tensor=torch.ones(n, dtype=torch.uint8, device=ctx.device), is_send=True))
         elif ctx.worker_id == dst:
-            ops.append(P2POp(peer=src, tensor=torch.zeros(n, dtype=torch.uint8) if warm
-                             else torch.empty(n, dtype=torch.uint8), is_send=False))
+            ops.append(P2POp(peer=src, tensor=torch.zeros(n, dtype=torch.uint8, device=ctx.device) if warm
+                             else torch.empty(n, dtype=torch.uint8, device=ctx.device), is_send=False))
     ctx.channel.barrier()
     start = time.perf_counter()
     ctx.channel.exchange(ops)
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize(ctx.device)
     return time.perf_counter() - start
 
 
@@ -133,9 +151,10 @@ def throughput(pool: LocalCoordinator, model: str, repeats: int) -> dict[str, An
     copies) vs one raw buffer per pair of the same bytes; min over interleaved repeats (this machine
     is shared, so the least disturbed sample is the comparable one), medians alongside."""
     out: dict[str, Any] = {}
-    for name in CHANGES:
+    for name in [*CHANGES, *FAN_OUT]:
         change = Change(model, name)
-        for path, pairs in (("dag", change.dag_pairs()), ("plan", change.plan_pairs())):
+        for path in FAN_OUT_PATHS if name in FAN_OUT else PATHS:
+            pairs = change.plan_pairs() if path == "plan" else change.dag_pairs()
             total = sum(pairs.values())
             exec_s, moving_s, raw_s, warm_s, predicted = [], [], [], [], 0.0
             pack_s, unpack_s = [], []
@@ -164,6 +183,8 @@ def throughput(pool: LocalCoordinator, model: str, repeats: int) -> dict[str, An
                                      for x in reps if getattr(x, "alongside", "")}),
                 "bytes_copied_locally": max(sum(x.bytes_copied_locally for x in reps)
                                             for reps in outcome.reports.values()),
+                "built_in_place": sorted({f"{x.primitive} on worker {w}" for w, reps in outcome.reports.items()
+                                         for x in reps if x.in_place}),
                 "predicted_L_tran_s": predicted}
     return out
 
@@ -175,7 +196,7 @@ def emu_vs_restart(model: str, repeats: int) -> dict[str, Any]:
         emu_s: list[float] = []
         restart_s: list[float] = []
         phases = []
-        with LocalCoordinator(NUM_WORKERS, timeout_s=120) as pool:
+        with LocalCoordinator(NUM_WORKERS, timeout_s=120, device=DEVICE[0]) as pool:
             pool.form_generation()
             for _ in range(repeats):
                 outcome = change.run(pool, "dag")
@@ -183,7 +204,7 @@ def emu_vs_restart(model: str, repeats: int) -> dict[str, Any]:
                 emu_s.append(outcome.seconds)  # the whole DAG run as the driver sees it
         for i in range(min(repeats, 2)):  # each restart costs seconds: two samples are enough
             with tempfile.TemporaryDirectory(prefix="nereus-bench-") as tmp:
-                first = LocalCoordinator(NUM_WORKERS, timeout_s=120)
+                first = LocalCoordinator(NUM_WORKERS, timeout_s=120, device=DEVICE[0])
                 first.form_generation()
                 first.init_state(change.old, seed=2)
                 t0 = time.perf_counter()
@@ -191,7 +212,7 @@ def emu_vs_restart(model: str, repeats: int) -> dict[str, Any]:
                 t1 = time.perf_counter()
                 first.close()  # the old processes exit
                 t2 = time.perf_counter()
-                second = LocalCoordinator(NUM_WORKERS, timeout_s=120)  # new processes
+                second = LocalCoordinator(NUM_WORKERS, timeout_s=120, device=DEVICE[0])  # new processes
                 second.form_generation()
                 t3 = time.perf_counter()
                 second.load_checkpoint(tmp, f"ck{i}", change.new)
@@ -206,24 +227,75 @@ def emu_vs_restart(model: str, repeats: int) -> dict[str, Any]:
     return out
 
 
+def speedup_reach(by_model: dict[str, dict[str, Any]], target: float = 100.0) -> dict[str, Any]:
+    """Per change, restart and live time as lines in the state size (a least-squares fit over the
+    models), and the state size per replica up to which the live transition is ``target`` x faster."""
+    out: dict[str, Any] = {}
+    names = {name for per_model in by_model.values() for name in per_model}
+    for name in sorted(names):
+        points = [(state_bytes(model), per_model[name]) for model, per_model in by_model.items() if name in per_model]
+        if len({x for x, _ in points}) < 2:
+            continue
+        live = _line([(x, f["emu_transition_s"]) for x, f in points])
+        restart = _line([(x, f["checkpoint_restart_s"]) for x, f in points])
+        # restart(x) >= target * live(x)  <=>  x * (target * d_live - d_restart) <= c_restart - target * c_live
+        slope = target * live[1] - restart[1]
+        room = restart[0] - target * live[0]
+        reach = room / slope if slope > 0 else (math.inf if room >= 0 else 0.0)
+        out[name] = {"restart_s": {"fixed": restart[0], "per_GB": restart[1] * 1e9},
+                     "live_s": {"fixed": live[0], "per_GB": live[1] * 1e9},
+                     f"{target:.0f}x_up_to_state_bytes_per_replica": max(0.0, reach)}
+    return out
+
+
+def _line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    slope = sum((x - mx) * (y - my) for x, y in points) / sxx
+    return my - slope * mx, slope
+
+
+def state_bytes(model: str) -> int:
+    """Bytes of one replica's training state: bf16 parameters, fp32 master weights, Adam m and v."""
+    return sum(t.numel for t in model_preset(model).tensors()) * (2 + 3 * 4)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="tiny-25m")
+    parser.add_argument("--model", default="tiny-25m", help="model of the throughput comparison")
+    parser.add_argument("--restart-models", nargs="*", default=["tiny-3m", "tiny-25m"],
+                        help="models of the EMU vs checkpoint/restart comparison")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-restart", action="store_true", help="throughput figures only")
     parser.add_argument("--bucket-mib", type=float, default=DEFAULT_BUCKET_BYTES / (1 << 20),
                         help="max bucket per pair per round")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu: gloo; cuda: NCCL, needs one GPU per worker")
     args = parser.parse_args()
     BUCKET_BYTES[0] = int(args.bucket_mib * (1 << 20))
-    state_bytes = sum(t.numel for t in model_preset(args.model).tensors()) * (2 + 3 * 4)
-    result: dict[str, Any] = {"ratio": RATIO, "model": args.model, "state_bytes_per_replica": state_bytes,
-                              "workers": NUM_WORKERS, "max_bucket_bytes": BUCKET_BYTES[0], "backend": "gloo", "torch": torch.__version__,
-                              "load_average_at_start": os.getloadavg()[0], "cpus": os.cpu_count()}
-    with LocalCoordinator(NUM_WORKERS, timeout_s=120) as pool:
+    DEVICE[0] = args.device
+    if args.device == "cuda" and torch.cuda.device_count() < NUM_WORKERS:
+        parser.error(f"--device cuda needs {NUM_WORKERS} GPUs (NCCL runs one rank per GPU), "
+                     f"this machine has {torch.cuda.device_count()}")
+    result: dict[str, Any] = {"ratio": RATIO, "model": args.model, "state_bytes_per_replica": state_bytes(args.model),
+                              "workers": NUM_WORKERS, "max_bucket_bytes": BUCKET_BYTES[0],
+                              "backend": "nccl" if args.device == "cuda" else "gloo",
+                              "torch": torch.__version__, "load_average_at_start": os.getloadavg()[0],
+                              "cpus": os.cpu_count()}
+    with LocalCoordinator(NUM_WORKERS, timeout_s=120, device=DEVICE[0]) as pool:
         pool.form_generation()
         result["throughput"] = throughput(pool, args.model, args.repeats)
     if not args.skip_restart:
-        result["emu_vs_checkpoint_restart"] = emu_vs_restart(args.model, args.repeats)
+        by_model = {}
+        for model in args.restart_models:
+            by_model[model] = emu_vs_restart(model, args.repeats)
+            print(f"{model}: " + ", ".join(f"{k} {v['speedup']:.0f}x" for k, v in by_model[model].items()),
+                  file=sys.stderr)
+        result["emu_vs_checkpoint_restart"] = {
+            model: {"state_bytes_per_replica": state_bytes(model), **figures} for model, figures in by_model.items()}
+        result["speedup_vs_state_size"] = speedup_reach(by_model)
     result["load_average_at_end"] = os.getloadavg()[0]
     json.dump(result, sys.stdout, indent=2)
     print()

@@ -13,6 +13,7 @@ next generation is joined.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -168,14 +169,33 @@ class DataChannel:
         """Run sends and receives concurrently and wait for all, bounded."""
         self.start(ops).wait(timeout_s)
 
-    def broadcast(self, tensor: torch.Tensor, src_worker: int, group_workers: tuple[int, ...] | None = None,
-                  timeout_s: float | None = None) -> None:
-        """Broadcast from ``src_worker`` to the whole generation (``group_workers`` must be all members)."""
+    def new_group(self, workers: tuple[int, ...]) -> Any:
+        """A process group of ``workers`` (for broadcasts among them). Collective over the WHOLE
+        generation: every member calls it, in the same order, with the same workers."""
         spec = self._require()
-        if group_workers is not None and tuple(sorted(group_workers)) != tuple(sorted(spec.members)):
-            raise SpecError("group_workers", "sub-group broadcast is not supported; use exchange()")
         try:
-            work = dist.broadcast(tensor, spec.rank_of(src_worker), async_op=True)
+            return dist.new_group([spec.rank_of(w) for w in workers], timeout=timedelta(seconds=spec.timeout_s))
+        except ChannelBroken:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a member missing or gone: the generation is broken
+            self.break_(f"new group in generation {spec.generation}: {exc}")
+            raise ChannelBroken(self.broken_reason or "new group failed") from exc
+
+    def destroy_group(self, group: Any) -> None:
+        if self.ready and dist.is_initialized():
+            with contextlib.suppress(Exception):  # a broken group may fail to tear down: it is gone anyway
+                dist.destroy_process_group(group)
+
+    def broadcast(self, tensor: torch.Tensor, src_worker: int, group_workers: tuple[int, ...] | None = None,
+                  timeout_s: float | None = None, group: Any = None) -> None:
+        """Broadcast from ``src_worker`` to the whole generation, or to the members of ``group`` (made
+        by ``new_group``; ``group_workers`` must then be left out)."""
+        spec = self._require()
+        if group is None and group_workers is not None and \
+                tuple(sorted(group_workers)) != tuple(sorted(spec.members)):
+            raise SpecError("group_workers", "a sub-group broadcast needs a group from new_group()")
+        try:
+            work = dist.broadcast(tensor, spec.rank_of(src_worker), group=group, async_op=True)
             assert work is not None
             work.wait(timedelta(seconds=timeout_s or spec.timeout_s))
         except Exception as exc:  # noqa: BLE001

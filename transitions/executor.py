@@ -34,6 +34,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
+from typing import Any
 
 import torch
 
@@ -44,7 +45,7 @@ from transitions.channel import DataChannel, InFlight, P2POp
 from transitions.emu import EMU, box_contains, box_intersection
 from transitions.geometry import StateKind, check_layout, unit_shards
 from transitions.global_dag import TransitionDAG
-from transitions.primitives import Merge, Primitive, relabels
+from transitions.primitives import Extend, Merge, Primitive, relabels
 from transitions.primitives import pieces as prim_pieces
 
 ALIGN_BYTES = 16
@@ -932,7 +933,7 @@ def _node_stage(prim: Primitive) -> str:
 def run_dag(dag: TransitionDAG, worker: int, units: dict[str, RankState], channel: DataChannel, *,
             predicted_s: Sequence[float] | None = None, max_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
             timeout_s: float | None = None, on_round: Callable[[str, int], None] | None = None,
-            in_place: bool | None = None) -> list[StepReport]:
+            in_place: bool | None = None, fan_out: bool | None = None) -> list[StepReport]:
     """Run the DAG nodes that touch ``worker``, in the DAG's order, on ``units`` (EMU uid -> state).
 
     Each worker runs its nodes one at a time in the global order, so pairs meet in the same node and
@@ -941,23 +942,42 @@ def run_dag(dag: TransitionDAG, worker: int, units: dict[str, RankState], channe
     is relabelled by its Merge, never copied. On CPU (``in_place``, default ``IN_PLACE``) a unit cut
     from one this worker frees in the same node is compacted inside that unit's buffer, and run
     before the nodes that read the old unit when they read only what the new one keeps
-    (``in_place_plan``, ``_hoist``). Raises ChannelBroken on any communication failure;
+    (``in_place_plan``, ``_hoist``). With ``fan_out`` (default: on NCCL) an Extend fan-out runs as
+    broadcasts over groups formed for it (``fan_outs``). Raises ChannelBroken on any communication failure;
     ``units`` then holds whatever existed at that point (old units are only freed after their readers).
     """
     device = channel.device
-    reports: list[StepReport] = []
     # derive every node's pieces and messages first: planning, not moving, stays out of the timings
     steps = {node: node_step(dag, node, worker, max_bucket_bytes,
                              predicted_s[node] if predicted_s is not None else 0.0)
              for node in dag.nodes_on(worker) if not relabels(dag.nodes[node])}
     order = list(dag.nodes_on(worker))
+    fans = fan_outs(dag) if (device.type == "cuda" if fan_out is None else fan_out) else []
+    broadcast = {fan.source.uid for fan in fans}  # read whole by a broadcast: never a donor
     plans: dict[int, InPlace] = {}
     if (IN_PLACE if in_place is None else in_place) and device.type == "cpu":
         for node in order:
             plan = in_place_plan(dag, node, steps[node], worker, order, steps) if node in steps else None
-            if plan is not None:
+            if plan is not None and plan.donor not in broadcast:
                 plans[node] = plan
         order, steps = _hoist(dag, order, steps, worker, plans)
+    # every worker of the generation forms every group, in the same order (new_group is collective)
+    groups = [[channel.new_group(tuple(sorted({src, *copies}))) for src, copies in fan.ranks] for fan in fans]
+    try:
+        return _run_dag(dag, worker, units, channel, steps, order, plans, timeout_s, on_round,
+                        fans, groups)
+    finally:
+        for group in (g for per_fan in groups for g in per_fan):
+            channel.destroy_group(group)
+
+
+def _run_dag(dag: TransitionDAG, worker: int, units: dict[str, RankState], channel: DataChannel,
+             steps: dict[int, Step], order: list[int], plans: dict[int, InPlace], timeout_s: float | None,
+             on_round: Callable[[str, int], None] | None, fans: list[FanOut],
+             groups: list[list[Any]]) -> list[StepReport]:
+    device = channel.device
+    reports: list[StepReport] = []
+    fan_of = {node: i for i, fan in enumerate(fans) for node in fan.nodes}
     # every member is there before anything moves (and NCCL's communicator exists before p2p)
     channel.barrier(timeout_s)
     # Merges whose parts all arrive in final shape move nothing and touch no GPU's timeline, so they
@@ -980,6 +1000,14 @@ def run_dag(dag: TransitionDAG, worker: int, units: dict[str, RankState], channe
             continue
         prim = dag.nodes[node]
         start = time.perf_counter()
+        if node in fan_of:
+            fan = fans[fan_of[node]]
+            for report in _run_fan_out(fan, groups[fan_of[node]], worker, units, channel, timeout_s):
+                report.predicted_s = steps[int(report.primitive.split("#")[1])].predicted_s
+                reports.append(report)
+            carried.update(fan.nodes)
+            _apply_relabels(relabel, worker, units)
+            continue
         if isinstance(prim, Merge):
             for part in prim.parts:
                 if part.final == prim.unit and part.holds(worker) and part.uid in units:
@@ -1125,6 +1153,93 @@ def _riders(dag: TransitionDAG, later: Sequence[int], steps: dict[int, Step], wo
         written |= {t.uid for t in prim.targets}
         out.append(node)
     return out
+
+
+# --- Extend fan-out by broadcast ----------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FanOut:
+    """Several Extends copying one unit whole to other GPUs, run as one broadcast per unit rank from
+    the source GPU to its copies. NCCL pipelines a broadcast along a ring, so the source's link
+    carries the unit once instead of once per copy; gloo's broadcast sends root-to-each (the same
+    bytes as the Extends), so on CPU it is off by default (``run_dag(fan_out=...)``)."""
+
+    nodes: tuple[int, ...]  # the Extend nodes it stands for, in execution order
+    source: EMU
+    targets: tuple[EMU, ...]  # one per node
+
+    @property
+    def ranks(self) -> tuple[tuple[int, tuple[int, ...]], ...]:
+        """Per unit rank: the source GPU and the GPUs of its copies (one broadcast group each)."""
+        return tuple((g, tuple(t.gpus[r] for t in self.targets)) for r, g in enumerate(self.source.gpus))
+
+
+def fan_outs(dag: TransitionDAG) -> list[FanOut]:
+    """The Extend fan-outs of ``dag`` that a broadcast can run: two or more Extends of one whole unit
+    into same-layout copies on other GPUs (parts excluded), and no node of any GPU involved in
+    between them in the execution order, so no member waits on another node while the others are in
+    the broadcast (which would deadlock). Pure, identical on every worker: groups are formed in this
+    order."""
+    pos = {n: i for i, n in enumerate(dag.order)}
+    by_source: dict[str, list[int]] = defaultdict(list)
+    for n, prim in enumerate(dag.nodes):
+        if not isinstance(prim, Extend) or len(prim.sources) != 1:
+            continue
+        src, tgt = prim.sources[0], prim.target
+        if (src.final is None and tgt.final is None and tgt.layout == src.layout and tgt.state == src.state
+                and not set(tgt.gpus) & set(src.gpus)):
+            by_source[src.uid].append(n)
+    out = []
+    for nodes in by_source.values():
+        if len(nodes) < 2:
+            continue
+        nodes.sort(key=lambda n: pos[n])
+        prims = [dag.nodes[n] for n in nodes]
+        source = prims[0].sources[0]
+        targets = tuple(prim.targets[0] for prim in prims)
+        members = set(source.gpus).union(*(t.gpus for t in targets))
+        if len(members) != len(source.gpus) * (1 + len(targets)):
+            continue  # two copies share a GPU
+        lo, hi, mine = pos[nodes[0]], pos[nodes[-1]], set(nodes)
+        if any(lo < pos[m] < hi and m not in mine for w in members for m in dag.nodes_on(w)):
+            continue
+        out.append(FanOut(nodes=tuple(nodes), source=source, targets=targets))
+    return out
+
+
+def _run_fan_out(fan: FanOut, groups: Sequence[Any], worker: int, units: dict[str, RankState],
+                 channel: DataChannel, timeout_s: float | None) -> list[StepReport]:
+    """This worker's part of ``fan``: the source broadcasts its rank's whole buffer, each copy
+    receives it into its new unit (same layout, so the same bytes in the same places, counters
+    included). One report per Extend node this worker is in."""
+    start = time.perf_counter()
+    reports: list[StepReport] = []
+    for (src_gpu, copies), group in zip(fan.ranks, groups):
+        if worker == src_gpu:
+            flat = units[fan.source.uid].flat
+            channel.broadcast(flat, src_gpu, timeout_s=timeout_s, group=group)
+            seconds = time.perf_counter() - start
+            for i, node in enumerate(fan.nodes):  # the first carries the time, the others ran with it
+                reports.append(StepReport(
+                    model_stage=fan.source.model_stage, primitive=f"extend#{node}",
+                    predicted_s=0.0, measured_s=seconds if i == 0 else 0.0, bytes_sent=flat.numel(),
+                    bytes_received=0, bytes_copied_locally=0, peak_bucket_bytes=0,
+                    alongside="" if i == 0 else f"broadcast extend#{fan.nodes[0]}"))
+        elif worker in copies:
+            i = copies.index(worker)
+            target = fan.targets[i]
+            units[target.uid] = state = allocate_unit(target, worker, channel.device)
+            try:
+                channel.broadcast(state.flat, src_gpu, timeout_s=timeout_s, group=group)
+            except BaseException:
+                units.pop(target.uid, None)  # half-filled: never mistake it for a copy
+                raise
+            reports.append(StepReport(
+                model_stage=target.model_stage, primitive=f"extend#{fan.nodes[i]}", predicted_s=0.0,
+                measured_s=time.perf_counter() - start, bytes_sent=0, bytes_received=state.flat.numel(),
+                bytes_copied_locally=0, peak_bucket_bytes=0, alongside="broadcast"))
+    return reports
 
 
 # --- building a unit inside the buffer it is cut from (CPU) ---------------------------------------
