@@ -73,7 +73,7 @@ class RunDag:
     max_bucket_bytes: int = DEFAULT_BUCKET_BYTES
     kill_at: tuple[str, int] | None = None
     in_place: bool | None = None  # None: the executor's default (transitions.executor.IN_PLACE, CPU only)
-    fan_out: bool | None = None  # Extend fan-outs as broadcasts; None: the executor's default (NCCL only)
+    fan_out: bool | None = None  # Extend fan-outs as broadcasts; None: the executor's default (large ones)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -52,7 +52,8 @@ RATIO = ("throughput_ratio = raw_single_buffer_s / executor_s (same bytes, so = 
          "Paths: [dag] the transition DAG as the executor runs it on CPU (units cut from one the worker "
          "frees are compacted inside its buffer, and sends read the compacted unit); [dag, fresh memory] the "
          "same DAG with every new unit in freshly allocated memory; [plan] the geometry plan; [dag, broadcast] an "
-         "Extend fan-out run as one broadcast (on by default only with NCCL). "
+         "Extend fan-out run as one broadcast (the default for fan-outs of >= 32 MiB per rank; [dag] forces "
+         "point-to-point there). "
          "executor_s: per worker the sum of its nodes' measured_s (the whole transition on that worker: "
          "allocation of new state, packing, transfers, unpacking, local copies), max over workers, min over "
          "repeats. raw_single_buffer_s: one fresh uint8 buffer per (src, dst) pair holding that pair's total "
@@ -77,8 +78,7 @@ CHANGES = {
     "tp1xdp2->tp2xdp2": ((1, [[0], [1]]), (2, [[0, 1], [2, 3]])),
     "dp2->dp4 (extend)": ((1, [[0], [1]]), (1, [[0], [1], [2], [3]])),
 }
-# throughput only: one replica feeding three (point-to-point Extends vs one broadcast; the broadcast
-# pays off on NCCL, which pipelines it, not on gloo, which sends root-to-each)
+# throughput only: one replica feeding three (point-to-point Extends vs one broadcast)
 FAN_OUT = {"dp1->dp4 (fan-out)": ((1, [[0]]), (1, [[0], [1], [2], [3]]))}
 PATHS = ("dag", "dag, fresh memory", "plan")
 FAN_OUT_PATHS = ("dag", "dag, broadcast")

@@ -15,7 +15,11 @@ first-touching fresh pages costs more than the packing itself):
 - ``run_dag``: a ``transitions.global_dag.TransitionDAG``. Each worker runs the nodes that touch it
   in the DAG's order and derives its own pieces (``node_step``); targets are allocated when their
   node starts, sources freed by the node that frees them, Merges of parts already in final shape
-  only relabel; local-only nodes right after a remote one run alongside its transfers. Time per node is measured next to the cost model's prediction.
+  only relabel; local-only nodes right after a remote one run alongside its transfers. On CPU a
+  unit cut from one the worker gives up is built inside that unit's buffer (``InPlace``: no new
+  memory, no first touch of fresh pages), and nodes that send only what it keeps send from it,
+  unpacked. A large Extend fan-out runs as one broadcast per unit rank (``FanOut``).
+  Time per node is measured next to the cost model's prediction.
 - ``run_transition``: a plan computed from geometry alone (``plan_transition``), two-phase: the new
   state is built beside the old and swapped in by ``PendingTransition.commit``.
 
@@ -65,6 +69,10 @@ HUGE_PAGES = False
 # ~7 GB/s, and the worker's peak memory drops by the new unit's size. Off on GPUs: the caching
 # allocator hands out warm memory, and a block cannot give back its tail.
 IN_PLACE = True
+# Extend fan-outs run as broadcasts from this many bytes per unit rank: forming the groups costs
+# 1-15 ms (every worker calls new_group); DP1 -> DP4 of 382 MB: gloo broadcast 0.60 s vs three
+# point-to-point copies 0.73-0.78 s here, and NCCL pipelines broadcasts along a ring.
+FAN_OUT_MIN_BYTES = 32 << 20
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, lengths) in the global tensor
 Run = tuple[tuple[int, int], tuple[int, int]]  # (src byte range, dst byte range) of a zero-copy move
@@ -942,8 +950,9 @@ def run_dag(dag: TransitionDAG, worker: int, units: dict[str, RankState], channe
     is relabelled by its Merge, never copied. On CPU (``in_place``, default ``IN_PLACE``) a unit cut
     from one this worker frees in the same node is compacted inside that unit's buffer, and run
     before the nodes that read the old unit when they read only what the new one keeps
-    (``in_place_plan``, ``_hoist``). With ``fan_out`` (default: on NCCL) an Extend fan-out runs as
-    broadcasts over groups formed for it (``fan_outs``). Raises ChannelBroken on any communication failure;
+    (``in_place_plan``, ``_hoist``). An Extend fan-out runs as broadcasts over groups formed for it
+    (``fan_outs``): with ``fan_out`` None, those copying at least ``FAN_OUT_MIN_BYTES`` per rank.
+    Raises ChannelBroken on any communication failure;
     ``units`` then holds whatever existed at that point (old units are only freed after their readers).
     """
     device = channel.device
@@ -952,7 +961,10 @@ def run_dag(dag: TransitionDAG, worker: int, units: dict[str, RankState], channe
                              predicted_s[node] if predicted_s is not None else 0.0)
              for node in dag.nodes_on(worker) if not relabels(dag.nodes[node])}
     order = list(dag.nodes_on(worker))
-    fans = fan_outs(dag) if (device.type == "cuda" if fan_out is None else fan_out) else []
+    if fan_out is None:  # where it helps: copies big enough to pay for forming the groups
+        fans = [f for f in fan_outs(dag) if unit_buffer_bytes(f.source, f.source.gpus[0]) >= FAN_OUT_MIN_BYTES]
+    else:
+        fans = fan_outs(dag) if fan_out else []
     broadcast = {fan.source.uid for fan in fans}  # read whole by a broadcast: never a donor
     plans: dict[int, InPlace] = {}
     if (IN_PLACE if in_place is None else in_place) and device.type == "cpu":
@@ -1162,8 +1174,8 @@ def _riders(dag: TransitionDAG, later: Sequence[int], steps: dict[int, Step], wo
 class FanOut:
     """Several Extends copying one unit whole to other GPUs, run as one broadcast per unit rank from
     the source GPU to its copies. NCCL pipelines a broadcast along a ring, so the source's link
-    carries the unit once instead of once per copy; gloo's broadcast sends root-to-each (the same
-    bytes as the Extends), so on CPU it is off by default (``run_dag(fan_out=...)``)."""
+    carries the unit once instead of once per copy; gloo's broadcast also beat the point-to-point
+    copies here (see ``FAN_OUT_MIN_BYTES``)."""
 
     nodes: tuple[int, ...]  # the Extend nodes it stands for, in execution order
     source: EMU

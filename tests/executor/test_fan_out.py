@@ -1,8 +1,8 @@
 """Extend fan-outs as broadcasts: which DAG nodes qualify (pure), and the broadcast run (real workers).
 
 NCCL pipelines a broadcast along a ring, so one source feeding several copies sends the unit once;
-gloo does not, so the executor only uses it on NCCL by default. Correctness is the same either way
-and is checked here on gloo with the fan-out forced on.
+by default the executor broadcasts fan-outs of at least FAN_OUT_MIN_BYTES per rank. The tiny units
+here are below it, so the test forces it on (and off, to compare).
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ def test_fan_outs_group_each_rank_with_its_copies() -> None:
 @pytest.mark.xdist_group("executor-pool")
 def test_fan_out_by_broadcast_is_bit_exact(pool: LocalCoordinator) -> None:
     """DP1 -> DP4: worker 0's replica reaches workers 1-3 by one broadcast over a group formed for it
-    (forced on over gloo), bit-exactly, and the groups are gone afterwards (a later DAG runs)."""
+    (forced on: the unit is below the default size), bit-exactly, and the groups are gone afterwards
+    (a later DAG runs)."""
     cluster = cluster_preset("cpu", 4)
     old, new = _plan(1, 1, [[0]]), _plan(2, 1, [[0], [1], [2], [3]])
     dag = build_transition(STATES, cluster, old, new)

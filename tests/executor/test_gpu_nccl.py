@@ -27,8 +27,8 @@ def test_tp_change_and_extend_over_nccl_are_bit_exact() -> None:
 
 @pytest.mark.skipif(torch.cuda.device_count() < 3, reason="needs 3 CUDA devices (a fan-out to two copies)")
 def test_dag_with_fan_out_broadcast_over_nccl_is_bit_exact() -> None:
-    """DP1 -> DP3 over NCCL: the two Extends of GPU 0's replica run as one broadcast (the default on
-    CUDA), bit-exactly, and the DAG path's sends reordered across batches are matched in order."""
+    """DP1 -> DP3 over NCCL: the two Extends of GPU 0's replica run as one broadcast (forced: the unit
+    is below the default size), bit-exactly; then the same over point-to-point."""
     from executor_helpers import MICRO
 
     from planner.hardware import cluster_preset
@@ -52,7 +52,11 @@ def test_dag_with_fan_out_broadcast_over_nccl_is_bit_exact() -> None:
         pool.form_generation()
         pool.init_units([u for sp in old for u in plan_units(states[sp.model_stage], sp, 1)], seed=4)
         before = logical_state(pool.dump())
-        outcome = pool.run_dag(dag, cluster)
+        outcome = pool.run_dag(dag, cluster, fan_out=True)
         assert outcome.committed, outcome.errors
         assert_same_state(before, logical_state(pool.dump()))
         assert all(r.alongside == "broadcast" for w in (1, 2) for r in outcome.reports[w])
+        pool.init_units([u for sp in old for u in plan_units(states[sp.model_stage], sp, 1)], seed=4)
+        again = pool.run_dag(dag, cluster, fan_out=False)
+        assert again.committed, again.errors
+        assert_same_state(before, logical_state(pool.dump()))
