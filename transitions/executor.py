@@ -46,7 +46,7 @@ from planner.errors import SpecError
 from planner.models import Head, ModelSpec
 from planner.plan import Layout
 from transitions.channel import DataChannel, InFlight, P2POp
-from transitions.emu import EMU, box_contains, box_intersection
+from transitions.emu import EMU, box_intersection
 from transitions.geometry import StateKind, check_layout, unit_shards
 from transitions.global_dag import TransitionDAG
 from transitions.primitives import Extend, Merge, Primitive, relabels
@@ -64,10 +64,10 @@ HUGE_MIN_BYTES = 2 << 20  # with huge pages: CPU buffers from here on are mapped
 # but median 0.50 s vs 0.38 s (the kernel compacts memory at fault time, and stalls under pressure)
 HUGE_PAGES = False
 # CPU: a unit cut from another one on the same worker (a TP or PP Split/Merge keeping part of the
-# shard) is built inside the buffer of the unit it is cut from, which the same node frees: copying
-# into fresh pages costs their first touch (1.7-2 GB/s here) where compacting warm memory runs at
-# ~7 GB/s, and the worker's peak memory drops by the new unit's size. Off on GPUs: the caching
-# allocator hands out warm memory, and a block cannot give back its tail.
+# shard) is built inside the buffer of the unit it is cut from, once nothing reads that unit any
+# more: copying into fresh pages costs their first touch (1.7-2 GB/s here) where compacting warm
+# memory runs at 3-10 GB/s, and the worker's peak memory drops by the new unit's size. Off on GPUs:
+# the caching allocator hands out warm memory, and a block cannot give back its tail.
 IN_PLACE = True
 # Extend fan-outs run as broadcasts from this many bytes per unit rank: forming the groups costs
 # 1-15 ms (every worker calls new_group); DP1 -> DP4 of 382 MB: gloo broadcast 0.60 s vs three
@@ -737,15 +737,13 @@ class _Round:
 
 
 def _post_round(step: Step, rnd: int, worker: int, resolve: Resolve, channel: DataChannel,
-                counts: dict[str, int], pool: BucketPool, feed: Compactor | None = None) -> _Round:
+                counts: dict[str, int], pool: BucketPool) -> _Round:
     """Post this worker's part of round ``rnd`` (not waited for): first every receive and the sends
     read in place, so that zero-copy transfers run while the buckets are packed; then the packed sends.
     Each pair's sends keep the message order (its receiver posts in that order; gloo and NCCL match
     a pair's messages in order, and a mismatch aborts the process): a send read in place that follows
-    a packed one to the same peer waits for the second batch. With ``feed`` (the unit sent from is
-    still being compacted in place), each send is posted on its own once its bytes are final."""
+    a packed one to the same peer waits for the second batch."""
     ops: list[P2POp] = []
-    fed: list[Message] = []
     packed: list[Message] = []
     out = _Round(handles=[], unpack=[], buffers=[])
     for m in step.messages:
@@ -755,9 +753,6 @@ def _post_round(step: Step, rnd: int, worker: int, resolve: Resolve, channel: Da
             counts["sent"] += m.num_bytes
             if m.src_start is None or any(q.dst_worker == m.dst_worker for q in packed):
                 packed.append(m)  # after a packed one to the same peer: keeps each pair's order
-                continue
-            if feed is not None:
-                fed.append(m)
                 continue
             buf = resolve(m.pieces[0], True).flat[m.src_start: m.src_start + m.length]
             ops.append(P2POp(peer=m.dst_worker, tensor=buf, is_send=True))
@@ -772,16 +767,10 @@ def _post_round(step: Step, rnd: int, worker: int, resolve: Resolve, channel: Da
                 out.unpack.append((m, buf))
             ops.append(P2POp(peer=m.src_worker, tensor=buf, is_send=False))
     out.handles.append(channel.start(ops))
-    for m in fed:  # in message order: each pair's order is kept
-        feed.before(m)  # type: ignore[union-attr]
-        buf = resolve(m.pieces[0], True).flat[m.src_start: m.src_start + m.length]  # type: ignore[operator]
-        out.handles.append(channel.start([P2POp(peer=m.dst_worker, tensor=buf, is_send=True)]))
     if packed:
         start = time.perf_counter()
         sends: list[P2POp] = []
         for m in packed:
-            if feed is not None:
-                feed.before(m)
             if m.src_start is not None:
                 buf = resolve(m.pieces[0], True).flat[m.src_start: m.src_start + m.length]
                 sends.append(P2POp(peer=m.dst_worker, tensor=buf, is_send=True))
@@ -799,7 +788,7 @@ def _post_round(step: Step, rnd: int, worker: int, resolve: Resolve, channel: Da
 
 def _run_step(step: Step, worker: int, resolve: Resolve, channel: DataChannel, timeout_s: float | None,
               on_round: Callable[[str, int], None] | None, pool: BucketPool | None = None,
-              riders: Sequence[Step] = (), feed: Compactor | None = None) -> tuple[StepReport, list[float]]:
+              riders: Sequence[Step] = ()) -> tuple[StepReport, list[float]]:
     """Rounds are pipelined: round r+1 is posted before round r is waited for and unpacked, so at
     most two rounds of buckets live. Local copies, this step's and those of ``riders`` (local-only
     steps run alongside), are made once the last round is posted, while it is in flight. Returns the report and each rider's
@@ -816,13 +805,11 @@ def _run_step(step: Step, worker: int, resolve: Resolve, channel: DataChannel, t
         if rnd < step.num_rounds:
             if on_round is not None:
                 on_round(step.model_stage, rnd)
-            posted = _post_round(step, rnd, worker, resolve, channel, counts, pool, feed)
+            posted = _post_round(step, rnd, worker, resolve, channel, counts, pool)
             pack_s += posted.pack_s
         if rnd == max(step.num_rounds - 1, 0):
             # once every round is posted: copies overlap the last transfers and never hold back a
             # round the peers wait for (the sender's packing, not the copies, paces the receivers)
-            if feed is not None:
-                feed.upto(feed.plan.target_bytes + 1)  # the local copies may read any of it
             copy_start = time.perf_counter()
             copied = _local_copies(step, worker, resolve)
             copy_s = time.perf_counter() - copy_start
@@ -948,9 +935,9 @@ def run_dag(dag: TransitionDAG, worker: int, units: dict[str, RankState], channe
     memory follows the DAG's checked timeline: targets are allocated when their node starts, sources
     freed by the Destroy/Merge that frees them, buckets once unpacked. A part delivered in final shape
     is relabelled by its Merge, never copied. On CPU (``in_place``, default ``IN_PLACE``) a unit cut
-    from one this worker frees in the same node is compacted inside that unit's buffer, and run
-    before the nodes that read the old unit when they read only what the new one keeps
-    (``in_place_plan``, ``_hoist``). An Extend fan-out runs as broadcasts over groups formed for it
+    from one this worker gives up is compacted inside that unit's buffer once the last node reading
+    the old unit here is done, where the DAG would free it: a failure finds the same copies alive as
+    without it (``in_place_plan``). An Extend fan-out runs as broadcasts over groups formed for it
     (``fan_outs``): with ``fan_out`` None, those copying at least ``FAN_OUT_MIN_BYTES`` per rank.
     Raises ChannelBroken on any communication failure;
     ``units`` then holds whatever existed at that point (old units are only freed after their readers).
@@ -972,7 +959,6 @@ def run_dag(dag: TransitionDAG, worker: int, units: dict[str, RankState], channe
             plan = in_place_plan(dag, node, steps[node], worker, order, steps) if node in steps else None
             if plan is not None and plan.donor not in broadcast:
                 plans[node] = plan
-        order, steps = _hoist(dag, order, steps, worker, plans)
     # every worker of the generation forms every group, in the same order (new_group is collective)
     groups = [[channel.new_group(tuple(sorted({src, *copies}))) for src, copies in fan.ranks] for fan in fans]
     try:
@@ -1028,39 +1014,7 @@ def _run_dag(dag: TransitionDAG, worker: int, units: dict[str, RankState], chann
         if plan is not None and not (plan.target.uid not in units and plan.donor in units
                                      and units[plan.donor].flat.numel() >= plan.target_bytes):
             plan = None  # not as planned here (a unit missing or built already): the ordinary path
-        if plan is not None and not plan.after_transfers:
-            host = _fed_host(dag, order, index, steps, worker, plan)
-            compactor = Compactor.start(plan, worker, units)
-            allocated = _allocate_targets(dag.nodes[host], worker, units, device) if host is not None else []
-            host_report = None
-            try:
-                if host is not None:  # its sends go out as their bytes are compacted
-                    host_report, _ = _run_step(steps[host], worker, resolve, channel, timeout_s, on_round,
-                                               pool, feed=compactor)
-                copied = compactor.finish(units)
-            except BaseException:
-                compactor.abandon(units)
-                for uid in allocated:
-                    units.pop(uid, None)
-                raise
-            for done in (node, host):
-                if done is not None:
-                    for unit in dag.nodes[done].frees:
-                        if unit.holds(worker):
-                            units.pop(unit.uid, None)
-            step = steps[node]
-            reports.append(StepReport(
-                model_stage=step.model_stage, primitive=step.primitive, predicted_s=step.predicted_s,
-                measured_s=compactor.seconds, bytes_sent=0, bytes_received=0, bytes_copied_locally=copied,
-                peak_bucket_bytes=0, local_copy_s=compactor.seconds, in_place=True,
-                alongside=steps[host].primitive if host is not None else ""))
-            if host_report is not None and host is not None:
-                host_report.measured_s = time.perf_counter() - start - compactor.seconds
-                reports.append(host_report)
-                carried.add(host)
-            _apply_relabels(relabel, worker, units)
-            continue
-        # an in-place target of a node that moves data is built once the donor's last reader is done
+        # an in-place target is built once the last node reading its donor here is done
         later = {plan.target.uid} if plan is not None else set()
         if plan is not None:
             deferred.setdefault(plan.build_after, []).append(plan)
@@ -1123,20 +1077,6 @@ def _allocate_targets(prim: Primitive, worker: int, units: dict[str, RankState],
 
 def _remote(step: Step, worker: int) -> bool:
     return any(worker in (m.src_worker, m.dst_worker) for m in step.messages)
-
-
-def _fed_host(dag: TransitionDAG, order: Sequence[int], index: int, steps: dict[int, Step], worker: int,
-              plan: InPlace) -> int | None:
-    """The node right after in-place node ``order[index]`` if it is a remote node sending from the
-    unit being built (after ``_hoist``): it then runs while the compaction goes on, each message
-    posted once its bytes are final."""
-    if index + 1 >= len(order):
-        return None
-    host = order[index + 1]
-    step = steps.get(host)
-    if step is None or not _remote(step, worker) or isinstance(dag.nodes[host], Merge):
-        return None
-    return host if _reads(step, worker, plan.target.uid) else None
 
 
 def _riders(dag: TransitionDAG, later: Sequence[int], steps: dict[int, Step], worker: int,
@@ -1259,20 +1199,19 @@ def _run_fan_out(fan: FanOut, groups: Sequence[Any], worker: int, units: dict[st
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class InPlace:
-    """A local-only node that builds ``target`` inside the buffer of ``donor`` on one worker.
+    """A node whose target on one worker is built inside the buffer of ``donor``, after ``build_after``.
 
-    Chosen only when the node frees the donor, every local piece of the node goes from the donor into
-    the target, the target's buffer is no larger, and copying the pieces forward in ``pieces`` order
-    (target byte order), row by row, never overwrites a donor byte that is still to be read."""
+    Chosen only when the donor is freed by this node or a later one, every local piece of the node
+    goes from the donor into the target, nothing is received into the target, the target's buffer is
+    no larger, and copying the pieces forward in ``pieces`` order (target byte order), row by row,
+    never overwrites a donor byte that is still to be read."""
 
     node: int
     donor: str
     target: EMU
     target_bytes: int
     pieces: tuple[Piece, ...]
-    starts: tuple[int, ...]  # where each piece starts in the target's buffer
-    after_transfers: bool = False  # compact once the transfers reading the donor are done ...
-    build_after: int = -1  # ... those of this node (the node itself, or a later reader of the donor)
+    build_after: int  # compact once this node is done (the node itself, or the donor's last reader here)
 
 
 @lru_cache(maxsize=4096)
@@ -1344,8 +1283,7 @@ def in_place_plan(dag: TransitionDAG, node: int, step: Step, worker: int, order:
         build_after = last
     if isinstance(prim, Merge) and any(part.final == target and part.holds(worker) for part in prim.parts):
         return None  # a part is relabelled into the target here: it exists before the copies
-    remote = _remote(step, worker)
-    if remote and any(m.dst_worker == worker and any(p.dst_unit == target_uid for p in m.pieces)
+    if any(m.dst_worker == worker and any(p.dst_unit == target_uid for p in m.pieces)
                       for m in step.messages):
         return None  # a receive would land in the donor's buffer while the node still reads it
     size = unit_buffer_bytes(target, worker)
@@ -1354,9 +1292,8 @@ def in_place_plan(dag: TransitionDAG, node: int, step: Step, worker: int, order:
     ordered = _forward_order(local)
     if ordered is None:
         return None
-    starts = tuple(contiguous_range(p.dst_slot, p.box)[0] for p in ordered)  # type: ignore[index]
-    return InPlace(node=node, donor=donor_uid, target=target, target_bytes=size, pieces=ordered, starts=starts,
-                   after_transfers=remote or build_after != node, build_after=build_after)
+    return InPlace(node=node, donor=donor_uid, target=target, target_bytes=size, pieces=ordered,
+                   build_after=build_after)
 
 
 def _last_reader(dag: TransitionDAG, node: int, donor: str, target: str, worker: int, order: Sequence[int],
@@ -1391,72 +1328,6 @@ def _reads(step: Step, worker: int, uid: str) -> list[Piece]:
     return out
 
 
-def _read_from(step: Step, worker: int, donor: str, target: EMU) -> Step:
-    """``step`` with every piece ``worker`` reads from ``donor`` read from ``target`` instead (which
-    holds the same boxes); a message whose pieces now lie back to back in the target, laid out as the
-    message, is sent straight from it. Peers see the same messages: only where bytes come from changes."""
-    slots = unit_slots(target, worker)
-
-    def moved(p: Piece) -> Piece:
-        if p.src_unit != donor or p.src_worker != worker:
-            return p
-        return replace(p, src_unit=target.uid, src_slot=slots[p.src_slot.key])
-
-    messages = []
-    for m in step.messages:
-        if m.src_worker != worker or not any(p.src_unit == donor for p in m.pieces):
-            messages.append(m)
-            continue
-        pieces = tuple(moved(p) for p in m.pieces)
-        on_src = _adjacent(list(pieces), "src")
-        start = on_src[0] if on_src is not None and on_src[1:] == (m.layout, m.length) else None
-        messages.append(replace(m, pieces=pieces, src_start=start))
-    return replace(step, local=tuple(moved(p) for p in step.local), messages=tuple(messages))
-
-
-def _hoist(dag: TransitionDAG, order: list[int], steps: dict[int, Step], worker: int,
-           plans: dict[int, InPlace]) -> tuple[list[int], dict[int, Step]]:
-    """Move each in-place node ahead of the earlier nodes on ``worker`` that read its donor, when
-    they read only boxes the new unit holds: they then read the new unit (compacted, so a TP split's
-    sends go out unpacked, straight from it). Local work only: peers' messages do not change. The
-    donor is then consumed before those nodes run: what survives a failure is what is held
-    (``agent.coordinator.uncovered_state``), and the new units of a layout change cover the state."""
-    order, steps = list(order), dict(steps)
-    for node, plan in plans.items():
-        if plan.after_transfers:
-            continue  # it reads the donor itself until its transfers are done
-        j = order.index(node)
-        readers = [i for i in range(j) if order[i] in steps and _reads(steps[order[i]], worker, plan.donor)]
-        if not readers:
-            continue
-        between = order[readers[0]:j]
-        boxes = {key: (s.offsets, s.lengths) for key, s in unit_slots(plan.target, worker).items()}
-        early_frees = {f.uid for f in dag.nodes[node].frees if f.holds(worker)} - {plan.donor}
-        ok = True
-        for n in between:
-            prim = dag.nodes[n]
-            touched = {u.uid for u in (*prim.targets, *prim.frees)}
-            if isinstance(prim, Merge):
-                touched |= {part.uid for part in prim.parts}
-            if touched & {plan.donor, plan.target.uid} or n not in steps:
-                ok = False
-                break
-            step = steps[n]
-            used = {p.src_unit for p in (*step.local, *(q for m in step.messages for q in m.pieces))}
-            if used & early_frees or not all(
-                    p.src_slot.key in boxes and box_contains(boxes[p.src_slot.key], p.box)
-                    for p in _reads(step, worker, plan.donor)):
-                ok = False
-                break
-        if not ok:
-            continue
-        for n in between:
-            steps[n] = _read_from(steps[n], worker, plan.donor, plan.target)
-        order.pop(j)
-        order.insert(readers[0], node)
-    return order, steps
-
-
 def _compact_piece(p: Piece, donor: RankState, target: RankState) -> None:
     """Copy one piece from ``donor`` into ``target`` (a view of the donor's buffer), forward: a run
     contiguous on both sides is one memmove; strided rows go in chunks copied directly once their
@@ -1482,59 +1353,6 @@ def _compact_piece(p: Piece, donor: RankState, target: RankState) -> None:
             k = 1
             _memmove(dst_start + r * row, src_start + r * pitch, src[r].numel() * size)
         r += k
-
-
-@dataclass(slots=True)
-class Compactor:
-    """Builds an ``InPlace`` node's target inside its donor's buffer, piece by piece in target byte
-    order, so that a node sending from the target can post each message as soon as its bytes are
-    final (``before``) while the rest is still being compacted. ``seconds``: time spent copying."""
-
-    plan: InPlace
-    donor: RankState
-    target: RankState
-    done: int = 0  # pieces compacted so far
-    seconds: float = 0.0
-
-    @classmethod
-    def start(cls, plan: InPlace, worker: int, units: dict[str, RankState]) -> Compactor:
-        donor = units[plan.donor]
-        placement, _ = unit_placement(plan.target)
-        target = RankState(placement=placement, replica=0, rank=placement.gpu_sets[0].index(worker),
-                           flat=donor.flat[: plan.target_bytes], slots=unit_slots(plan.target, worker))
-        units[plan.target.uid] = target
-        return cls(plan=plan, donor=donor, target=target)
-
-    def upto(self, end: int) -> None:
-        """Compact every piece whose destination starts before byte ``end`` of the target."""
-        began = time.perf_counter()
-        pieces = self.plan.pieces
-        while self.done < len(pieces):
-            p = pieces[self.done]
-            if self.plan.starts[self.done] >= end:
-                break
-            _compact_piece(p, self.donor, self.target)
-            self.done += 1
-        self.seconds += time.perf_counter() - began
-
-    def before(self, m: Message) -> None:
-        """Called before message ``m`` is sent or packed: its bytes in the target must be final."""
-        uid = self.plan.target.uid
-        ends = [p.src_slot.byte_offset + p.src_slot.num_bytes for p in m.pieces if p.src_unit == uid]
-        if ends:
-            self.upto(max(ends))
-
-    def finish(self, units: dict[str, RankState]) -> int:
-        """Compact the rest, drop the donor, give its pages past the target back. Returns bytes copied."""
-        self.upto(self.plan.target_bytes + 1)
-        units.pop(self.plan.donor, None)
-        release_tail(self.donor.flat, self.plan.target_bytes)
-        return sum(p.num_bytes for p in self.plan.pieces)
-
-    def abandon(self, units: dict[str, RankState]) -> None:
-        """After a failure half-way: neither the donor nor the target is a copy of anything any more."""
-        units.pop(self.plan.target.uid, None)
-        units.pop(self.plan.donor, None)
 
 
 _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
@@ -1566,14 +1384,25 @@ def release_tail(flat: torch.Tensor, keep: int) -> int:
 
 
 def _build_in_place(plan: InPlace, worker: int, units: dict[str, RankState]) -> tuple[int, float]:
-    """Run an in-place node on its own. Returns the bytes copied and the seconds spent copying."""
-    compactor = Compactor.start(plan, worker, units)
+    """Build ``plan``'s target as a view of its donor's buffer, compacted piece by piece in target
+    byte order; then drop the donor and give its pages past the target back. A failure half-way
+    leaves neither (both half-overwritten: no copy of anything). Returns bytes copied and seconds."""
+    start = time.perf_counter()
+    donor = units[plan.donor]
+    placement, _ = unit_placement(plan.target)
+    target = RankState(placement=placement, replica=0, rank=placement.gpu_sets[0].index(worker),
+                       flat=donor.flat[: plan.target_bytes], slots=unit_slots(plan.target, worker))
+    units[plan.target.uid] = target
     try:
-        copied = compactor.finish(units)
+        for p in plan.pieces:
+            _compact_piece(p, donor, target)
     except BaseException:
-        compactor.abandon(units)
+        units.pop(plan.target.uid, None)
+        units.pop(plan.donor, None)
         raise
-    return copied, compactor.seconds
+    units.pop(plan.donor, None)
+    release_tail(donor.flat, plan.target_bytes)
+    return sum(p.num_bytes for p in plan.pieces), time.perf_counter() - start
 
 
 # --- what survives a failure (pure) ----------------------------------------------------------------

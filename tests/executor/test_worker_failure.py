@@ -101,3 +101,38 @@ def test_killed_worker_during_a_dag_run(kill_pool: LocalCoordinator) -> None:
     assert set(outcome.lost) == {"ref-inf"} and outcome.needs_checkpoint
     assert "model.norm.weight/param" in outcome.lost["ref-inf"]
     assert_same_state(_subset(before, {"actor-train"}), _subset(logical_state(pool.dump()), {"actor-train"}))
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_in_place_building_keeps_what_survives_a_failure(in_place: bool) -> None:
+    """TP1 x DP2 -> TP2 x DP2 with worker 0 killed before it sends: worker 1 still finishes its own
+    nodes (its Merge frees its old replica, as the DAG says), so the half of the state only worker 0
+    held is lost either way. Building in place consumes the old replica exactly where the DAG frees
+    it: the survivors hold the same units and the same lost set with and without it."""
+    from planner.hardware import cluster_preset
+    from planner.plan import GlobalPlan, Layout, StagePlan
+    from planner.workflow import ACTOR_TRAIN
+    from transitions.global_dag import build_transition
+    from transitions.local_dag import plan_units
+    from transitions.scenarios import stage_states
+
+    from agent.worker import held_units
+
+    states = stage_states(MICRO, (ACTOR_TRAIN,))
+
+    def plan(version: int, tp: int, sets: list[list[int]]) -> GlobalPlan:
+        return GlobalPlan(version=version, stages=(StagePlan(model_stage="actor-train", layout=Layout(tp, 1),
+                                                             gpu_sets=tuple(map(tuple, sets)), micro_batch_size=1),))
+
+    old, new = plan(1, 1, [[0], [1]]), plan(2, 2, [[0, 1], [2, 3]])
+    cluster = cluster_preset("cpu", 4)
+    dag = build_transition(states, cluster, old, new)
+    with LocalCoordinator(4, timeout_s=TIMEOUT_S) as pool:
+        pool.form_generation()
+        pool.init_units([u for sp in old for u in plan_units(states[sp.model_stage], sp, 1)], seed=5)
+        outcome = pool.run_dag(dag, cluster, kill_at={0: ("actor-train", 0)}, in_place=in_place)
+        assert not outcome.committed and outcome.dead_workers == (0,)
+        held = pool.call(held_units)
+    # worker 1 built its rank of the new unit (in its old buffer, or beside it) and freed the old one
+    assert held[1] == ["actor-train@v2#0"]
+    assert "actor-train" in outcome.lost and "model.embed_tokens.weight/param" in outcome.lost["actor-train"]
