@@ -109,14 +109,13 @@ def test_in_place_building_keeps_what_survives_a_failure(in_place: bool) -> None
     nodes (its Merge frees its old replica, as the DAG says), so the half of the state only worker 0
     held is lost either way. Building in place consumes the old replica exactly where the DAG frees
     it: the survivors hold the same units and the same lost set with and without it."""
+    from agent.worker import held_units
     from planner.hardware import cluster_preset
     from planner.plan import GlobalPlan, Layout, StagePlan
     from planner.workflow import ACTOR_TRAIN
     from transitions.global_dag import build_transition
     from transitions.local_dag import plan_units
     from transitions.scenarios import stage_states
-
-    from agent.worker import held_units
 
     states = stage_states(MICRO, (ACTOR_TRAIN,))
 
