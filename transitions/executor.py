@@ -1283,8 +1283,7 @@ def in_place_plan(dag: TransitionDAG, node: int, step: Step, worker: int, order:
         build_after = last
     if isinstance(prim, Merge) and any(part.final == target and part.holds(worker) for part in prim.parts):
         return None  # a part is relabelled into the target here: it exists before the copies
-    if any(m.dst_worker == worker and any(p.dst_unit == target_uid for p in m.pieces)
-                      for m in step.messages):
+    if any(m.dst_worker == worker and any(p.dst_unit == target_uid for p in m.pieces) for m in step.messages):
         return None  # a receive would land in the donor's buffer while the node still reads it
     size = unit_buffer_bytes(target, worker)
     if size > unit_buffer_bytes(donor, worker):
