@@ -16,9 +16,9 @@ first-touching fresh pages costs more than the packing itself):
   in the DAG's order and derives its own pieces (``node_step``); targets are allocated when their
   node starts, sources freed by the node that frees them, Merges of parts already in final shape
   only relabel; local-only nodes right after a remote one run alongside its transfers. On CPU a
-  unit cut from one the worker gives up is built inside that unit's buffer (``InPlace``: no new
-  memory, no first touch of fresh pages), and nodes that send only what it keeps send from it,
-  unpacked. A large Extend fan-out runs as one broadcast per unit rank (``FanOut``).
+  unit cut from one the worker gives up is built inside that unit's buffer once nothing reads it
+  any more (``InPlace``: no new memory, no first touch of fresh pages). A large Extend fan-out runs
+  as one broadcast per unit rank (``FanOut``).
   Time per node is measured next to the cost model's prediction.
 - ``run_transition``: a plan computed from geometry alone (``plan_transition``), two-phase: the new
   state is built beside the old and swapped in by ``PendingTransition.commit``.
