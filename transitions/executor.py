@@ -1220,16 +1220,6 @@ def unit_buffer_bytes(unit: EMU, gpu: int) -> int:
     return rank_slots(placement, placement.gpu_sets[0].index(gpu))[1]
 
 
-def _rows(slot: Slot, box: Box) -> tuple[int, int, int]:
-    """(first byte, rows, bytes from one row to the next) of ``box`` inside the buffer holding
-    ``slot``; rows run along dim 0 (a 1-D box: one element a row)."""
-    linear = 0
-    for d in range(len(box[1])):
-        linear = linear * slot.lengths[d] + box[0][d] - slot.offsets[d]
-    pitch = math.prod(slot.lengths[1:]) * slot.element_bytes
-    return slot.byte_offset + linear * slot.element_bytes, box[1][0], pitch
-
-
 def _forward_order(pieces: Sequence[Piece]) -> tuple[Piece, ...] | None:
     """``pieces`` in destination byte order if compacting them forward inside one buffer is safe:
     each destination is contiguous, starts at or before its source and advances no faster per row
@@ -1240,12 +1230,15 @@ def _forward_order(pieces: Sequence[Piece]) -> tuple[Piece, ...] | None:
         dst = contiguous_range(p.dst_slot, p.box)
         if dst is None:
             return None
-        src_start, rows, pitch = _rows(p.src_slot, p.box)
+        # rows run along dim 0 (a 1-D box: one element a row); each must be one run in the source,
+        # since a row that overlaps its own destination is memmoved
+        first_row = contiguous_range(p.src_slot, (p.box[0], (1, *p.box[1][1:])))
+        if first_row is None:
+            return None
+        src_start, rows = first_row[0], p.box[1][0]
+        pitch = math.prod(p.src_slot.lengths[1:]) * p.src_slot.element_bytes
         if dst[0] > src_start or (dst[1] - dst[0]) // rows > pitch:
             return None
-        one_row = (p.box[0], (1, *p.box[1][1:]))
-        if contiguous_range(p.src_slot, one_row) is None:
-            return None  # a row must be one run: rows that overlap their destination are memmoved
         spans.append((dst[0], dst[1], src_start, p))
     spans.sort(key=lambda x: x[0])
     later = math.inf
