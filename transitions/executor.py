@@ -1,10 +1,12 @@
 """The executor: moves live EMU state between layouts over the data channel, bit-exactly.
 
 A worker's state for one unit is a ``RankState``: ONE flat byte buffer holding every shard of its
-unit rank (every state kind, plus the unit's counters), each shard a typed view at a fixed,
-16-byte-aligned offset. Flat buffers make the common moves (Extend, Move) zero-copy: pieces that lie
-back to back on both sides travel straight from the old buffer into the new one, and a bucket whose
-pieces lie back to back on one side is read or written in place on that side.
+unit rank (every state kind, plus the unit's counters), each shard a typed view at a fixed offset
+(16-byte aligned; page aligned from 64 KiB). Row-parallel weights are stored column-major, so every
+TP shard of every tensor is one contiguous run. Flat buffers make the common moves zero-copy: pieces
+that lie back to back on both sides travel straight from the old buffer into the new one, a bucket
+whose pieces lie back to back on one side is read or written in place on that side, and on CPU a
+run a new unit keeps from an old one on the same worker changes buffers as whole pages (mremap).
 
 Two ways to drive it, one engine underneath (``_run_step``: pipelined rounds, at most
 ``max_bucket_bytes`` of buckets per pair per round, two rounds in flight; in each round receives and
@@ -16,9 +18,11 @@ first-touching fresh pages costs more than the packing itself):
   in the DAG's order and derives its own pieces (``node_step``); targets are allocated when their
   node starts, sources freed by the node that frees them, Merges of parts already in final shape
   only relabel; local-only nodes right after a remote one run alongside its transfers. On CPU a
-  unit cut from one the worker gives up is built inside that unit's buffer once nothing reads it
-  any more (``InPlace``: no new memory, no first touch of fresh pages). A large Extend fan-out runs
-  as one broadcast per unit rank (``FanOut``).
+  unit cut from one the worker gives up is built from that unit's pages before the nodes sending
+  from it, which then send from the new unit (``EarlyBuild``: a TP split sends one zero-copy message,
+  and a failure gives the pages back), or else inside that unit's buffer once nothing reads it any
+  more (``InPlace``). Either way: no new memory, no first touch of fresh pages. A large Extend
+  fan-out runs as one broadcast per unit rank (``FanOut``).
   Time per node is measured next to the cost model's prediction.
 - ``run_transition``: a plan computed from geometry alone (``plan_transition``), two-phase: the new
   state is built beside the old and swapped in by ``PendingTransition.commit``.
@@ -43,16 +47,24 @@ from typing import Any
 import torch
 
 from planner.errors import SpecError
-from planner.models import Head, ModelSpec
+from planner.models import Head, ModelSpec, Parallel
 from planner.plan import Layout
 from transitions.channel import DataChannel, InFlight, P2POp
-from transitions.emu import EMU, box_intersection
+from transitions.emu import EMU, box_contains, box_intersection
 from transitions.geometry import StateKind, check_layout, unit_shards
 from transitions.global_dag import TransitionDAG
 from transitions.primitives import Extend, Merge, Primitive, relabels
 from transitions.primitives import pieces as prim_pieces
 
 ALIGN_BYTES = 16
+# slots this big start on a page boundary (CPU pages; harmless padding on GPUs): a run kept by a new
+# unit then sits at the same offset within a page in the old buffer and the new one, so the pages
+# themselves can change buffers (``_move_pages``) instead of their bytes being copied. Costs at most
+# one page of padding per such slot (~0.3% of tiny-25m's buffers).
+PAGE_BYTES = mmap.PAGESIZE
+PAGE_ALIGN_MIN_BYTES = 64 << 10
+# CPU buffers from this size are anonymous mappings of their own, page-aligned (``alloc_bytes``)
+MAP_MIN_BYTES = 1 << 20
 COUNTERS = "_meta.counters"  # per unit: version, optimizer step, minibatch position, spare
 COUNTERS_KIND = "counters"
 NUM_COUNTERS = 4
@@ -64,10 +76,11 @@ HUGE_MIN_BYTES = 2 << 20  # with huge pages: CPU buffers from here on are mapped
 # but median 0.50 s vs 0.38 s (the kernel compacts memory at fault time, and stalls under pressure)
 HUGE_PAGES = False
 # CPU: a unit cut from another one on the same worker (a TP or PP Split/Merge keeping part of the
-# shard) is built inside the buffer of the unit it is cut from, once nothing reads that unit any
-# more: copying into fresh pages costs their first touch (1.7-2 GB/s here) where compacting warm
-# memory runs at 3-10 GB/s, and the worker's peak memory drops by the new unit's size. Off on GPUs:
-# the caching allocator hands out warm memory, and a block cannot give back its tail.
+# shard) is built from the pages of the unit it is cut from (``EarlyBuild``: 182 MiB of tiny-25m in
+# 232 mremaps, ~5-15 ms, where copying into fresh pages runs at 1.7-3 GB/s), or inside its buffer
+# once nothing reads it any more (``InPlace``: compacting warm memory at 3-10 GB/s); the worker's
+# peak memory drops by the new unit's size. Off on GPUs: the caching allocator hands out warm
+# memory, and a block can neither give back its tail nor move its pages.
 IN_PLACE = True
 # Extend fan-outs run as broadcasts from this many bytes per unit rank: forming the groups costs
 # 1-15 ms (every worker calls new_group); DP1 -> DP4 of 382 MB: gloo broadcast 0.60 s vs three
@@ -130,15 +143,18 @@ class StagePlacement:
 
 
 def alloc_bytes(num_bytes: int, device: torch.device, *, huge_pages: bool | None = None) -> torch.Tensor:
-    """An uninitialised uint8 buffer. With ``huge_pages`` (default ``HUGE_PAGES``), large CPU ones are
-    anonymous mappings advised to use transparent huge pages: a fresh buffer's first touch (the kernel
-    zeroing and mapping its pages) is what a transition's copies and receives pay for new state, and
-    2 MiB pages halve it in isolation (1.3 -> 2.7 GB/s). The tensor keeps the mapping alive."""
-    huge = HUGE_PAGES if huge_pages is None else huge_pages
-    if not huge or device.type != "cpu" or num_bytes < HUGE_MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
+    """An uninitialised uint8 buffer. CPU buffers of ``MAP_MIN_BYTES`` or more are private anonymous
+    mappings of their own, so they start on a page and their pages can be moved into another unit's
+    buffer (``_move_pages``). With ``huge_pages`` (default ``HUGE_PAGES``) they are advised to use
+    transparent huge pages: a fresh buffer's first touch (the kernel zeroing and mapping its pages) is
+    what a transition's copies and receives pay for new state, and 2 MiB pages halve it in isolation
+    (1.3 -> 2.7 GB/s). The tensor keeps the mapping alive."""
+    if device.type != "cpu" or num_bytes < MAP_MIN_BYTES:
         return torch.empty(num_bytes, dtype=torch.uint8, device=device)
     region = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    region.madvise(mmap.MADV_HUGEPAGE)
+    huge = HUGE_PAGES if huge_pages is None else huge_pages
+    if huge and num_bytes >= HUGE_MIN_BYTES and hasattr(mmap, "MADV_HUGEPAGE"):
+        region.madvise(mmap.MADV_HUGEPAGE)
     return torch.frombuffer(region, dtype=torch.uint8)
 
 
@@ -153,10 +169,19 @@ class Slot:
     offsets: tuple[int, ...]
     lengths: tuple[int, ...]
     byte_offset: int
+    # storage order of the dims (empty: row-major). A row-parallel weight is stored dim 1 first, so a
+    # TP shard of it (a range of columns) is one contiguous run, as a column-parallel one's rows are:
+    # TP changes then move runs (pages, even) instead of gathering strided half-rows. A property of
+    # the tensor, so the two ends of any piece agree; ``RankState.view`` gives the logical view.
+    order: tuple[int, ...] = ()
 
     @property
     def key(self) -> tuple[str, str]:
         return (self.tensor, self.kind)
+
+    @property
+    def storage_lengths(self) -> tuple[int, ...]:
+        return tuple(self.lengths[d] for d in self.order) if self.order else self.lengths
 
     @property
     def numel(self) -> int:
@@ -177,8 +202,38 @@ def dtype_of(kind: StateKind, model: ModelSpec) -> torch.dtype:
     return torch.float32
 
 
-def _align(n: int) -> int:
-    return -(-n // ALIGN_BYTES) * ALIGN_BYTES
+def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
+    inv = [0] * len(order)
+    for i, d in enumerate(order):
+        inv[d] = i
+    return tuple(inv)
+
+
+def _stored(t: torch.Tensor, storage_lengths: tuple[int, ...], order: tuple[int, ...]) -> torch.Tensor:
+    """The logical view of a contiguous buffer ``t`` holding a box in storage ``order``."""
+    t = t.view(storage_lengths)
+    return t.permute(_inverse(order)) if order else t
+
+
+def storage_view(view: torch.Tensor, slot: Slot) -> torch.Tensor:
+    """A logical view of ``slot``'s tensor (or a box of it) with its dims in storage order."""
+    return view.permute(slot.order) if slot.order else view
+
+
+@lru_cache(maxsize=256)
+def _storage_orders(model: ModelSpec, head: Head) -> dict[str, tuple[int, ...]]:
+    """Per tensor, its storage order when not row-major: row-parallel weights go column-major."""
+    return {t.name: (1, 0, *range(2, len(t.shape))) for t in model.tensors(head)
+            if t.parallel is Parallel.ROW and len(t.shape) >= 2}
+
+
+def _align(n: int, to: int = ALIGN_BYTES) -> int:
+    return -(-n // to) * to
+
+
+def _slot_start(end_of_previous: int, num_bytes: int) -> int:
+    """Where a slot of ``num_bytes`` starts after a buffer's previous slot ends (``rank_slots``)."""
+    return _align(end_of_previous, PAGE_BYTES if num_bytes >= PAGE_ALIGN_MIN_BYTES else ALIGN_BYTES)
 
 
 def rank_slots(placement: StagePlacement, rank: int) -> tuple[tuple[Slot, ...], int]:
@@ -191,12 +246,14 @@ def rank_slots(placement: StagePlacement, rank: int) -> tuple[tuple[Slot, ...], 
     for s in unit_shards(placement.model, placement.head, placement.layout, rank, placement.kinds):
         entries.append((s.tensor, s.kind.value, dtype_of(s.kind, placement.model), s.global_shape,
                         s.offsets, s.lengths))
+    orders = _storage_orders(placement.model, placement.head)
     for tensor, kind, dtype, shape, offs, lens in entries:
+        offset = _slot_start(offset, math.prod(lens) * dtype.itemsize)
         slot = Slot(tensor=tensor, kind=kind, dtype=dtype, global_shape=shape, offsets=offs, lengths=lens,
-                    byte_offset=offset)
+                    byte_offset=offset, order=orders.get(tensor, ()))
         slots.append(slot)
-        offset = _align(offset + slot.num_bytes)
-    return tuple(slots), offset
+        offset += slot.num_bytes
+    return tuple(slots), _align(offset)
 
 
 @dataclass(slots=True)
@@ -222,7 +279,7 @@ class RankState:
     def view(self, tensor: str, kind: str) -> torch.Tensor:
         slot = self.slots[(tensor, kind)]
         raw = self.flat[slot.byte_offset: slot.byte_offset + slot.num_bytes]
-        return raw.view(slot.dtype).view(slot.lengths)
+        return _stored(raw.view(slot.dtype), slot.storage_lengths, slot.order)
 
     @property
     def counters(self) -> torch.Tensor:
@@ -239,7 +296,10 @@ class RankState:
 def contiguous_range(slot: Slot, box: Box) -> tuple[int, int] | None:
     """Byte range [start, end) of ``box`` inside the flat buffer holding ``slot``, if contiguous."""
     offsets, lens = box
-    full = slot.lengths
+    full, base = slot.lengths, slot.offsets
+    if slot.order:  # the same question in storage order
+        offsets, lens = tuple(offsets[d] for d in slot.order), tuple(lens[d] for d in slot.order)
+        full, base = slot.storage_lengths, tuple(base[d] for d in slot.order)
     # row-major: contiguous iff every dim after the last partial one is full and every dim before it
     # has length 1 (a whole shard, a run of whole rows, or part of one row)
     last = len(lens) - 1
@@ -249,7 +309,7 @@ def contiguous_range(slot: Slot, box: Box) -> tuple[int, int] | None:
         if lens[d] != 1:
             return None
     linear, numel = 0, 1
-    for o, so, n, k in zip(offsets, slot.offsets, full, lens):
+    for o, so, n, k in zip(offsets, base, full, lens):
         linear = linear * n + o - so
         numel *= k
     size = slot.dtype.itemsize
@@ -442,7 +502,7 @@ def _back_to_back(prev: tuple[int, int], prev_slot: Slot, nxt: tuple[int, int], 
     if nxt[0] == prev[1]:
         return True
     return (prev[1] == prev_slot.byte_offset + prev_slot.num_bytes and nxt[0] == nxt_slot.byte_offset
-            and nxt[0] == _align(prev[1]))
+            and nxt[0] == _slot_start(prev[1], nxt_slot.num_bytes))
 
 
 def _adjacent(pieces: list[Piece], side: str) -> tuple[int, tuple[int, ...], int] | None:
@@ -487,15 +547,18 @@ def _coalesce(pieces: list[Piece]) -> list[tuple[Run | None, list[Piece]]]:
 
 
 def _split_piece(p: Piece, max_bytes: int) -> list[Piece]:
-    """Split a piece along its first dimension so each part fits in a bucket (one row at least)."""
-    if p.num_bytes <= max_bytes or p.box[1][0] <= 1:
+    """Split a piece along its first stored dimension so each part fits in a bucket (one row at least)."""
+    d = p.src_slot.order[0] if p.src_slot.order else 0
+    if p.num_bytes <= max_bytes or p.box[1][d] <= 1:
         return [p]
-    row_bytes = p.num_bytes // p.box[1][0]
+    row_bytes = p.num_bytes // p.box[1][d]
     rows = max(1, max_bytes // row_bytes)
     out = []
-    for start in range(0, p.box[1][0], rows):
-        n = min(rows, p.box[1][0] - start)
-        box = ((p.box[0][0] + start, *p.box[0][1:]), (n, *p.box[1][1:]))
+    for start in range(0, p.box[1][d], rows):
+        n = min(rows, p.box[1][d] - start)
+        offs, lens = list(p.box[0]), list(p.box[1])
+        offs[d], lens[d] = offs[d] + start, n
+        box = (tuple(offs), tuple(lens))
         out.append(Piece(src_worker=p.src_worker, dst_worker=p.dst_worker, src_slot=p.src_slot,
                          dst_slot=p.dst_slot, box=box, src_unit=p.src_unit, dst_unit=p.dst_unit))
     return out
@@ -617,7 +680,8 @@ class StepReport:
     pack_s: float = 0.0  # part of measured_s spent packing buckets (sender side)
     unpack_s: float = 0.0  # part of measured_s spent unpacking buckets (receiver side)
     alongside: str = ""  # a local-only node run while this remote node's transfers were in flight
-    in_place: bool = False  # built inside the buffer of the unit it was cut from (no new memory)
+    in_place: bool = False  # built inside the buffer of the unit it was cut from, or from its pages
+    bytes_remapped: int = 0  # of a unit built from another's pages: bytes that changed buffers uncopied
 
 
 @dataclass(kw_only=True, slots=True)
@@ -648,7 +712,11 @@ def _bucket_layout(m: Message) -> list[tuple[Piece, int]]:
 
 
 def _typed(buf: torch.Tensor, offset: int, p: Piece) -> torch.Tensor:
-    return buf[offset: offset + p.num_bytes].view(p.src_slot.dtype).view(p.box[1])
+    """Piece ``p`` at ``offset`` of a bucket, as a logical view; its bytes in storage order, as both
+    ends hold them (the order is the tensor's), so a bucket laid out as either side is that side."""
+    order = p.src_slot.order
+    lens = tuple(p.box[1][d] for d in order) if order else p.box[1]
+    return _stored(buf[offset: offset + p.num_bytes].view(p.src_slot.dtype), lens, order)
 
 
 def run_transition(plan: TransitionPlan, worker: int, states: dict[str, RankState], channel: DataChannel,
@@ -867,14 +935,15 @@ def unit_slots(unit: EMU, gpu: int) -> dict[tuple[str, str], Slot]:
 
 def allocate_unit(unit: EMU, gpu: int, device: torch.device) -> RankState:
     placement, _ = unit_placement(unit)
-    return RankState.allocate(placement, 0, placement.gpu_sets[0].index(gpu), device)
+    return RankState(placement=placement, replica=0, rank=placement.gpu_sets[0].index(gpu),
+                     flat=alloc_bytes(unit_buffer_bytes(unit, gpu), device), slots=dict(unit_slots(unit, gpu)))
 
 
-def node_step(dag: TransitionDAG, node: int, worker: int, max_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-              predicted_s: float = 0.0) -> Step:
-    """The messages and local copies ``worker`` takes part in for DAG node ``node``. Both ends of a
-    pair derive the same ordered pieces (transitions.primitives keeps derivation order), hence the
-    same messages, without talking to each other."""
+@lru_cache(maxsize=8192)
+def node_pieces(dag: TransitionDAG, node: int, worker: int) -> tuple[Piece, ...]:
+    """The pieces ``worker`` sends, receives or copies locally for DAG node ``node``, in derivation
+    order (transitions.primitives keeps it), counters first: they sit at the start of every buffer,
+    so buckets stay back to back there. Pure; cached per DAG object (DAGs compare by identity)."""
     prim = dag.nodes[node]
     units = {u.uid: u for u in (*prim.sources, *prim.targets)}
     out: list[Piece] = []
@@ -884,8 +953,20 @@ def node_step(dag: TransitionDAG, node: int, worker: int, max_bucket_bytes: int 
         out.append(Piece(src_worker=t.src_gpu, dst_worker=t.dst_gpu, src_slot=unit_slots(src, t.src_gpu)[key],
                          dst_slot=unit_slots(dst, t.dst_gpu)[key], box=(t.offsets, t.lengths),
                          src_unit=t.src_unit, dst_unit=t.dst_unit))
-    # counters first: they sit at the start of every buffer, so buckets stay back to back there
-    out = [p for p in _counter_pieces(prim) if worker in (p.src_worker, p.dst_worker)] + out
+    return tuple([p for p in _counter_pieces(prim) if worker in (p.src_worker, p.dst_worker)] + out)
+
+
+def node_step(dag: TransitionDAG, node: int, worker: int, max_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+              predicted_s: float = 0.0, early: bool = False) -> Step:
+    """The messages and local copies ``worker`` takes part in for DAG node ``node``. Both ends of a
+    pair derive the same ordered pieces, hence the same messages, without talking to each other.
+    With ``early`` (every worker of the run alike), the pieces a worker reads from a unit it builds
+    early (``early_builds``) come from the new unit instead, and the building node's copies into it
+    are left out (the build makes them)."""
+    prim = dag.nodes[node]
+    out = list(node_pieces(dag, node, worker))
+    if early:
+        out = _redirected(dag, node, worker, out)
     local = tuple(p for p in out if p.src_worker == p.dst_worker)
     messages = tuple(_messages([p for p in out if p.src_worker != p.dst_worker], max_bucket_bytes))
     return Step(model_stage=_node_stage(prim), primitive=f"{prim.kind.value}#{node}", local=local,
@@ -934,36 +1015,41 @@ def run_dag(dag: TransitionDAG, worker: int, units: dict[str, RankState], channe
     Each worker runs its nodes one at a time in the global order, so pairs meet in the same node and
     memory follows the DAG's checked timeline: targets are allocated when their node starts, sources
     freed by the Destroy/Merge that frees them, buckets once unpacked. A part delivered in final shape
-    is relabelled by its Merge, never copied. On CPU (``in_place``, default ``IN_PLACE``) a unit cut
-    from one this worker gives up is compacted inside that unit's buffer once the last node reading
-    the old unit here is done, where the DAG would free it: a failure finds the same copies alive as
-    without it (``in_place_plan``). An Extend fan-out runs as broadcasts over groups formed for it
+    is relabelled by its Merge, never copied. On CPU (``in_place``, default ``IN_PLACE``; the same on
+    every worker of the run, since the receivers derive the senders' early builds) a unit cut from
+    one this worker gives up is built from that unit's pages before the nodes reading it when they
+    read only what it keeps (``early_builds``), else compacted inside that unit's buffer once the
+    last node reading it here is done, where the DAG would free it (``in_place_plan``). Either way a
+    failure finds the same copies alive as without it. An Extend fan-out runs as broadcasts over groups formed for it
     (``fan_outs``): with ``fan_out`` None, those copying at least ``FAN_OUT_MIN_BYTES`` per rank.
     Raises ChannelBroken on any communication failure;
     ``units`` then holds whatever existed at that point (old units are only freed after their readers).
     """
     device = channel.device
+    in_place = (IN_PLACE if in_place is None else in_place) and device.type == "cpu"
     # derive every node's pieces and messages first: planning, not moving, stays out of the timings
     steps = {node: node_step(dag, node, worker, max_bucket_bytes,
-                             predicted_s[node] if predicted_s is not None else 0.0)
+                             predicted_s[node] if predicted_s is not None else 0.0, early=in_place)
              for node in dag.nodes_on(worker) if not relabels(dag.nodes[node])}
     order = list(dag.nodes_on(worker))
+    builds = early_builds(dag, worker) if in_place else {}
     if fan_out is None:  # where it helps: copies big enough to pay for forming the groups
         fans = [f for f in fan_outs(dag) if unit_buffer_bytes(f.source, f.source.gpus[0]) >= FAN_OUT_MIN_BYTES]
     else:
         fans = fan_outs(dag) if fan_out else []
     broadcast = {fan.source.uid for fan in fans}  # read whole by a broadcast: never a donor
     plans: dict[int, InPlace] = {}
-    if (IN_PLACE if in_place is None else in_place) and device.type == "cpu":
+    if in_place:
         for node in order:
-            plan = in_place_plan(dag, node, steps[node], worker, order, steps) if node in steps else None
+            plan = in_place_plan(dag, node, steps[node], worker, order, steps) \
+                if node in steps and node not in builds else None
             if plan is not None and plan.donor not in broadcast:
                 plans[node] = plan
     # every worker of the generation forms every group, in the same order (new_group is collective)
     groups = [[channel.new_group(tuple(sorted({src, *copies}))) for src, copies in fan.ranks] for fan in fans]
     try:
         return _run_dag(dag, worker, units, channel, steps, order, plans, timeout_s, on_round,
-                        fans, groups)
+                        fans, groups, builds)
     finally:
         for group in (g for per_fan in groups for g in per_fan):
             channel.destroy_group(group)
@@ -972,8 +1058,30 @@ def run_dag(dag: TransitionDAG, worker: int, units: dict[str, RankState], channe
 def _run_dag(dag: TransitionDAG, worker: int, units: dict[str, RankState], channel: DataChannel,
              steps: dict[int, Step], order: list[int], plans: dict[int, InPlace], timeout_s: float | None,
              on_round: Callable[[str, int], None] | None, fans: list[FanOut],
-             groups: list[list[Any]]) -> list[StepReport]:
+             groups: list[list[Any]], builds: dict[int, EarlyBuild]) -> list[StepReport]:
+    built: dict[str, _Built] = {}  # donor uid -> its early build, until the DAG frees the donor
+    try:
+        reports = _run_dag_nodes(dag, worker, units, channel, steps, order, plans, timeout_s, on_round,
+                                 fans, groups, builds, built)
+    except BaseException:
+        for made in built.values():  # the donors hold their bytes again; the targets never existed
+            if made.build.donor in units:
+                made.undo()
+                units.pop(made.build.target.uid, None)
+        raise
+    return reports
+
+
+def _run_dag_nodes(dag: TransitionDAG, worker: int, units: dict[str, RankState], channel: DataChannel,
+                   steps: dict[int, Step], order: list[int], plans: dict[int, InPlace], timeout_s: float | None,
+                   on_round: Callable[[str, int], None] | None, fans: list[FanOut],
+                   groups: list[list[Any]], builds: dict[int, EarlyBuild],
+                   built: dict[str, _Built]) -> list[StepReport]:
     device = channel.device
+    build_before: dict[int, list[EarlyBuild]] = defaultdict(list)
+    for build in builds.values():
+        build_before[build.readers[0]].append(build)
+    stats: dict[str, _Built] = {}  # "kind#node" of a building node -> its build, for that node's report
     reports: list[StepReport] = []
     fan_of = {node: i for i, fan in enumerate(fans) for node in fan.nodes}
     # every member is there before anything moves (and NCCL's communicator exists before p2p)
@@ -997,6 +1105,10 @@ def _run_dag(dag: TransitionDAG, worker: int, units: dict[str, RankState], chann
         if node in carried:
             continue
         prim = dag.nodes[node]
+        for build in build_before.get(node, ()):
+            if build.donor in units and build.target.uid not in units:
+                made = built[build.donor] = _build_early(build, units, dag)
+                stats[f"{dag.nodes[build.node].kind.value}#{build.node}"] = made
         start = time.perf_counter()
         if node in fan_of:
             fan = fans[fan_of[node]]
@@ -1022,7 +1134,7 @@ def _run_dag(dag: TransitionDAG, worker: int, units: dict[str, RankState], chann
         if node not in steps:
             continue  # a relabelling Merge: handled by _apply_relabels
         step = steps[node]
-        riders = _riders(dag, order[index + 1:], steps, worker, units, prim, set(plans)) \
+        riders = _riders(dag, order[index + 1:], steps, worker, units, prim, set(plans) | set(build_before)) \
             if _remote(step, worker) else []
         for rider in riders:
             allocated += _allocate_targets(dag.nodes[rider], worker, units, device)
@@ -1051,6 +1163,7 @@ def _run_dag(dag: TransitionDAG, worker: int, units: dict[str, RankState], chann
             for unit in dag.nodes[done].frees:
                 if unit.holds(worker):
                     units.pop(unit.uid, None)  # Destroy (or a Merge's parts): the buffer goes with it
+                    built.pop(unit.uid, None)  # an early build from it is final
             if seconds is not None:
                 rider_step = steps[done]
                 reports.append(StepReport(
@@ -1063,6 +1176,14 @@ def _run_dag(dag: TransitionDAG, worker: int, units: dict[str, RankState], chann
     for old_uid, new_uid in dag.renamed:  # units that stay as they are take their new plan's name
         if old_uid in units:
             units[new_uid] = units.pop(old_uid)
+    for report in reports:  # a building node's report carries its build, made before its readers
+        extra = stats.get(report.primitive)
+        if extra is not None:
+            report.in_place = True
+            report.measured_s += extra.seconds
+            report.local_copy_s += extra.seconds
+            report.bytes_copied_locally += extra.copied
+            report.bytes_remapped += extra.moved_bytes
     return reports
 
 
@@ -1230,13 +1351,16 @@ def _forward_order(pieces: Sequence[Piece]) -> tuple[Piece, ...] | None:
         dst = contiguous_range(p.dst_slot, p.box)
         if dst is None:
             return None
-        # rows run along dim 0 (a 1-D box: one element a row); each must be one run in the source,
-        # since a row that overlaps its own destination is memmoved
-        first_row = contiguous_range(p.src_slot, (p.box[0], (1, *p.box[1][1:])))
+        # rows run along the first stored dim (a 1-D box: one element a row); each must be one run
+        # in the source, since a row that overlaps its own destination is memmoved
+        d = p.src_slot.order[0] if p.src_slot.order else 0
+        lens = list(p.box[1])
+        lens[d] = 1
+        first_row = contiguous_range(p.src_slot, (p.box[0], tuple(lens)))
         if first_row is None:
             return None
-        src_start, rows = first_row[0], p.box[1][0]
-        pitch = math.prod(p.src_slot.lengths[1:]) * p.src_slot.element_bytes
+        src_start, rows = first_row[0], p.box[1][d]
+        pitch = math.prod(p.src_slot.storage_lengths[1:]) * p.src_slot.element_bytes
         if dst[0] > src_start or (dst[1] - dst[0]) // rows > pitch:
             return None
         spans.append((dst[0], dst[1], src_start, p))
@@ -1325,8 +1449,8 @@ def _compact_piece(p: Piece, donor: RankState, target: RankState) -> None:
     contiguous on both sides is one memmove; strided rows go in chunks copied directly once their
     destination ends before their source begins, row by row (memmove) before that.
     ``_forward_order`` made every step safe: no write reaches a byte still to be read."""
-    src = _piece_view(donor, p.src_slot, p.box)
-    dst = _piece_view(target, p.dst_slot, p.box)
+    src = storage_view(_piece_view(donor, p.src_slot, p.box), p.src_slot)
+    dst = storage_view(_piece_view(target, p.dst_slot, p.box), p.dst_slot)
     src_start, dst_start = src.data_ptr(), dst.data_ptr()
     if src_start == dst_start and src.is_contiguous():
         return  # already in place (the counters, at the start of every buffer)
@@ -1395,6 +1519,199 @@ def _build_in_place(plan: InPlace, worker: int, units: dict[str, RankState]) -> 
     units.pop(plan.donor, None)
     release_tail(donor.flat, plan.target_bytes)
     return sum(p.num_bytes for p in plan.pieces), time.perf_counter() - start
+
+
+# --- building a unit early, from the pages of the one it is cut from (CPU) ------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EarlyBuild:
+    """On ``worker``, node ``node`` cuts ``target`` from ``donor`` (a TP or PP Split/Merge keeping
+    part of a shard), and the earlier nodes ``readers`` send from the donor only bytes the target
+    keeps (a TP1 -> TP2 change sends the very half it keeps to the new replica). The target is then
+    built right before the first reader and those reads come from it: its buffer is laid out as the
+    receiver's, so the sends go out as one zero-copy message instead of packed strided halves.
+
+    The build moves the donor's pages where a kept run sits at the same offset within a page on both
+    sides (no byte copied; page-aligned slots make that the common case) and copies the rest, strided
+    rows included. Until the DAG frees the donor, a failure moves the pages back (``_Built.undo``):
+    what survives is what the DAG's order keeps."""
+
+    node: int
+    worker: int
+    donor: str
+    target: EMU
+    readers: tuple[int, ...]  # nodes whose reads from the donor come from the target (incl. ``node``'s sends)
+    frees_at: int  # the node that frees the donor here (``node`` or a later one)
+
+
+def _original_units(dag: TransitionDAG) -> frozenset[str]:
+    made = {t.uid for prim in dag.nodes for t in prim.targets}
+    return frozenset(u.uid for prim in dag.nodes for u in prim.sources if u.uid not in made)
+
+
+@lru_cache(maxsize=64)
+def early_builds(dag: TransitionDAG, worker: int) -> dict[int, EarlyBuild]:
+    """The early builds (``EarlyBuild``) of ``worker``, by building node. Pure, cached per DAG object:
+    the receivers of a worker's sends derive the same, so both ends agree on the messages."""
+    order = dag.nodes_on(worker)
+    original = _original_units(dag)
+    out: dict[int, EarlyBuild] = {}
+    for i, node in enumerate(order):
+        prim = dag.nodes[node]
+        if relabels(prim):
+            continue
+        pieces = node_pieces(dag, node, worker)
+        into = [p for p in pieces if p.dst_worker == worker]
+        pairs = {(p.src_unit, p.dst_unit) for p in into}
+        if not into or len(pairs) != 1 or any(p.src_worker != worker for p in into):
+            continue  # something is received into it, or it is cut from several units
+        donor_uid, target_uid = next(iter(pairs))
+        mine = [t for t in prim.targets if t.holds(worker)]
+        if (len(mine) != 1 or mine[0].uid != target_uid or donor_uid not in original
+                or not any(u.uid == donor_uid and u.holds(worker) for u in prim.sources)):
+            continue
+        target = mine[0]
+        if isinstance(prim, Merge) and any(part.final == target and part.holds(worker) for part in prim.parts):
+            continue  # a part is relabelled into the target here
+        frees_at = next((n for n in order[i:] if any(u.uid == donor_uid and u.holds(worker)
+                                                     for u in dag.nodes[n].frees)), None)
+        if frees_at is None:
+            continue
+        boxes = {key: (slot.offsets, slot.lengths) for key, slot in unit_slots(target, worker).items()}
+        readers: list[int] = []
+        ok = True
+        for n in order[: order.index(frees_at) + 1]:
+            other = dag.nodes[n]
+            reads = [p for p in node_pieces(dag, n, worker) if p.src_worker == worker and p.src_unit == donor_uid
+                     and not (n == node and p.dst_worker == worker)]
+            parts = {part.uid for part in other.parts} if isinstance(other, Merge) else set()
+            if n != node and (target_uid in {u.uid for u in (*other.targets, *other.frees)} | parts
+                              or donor_uid in parts or (n != frees_at and donor_uid in {u.uid for u in other.frees})):
+                ok = False
+                break
+            if not reads:
+                continue
+            if not all(p.src_slot.key in boxes and box_contains(boxes[p.src_slot.key], p.box) for p in reads):
+                ok = False
+                break
+            readers.append(n)
+        if ok and readers and readers[0] != node:
+            out[node] = EarlyBuild(node=node, worker=worker, donor=donor_uid, target=target,
+                                   readers=tuple(readers), frees_at=frees_at)
+    return out
+
+
+def _redirected(dag: TransitionDAG, node: int, worker: int, pieces: list[Piece]) -> list[Piece]:
+    """``pieces`` of ``node`` as run with early builds: reads from a donor built early come from its
+    target, and ``worker``'s own copies into a target it builds early are dropped (done by the build)."""
+    mine = early_builds(dag, worker).get(node)
+    out = []
+    for p in pieces:
+        if mine is not None and p.src_worker == p.dst_worker == worker and p.dst_unit == mine.target.uid:
+            continue
+        for build in early_builds(dag, p.src_worker).values():
+            if p.src_unit == build.donor and node in build.readers:
+                p = replace(p, src_unit=build.target.uid, src_slot=unit_slots(build.target, p.src_worker)[p.src_slot.key])
+                break
+        out.append(p)
+    return out
+
+
+_LIBC.mremap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
+_LIBC.mremap.restype = ctypes.c_void_p
+_MREMAP_MAYMOVE, _MREMAP_FIXED, _MREMAP_DONTUNMAP = 1, 2, 4
+
+
+def _move_pages(dst: int, src: int, num_bytes: int) -> bool:
+    """Move the pages of [src, src + num_bytes) to ``dst`` (both page-aligned): the memory changes
+    address, no byte is copied, and ``src`` keeps an empty mapping (it reads zeros; nothing else may
+    be mapped there meanwhile). False where the kernel refuses (Linux < 5.7, or memory that is not
+    private and anonymous): the caller copies instead."""
+    got = _LIBC.mremap(src, num_bytes, num_bytes, _MREMAP_MAYMOVE | _MREMAP_FIXED | _MREMAP_DONTUNMAP, dst)
+    return got == dst
+
+
+def _move_or_copy(d: int, s: int, n: int, moved: list[tuple[int, int, int]], pages: bool = True) -> tuple[int, int]:
+    """Put the ``n`` bytes at address ``s`` at address ``d``: with ``pages`` and both at the same
+    offset within a page, the whole pages in between are moved (recorded in ``moved`` as (dst, src,
+    bytes)) and the ragged ends copied; otherwise everything is copied. Returns (copied, moved)."""
+    head = -d % PAGE_BYTES
+    body = (n - head) // PAGE_BYTES * PAGE_BYTES if pages and n >= 2 * PAGE_BYTES else 0
+    if body and (s - d) % PAGE_BYTES == 0 and _move_pages(d + head, s + head, body):
+        moved.append((d + head, s + head, body))
+        if head:
+            _memmove(d, s, head)
+        if n - head - body:
+            _memmove(d + head + body, s + head + body, n - head - body)
+        return n - body, body
+    _memmove(d, s, n)
+    return n, 0
+
+
+@lru_cache(maxsize=1024)
+def _build_pieces(dag: TransitionDAG, node: int, worker: int, target: str
+                  ) -> tuple[tuple[tuple[int, int, int], ...], tuple[Piece, ...]]:
+    """What an early build of ``target`` on ``worker`` copies: byte runs contiguous on both sides as
+    (donor offset, target offset, bytes), back-to-back ones merged, and the strided pieces. Pure."""
+    runs: list[tuple[int, int, int]] = []
+    strided: list[Piece] = []
+    for p in node_pieces(dag, node, worker):
+        if not (p.src_worker == p.dst_worker == worker and p.dst_unit == target):
+            continue
+        src, dst = contiguous_range(p.src_slot, p.box), contiguous_range(p.dst_slot, p.box)
+        if src is None or dst is None:
+            strided.append(p)
+        elif runs and runs[-1][0] + runs[-1][2] == src[0] and runs[-1][1] + runs[-1][2] == dst[0]:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + src[1] - src[0])
+        else:
+            runs.append((src[0], dst[0], src[1] - src[0]))
+    return tuple(runs), tuple(strided)
+
+
+@dataclass(slots=True)
+class _Built:
+    """An early build done, kept until the DAG frees its donor so a failure can undo it."""
+
+    build: EarlyBuild
+    target: RankState
+    moved: list[tuple[int, int, int]] = field(default_factory=list)
+    copied: int = 0
+    seconds: float = 0.0
+
+    @property
+    def moved_bytes(self) -> int:
+        return sum(n for _, _, n in self.moved)
+
+    def undo(self) -> None:
+        """Give the donor its pages back (the target, dropped by the caller, keeps empty ones)."""
+        for dst, src, n in reversed(self.moved):
+            if not _move_pages(src, dst, n):
+                _memmove(src, dst, n)
+        self.moved.clear()
+
+
+def _build_early(build: EarlyBuild, units: dict[str, RankState], dag: TransitionDAG) -> _Built:
+    start = time.perf_counter()
+    worker = build.worker
+    donor = units[build.donor]
+    target = allocate_unit(build.target, worker, donor.flat.device)
+    done = _Built(build=build, target=target)
+    runs, strided = _build_pieces(dag, build.node, worker, build.target.uid)
+    src, dst = donor.flat.data_ptr(), target.flat.data_ptr()
+    pages = target.flat.device.type == "cpu" and (src - dst) % PAGE_BYTES == 0
+    try:
+        for s, d, n in runs:
+            done.copied += _move_or_copy(dst + d, src + s, n, done.moved, pages)[0]
+        for p in strided:
+            _piece_view(target, p.dst_slot, p.box).copy_(_piece_view(donor, p.src_slot, p.box))
+            done.copied += p.num_bytes
+    except BaseException:
+        done.undo()
+        raise
+    units[build.target.uid] = target
+    done.seconds = time.perf_counter() - start
+    return done
 
 
 # --- what survives a failure (pure) ----------------------------------------------------------------
