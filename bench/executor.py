@@ -49,9 +49,10 @@ NUM_WORKERS = 4
 BUCKET_BYTES = [DEFAULT_BUCKET_BYTES]  # --bucket-mib
 DEVICE = ["cpu"]  # --device: cpu (gloo) or cuda (NCCL, one GPU per worker)
 RATIO = ("throughput_ratio = raw_single_buffer_s / executor_s (same bytes, so = executor GB/s / raw GB/s). "
-         "Paths: [dag] the transition DAG as the executor runs it on CPU (units cut from one the worker "
-         "frees are compacted inside its buffer, and sends read the compacted unit); [dag, fresh memory] the "
-         "same DAG with every new unit in freshly allocated memory; [plan] the geometry plan; [dag, broadcast] an "
+         "Paths: [dag] the transition DAG as the executor runs it on CPU (a unit cut from one the worker "
+         "gives up is built from that unit's pages before the sends that read it, which then send from the "
+         "new unit: bytes_remapped changed buffers uncopied); [dag, fresh memory] the "
+         "same DAG with every new unit in freshly allocated memory and sends from the old units; [plan] the geometry plan; [dag, broadcast] an "
          "Extend fan-out run as one broadcast (the default for fan-outs of >= 32 MiB per rank; [dag] forces "
          "point-to-point there). "
          "executor_s: per worker the sum of its nodes' measured_s (the whole transition on that worker: "
@@ -202,6 +203,7 @@ def throughput(pool: LocalCoordinator, model: str, repeats: int) -> dict[str, An
                                             for reps in outcome.reports.values()),
                 "built_in_place": sorted({f"{x.primitive} on worker {w}" for w, reps in outcome.reports.items()
                                          for x in reps if x.in_place}),
+                "bytes_remapped": sum(x.bytes_remapped for reps in outcome.reports.values() for x in reps),
                 "predicted_L_tran_s": predicted}
     return out
 
