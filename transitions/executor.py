@@ -38,6 +38,7 @@ import ctypes.util
 import math
 import mmap
 import time
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -65,6 +66,9 @@ PAGE_BYTES = mmap.PAGESIZE
 PAGE_ALIGN_MIN_BYTES = 64 << 10
 # CPU buffers from this size are anonymous mappings of their own, page-aligned (``alloc_bytes``)
 MAP_MIN_BYTES = 1 << 20
+# runs from this size change buffers as pages; smaller ones are copied. Each moved run costs the new
+# buffer up to two mappings (vm.max_map_count is 65530 by default; a refused move is copied instead)
+MOVE_MIN_BYTES = 64 << 10
 COUNTERS = "_meta.counters"  # per unit: version, optimizer step, minibatch position, spare
 COUNTERS_KIND = "counters"
 NUM_COUNTERS = 4
@@ -238,15 +242,22 @@ def _slot_start(end_of_previous: int, num_bytes: int) -> int:
 
 def rank_slots(placement: StagePlacement, rank: int) -> tuple[tuple[Slot, ...], int]:
     """The slots of unit rank ``rank`` in buffer order, and the buffer's size in bytes."""
+    return _layout_slots(placement.model, placement.head, placement.layout, rank, placement.kinds)
+
+
+@lru_cache(maxsize=1024)
+def _layout_slots(model: ModelSpec, head: Head, layout: Layout, rank: int,
+                  kinds: tuple[StateKind, ...]) -> tuple[tuple[Slot, ...], int]:
+    """``rank_slots`` depends on the layout alone, not on where the unit sits: every replica and every
+    part in final shape of one layout shares it (and it outlives the transition)."""
     slots: list[Slot] = []
     offset = 0
     entries: list[tuple[str, str, torch.dtype, tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = [
         (COUNTERS, COUNTERS_KIND, torch.int64, (NUM_COUNTERS,), (0,), (NUM_COUNTERS,))
     ]
-    for s in unit_shards(placement.model, placement.head, placement.layout, rank, placement.kinds):
-        entries.append((s.tensor, s.kind.value, dtype_of(s.kind, placement.model), s.global_shape,
-                        s.offsets, s.lengths))
-    orders = _storage_orders(placement.model, placement.head)
+    for s in unit_shards(model, head, layout, rank, kinds):
+        entries.append((s.tensor, s.kind.value, dtype_of(s.kind, model), s.global_shape, s.offsets, s.lengths))
+    orders = _storage_orders(model, head)
     for tensor, kind, dtype, shape, offs, lens in entries:
         offset = _slot_start(offset, math.prod(lens) * dtype.itemsize)
         slot = Slot(tensor=tensor, kind=kind, dtype=dtype, global_shape=shape, offsets=offs, lengths=lens,
@@ -939,11 +950,30 @@ def allocate_unit(unit: EMU, gpu: int, device: torch.device) -> RankState:
                      flat=alloc_bytes(unit_buffer_bytes(unit, gpu), device), slots=dict(unit_slots(unit, gpu)))
 
 
-@lru_cache(maxsize=8192)
+_DAG_MEMO: weakref.WeakKeyDictionary[TransitionDAG, dict[Any, Any]] = weakref.WeakKeyDictionary()
+
+
+def _memo(dag: TransitionDAG) -> dict[Any, Any]:
+    """What this module derived from ``dag`` (pieces, early builds), kept as long as the DAG object
+    lives: a worker derives its peers' early builds from their pieces too, and nothing outlives it."""
+    memo = _DAG_MEMO.get(dag)
+    if memo is None:
+        memo = _DAG_MEMO[dag] = {}
+    return memo
+
+
 def node_pieces(dag: TransitionDAG, node: int, worker: int) -> tuple[Piece, ...]:
     """The pieces ``worker`` sends, receives or copies locally for DAG node ``node``, in derivation
     order (transitions.primitives keeps it), counters first: they sit at the start of every buffer,
-    so buckets stay back to back there. Pure; cached per DAG object (DAGs compare by identity)."""
+    so buckets stay back to back there. Pure; memoised per DAG object."""
+    memo = _memo(dag)
+    key = ("pieces", node, worker)
+    if key not in memo:
+        memo[key] = _node_pieces(dag, node, worker)
+    return memo[key]  # type: ignore[no-any-return]
+
+
+def _node_pieces(dag: TransitionDAG, node: int, worker: int) -> tuple[Piece, ...]:
     prim = dag.nodes[node]
     units = {u.uid: u for u in (*prim.sources, *prim.targets)}
     out: list[Piece] = []
@@ -1550,10 +1580,17 @@ def _original_units(dag: TransitionDAG) -> frozenset[str]:
     return frozenset(u.uid for prim in dag.nodes for u in prim.sources if u.uid not in made)
 
 
-@lru_cache(maxsize=64)
 def early_builds(dag: TransitionDAG, worker: int) -> dict[int, EarlyBuild]:
-    """The early builds (``EarlyBuild``) of ``worker``, by building node. Pure, cached per DAG object:
-    the receivers of a worker's sends derive the same, so both ends agree on the messages."""
+    """The early builds (``EarlyBuild``) of ``worker``, by building node. Pure, memoised per DAG
+    object: the receivers of a worker's sends derive the same, so both ends agree on the messages."""
+    memo = _memo(dag)
+    key = ("early", worker)
+    if key not in memo:
+        memo[key] = _early_builds(dag, worker)
+    return memo[key]  # type: ignore[no-any-return]
+
+
+def _early_builds(dag: TransitionDAG, worker: int) -> dict[int, EarlyBuild]:
     order = dag.nodes_on(worker)
     original = _original_units(dag)
     out: dict[int, EarlyBuild] = {}
@@ -1637,7 +1674,7 @@ def _move_or_copy(d: int, s: int, n: int, moved: list[tuple[int, int, int]], pag
     offset within a page, the whole pages in between are moved (recorded in ``moved`` as (dst, src,
     bytes)) and the ragged ends copied; otherwise everything is copied. Returns (copied, moved)."""
     head = -d % PAGE_BYTES
-    body = (n - head) // PAGE_BYTES * PAGE_BYTES if pages and n >= 2 * PAGE_BYTES else 0
+    body = (n - head) // PAGE_BYTES * PAGE_BYTES if pages and n >= max(MOVE_MIN_BYTES, 2 * PAGE_BYTES) else 0
     if body and (s - d) % PAGE_BYTES == 0 and _move_pages(d + head, s + head, body):
         moved.append((d + head, s + head, body))
         if head:
@@ -1649,7 +1686,6 @@ def _move_or_copy(d: int, s: int, n: int, moved: list[tuple[int, int, int]], pag
     return n, 0
 
 
-@lru_cache(maxsize=1024)
 def _build_pieces(dag: TransitionDAG, node: int, worker: int, target: str
                   ) -> tuple[tuple[tuple[int, int, int], ...], tuple[Piece, ...]]:
     """What an early build of ``target`` on ``worker`` copies: byte runs contiguous on both sides as

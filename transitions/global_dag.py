@@ -63,7 +63,7 @@ class DagBody:
     gpu_nodes: dict[int, tuple[int, ...]]  # GPU -> node ids in order
 
 
-@dataclass(frozen=True, kw_only=True, slots=True, eq=False)
+@dataclass(frozen=True, kw_only=True, slots=True, eq=False, weakref_slot=True)
 class TransitionDAG:
     """Frozen plan of a transition. Built either unit by unit (``body`` given) or over replica classes
     (``replicas``, transitions.replica_classes): then the unit-level DAG is expanded on first use of
