@@ -1735,7 +1735,9 @@ def _build_early(build: EarlyBuild, units: dict[str, RankState], dag: Transition
     done = _Built(build=build, target=target)
     runs, strided = _build_pieces(dag, build.node, worker, build.target.uid)
     src, dst = donor.flat.data_ptr(), target.flat.data_ptr()
-    pages = target.flat.device.type == "cpu" and (src - dst) % PAGE_BYTES == 0
+    # pages move only between mappings of our own (``alloc_bytes``), never in or out of malloc's heap
+    pages = (target.flat.device.type == "cpu" and (src - dst) % PAGE_BYTES == 0
+             and min(donor.flat.numel(), target.flat.numel()) >= MAP_MIN_BYTES)
     try:
         for s, d, n in runs:
             done.copied += _move_or_copy(dst + d, src + s, n, done.moved, pages)[0]
