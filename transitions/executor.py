@@ -1596,8 +1596,9 @@ def _early_builds(dag: TransitionDAG, worker: int) -> dict[int, EarlyBuild]:
     out: dict[int, EarlyBuild] = {}
     for i, node in enumerate(order):
         prim = dag.nodes[node]
-        if relabels(prim):
-            continue
+        if relabels(prim) or sum(t.holds(worker) for t in prim.targets) != 1 or not any(
+                u.holds(worker) and u.uid in original for u in prim.sources):
+            continue  # not cut here from a unit held since the start (checked before deriving pieces)
         pieces = node_pieces(dag, node, worker)
         into = [p for p in pieces if p.dst_worker == worker]
         pairs = {(p.src_unit, p.dst_unit) for p in into}
