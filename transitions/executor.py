@@ -723,8 +723,9 @@ def _bucket_layout(m: Message) -> list[tuple[Piece, int]]:
 
 
 def _typed(buf: torch.Tensor, offset: int, p: Piece) -> torch.Tensor:
-    """Piece ``p`` at ``offset`` of a bucket, as a logical view; its bytes in storage order, as both
-    ends hold them (the order is the tensor's), so a bucket laid out as either side is that side."""
+    """Piece ``p`` at ``offset`` of a bucket, as a logical view. Its bytes lie in storage order, as
+    both ends hold them (the order belongs to the tensor), so a bucket laid out as one side's buffer
+    holds exactly that side's bytes."""
     order = p.src_slot.order
     lens = tuple(p.box[1][d] for d in order) if order else p.box[1]
     return _stored(buf[offset: offset + p.num_bytes].view(p.src_slot.dtype), lens, order)
