@@ -954,24 +954,22 @@ def allocate_unit(unit: EMU, gpu: int, device: torch.device) -> RankState:
 _DAG_MEMO: weakref.WeakKeyDictionary[TransitionDAG, dict[Any, Any]] = weakref.WeakKeyDictionary()
 
 
-def _memo(dag: TransitionDAG) -> dict[Any, Any]:
-    """What this module derived from ``dag`` (pieces, early builds), kept as long as the DAG object
-    lives: a worker derives its peers' early builds from their pieces too, and nothing outlives it."""
+def _memoised(dag: TransitionDAG, key: tuple[Any, ...], make: Callable[[], Any]) -> Any:
+    """``make()``, derived once per DAG object and kept as long as it lives (pieces, early builds: a
+    worker derives its peers' early builds from their pieces too, and nothing outlives the DAG)."""
     memo = _DAG_MEMO.get(dag)
     if memo is None:
         memo = _DAG_MEMO[dag] = {}
-    return memo
+    if key not in memo:
+        memo[key] = make()
+    return memo[key]
 
 
 def node_pieces(dag: TransitionDAG, node: int, worker: int) -> tuple[Piece, ...]:
     """The pieces ``worker`` sends, receives or copies locally for DAG node ``node``, in derivation
     order (transitions.primitives keeps it), counters first: they sit at the start of every buffer,
     so buckets stay back to back there. Pure; memoised per DAG object."""
-    memo = _memo(dag)
-    key = ("pieces", node, worker)
-    if key not in memo:
-        memo[key] = _node_pieces(dag, node, worker)
-    return memo[key]  # type: ignore[no-any-return]
+    return _memoised(dag, ("pieces", node, worker), lambda: _node_pieces(dag, node, worker))  # type: ignore[no-any-return]
 
 
 def _node_pieces(dag: TransitionDAG, node: int, worker: int) -> tuple[Piece, ...]:
@@ -1413,15 +1411,11 @@ def in_place_plan(dag: TransitionDAG, node: int, step: Step, worker: int, order:
     itself must receive nothing into the target. Pure: from the DAG and the steps alone."""
     prim = dag.nodes[node]
     local = [p for p in step.local if p.dst_worker == worker]
-    pairs = {(p.src_unit, p.dst_unit) for p in local}
-    if len(pairs) != 1:
+    cut = _cut_here(prim, local, worker)
+    if cut is None:
         return None
-    donor_uid, target_uid = next(iter(pairs))
-    donor = next((u for u in prim.sources if u.uid == donor_uid and u.holds(worker)), None)
-    mine = [t for t in prim.targets if t.holds(worker)]
-    if donor is None or len(mine) != 1 or mine[0].uid != target_uid:
-        return None
-    target = mine[0]
+    donor, target = cut
+    donor_uid, target_uid = donor.uid, target.uid
     if any(u.uid == donor_uid for u in prim.frees):
         build_after = node
     else:
@@ -1429,8 +1423,6 @@ def in_place_plan(dag: TransitionDAG, node: int, step: Step, worker: int, order:
         if last is None:
             return None
         build_after = last
-    if isinstance(prim, Merge) and any(part.final == target and part.holds(worker) for part in prim.parts):
-        return None  # a part is relabelled into the target here: it exists before the copies
     if any(m.dst_worker == worker and any(p.dst_unit == target_uid for p in m.pieces) for m in step.messages):
         return None  # a receive would land in the donor's buffer while the node still reads it
     size = unit_buffer_bytes(target, worker)
@@ -1441,6 +1433,24 @@ def in_place_plan(dag: TransitionDAG, node: int, step: Step, worker: int, order:
         return None
     return InPlace(node=node, donor=donor_uid, target=target, target_bytes=size, pieces=ordered,
                    build_after=build_after)
+
+
+def _cut_here(prim: Primitive, into: Sequence[Piece], worker: int) -> tuple[EMU, EMU] | None:
+    """(donor, target) when ``into``, the pieces landing on ``worker`` for ``prim``, are all local
+    copies from one unit held here into ``prim``'s only target here (a Split or Merge keeping part of
+    a shard), and no part already in final shape is relabelled into that target (it would exist
+    before the copies). None otherwise."""
+    pairs = {(p.src_unit, p.dst_unit) for p in into}
+    if len(pairs) != 1 or any(p.src_worker != worker for p in into):
+        return None
+    donor_uid, target_uid = next(iter(pairs))
+    donor = next((u for u in prim.sources if u.uid == donor_uid and u.holds(worker)), None)
+    mine = [t for t in prim.targets if t.holds(worker)]
+    if donor is None or len(mine) != 1 or mine[0].uid != target_uid:
+        return None
+    if isinstance(prim, Merge) and any(part.final == mine[0] and part.holds(worker) for part in prim.parts):
+        return None
+    return donor, mine[0]
 
 
 def _last_reader(dag: TransitionDAG, node: int, donor: str, target: str, worker: int, order: Sequence[int],
@@ -1584,11 +1594,7 @@ def _original_units(dag: TransitionDAG) -> frozenset[str]:
 def early_builds(dag: TransitionDAG, worker: int) -> dict[int, EarlyBuild]:
     """The early builds (``EarlyBuild``) of ``worker``, by building node. Pure, memoised per DAG
     object: the receivers of a worker's sends derive the same, so both ends agree on the messages."""
-    memo = _memo(dag)
-    key = ("early", worker)
-    if key not in memo:
-        memo[key] = _early_builds(dag, worker)
-    return memo[key]  # type: ignore[no-any-return]
+    return _memoised(dag, ("early", worker), lambda: _early_builds(dag, worker))  # type: ignore[no-any-return]
 
 
 def _early_builds(dag: TransitionDAG, worker: int) -> dict[int, EarlyBuild]:
@@ -1600,19 +1606,11 @@ def _early_builds(dag: TransitionDAG, worker: int) -> dict[int, EarlyBuild]:
         if relabels(prim) or sum(t.holds(worker) for t in prim.targets) != 1 or not any(
                 u.holds(worker) and u.uid in original for u in prim.sources):
             continue  # not cut here from a unit held since the start (checked before deriving pieces)
-        pieces = node_pieces(dag, node, worker)
-        into = [p for p in pieces if p.dst_worker == worker]
-        pairs = {(p.src_unit, p.dst_unit) for p in into}
-        if not into or len(pairs) != 1 or any(p.src_worker != worker for p in into):
-            continue  # something is received into it, or it is cut from several units
-        donor_uid, target_uid = next(iter(pairs))
-        mine = [t for t in prim.targets if t.holds(worker)]
-        if (len(mine) != 1 or mine[0].uid != target_uid or donor_uid not in original
-                or not any(u.uid == donor_uid and u.holds(worker) for u in prim.sources)):
-            continue
-        target = mine[0]
-        if isinstance(prim, Merge) and any(part.final == target and part.holds(worker) for part in prim.parts):
-            continue  # a part is relabelled into the target here
+        cut = _cut_here(prim, [p for p in node_pieces(dag, node, worker) if p.dst_worker == worker], worker)
+        if cut is None or cut[0].uid not in original:
+            continue  # something is received into it, it is cut from several units, or from a new one
+        donor_uid, target = cut[0].uid, cut[1]
+        target_uid = target.uid
         frees_at = next((n for n in order[i:] if any(u.uid == donor_uid and u.holds(worker)
                                                      for u in dag.nodes[n].frees)), None)
         if frees_at is None:
