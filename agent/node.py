@@ -35,6 +35,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +50,7 @@ from nereusd.keys import ClientBundle, load_bundle
 from nereusd.logs import configure_logging, get_logger
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_REFUSED = 0, 1, 2, 3
+OUTBOX_MAX = 4096  # reports held while unregistered; past this the oldest go (logged)
 
 
 class AgentRefused(Exception):
@@ -166,6 +168,9 @@ class NodeAgent:
         # that connects after a PUBlish never sees it (workers drop repeats by transition id)
         self.pending_orders: dict[int, protocol.TransitionOrder] = {}
         self.reports: dict[int, list[protocol.TransitionReport]] = {}  # per order, from local workers
+        # reports (measurements, transition results) wait here until the daemon has welcomed this agent:
+        # sent before the welcome, the daemon refuses them as ``unknown-session`` and they are gone
+        self.outbox: deque[protocol.Measurement | protocol.TransitionReport] = deque(maxlen=OUTBOX_MAX)
 
     # --- workers ------------------------------------------------------------------------------------
     def _spawn(self, w: _Worker) -> None:
@@ -231,6 +236,7 @@ class NodeAgent:
             self.interval_s = msg.heartbeat_interval_s
             self.registered.set()
             self.log.info("registered", reconnected=msg.reconnected, plan_version=msg.plan_version)
+            self._flush_outbox()
         elif isinstance(msg, protocol.ErrorReply):
             if msg.code == "unknown-session":
                 self.registered.clear()
@@ -265,14 +271,27 @@ class NodeAgent:
         failed = [r for r in got if not r.ok]
         self.pending_orders.pop(msg.transition_id)
         self.reports.pop(msg.transition_id)
-        self.client.send(protocol.TransitionReport(
+        self._send_report(protocol.TransitionReport(
             job_id=self.cfg.job_id, node=self.cfg.node, transition_id=msg.transition_id, ok=not failed,
             measured_s=max(r.measured_s for r in got), bytes_moved=sum(r.bytes_moved for r in got),
             error="; ".join(r.error for r in failed)))
 
-    def report(self, msg: protocol.Measurement | protocol.TransitionReport) -> bool:
+    def _send_report(self, msg: protocol.Measurement | protocol.TransitionReport) -> None:
+        """Send now if the daemon knows this agent, else hold it until the welcome."""
+        if not self.registered.is_set():
+            if len(self.outbox) == self.outbox.maxlen:
+                self.log.warning("outbox-full-dropping-oldest", held=len(self.outbox))
+            self.outbox.append(msg)
+            return
+        self.client.send(msg)
+
+    def _flush_outbox(self) -> None:
+        while self.outbox and self.registered.is_set():
+            self.client.send(self.outbox.popleft())
+
+    def report(self, msg: protocol.Measurement | protocol.TransitionReport) -> None:
         """Send a report from this process (the driver on node 0 may run inside the agent)."""
-        return self.client.send(msg)
+        self._send_report(msg)
 
     def run(self) -> int:
         self.interval_s = 1.0
@@ -325,7 +344,7 @@ class NodeAgent:
                         if isinstance(msg, protocol.TransitionReport):
                             self._worker_report(msg)
                         elif isinstance(msg, protocol.Measurement):
-                            self.client.send(msg)
+                            self._send_report(msg)
             return EXIT_OK
         except (AgentRefused, AuthRefused) as exc:
             self.log.error("refused", error=str(exc))
