@@ -27,7 +27,9 @@ from planner.hardware import ClusterSpec
 from transitions.channel import GenerationSpec
 from transitions.cost import DEFAULT_COMMUNICATOR_SETUP_S, primitive_seconds
 from transitions.emu import EMU, box_intersection
-from transitions.executor import DEFAULT_BUCKET_BYTES, StagePlacement, StepReport, lost_state
+from transitions.executor import StepReport
+from transitions.layout import StagePlacement
+from transitions.transfer_plan import DEFAULT_BUCKET_BYTES
 from transitions.global_dag import TransitionDAG
 
 # --- commands and replies (plain frozen data: pickled on local pipes, msgpack on the daemon plane) ---

@@ -24,31 +24,21 @@ from typing import Any
 import torch
 
 from agent.coordinator import (
-    Abort,
     Call,
-    Commit,
     Dump,
     Exit,
     InitState,
     InitUnits,
     Join,
     LoadCheckpoint,
-    Prepare,
     Reply,
     RunDag,
     SaveCheckpoint,
 )
 from transitions.channel import DataChannel
-from transitions.executor import (
-    COUNTERS,
-    PendingTransition,
-    RankState,
-    StagePlacement,
-    plan_transition,
-    run_dag,
-    run_transition,
-    unit_placement,
-)
+from transitions.dag_pieces import DagMemo
+from transitions.executor import RankState, run_dag
+from transitions.layout import COUNTERS, StagePlacement, unit_placement
 
 
 @dataclass(slots=True)
@@ -60,7 +50,7 @@ class WorkerContext:
     channel: DataChannel
     states: dict[str, RankState] = field(default_factory=dict)  # per model-stage (geometry plans)
     units: dict[str, RankState] = field(default_factory=dict)  # per EMU uid (DAG runs)
-    pending: PendingTransition | None = None
+    memo: DagMemo = field(default_factory=DagMemo)  # what this worker derived from the DAGs it runs
 
 
 def logical_seed(seed: int, model_stage: str, tensor: str, kind: str) -> int:
@@ -80,7 +70,7 @@ def random_state(placement: StagePlacement, replica: int, rank: int, seed: int,
         gen = torch.Generator().manual_seed(logical_seed(seed, placement.model_stage, slot.tensor, slot.kind))
         full = torch.randn(slot.global_shape, generator=gen, dtype=torch.float32)
         box = tuple(slice(o, o + k) for o, k in zip(slot.offsets, slot.lengths))
-        view.copy_(full[box].to(slot.dtype))
+        view.copy_(full[box].to(view.dtype))
     return state
 
 
@@ -123,7 +113,7 @@ def handle(ctx: WorkerContext, cmd: Any) -> Any:
         ctx.states.clear()
         for unit in cmd.units:
             if unit.holds(ctx.worker_id):
-                placement, _ = unit_placement(unit)
+                placement = unit_placement(unit)
                 rank = placement.gpu_sets[0].index(ctx.worker_id)
                 ctx.units[unit.uid] = random_state(placement, 0, rank, cmd.seed, ctx.device)
         return sorted(ctx.units)
@@ -134,25 +124,7 @@ def handle(ctx: WorkerContext, cmd: Any) -> Any:
 
         return run_dag(cmd.dag, ctx.worker_id, ctx.units, ctx.channel, predicted_s=cmd.predicted_s,
                        max_bucket_bytes=cmd.max_bucket_bytes, on_round=on_round_dag, in_place=cmd.in_place,
-                       fan_out=cmd.fan_out)
-    if isinstance(cmd, Prepare):
-        ctx.pending = None
-        plan = plan_transition(cmd.old, cmd.new, max_bucket_bytes=cmd.max_bucket_bytes)
-
-        def on_round(model_stage: str, rnd: int) -> None:
-            if cmd.kill_at == (model_stage, rnd):
-                os.kill(os.getpid(), signal.SIGKILL)
-
-        ctx.pending = run_transition(plan, ctx.worker_id, ctx.states, ctx.channel, on_round=on_round)
-        return ctx.pending.reports
-    if isinstance(cmd, Commit):
-        if ctx.pending is not None:
-            ctx.pending.commit(ctx.states)
-        ctx.pending = None
-        return sorted(ctx.states)
-    if isinstance(cmd, Abort):
-        ctx.pending = None  # the new buffers go; the old state was never touched
-        return sorted(ctx.states)
+                       fan_out=cmd.fan_out, memo=ctx.memo)
     if isinstance(cmd, Dump):
         return _dump(ctx, cmd.stages)
     if isinstance(cmd, SaveCheckpoint):

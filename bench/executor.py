@@ -36,14 +36,13 @@ import torch  # noqa: E402
 
 from agent.coordinator import LocalCoordinator  # noqa: E402
 from planner.hardware import cluster_preset  # noqa: E402
-from planner.models import Head, model_preset  # noqa: E402
+from planner.models import model_preset  # noqa: E402
 from planner.plan import GlobalPlan, Layout, StagePlan  # noqa: E402
 from planner.workflow import ACTOR_TRAIN  # noqa: E402
-from transitions.executor import DEFAULT_BUCKET_BYTES, StagePlacement, plan_transition  # noqa: E402
-from transitions.geometry import TRAINING_KINDS  # noqa: E402
 from transitions.global_dag import build_transition  # noqa: E402
 from transitions.local_dag import plan_units  # noqa: E402
 from transitions.scenarios import stage_states  # noqa: E402
+from transitions.transfer_plan import DEFAULT_BUCKET_BYTES  # noqa: E402
 
 NUM_WORKERS = 4
 BUCKET_BYTES = [DEFAULT_BUCKET_BYTES]  # --bucket-mib
@@ -52,7 +51,7 @@ RATIO = ("throughput_ratio = raw_single_buffer_s / executor_s (same bytes, so = 
          "Paths: [dag] the transition DAG as the executor runs it on CPU (a unit cut from one the worker "
          "gives up is built from that unit's pages before the sends that read it, which then send from the "
          "new unit: bytes_remapped changed buffers uncopied); [dag, fresh memory] the "
-         "same DAG with every new unit in freshly allocated memory and sends from the old units; [plan] the geometry plan; [dag, broadcast] an "
+         "same DAG with every new unit in freshly allocated memory and sends from the old units; [dag, broadcast] an "
          "Extend fan-out run as one broadcast (the default for fan-outs of >= 32 MiB per rank; [dag] forces "
          "point-to-point there). "
          "executor_s: per worker the sum of its nodes' measured_s (the whole transition on that worker: "
@@ -62,11 +61,6 @@ RATIO = ("throughput_ratio = raw_single_buffer_s / executor_s (same bytes, so = 
          "workers, min over repeats interleaved with the executor's. *_median: the same with medians. "
          "throughput_ratio_vs_warm_raw: against receive buffers allocated and touched beforehand. "
          "transfer_ratio: executor time without copies of bytes that stay on their worker.")
-
-
-def stage(model: str, tp: int, gpu_sets: list[list[int]]) -> StagePlacement:
-    return StagePlacement(model_stage="actor-train", model=model_preset(model), head=Head.LM,
-                          kinds=TRAINING_KINDS, layout=Layout(tp, 1), gpu_sets=tuple(tuple(g) for g in gpu_sets))
 
 
 def global_plan(version: int, tp: int, gpu_sets: list[list[int]]) -> GlobalPlan:
@@ -81,28 +75,20 @@ CHANGES = {
 }
 # throughput only: one replica feeding three (point-to-point Extends vs one broadcast)
 FAN_OUT = {"dp1->dp4 (fan-out)": ((1, [[0]]), (1, [[0], [1], [2], [3]]))}
-PATHS = ("dag", "dag, fresh memory", "plan")
+PATHS = ("dag", "dag, fresh memory")
 FAN_OUT_PATHS = ("dag", "dag, broadcast")
 
 
 class Change:
-    """One layout change, as a geometry plan and as a transition DAG, with the state to start from."""
+    """One layout change as a transition DAG, with the state to start from."""
 
     def __init__(self, model: str, name: str) -> None:
         (tp0, sets0), (tp1, sets1) = {**CHANGES, **FAN_OUT}[name]
-        self.old, self.new = [stage(model, tp0, sets0)], [stage(model, tp1, sets1)]
         states = stage_states(model_preset(model), (ACTOR_TRAIN,))
         old_plan, new_plan = global_plan(1, tp0, sets0), global_plan(2, tp1, sets1)
         self.cluster = cluster_preset("cpu", NUM_WORKERS)
         self.dag = build_transition(states, self.cluster, old_plan, new_plan)
         self.old_units = [u for sp in old_plan for u in plan_units(states[sp.model_stage], sp, 1)]
-
-    def plan_pairs(self) -> dict[tuple[int, int], int]:
-        out: dict[tuple[int, int], int] = defaultdict(int)
-        for step in plan_transition(self.old, self.new).steps:
-            for m in step.messages:
-                out[(m.src_worker, m.dst_worker)] += m.num_bytes
-        return dict(out)
 
     def dag_pairs(self) -> dict[tuple[int, int], int]:
         out: dict[tuple[int, int], int] = defaultdict(int)
@@ -114,16 +100,12 @@ class Change:
     def run(self, pool: LocalCoordinator, path: str, cold: bool = False) -> Any:
         """One run from the old state; ``cold``: the workers' planning caches emptied first (a layout
         they have never seen), the processes themselves warm."""
-        if path.startswith("dag"):
-            pool.init_units(self.old_units, seed=1)
-            if cold:
-                pool.call(clear_caches)
-            pool.call(barrier)
-            return pool.run_dag(self.dag, self.cluster, max_bucket_bytes=BUCKET_BYTES[0],
-                                in_place=path != "dag, fresh memory", fan_out=path == "dag, broadcast")
-        pool.init_state(self.old, seed=1)
+        pool.init_units(self.old_units, seed=1)
+        if cold:
+            pool.call(clear_caches)
         pool.call(barrier)
-        return pool.transition(self.old, self.new, max_bucket_bytes=BUCKET_BYTES[0])
+        return pool.run_dag(self.dag, self.cluster, max_bucket_bytes=BUCKET_BYTES[0],
+                            in_place=path != "dag, fresh memory", fan_out=path == "dag, broadcast")
 
 
 def raw_exchange(ctx: Any, *, pairs: dict[tuple[int, int], int], warm: bool = False) -> float:
@@ -152,8 +134,10 @@ def barrier(ctx: Any) -> None:
 
 
 def clear_caches(ctx: Any) -> int:
-    """Empty every functools cache of the planner and transition modules in this worker."""
-    cleared = 0
+    """Empty every functools cache of the planner and transition modules in this worker, and what the
+    worker derived from the DAGs it ran (its ``DagMemo``)."""
+    ctx.memo.clear()
+    cleared = 1
     for name, module in list(sys.modules.items()):
         if module is None or not name.startswith(("planner.", "transitions.")):
             continue
@@ -172,7 +156,7 @@ def throughput(pool: LocalCoordinator, model: str, repeats: int) -> dict[str, An
     for name in [*CHANGES, *FAN_OUT]:
         change = Change(model, name)
         for path in FAN_OUT_PATHS if name in FAN_OUT else PATHS:
-            pairs = change.plan_pairs() if path == "plan" else change.dag_pairs()
+            pairs = change.dag_pairs()
             total = sum(pairs.values())
             exec_s, moving_s, raw_s, warm_s, predicted = [], [], [], [], 0.0
             pack_s, unpack_s = [], []

@@ -37,7 +37,8 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from planner.errors import NereusError
 from transitions.channel import DataChannel
 from transitions.emu import box_intersection as intersect
-from transitions.executor import RankState, Slot, StagePlacement
+from transitions.executor import RankState
+from transitions.layout import Slot, StagePlacement
 
 COMMIT_MARKER = "COMMITTED"
 

@@ -1,14 +1,14 @@
 """Weight sync between model-stages of one role (actor-train -> actor-gen, critic-train -> critic-inf)
-and the replan of a training model-stage, run by the executor of ``transitions/``.
+and the replan of a training model-stage: each is a TransitionDAG run by ``transitions.executor.run_dag``.
 
-The engine plans and moves nothing itself: each member rank packs its module's local shards into the
-executor's ``RankState`` (the flat buffer of its EMU unit rank; DTensor local shards equal
-``transitions.geometry.tp_slice``), ``transitions.executor.plan_transition`` plans the change from the
-source placement to the destination's (computed identically on every rank: local pieces plus bucketed
-messages), ``run_transition`` runs it over the engine's own world (a ``DataChannel`` bound to the
-process group already formed), and the received state is unpacked into the destination module. A rank
-that holds the same unit rank of the same layout on both sides keeps the packed buffer as is, and a
-piece the rank already holds is a local copy, so only what must move crosses the wire.
+The engine plans and moves nothing itself. Every member rank packs its module's local shards into the
+executor's ``RankState`` of its EMU unit (DTensor local shards equal ``transitions.geometry.tp_slice``);
+``sync_plan`` builds the DAG (pure, identical on every rank): a weight sync refreshes the destination
+stage's units from the source stage's (``refresh``, as ``transitions.global_dag.build_weight_sync``),
+a replan moves one stage's units to a new layout. ``run_dag`` runs it over the engine's own world (a
+``DataChannel`` bound to the process group already formed), and the new units are unpacked into the
+destination module. A destination unit on the GPUs of a source unit of the same layout is a local
+copy, so only what must move crosses the wire.
 """
 
 from __future__ import annotations
@@ -23,11 +23,19 @@ import torch.distributed as dist
 
 from agent.engine.parallel import StageEngine
 from planner.errors import SpecError
+from planner.hardware import ClusterSpec
 from planner.models import Head, ModelSpec
 from planner.plan import StagePlan
 from transitions.channel import DataChannel, GenerationSpec, InFlight, P2POp
-from transitions.executor import RankState, StagePlacement, TransitionPlan, plan_transition, run_transition
+from transitions.cost import transition_cost
+from transitions.dag_pieces import DagMemo
+from transitions.emu import EMU
+from transitions.executor import IN_PLACE, RankState, allocate_unit, run_dag
 from transitions.geometry import StateKind
+from transitions.global_dag import TransitionDAG
+from transitions.layout import StagePlacement
+from transitions.node_steps import dag_messages
+from transitions.placement_dag import cluster_for, placement_dag, units_of
 
 PARAMS: tuple[StateKind, ...] = (StateKind.PARAM,)
 # the engine keeps no separate fp32 master copy: its parameters are the master weights
@@ -47,9 +55,9 @@ class SyncReport:
     bytes_sent: int
     bytes_received: int
     bytes_copied_locally: int
-    plan_bytes: int  # every message of the plan, all ranks together
-    predicted_s: float  # the executor's prediction for the whole plan
-    measured_s: float  # this rank's run_transition, barrier included; pack/unpack excluded
+    plan_bytes: int  # every message of the DAG as the runner sends it, all ranks together
+    predicted_s: float  # the transition cost model's L_tran of the DAG
+    measured_s: float  # this rank's run_dag, barrier included; pack/unpack excluded
     total_s: float  # pack + run + unpack on this rank
 
 
@@ -70,9 +78,29 @@ def plan_placement(spec: ModelSpec, head: Head, plan: StagePlan, model_stage: st
                           gpu_sets=plan.gpu_sets)
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SyncPlan:
+    """A sync's DAG and what it costs; the same on every rank (pure)."""
+
+    dag: TransitionDAG
+    old_units: tuple[EMU, ...]  # packed from the source engines
+    new_units: tuple[EMU, ...]  # unpacked into the destination engines after the run
+    plan_bytes: int  # every message of the run, to the byte
+    predicted_s: float
+    in_place: bool  # units may be built inside their donors' buffers (no packed buffer is shared)
+
+
 @lru_cache(maxsize=64)
-def _plan(old: tuple[StagePlacement, ...], new: tuple[StagePlacement, ...]) -> TransitionPlan:
-    return plan_transition(old, new)
+def sync_plan(old: tuple[StagePlacement, ...], new: tuple[StagePlacement, ...], shared: bool = False) -> SyncPlan:
+    """The DAG moving each destination model-stage from ``old`` (its source's layout and GPUs, under
+    the destination's name) to ``new``. ``shared``: two old units share one packed buffer (a source
+    feeding two destinations), so none may be compacted in place."""
+    dag = placement_dag(old, new)
+    cluster: ClusterSpec = cluster_for((*old, *new))
+    in_place = IN_PLACE and not shared
+    return SyncPlan(dag=dag, old_units=tuple(units_of(old, 0)), new_units=tuple(units_of(new, 1)),
+                    plan_bytes=sum(m.num_bytes for m in dag_messages(dag, DagMemo(), early=in_place)),
+                    predicted_s=transition_cost(dag, cluster).seconds, in_place=in_place)
 
 
 class _SoloChannel(DataChannel):
@@ -98,14 +126,11 @@ def engine_channel() -> DataChannel:
     return DataChannel(worker_id=dist.get_rank(), device=torch.device("cpu"), spec=spec)
 
 
-def pack(engine: StageEngine, where: StagePlacement, optimizer_steps: int = 0) -> RankState | None:
-    """This rank's shards of ``engine`` as the executor's state of ``where`` (None off the stage)."""
-    if engine.coord is None:
-        return None
-    lay, c = engine.plan.layout, engine.coord
-    state = RankState.allocate(where, c.replica, lay.rank_of(c.tp_rank, c.pp_rank), torch.device("cpu"))
+def pack(engine: StageEngine, unit: EMU, rank: int, optimizer_steps: int = 0) -> RankState:
+    """This rank's shards of ``engine`` as the executor's state of ``unit`` (which it holds)."""
+    state = allocate_unit(unit, rank, torch.device("cpu"))
     filled = 0
-    for kind in where.kinds:
+    for kind in unit.state.kinds:
         for name, local in engine.local_tensors(kind.value):
             view = state.view(name, kind.value)
             if local.dtype != view.dtype:  # copy_ would cast silently: the sync must be exact
@@ -115,7 +140,7 @@ def pack(engine: StageEngine, where: StagePlacement, optimizer_steps: int = 0) -
             filled += 1
     if filled != len(state.slots) - 1:  # every slot but the counters
         raise SpecError(f"{engine.name}.module", f"holds {filled} of the {len(state.slots) - 1} shards "
-                        f"its unit rank has in {lay}")
+                        f"its unit rank has in {engine.plan.layout}")
     state.counters.zero_()
     state.counters[STEP_COUNTER] = optimizer_steps
     return state
@@ -132,37 +157,41 @@ def unpack(state: RankState, engine: StageEngine) -> int:
 @torch.no_grad()
 def transfer(pairs: list[tuple[StageEngine, StageEngine]], kinds: tuple[StateKind, ...] = PARAMS,
              optimizer_steps: int = 0) -> SyncReport:
-    """Move ``kinds`` of every (source, destination) pair's state in one executor run (every rank
-    calls, with the same pairs). Each destination's step is named after it; a source feeding several
-    destinations is packed once. Destination optimizers take the carried optimizer step."""
+    """Move ``kinds`` of every (source, destination) pair's state in one DAG run (every rank calls,
+    with the same pairs). Each destination model-stage moves from its source's layout to its own; a
+    source feeding several destinations is packed once. Destination optimizers take the carried step."""
     start = time.perf_counter()
     rank = dist.get_rank() if dist.is_initialized() else 0
-    old, new = [], []
-    states: dict[str, RankState] = {}
-    packed: dict[int, RankState | None] = {}
-    for src, dst in pairs:
-        old.append(placement(src, dst.name, kinds))
-        new.append(placement(dst, dst.name, kinds))
-        if id(src) not in packed:
-            packed[id(src)] = pack(src, old[-1], optimizer_steps)
-        base = packed[id(src)]
-        if base is not None:  # same slots whatever the stage's name: share the packed buffer
-            states[dst.name] = dataclasses.replace(base, placement=old[-1])
-    plan = _plan(tuple(old), tuple(new))
+    old = tuple(placement(src, dst.name, kinds) for src, dst in pairs)
+    new = tuple(placement(dst, dst.name, kinds) for _, dst in pairs)
+    sources = [id(src) for src, _ in pairs]
+    plan = sync_plan(old, new, shared=len(set(sources)) < len(sources))
+    source_of = {dst.name: src for src, dst in pairs}
+    packed: dict[tuple[int, int], RankState] = {}  # (source engine, unit rank) -> its packed buffer
+    units: dict[str, RankState] = {}
+    for unit in plan.old_units:
+        if unit.holds(rank):
+            src = source_of[unit.model_stage]
+            key = (id(src), unit.gpus.index(rank))
+            if key not in packed:
+                packed[key] = pack(src, unit, rank, optimizer_steps)
+            base = packed[key]  # same slots whatever the stage's name: share the packed buffer
+            units[unit.uid] = dataclasses.replace(base, placement=dataclasses.replace(
+                base.placement, model_stage=unit.model_stage))
     t_run = time.perf_counter()
-    pending = run_transition(plan, rank, states, engine_channel(), timeout_s=SYNC_TIMEOUT_S)
+    reports = run_dag(plan.dag, rank, units, engine_channel(), timeout_s=SYNC_TIMEOUT_S, in_place=plan.in_place)
     measured = time.perf_counter() - t_run
-    for _, dst in pairs:
-        got = pending.new_states.get(dst.name)
-        if got is not None and dst.is_member:
-            steps = unpack(got, dst)
+    engines = {dst.name: dst for _, dst in pairs}
+    for unit in plan.new_units:
+        dst = engines[unit.model_stage]
+        if unit.holds(rank) and dst.is_member:
+            steps = unpack(units[unit.uid], dst)
             if dst.optimizer is not None:
                 dst.set_optimizer_steps(steps)
-    reports = pending.reports
     return SyncReport(bytes_sent=sum(r.bytes_sent for r in reports),
                       bytes_received=sum(r.bytes_received for r in reports),
                       bytes_copied_locally=sum(r.bytes_copied_locally for r in reports),
-                      plan_bytes=sum(s.bytes_moved for s in plan.steps), predicted_s=plan.predicted_s,
+                      plan_bytes=plan.plan_bytes, predicted_s=plan.predicted_s,
                       measured_s=measured, total_s=time.perf_counter() - start)
 
 

@@ -11,14 +11,13 @@ from engine_dist import run_workers
 
 from agent.engine.grpo import GRPOConfig
 from agent.engine.loop import RLLoop, RunConfig, uniform_plan
-from agent.engine.sync import PARAMS, plan_placement
+from agent.engine.sync import PARAMS, plan_placement, sync_plan
 from agent.engine.tasks import SortDigits
 from planner.calibration import Calibrator
 from planner.cost import OpClass
 from planner.hardware import CPU, LOOPBACK
 from planner.models import Head
 from planner.plan import GlobalPlan, Layout, StagePlan
-from transitions.executor import plan_transition
 
 CFG = RunConfig(algo="grpo", task=SortDigits(num_digits=3), prompts_per_step=4, grpo=GRPOConfig(samples_per_prompt=4),
                 train_mini_batches_per_step=2, seed=5, profile_ops=True)
@@ -50,11 +49,11 @@ def test_mixed_layouts_match_single_process_and_measure_op_classes() -> None:
     assert all(r.sync_sent_bytes == 0 for r in ref_runs)  # one process: every piece is local
     results = run_workers(worker, 2)
     # the weight sync is the executor's plan from actor-train (PP2) to actor-gen (TP2), to the byte
-    sync = plan_transition([plan_placement(CFG.model, Head.LM, PLAN.stage("actor-train"), "actor-gen", PARAMS)],
-                           [plan_placement(CFG.model, Head.LM, PLAN.stage("actor-gen"), "actor-gen", PARAMS)])
-    assert sync.steps[0].bytes_moved > 0
+    sync = sync_plan((plan_placement(CFG.model, Head.LM, PLAN.stage("actor-train"), "actor-gen", PARAMS),),
+                     (plan_placement(CFG.model, Head.LM, PLAN.stage("actor-gen"), "actor-gen", PARAMS),))
+    assert sync.plan_bytes > 0
     for step in range(2):
-        assert sum(r["sync_sent"][step] for r in results) == sync.steps[0].bytes_moved
+        assert sum(r["sync_sent"][step] for r in results) == sync.plan_bytes
     assert results[0]["sync_predicted_s"] == sync.predicted_s
     for r in results:
         for got, want in zip(r["tokens"], ref_tokens):

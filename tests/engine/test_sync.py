@@ -1,5 +1,5 @@
-"""Weight sync between layouts runs through the executor: its plan covers every destination box once
-and keeps colocated same-layout syncs in place; real ranks move weights between different layouts
+"""Weight sync between layouts is a TransitionDAG run by the executor: its plan covers every
+destination box once and keeps colocated same-layout syncs in place; real ranks move weights between different layouts
 exactly, send exactly the plan's bytes, and a colocated same-layout sync sends nothing."""
 
 from __future__ import annotations
@@ -10,11 +10,14 @@ from engine_dist import run_workers
 
 from agent.engine.model import build_decoder
 from agent.engine.parallel import StageEngine
-from agent.engine.sync import PARAMS, move_training_state, plan_placement, sync_weights
+from agent.engine.sync import PARAMS, SyncPlan, move_training_state, plan_placement, sync_plan, sync_weights
 from planner.models import Head, ModelSpec
 from planner.plan import Layout, StagePlan
-from transitions.executor import COUNTERS, TransitionPlan, plan_transition
+from transitions.dag_pieces import DagMemo
 from transitions.geometry import tp_slice, unit_shards
+from transitions.layout import COUNTERS
+from transitions.node_steps import node_step
+from transitions.transfer_plan import Message, Piece
 
 SPEC = ModelSpec(name="t", num_layers=4, hidden_size=64, num_attention_heads=4, num_kv_heads=2, head_dim=16,
                  ffn_hidden_size=128, vocab_size=272, rope_theta=10_000.0)
@@ -25,9 +28,20 @@ def plan(name: str, tp: int, pp: int, *gpu_sets: tuple[int, ...]) -> StagePlan:
     return StagePlan(model_stage=name, layout=Layout(tp, pp), gpu_sets=tuple(gpu_sets), micro_batch_size=1)
 
 
-def executor_plan(src: StagePlan, dst: StagePlan) -> TransitionPlan:
-    return plan_transition([plan_placement(SPEC, Head.LM, src, "b", PARAMS)],
-                           [plan_placement(SPEC, Head.LM, dst, "b", PARAMS)])
+def executor_plan(src: StagePlan, dst: StagePlan) -> SyncPlan:
+    return sync_plan((plan_placement(SPEC, Head.LM, src, "b", PARAMS),),
+                     (plan_placement(SPEC, Head.LM, dst, "b", PARAMS),))
+
+
+def moves(p: SyncPlan) -> tuple[list[Message], list[Piece]]:
+    """Every message (as its sender derives it) and every local piece of the sync's run."""
+    memo, messages, local = DagMemo(), [], []
+    for worker in sorted(p.dag.gpu_nodes):
+        for node in p.dag.nodes_on(worker):
+            step = node_step(p.dag, node, worker, memo, early=p.in_place)
+            messages += [m for m in step.messages if m.src_worker == worker]
+            local += [q for q in step.local if q.dst_worker == worker]
+    return messages, local
 
 
 def covered_bytes(dst: StagePlan) -> int:
@@ -35,9 +49,10 @@ def covered_bytes(dst: StagePlan) -> int:
                       for s in unit_shards(SPEC, Head.LM, dst.layout, u))
 
 
-def weight_bytes(p: TransitionPlan) -> int:
+def weight_bytes(p: SyncPlan) -> int:
     """Bytes of every weight piece (local or sent), counters left out."""
-    pieces = [*p.steps[0].local, *(q for m in p.steps[0].messages for q in m.pieces)]
+    messages, local = moves(p)
+    pieces = [*local, *(q for m in messages for q in m.pieces)]
     return sum(q.num_bytes for q in pieces if q.dst_slot.tensor != COUNTERS)
 
 
@@ -52,23 +67,23 @@ def test_plan_covers_each_destination_box_once(src: StagePlan, dst: StagePlan) -
 
 def test_same_layout_colocated_moves_nothing() -> None:
     p = plan("a", 2, 2, (0, 1, 2, 3))
-    step = executor_plan(p, p).steps[0]
-    assert step.bytes_moved == 0 and not step.local  # every rank keeps its packed buffer
+    messages, local = moves(executor_plan(p, p))
+    assert not messages and not local  # every rank keeps its packed buffer
 
 
 def test_replica_on_same_ranks_is_preferred() -> None:
     src = plan("a", 2, 1, (0, 1), (2, 3))
     dst = plan("b", 2, 1, (2, 3))
-    assert executor_plan(src, dst).steps[0].bytes_moved == 0
+    assert executor_plan(src, dst).plan_bytes == 0
 
 
 def test_other_ranks_send_only_what_they_lack() -> None:
     # destination PP2 on ranks 1 and 3: each keeps what its own TP source shard covers
     src, dst = plan("a", 2, 1, (0, 1), (2, 3)), plan("b", 1, 2, (1, 3))
-    step = executor_plan(src, dst).steps[0]
-    local = sum(q.num_bytes for q in step.local if q.dst_slot.tensor != COUNTERS)
-    assert local > 0 and step.bytes_moved + local >= covered_bytes(dst)
-    assert step.bytes_moved < covered_bytes(dst)
+    p = executor_plan(src, dst)
+    local = sum(q.num_bytes for q in moves(p)[1] if q.dst_slot.tensor != COUNTERS)
+    assert local > 0 and p.plan_bytes + local >= covered_bytes(dst)
+    assert p.plan_bytes < covered_bytes(dst)
 
 
 def sync_worker(rank: int, world: int, layouts: tuple[tuple[int, int, tuple[tuple[int, ...], ...]], ...]) -> dict:
@@ -92,7 +107,7 @@ def test_sync_between_layouts_is_exact_and_sends_the_plan() -> None:
     layouts = ((2, 1, ((0, 1), (2, 3))), (1, 2, ((1, 3), (0, 2))))
     results = run_workers(sync_worker, 4, layouts)
     assert all(r["ok"] for r in results)
-    plan_bytes = executor_plan(plan("a", 2, 1, (0, 1), (2, 3)), plan("b", 1, 2, (1, 3), (0, 2))).steps[0].bytes_moved
+    plan_bytes = executor_plan(plan("a", 2, 1, (0, 1), (2, 3)), plan("b", 1, 2, (1, 3), (0, 2))).plan_bytes
     assert plan_bytes > 0 and all(r["plan_bytes"] == plan_bytes for r in results)
     assert sum(r["sent"] for r in results) == sum(r["received"] for r in results) == plan_bytes
     assert sum(r["copied"] for r in results) > 0  # colocated boxes never cross the wire

@@ -8,8 +8,8 @@ import torch
 
 from planner.models import Head, ModelSpec
 from planner.plan import Layout
-from transitions.executor import StagePlacement
 from transitions.geometry import INFERENCE_KINDS, TRAINING_KINDS
+from transitions.layout import StagePlacement
 
 # a smaller real architecture than TINY_3M keeps multi-process tests fast on 2 cores
 MICRO = ModelSpec(name="micro", num_layers=4, hidden_size=64, num_attention_heads=4, num_kv_heads=2,

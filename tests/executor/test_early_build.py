@@ -15,23 +15,19 @@ from planner.hardware import cluster_preset
 from planner.models import Head, ModelSpec
 from planner.plan import GlobalPlan, Layout, StagePlan
 from planner.workflow import ACTOR_TRAIN
-from transitions.executor import (
-    PAGE_BYTES,
-    StagePlacement,
-    _build_early,
-    _piece_view,
-    allocate_unit,
-    contiguous_range,
-    early_builds,
-    node_pieces,
-    node_step,
-    rank_slots,
-    unit_buffer_bytes,
-)
+from transitions.dag_pieces import DagMemo, node_pieces
+from transitions.early_builds import early_builds
+from transitions.executor import allocate_unit
+from transitions.executor.buffers import piece_view
+from transitions.executor.early_build import build_early
 from transitions.geometry import TRAINING_KINDS
 from transitions.global_dag import TransitionDAG, build_transition
+from transitions.layout import PAGE_BYTES, StagePlacement, contiguous_range, rank_slots, unit_buffer_bytes
 from transitions.local_dag import plan_units
+from transitions.node_steps import node_step
 from transitions.scenarios import stage_states
+
+MEMO = DagMemo()  # the tests' own: what a worker derives from each DAG
 
 # big enough that every weight's shard spans whole pages (page moves), small enough for 4 processes
 PAGED = ModelSpec(name="paged", num_layers=2, hidden_size=128, num_attention_heads=4, num_kv_heads=2,
@@ -82,41 +78,41 @@ def test_row_parallel_weights_are_stored_column_major_so_tp_shards_are_runs() ->
 def test_senders_build_early_and_both_ends_derive_one_message() -> None:
     dag = _dag()
     for sender, receiver in ((0, 2), (1, 3)):
-        (build,) = early_builds(dag, sender).values()
+        (build,) = early_builds(dag, sender, MEMO).values()
         assert build.donor.endswith(f"v1#{sender}") and build.target.uid.endswith("v2#0")
         (reader,) = build.readers
-        mine = node_step(dag, reader, sender, early=True).messages
-        theirs = node_step(dag, reader, receiver, early=True).messages
+        mine = node_step(dag, reader, sender, MEMO, early=True).messages
+        theirs = node_step(dag, reader, receiver, MEMO, early=True).messages
         assert mine == theirs  # the receiver derived the sender's early build on its own
         (message,) = mine
         assert message.direct and message.length == unit_buffer_bytes(build.target, sender)
         # without early builds the same node packs strided halves into many messages
-        assert len(node_step(dag, reader, sender).messages) > 1
+        assert len(node_step(dag, reader, sender, MEMO).messages) > 1
         # the building node has nothing left to copy: the build made its pieces
-        assert not node_step(dag, build.node, sender, early=True).local
-    assert early_builds(dag, 2) == {} and early_builds(dag, 3) == {}
+        assert not node_step(dag, build.node, sender, MEMO, early=True).local
+    assert early_builds(dag, 2, MEMO) == {} and early_builds(dag, 3, MEMO) == {}
 
 
 def test_early_build_moves_pages_copies_nothing_and_undo_restores_the_donor() -> None:
     dag = _dag()
-    (build,) = early_builds(dag, 0).values()
+    (build,) = early_builds(dag, 0, MEMO).values()
     donor = allocate_unit(next(u for u in _old_units() if u.uid == build.donor), 0, torch.device("cpu"))
     donor.flat.copy_(torch.randint(0, 256, donor.flat.shape, generator=torch.Generator().manual_seed(3),
                                    dtype=torch.uint8))
     original = donor.flat.clone()
     units = {build.donor: donor}
-    done = _build_early(build, units, dag)
+    done = build_early(build, units, dag, MEMO)
     target = units[build.target.uid]
     # the target holds exactly what copying its pieces from an untouched donor gives
     pristine = allocate_unit(next(u for u in _old_units() if u.uid == build.donor), 0, torch.device("cpu"))
     pristine.flat.copy_(original)
-    for p in node_pieces(dag, build.node, 0):
+    for p in node_pieces(dag, build.node, 0, MEMO):
         if p.dst_worker == 0 and p.dst_unit == build.target.uid:
-            got, want = _piece_view(target, p.dst_slot, p.box), _piece_view(pristine, p.src_slot, p.box)
+            got, want = piece_view(target, p.dst_slot, p.box), piece_view(pristine, p.src_slot, p.box)
             assert torch.equal(got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8)), p.dst_slot.key
     # every byte either changed buffers as part of a page or was copied; here most were moved (slots
     # under PAGE_ALIGN_MIN_BYTES, the counters and ragged ends are copied; tiny-25m moves them all)
-    pieces = sum(p.num_bytes for p in node_pieces(dag, build.node, 0)
+    pieces = sum(p.num_bytes for p in node_pieces(dag, build.node, 0, MEMO)
                  if p.dst_worker == 0 and p.dst_unit == build.target.uid)
     assert done.moved_bytes + done.copied == pieces and done.moved_bytes > 0.75 * pieces
     # moved, not copied: the donor no longer holds those bytes (its emptied pages read zero)

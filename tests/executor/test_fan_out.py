@@ -28,7 +28,7 @@ def _plan(version: int, tp: int, sets: list[list[int]]) -> GlobalPlan:
 
 
 def test_fan_outs_group_each_rank_with_its_copies() -> None:
-    from transitions.executor import fan_outs
+    from transitions.fan_outs import fan_outs
 
     dag = build_transition(STATES, cluster_preset("cpu", 8), _plan(1, 2, [[0, 1]]),
                            _plan(2, 2, [[0, 1], [2, 3], [4, 5], [6, 7]]))

@@ -16,20 +16,17 @@ from hypothesis import strategies as st
 from planner.hardware import cluster_preset
 from planner.plan import GlobalPlan, Layout, StagePlan
 from planner.workflow import ACTOR_TRAIN
-from transitions.executor import (
-    InPlace,
-    Piece,
-    _build_in_place,
-    _forward_order,
-    _piece_view,
-    allocate_unit,
-    in_place_plan,
-    node_step,
-    release_tail,
-    unit_slots,
-)
+from transitions.dag_pieces import DagMemo
+from transitions.executor import allocate_unit
+from transitions.executor.buffers import piece_view
+from transitions.executor.in_place import build_in_place
+from transitions.executor.pages import release_tail
 from transitions.global_dag import TransitionDAG, build_transition
+from transitions.in_place_plan import InPlace, _forward_order, in_place_plan
+from transitions.layout import unit_slots
+from transitions.node_steps import node_step
 from transitions.scenarios import stage_states
+from transitions.transfer_plan import Piece
 
 STATES = stage_states(MICRO, (ACTOR_TRAIN,))
 WORLD = 8
@@ -72,9 +69,9 @@ def _check_node(dag: TransitionDAG, plan: InPlace, worker: int) -> None:
                              torch.device("cpu"))
     pristine.flat.copy_(original)
     for p in plan.pieces:
-        _piece_view(reference, p.dst_slot, p.box).copy_(_piece_view(pristine, p.src_slot, p.box))
+        piece_view(reference, p.dst_slot, p.box).copy_(piece_view(pristine, p.src_slot, p.box))
     units = {plan.donor: donor}
-    copied, _ = _build_in_place(plan, worker, units)
+    copied, _ = build_in_place(plan, worker, units)
     assert plan.donor not in units and set(units) == {plan.target.uid}
     built = units[plan.target.uid]
     assert built.flat.data_ptr() == donor.flat.data_ptr()  # no new memory: the donor's own buffer
@@ -101,7 +98,7 @@ def test_in_place_nodes_build_exactly_what_a_fresh_copy_builds(change: tuple[Glo
 
 def _worker_plans(dag: TransitionDAG, worker: int) -> list[InPlace]:
     order = list(dag.nodes_on(worker))
-    steps = {n: node_step(dag, n, worker) for n in order}
+    steps = {n: node_step(dag, n, worker, DagMemo()) for n in order}
     return [p for n in order if (p := in_place_plan(dag, n, steps[n], worker, order, steps)) is not None]
 
 
@@ -139,11 +136,11 @@ def test_released_tail_is_given_back_and_the_kept_bytes_survive() -> None:
 
 def _piece(src_offset: int, dst_offset: int, rows: int, cols: int, src_cols: int) -> Piece:
     """A rows x cols box at the start of a rows x src_cols donor slot, into a rows x cols target slot."""
-    from transitions.executor import Slot
+    from transitions.layout import Slot
 
-    src = Slot(tensor="w", kind="param", dtype=torch.float32, global_shape=(rows, src_cols), offsets=(0, 0),
+    src = Slot(tensor="w", kind="param", dtype="float32", global_shape=(rows, src_cols), offsets=(0, 0),
                lengths=(rows, src_cols), byte_offset=src_offset)
-    dst = Slot(tensor="w", kind="param", dtype=torch.float32, global_shape=(rows, src_cols), offsets=(0, 0),
+    dst = Slot(tensor="w", kind="param", dtype="float32", global_shape=(rows, src_cols), offsets=(0, 0),
                lengths=(rows, cols), byte_offset=dst_offset)
     return Piece(src_worker=0, dst_worker=0, src_slot=src, dst_slot=dst, box=((0, 0), (rows, cols)),
                  src_unit="a", dst_unit="b")

@@ -1,0 +1,217 @@
+"""Where a unit's state lives in a worker's flat buffer: placements, slots and byte ranges. Pure.
+
+A worker's state for one unit rank is ONE flat byte buffer holding every shard of that rank (every
+state kind, plus the unit's counters), each shard a ``Slot``: a box of one tensor's state kind at a
+fixed byte offset (16-byte aligned; page aligned from 64 KiB, so that pages can change buffers).
+Row-parallel weights are stored column-major, so every TP shard of every tensor is one contiguous
+run. Both ends of any transfer derive the same slots from the layout alone, without talking.
+
+Dtypes are names ("bfloat16", "float32", "int64") with their item sizes: the arithmetic here needs
+no torch; ``transitions.executor.buffers`` maps the names to torch dtypes.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+from dataclasses import dataclass
+from functools import lru_cache
+
+from planner.errors import SpecError
+from planner.models import Head, ModelSpec, Parallel
+from planner.plan import Layout
+from transitions.emu import EMU
+from transitions.geometry import StateKind, check_layout, unit_shards
+
+ALIGN_BYTES = 16
+# slots this big start on a page boundary (CPU pages; harmless padding on GPUs): a run kept by a new
+# unit then sits at the same offset within a page in the old buffer and the new one, so the pages
+# themselves can change buffers instead of their bytes being copied. Costs at most one page of
+# padding per such slot (~0.3% of tiny-25m's buffers).
+PAGE_BYTES = mmap.PAGESIZE
+PAGE_ALIGN_MIN_BYTES = 64 << 10
+COUNTERS = "_meta.counters"  # per unit: version, optimizer step, minibatch position, spare
+COUNTERS_KIND = "counters"
+NUM_COUNTERS = 4
+# the element types a slot can hold, by name, and their sizes in bytes
+DTYPE_BYTES: dict[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4, "int64": 8}
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, lengths) in the global tensor
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StagePlacement:
+    """Where one model-stage's units live: layout, one worker set per DP replica (unit rank order)."""
+
+    model_stage: str
+    model: ModelSpec
+    head: Head
+    kinds: tuple[StateKind, ...]
+    layout: Layout
+    gpu_sets: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self) -> None:
+        check_layout(self.model, self.layout)
+        if not self.kinds or len(set(self.kinds)) != len(self.kinds):
+            raise SpecError(f"{self.model_stage}.kinds", f"must be non-empty and distinct, got {self.kinds}",
+                            ", ".join(k.value for k in StateKind))
+        if not self.gpu_sets:
+            raise SpecError(f"{self.model_stage}.gpu_sets", "needs at least one replica")
+        for i, gpus in enumerate(self.gpu_sets):
+            if len(gpus) != self.layout.size:
+                raise SpecError(f"{self.model_stage}.gpu_sets[{i}]",
+                                f"has {len(gpus)} workers, layout {self.layout} needs {self.layout.size}")
+        flat = [g for s in self.gpu_sets for g in s]
+        if len(set(flat)) != len(flat):
+            raise SpecError(f"{self.model_stage}.gpu_sets", f"a worker appears twice: {self.gpu_sets}")
+
+    @property
+    def dp(self) -> int:
+        return len(self.gpu_sets)
+
+    @property
+    def workers(self) -> frozenset[int]:
+        return frozenset(g for s in self.gpu_sets for g in s)
+
+    def position(self, worker: int) -> tuple[int, int] | None:
+        """(replica, unit rank) of ``worker``, or None if it holds no unit of this stage."""
+        for replica, gpus in enumerate(self.gpu_sets):
+            if worker in gpus:
+                return replica, gpus.index(worker)
+        return None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Slot:
+    """One shard inside a rank's flat buffer: a global box of one tensor's state kind."""
+
+    tensor: str
+    kind: str
+    dtype: str  # a key of DTYPE_BYTES
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+    byte_offset: int
+    # storage order of the dims (empty: row-major). A row-parallel weight is stored dim 1 first, so a
+    # TP shard of it (a range of columns) is one contiguous run, as a column-parallel one's rows are:
+    # TP changes then move runs (pages, even) instead of gathering strided half-rows. A property of
+    # the tensor, so the two ends of any piece agree; ``RankState.view`` gives the logical view.
+    order: tuple[int, ...] = ()
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.tensor, self.kind)
+
+    @property
+    def storage_lengths(self) -> tuple[int, ...]:
+        return tuple(self.lengths[d] for d in self.order) if self.order else self.lengths
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.lengths)
+
+    @property
+    def element_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def num_bytes(self) -> int:
+        return self.numel * self.element_bytes
+
+
+def dtype_of(kind: StateKind, model: ModelSpec) -> str:
+    """The element type a state kind is stored in: parameters and gradients in the model's dtype,
+    master weights and optimizer moments in float32."""
+    if kind in (StateKind.PARAM, StateKind.GRAD):
+        return {2: "bfloat16", 4: "float32"}[model.bytes_per_param]
+    return "float32"
+
+
+@lru_cache(maxsize=256)
+def _storage_orders(model: ModelSpec, head: Head) -> dict[str, tuple[int, ...]]:
+    """Per tensor, its storage order when not row-major: row-parallel weights go column-major."""
+    return {t.name: (1, 0, *range(2, len(t.shape))) for t in model.tensors(head)
+            if t.parallel is Parallel.ROW and len(t.shape) >= 2}
+
+
+def align(n: int, to: int = ALIGN_BYTES) -> int:
+    return -(-n // to) * to
+
+
+def slot_start(end_of_previous: int, num_bytes: int) -> int:
+    """Where a slot of ``num_bytes`` starts after a buffer's previous slot ends (``rank_slots``)."""
+    return align(end_of_previous, PAGE_BYTES if num_bytes >= PAGE_ALIGN_MIN_BYTES else ALIGN_BYTES)
+
+
+def rank_slots(placement: StagePlacement, rank: int) -> tuple[tuple[Slot, ...], int]:
+    """The slots of unit rank ``rank`` in buffer order, and the buffer's size in bytes."""
+    return _layout_slots(placement.model, placement.head, placement.layout, rank, placement.kinds)
+
+
+@lru_cache(maxsize=1024)
+def _layout_slots(model: ModelSpec, head: Head, layout: Layout, rank: int,
+                  kinds: tuple[StateKind, ...]) -> tuple[tuple[Slot, ...], int]:
+    """``rank_slots`` depends on the layout alone, not on where the unit sits: every replica and every
+    part in final shape of one layout shares it. Keyed by value (frozen specs), bounded: a pure
+    function's memo, not state anyone must empty."""
+    slots: list[Slot] = []
+    offset = 0
+    entries: list[tuple[str, str, str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = [
+        (COUNTERS, COUNTERS_KIND, "int64", (NUM_COUNTERS,), (0,), (NUM_COUNTERS,))
+    ]
+    for s in unit_shards(model, head, layout, rank, kinds):
+        entries.append((s.tensor, s.kind.value, dtype_of(s.kind, model), s.global_shape, s.offsets, s.lengths))
+    orders = _storage_orders(model, head)
+    for tensor, kind, dtype, shape, offs, lens in entries:
+        offset = slot_start(offset, math.prod(lens) * DTYPE_BYTES[dtype])
+        slot = Slot(tensor=tensor, kind=kind, dtype=dtype, global_shape=shape, offsets=offs, lengths=lens,
+                    byte_offset=offset, order=orders.get(tensor, ()))
+        slots.append(slot)
+        offset += slot.num_bytes
+    return tuple(slots), align(offset)
+
+
+def unit_placement(unit: EMU) -> StagePlacement:
+    """The placement whose rank layout a unit's buffers follow (a part in final shape follows its
+    final unit); a GPU's rank in it is ``placement.gpu_sets[0].index(gpu)``."""
+    home = unit.final if unit.final is not None else unit
+    return StagePlacement(model_stage=home.model_stage, model=home.state.model, head=home.state.head,
+                          kinds=home.state.kinds, layout=home.layout, gpu_sets=(home.gpus,))
+
+
+@lru_cache(maxsize=4096)
+def unit_slots(unit: EMU, gpu: int) -> dict[tuple[str, str], Slot]:
+    """The slots of ``unit``'s buffer on ``gpu`` (pure: both ends of a transfer derive them alike)."""
+    placement = unit_placement(unit)
+    slots, _ = rank_slots(placement, placement.gpu_sets[0].index(gpu))
+    return {s.key: s for s in slots}
+
+
+@lru_cache(maxsize=4096)
+def unit_buffer_bytes(unit: EMU, gpu: int) -> int:
+    placement = unit_placement(unit)
+    return rank_slots(placement, placement.gpu_sets[0].index(gpu))[1]
+
+
+def contiguous_range(slot: Slot, box: Box) -> tuple[int, int] | None:
+    """Byte range [start, end) of ``box`` inside the flat buffer holding ``slot``, if contiguous."""
+    offsets, lens = box
+    full, base = slot.lengths, slot.offsets
+    if slot.order:  # the same question in storage order
+        offsets, lens = tuple(offsets[d] for d in slot.order), tuple(lens[d] for d in slot.order)
+        full, base = slot.storage_lengths, tuple(base[d] for d in slot.order)
+    # row-major: contiguous iff every dim after the last partial one is full and every dim before it
+    # has length 1 (a whole shard, a run of whole rows, or part of one row)
+    last = len(lens) - 1
+    while last >= 0 and lens[last] == full[last]:
+        last -= 1
+    for d in range(last):
+        if lens[d] != 1:
+            return None
+    linear, numel = 0, 1
+    for o, so, n, k in zip(offsets, base, full, lens):
+        linear = linear * n + o - so
+        numel *= k
+    size = slot.element_bytes
+    start = slot.byte_offset + linear * size
+    return start, start + numel * size
