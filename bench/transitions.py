@@ -40,9 +40,10 @@ from transitions.cost import (  # noqa: E402
     schedule,
     transition_cost,
 )
+from transitions.dag_pieces import DagMemo  # noqa: E402
 from transitions.emu import UnitState  # noqa: E402
 from transitions.global_dag import TransitionDAG, build_transition  # noqa: E402
-from transitions.primitives import bucketize, transfers  # noqa: E402
+from transitions.node_steps import node_step  # noqa: E402
 from transitions.replica_classes import clear_caches  # noqa: E402
 from transitions.scenarios import h200_cluster, ppo_plan, random_scenario, stage_states  # noqa: E402
 
@@ -141,12 +142,13 @@ def one_gpu_derive(num_gpus: int, name: str) -> dict[str, object]:
     gpu = max(range(num_gpus), key=lambda g: len(dag.nodes_on(g)) if g < 64 else -1)
     t0 = time.perf_counter()
     mine = dag.nodes_on(gpu)
-    per_node = [transfers(dag.nodes[i], gpu) for i in mine]
-    items = [t for node in per_node for t in node]
-    packed = [b for node in per_node for b in bucketize(node)]
+    memo = DagMemo()  # as a worker derives its part: pieces, then the executor's messages
+    steps = [node_step(dag, i, gpu, memo) for i in mine]
+    sent = [p for step in steps for m in step.messages for p in m.pieces if p.src_worker != p.dst_worker]
     elapsed = time.perf_counter() - t0
-    return {"gpus": num_gpus, "change": name, "gpu": gpu, "primitives": len(mine), "transfers": len(items),
-            "buckets": len(packed), "bytes": sum(t.num_bytes for t in items), "ms": round(1e3 * elapsed, 2)}
+    return {"gpus": num_gpus, "change": name, "gpu": gpu, "primitives": len(mine), "transfers": len(sent),
+            "messages": sum(len(step.messages) for step in steps), "bytes": sum(p.num_bytes for p in sent),
+            "ms": round(1e3 * elapsed, 2)}
 
 
 def _makespan(dag: TransitionDAG, order: tuple[int, ...], durations: list[float]) -> float:

@@ -15,8 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from transitions.global_dag import TransitionDAG
-from transitions.layout import COUNTERS, COUNTERS_KIND, NUM_COUNTERS, unit_slots
-from transitions.primitives import Merge, Primitive
+from transitions.primitives import Primitive, counter_pieces, slot_pieces
 from transitions.primitives import pieces as prim_pieces
 from transitions.transfer_plan import Piece
 
@@ -53,36 +52,8 @@ def node_pieces(dag: TransitionDAG, node: int, worker: int, memo: DagMemo) -> tu
 
 def _node_pieces(dag: TransitionDAG, node: int, worker: int) -> tuple[Piece, ...]:
     prim = dag.nodes[node]
-    units = {u.uid: u for u in (*prim.sources, *prim.targets)}
-    out: list[Piece] = []
-    for t in prim_pieces(prim, worker):
-        src, dst = units[t.src_unit], units[t.dst_unit]
-        key = (t.tensor, t.kind.value)
-        out.append(Piece(src_worker=t.src_gpu, dst_worker=t.dst_gpu, src_slot=unit_slots(src, t.src_gpu)[key],
-                         dst_slot=unit_slots(dst, t.dst_gpu)[key], box=(t.offsets, t.lengths),
-                         src_unit=t.src_unit, dst_unit=t.dst_unit))
-    return tuple([p for p in _counter_pieces(prim) if worker in (p.src_worker, p.dst_worker)] + out)
-
-
-def _counter_pieces(prim: Primitive) -> list[Piece]:
-    """The unit counters (version, step, minibatch position) each new share copies: from a source on
-    the same GPU if any, else from the rank-aligned GPU of the first source. Derived for every target
-    GPU in one fixed order, so both ends of a pair agree on it."""
-    if not prim.sources:
-        return []
-    key = (COUNTERS, COUNTERS_KIND)
-    out = []
-    for target in prim.targets:
-        for g in target.gpus:
-            if isinstance(prim, Merge) and any(p.final == target and p.holds(g) for p in prim.parts):
-                continue  # relabelled: the part's buffer, counters included, becomes the unit's
-            local = [s for s in prim.sources if s.holds(g)]
-            src = local[0] if local else prim.sources[0]
-            src_gpu = g if local else src.gpus[target.gpus.index(g) % len(src.gpus)]
-            out.append(Piece(src_worker=src_gpu, dst_worker=g, src_slot=unit_slots(src, src_gpu)[key],
-                             dst_slot=unit_slots(target, g)[key], box=((0,), (NUM_COUNTERS,)),
-                             src_unit=src.uid, dst_unit=target.uid))
-    return out
+    out = slot_pieces(prim, prim_pieces(prim, worker))
+    return tuple([p for p in counter_pieces(prim) if worker in (p.src_worker, p.dst_worker)] + out)
 
 
 def node_stage(prim: Primitive) -> str:

@@ -17,7 +17,8 @@ How one worker runs its part (everything derived locally from the frozen DAG):
         allocate t.shards(gpu) for t in prim.targets (a Merge whose part on this GPU has
             ``final == prim.unit`` just renames that part's tensors);
         copy the local pieces (primitives.pieces(prim, gpu), ``is_local``);
-        send / receive primitives.buckets(prim, gpu), unpacking each item at its dst slices;
+        send / receive the messages of the rest (transitions.transfer_plan.messages: zero-copy runs
+            and buckets, the bucketizer the memory check counts too), unpacking each piece;
         free u.shards(gpu) for u in prim.frees.
     Units in ``renamed`` keep their tensors under the new uid; ``lost_units`` are simply gone.
 Plain plan changes (no lost GPUs, no weight sync, the same model-stages before and after) are

@@ -8,10 +8,12 @@
 Every target shard on a GPU is covered, along its split dimension, first by what a source already
 holds on that same GPU (a local piece: never sent), then by the sources in order, starting at the
 rank-aligned holder so that each source rank feeds its own counterpart. ``transfers(gpu)`` is what one
-GPU derives on its own; ``buckets(gpu)`` packs all transfers between one GPU pair into one contiguous,
-16-byte aligned buffer. ``footprint`` is the per-GPU memory and traffic summary the DAG builder, the
-memory check and the cost model use; it is cached per relative shape (GPU ids relabelled), so the
-thousands of identical replicas of a large plan cost one derivation. Pure: no torch, no I/O.
+GPU derives on its own; ``slot_pieces`` places them in the units' buffers (``transitions.layout``),
+and ``wire_buffers`` is the bucket memory the executor holds for them, from the executor's own
+bucketizer (``transitions.transfer_plan.messages``). ``footprint`` is the per-GPU memory and traffic
+summary the DAG builder, the memory check and the cost model use; it is cached per relative shape
+(GPU ids relabelled), so the thousands of identical replicas of a large plan cost one derivation.
+Pure: no torch, no I/O.
 """
 
 from __future__ import annotations
@@ -22,14 +24,11 @@ from enum import Enum
 from functools import lru_cache
 
 from planner.models import Parallel, TensorSpec
+from transitions import transfer_plan
 from transitions.emu import EMU, Box, StateKey, UnitState
 from transitions.geometry import Shard, StateKind, tensor_stages
-
-BUFFER_ALIGN_BYTES = 16  # bucket items start 16-byte aligned, so any dtype can view its slot
-# One bucket per GPU pair per round, and rounds pipelined two deep: the same figures as the executor
-# (transitions/executor.py), so the memory check counts the buffers it really holds.
-DEFAULT_BUCKET_BYTES = 8 << 20
-BUCKETS_IN_FLIGHT = 2
+from transitions.layout import COUNTERS, COUNTERS_KIND, NUM_COUNTERS, unit_slots
+from transitions.transfer_plan import Piece, in_flight_bytes, messages
 
 
 class PrimitiveKind(str, Enum):
@@ -76,17 +75,6 @@ class Transfer:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Bucket:
-    """All transfers from ``src_gpu`` to ``dst_gpu`` of one primitive, packed in one buffer."""
-
-    src_gpu: int
-    dst_gpu: int
-    items: tuple[Transfer, ...]
-    offsets_bytes: tuple[int, ...]  # start of each item in the buffer
-    total_bytes: int
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
 class Footprint:
     """Per-GPU effect of a primitive: state allocated at start, freed at end, bucket buffers held while
     it runs, bytes copied locally, and bytes sent per (src, dst) GPU pair."""
@@ -121,9 +109,6 @@ class _Derives:
 
     def transfers(self, gpu: int | None = None) -> list[Transfer]:
         return transfers(self, gpu)  # type: ignore[arg-type]
-
-    def buckets(self, gpu: int | None = None) -> list[Bucket]:
-        return buckets(self, gpu)  # type: ignore[arg-type]
 
     def pieces(self, gpu: int | None = None) -> list[Transfer]:
         return pieces(self, gpu)  # type: ignore[arg-type]
@@ -357,77 +342,53 @@ def transfers(prim: Primitive, gpu: int | None = None) -> list[Transfer]:
     return [p for p in pieces(prim, gpu) if not p.is_local]
 
 
-def _align(n: int) -> int:
-    return -(-n // BUFFER_ALIGN_BYTES) * BUFFER_ALIGN_BYTES
-
-
-def _row_chunks(nbytes: int, rows: int, cap: int) -> list[tuple[int, int]]:
-    """(first row, rows) along dim 0 of an item so each chunk fits ``cap`` (a larger row goes alone)."""
-    per = max(1, cap // max(1, nbytes // rows))
-    return [(r, min(per, rows - r)) for r in range(0, rows, per)]
-
-
-def _pack(sizes: Iterable[int], cap: int) -> list[int]:
-    """Totals of the buckets that items of ``sizes`` bytes (in order) fill, each at most ``cap``."""
-    out, cursor = [], 0
-    for n in sizes:
-        if cursor and cursor + _align(n) > cap:
-            out.append(cursor)
-            cursor = 0
-        cursor += _align(n)
-    if cursor:
-        out.append(cursor)
-    return out
-
-
-def in_flight_bytes(bucket_totals: Iterable[int]) -> int:
-    """Buffer memory one GPU pair holds: its BUCKETS_IN_FLIGHT largest buckets (executor pipelining)."""
-    return sum(sorted(bucket_totals)[-BUCKETS_IN_FLIGHT:])
-
-
-def _chunk(t: Transfer, first: int, rows: int) -> Transfer:
-    def shift(v: tuple[int, ...]) -> tuple[int, ...]:
-        return (v[0] + first, *v[1:])
-
-    return Transfer(src_gpu=t.src_gpu, dst_gpu=t.dst_gpu, src_unit=t.src_unit, dst_unit=t.dst_unit,
-                    tensor=t.tensor, kind=t.kind, offsets=shift(t.offsets), lengths=(rows, *t.lengths[1:]),
-                    src_offsets=shift(t.src_offsets), dst_offsets=shift(t.dst_offsets),
-                    bytes_per_element=t.bytes_per_element)
-
-
-def bucketize(items: Iterable[Transfer], max_bucket_bytes: int | None = None) -> list[Bucket]:
-    """Contiguous buffers per (src, dst) pair of at most ``max_bucket_bytes`` (default: the executor's
-    round size): items keep derivation order, each 16-byte aligned; an item larger than a bucket is
-    cut into row ranges along dim 0 (a single larger row travels alone)."""
-    if max_bucket_bytes is None:
-        max_bucket_bytes = DEFAULT_BUCKET_BYTES
-    groups: dict[tuple[int, int], list[Transfer]] = {}
-    for t in items:
-        if t.is_local:
-            continue
-        chunks = _row_chunks(t.num_bytes, t.lengths[0], max_bucket_bytes)
-        pieces_of_t = [t] if t.num_bytes <= max_bucket_bytes else [_chunk(t, f, k) for f, k in chunks]
-        groups.setdefault((t.src_gpu, t.dst_gpu), []).extend(pieces_of_t)
+def slot_pieces(prim: Primitive, items: Iterable[Transfer]) -> list[Piece]:
+    """``items`` (pieces of ``prim``) placed in the units' buffers: the executor's records."""
+    units = {u.uid: u for u in (*prim.sources, *prim.targets)}
     out = []
-    for (src, dst), group in sorted(groups.items()):
-        bucket: list[Transfer] = []
-        offsets: list[int] = []
-        cursor = 0
-        for t in group:
-            if bucket and cursor + _align(t.num_bytes) > max_bucket_bytes:
-                out.append(Bucket(src_gpu=src, dst_gpu=dst, items=tuple(bucket), offsets_bytes=tuple(offsets),
-                                  total_bytes=cursor))
-                bucket, offsets, cursor = [], [], 0
-            bucket.append(t)
-            offsets.append(cursor)
-            cursor += _align(t.num_bytes)
-        out.append(Bucket(src_gpu=src, dst_gpu=dst, items=tuple(bucket), offsets_bytes=tuple(offsets),
-                          total_bytes=cursor))
+    for t in items:
+        src, dst = units[t.src_unit], units[t.dst_unit]
+        key = (t.tensor, t.kind.value)
+        out.append(Piece(src_worker=t.src_gpu, dst_worker=t.dst_gpu, src_slot=unit_slots(src, t.src_gpu)[key],
+                         dst_slot=unit_slots(dst, t.dst_gpu)[key], box=(t.offsets, t.lengths),
+                         src_unit=t.src_unit, dst_unit=t.dst_unit))
     return out
 
 
-def buckets(prim: Primitive, gpu: int | None = None) -> list[Bucket]:
-    return bucketize(transfers(prim, gpu))
+def counter_pieces(prim: Primitive) -> list[Piece]:
+    """The unit counters (version, step, minibatch position) each new share copies: from a source on
+    the same GPU if any, else from the rank-aligned GPU of the first source. Derived for every target
+    GPU in one fixed order, so both ends of a pair agree on it."""
+    if not prim.sources:
+        return []
+    key = (COUNTERS, COUNTERS_KIND)
+    out = []
+    for target in prim.targets:
+        for g in target.gpus:
+            if isinstance(prim, Merge) and any(p.final == target and p.holds(g) for p in prim.parts):
+                continue  # relabelled: the part's buffer, counters included, becomes the unit's
+            local = [s for s in prim.sources if s.holds(g)]
+            src = local[0] if local else prim.sources[0]
+            src_gpu = g if local else src.gpus[target.gpus.index(g) % len(src.gpus)]
+            out.append(Piece(src_worker=src_gpu, dst_worker=g, src_slot=unit_slots(src, src_gpu)[key],
+                             dst_slot=unit_slots(target, g)[key], box=((0,), (NUM_COUNTERS,)),
+                             src_unit=src.uid, dst_unit=target.uid))
+    return out
+
+
+def wire_buffers(prim: Primitive, max_bucket_bytes: int | None = None) -> dict[int, int]:
+    """Per GPU, the bucket memory the executor holds at once running ``prim``: its packed messages
+    of two consecutive rounds (``transitions.transfer_plan``), derived by the executor's own
+    bucketizer from every piece, counters included. With early builds on CPU (a unit built from its
+    donor's pages sends one zero-copy message) the executor holds less, never more."""
+    if max_bucket_bytes is None:
+        max_bucket_bytes = transfer_plan.DEFAULT_BUCKET_BYTES
+    if isinstance(prim, Destroy) or relabels(prim):
+        return {}
+    wire = messages([*counter_pieces(prim), *slot_pieces(prim, pieces(prim))], max_bucket_bytes)
+    gpus = {g for m in wire for g in (m.src_worker, m.dst_worker)}
+    held = {g: in_flight_bytes(wire, g) for g in sorted(gpus)}
+    return {g: n for g, n in held.items() if n}
 
 
 # --- footprints, cached per relative shape --------------------------------------------------------
@@ -437,7 +398,8 @@ def _relabel(unit: EMU, labels: dict[int, int]) -> EMU:
     for g in unit.gpus:
         labels.setdefault(g, len(labels))
     final = _relabel(unit.final, labels) if unit.final is not None else None
-    return EMU(uid="", state=unit.state, layout=unit.layout, gpus=tuple(labels[g] for g in unit.gpus),
+    # the uid stays: pieces name their units by it (the footprint keeps no names)
+    return EMU(uid=unit.uid, state=unit.state, layout=unit.layout, gpus=tuple(labels[g] for g in unit.gpus),
                version=0, final=final)
 
 
@@ -478,8 +440,6 @@ def _canonical_footprint(prim: Primitive) -> Footprint:
                         free[g] -= p.bytes_on(g)
     local: dict[int, int] = {}
     pair: dict[tuple[int, int], int] = {}
-    buffer: dict[int, int] = {}
-    pair_items: dict[tuple[int, int], list[int]] = {}
     if not isinstance(prim, Destroy) and not relabels(prim):
         for target in prim.targets:
             for dst in _target_gpus(prim, target):
@@ -489,19 +449,9 @@ def _canonical_footprint(prim: Primitive) -> Footprint:
                         nbytes = row_bytes * (hi - lo)
                         if src == dst:
                             local[dst] = local.get(dst, 0) + nbytes
-                            continue
-                        pair[(src, dst)] = pair.get((src, dst), 0) + nbytes
-                        rows = hi - lo if dim == 0 else shard.lengths[0]
-                        sizes = pair_items.setdefault((src, dst), [])
-                        if nbytes <= DEFAULT_BUCKET_BYTES:
-                            sizes.append(nbytes)
                         else:
-                            chunks = _row_chunks(nbytes, rows, DEFAULT_BUCKET_BYTES)
-                            sizes += [nbytes // rows * k for _, k in chunks]
-    for (src, dst), sizes in pair_items.items():
-        held = in_flight_bytes(_pack(sizes, DEFAULT_BUCKET_BYTES))
-        buffer[src] = buffer.get(src, 0) + held
-        buffer[dst] = buffer.get(dst, 0) + held
+                            pair[(src, dst)] = pair.get((src, dst), 0) + nbytes
+    buffer = wire_buffers(prim) if pair else {}
     return Footprint(alloc_bytes={g: v for g, v in alloc.items() if v},
                      free_bytes={g: v for g, v in free.items() if v},
                      buffer_bytes=buffer, local_bytes=local, pair_bytes=pair)

@@ -23,7 +23,7 @@ import numpy as np
 
 from transitions.emu import EMU, StateKey
 from transitions.global_dag import TransitionDAG
-from transitions.primitives import Destroy, Merge, bucketize, in_flight_bytes, pieces
+from transitions.primitives import Destroy, Merge, pieces, wire_buffers
 
 _INDEX_BITS = 36
 
@@ -154,14 +154,8 @@ def replay(dag: TransitionDAG) -> ReplayReport:
                             relabelled.add((t.uid, g))
         written = {(t.uid, g): {k: np.zeros(v.shape, np.int32) for k, v in r.alive[(t.uid, g)].items()}
                    for t in prim.targets for g in t.gpus if (t.uid, g) not in relabelled}
-        buffers: dict[int, int] = {}
         all_pieces = pieces(prim)
-        per_pair: dict[tuple[int, int], list[int]] = {}
-        for bucket in bucketize(all_pieces):
-            per_pair.setdefault((bucket.src_gpu, bucket.dst_gpu), []).append(bucket.total_bytes)
-        for (src_gpu, dst_gpu), totals in per_pair.items():
-            buffers[src_gpu] = buffers.get(src_gpu, 0) + in_flight_bytes(totals)
-            buffers[dst_gpu] = buffers.get(dst_gpu, 0) + in_flight_bytes(totals)
+        buffers = wire_buffers(prim)  # the executor's own bucketizer, as the memory check counts it
         alloc: dict[int, int] = {}
         for t in prim.targets:
             for g in t.gpus:

@@ -16,9 +16,10 @@ from transitions.cost import transition_cost
 from transitions.geometry import StateKind
 from transitions.global_dag import TransitionDAG, build_transition, build_weight_sync
 from transitions.local_dag import LastCopyLostError
-from transitions.primitives import Destroy, Extend, Merge, Split, Transfer, buckets, pieces, transfers
+from transitions.primitives import Destroy, Extend, Merge, Split, Transfer, pieces, slot_pieces, transfers
 from transitions.replay import replay
 from transitions.scenarios import stage_plan, stage_states
+from transitions.transfer_plan import messages
 
 # 12 heads (MHA), 4 layers, vocab 10: TP 2, 3, 4 all valid; vocab 10 is uneven over 3 and 4.
 MHA = ModelSpec(name="mha12", num_layers=4, hidden_size=24, num_attention_heads=12, num_kv_heads=12,
@@ -138,16 +139,21 @@ def test_dp_2_to_4() -> None:
     assert {type(p) for p in back.nodes} == {Destroy} and back.bytes_moved == 0
 
 
-def test_buckets_are_contiguous_aligned_and_per_pair() -> None:
+def test_messages_are_contiguous_aligned_and_per_pair() -> None:
     old, new = _plans((2, 1, [0, 1, 2, 3], 2), (4, 1, [0, 1, 2, 3], 1))
     dag = build_transition(STATES, CLUSTER, old, new)
     for prim in dag.nodes:
-        for b in buckets(prim):
-            assert all(t.src_gpu == b.src_gpu and t.dst_gpu == b.dst_gpu for t in b.items)
-            ends = [o + t.num_bytes for o, t in zip(b.offsets_bytes, b.items)]
-            assert all(o % 16 == 0 for o in b.offsets_bytes)
-            assert all(e <= o2 for e, o2 in zip(ends, b.offsets_bytes[1:]))
-            assert b.total_bytes >= ends[-1] and b.total_bytes - ends[-1] < 16
+        wire = messages(slot_pieces(prim, transfers(prim)))  # the executor's bucketizer
+        assert bool(wire) == bool(transfers(prim))
+        for m in wire:
+            assert all(p.src_worker == m.src_worker and p.dst_worker == m.dst_worker for p in m.pieces)
+            ends = [o + p.num_bytes for o, p in zip(m.layout, m.pieces)]
+            assert all(e <= o2 for e, o2 in zip(ends, m.layout[1:]))  # in order, never overlapping
+            if m.src_start is None and m.dst_start is None:  # a packed bucket: items 16-byte aligned
+                assert all(o % 16 == 0 for o in m.layout)
+                assert m.length >= ends[-1] and m.length - ends[-1] < 16
+            else:  # laid out as one side's buffer holds them: the message spans exactly those bytes
+                assert m.length == ends[-1]
         # one GPU derives only its own part, and it is exactly its share of the whole
         for g in range(4):
             mine = transfers(prim, g)
@@ -205,10 +211,17 @@ def test_weight_sync_uses_the_same_primitives() -> None:
 
 
 def test_infeasible_names_gpu_and_bytes() -> None:
-    old, new = _plans((2, 1, [0, 1], 1), (2, 1, [0, 1, 2, 3], 2))
+    extend_old, extend_new = _plans((2, 1, [0, 1], 1), (2, 1, [0, 1, 2, 3], 2))
+    extend = build_transition(STATES, CLUSTER, extend_old, extend_new)
+    held = max(u.bytes_on(g) for u in extend.old_units for g in u.gpus)
+    # an Extend of a whole replica is one zero-copy message per rank: no bucket memory, so it fits
+    # even with the old state filling its GPUs exactly (the executor's own bucketizer says so)
+    assert all(not fp.buffer_bytes for fp in extend.footprints)
+    build_transition(STATES, CLUSTER, extend_old, extend_new, capacity_bytes=held)
+    old, new = _plans((2, 1, [0, 1], 1), (1, 2, [0, 1, 2, 3], 2))
     dag = build_transition(STATES, CLUSTER, old, new)
-    held = max(u.bytes_on(g) for u in dag.old_units for g in u.gpus)
-    # the old state fits exactly, but no room is left for the bucket buffers of the Extend
+    assert held == max(u.bytes_on(g) for u in dag.old_units for g in u.gpus)
+    # the old state fits exactly, but no room is left for what the change builds on those GPUs
     with pytest.raises(InfeasibleError, match=r"GPU [0-3] needs \d+ bytes .* but has 0 free"):
         build_transition(STATES, CLUSTER, old, new, capacity_bytes=held)
     with pytest.raises(InfeasibleError, match=r"GPU 0 already holds \d+ bytes"):
@@ -220,13 +233,16 @@ def test_shared_gpus_need_release_before_acquire() -> None:
     is blocked until actor-train's old replica is destroyed, which needs actor-train's Extend first.
     The global order waits and records the resource edge; the naive per-stage order deadlocks."""
     old = GlobalPlan(version=1, stages=(stage_plan("ref-inf", Layout(1, 1), [0, 1], 2),
-                                        stage_plan("actor-train", Layout(4, 1), [4, 5, 6, 7], 1)))
+                                        stage_plan("actor-train", Layout(2, 1), [4, 5], 1)))
     new = GlobalPlan(version=2, stages=(stage_plan("ref-inf", Layout(1, 1), [0, 1, 4, 5], 4),
-                                        stage_plan("actor-train", Layout(4, 1), [2, 3, 6, 7], 1)))
+                                        stage_plan("actor-train", Layout(2, 1), [2, 3], 1)))
     train = next(sp for sp in old if sp.model_stage == "actor-train")
-    held = build_transition(STATES, CLUSTER, old, new).old_units[-1].bytes_on(4)
+    free_run = build_transition(STATES, CLUSTER, old, new)
+    held = free_run.old_units[-1].bytes_on(4)
+    ref = next(u for u in free_run.new_units if u.model_stage == "ref-inf" and u.holds(4)).bytes_on(4)
     assert train.gpu_sets[0][0] == 4
-    capacity = 2 * held  # old train shard + its send buffer, not also ref-inf's new replica and buffer
+    # the old train shard or ref-inf's new replica, never both (the Extends are zero-copy: no buffers)
+    capacity = held + ref - 1
     dag = build_transition(STATES, CLUSTER, old, new, capacity_bytes=capacity)
     replay(dag)
     names = [type(dag.nodes[i]).__name__ + ":" + (dag.nodes[i].targets or dag.nodes[i].frees)[0].uid
@@ -278,24 +294,32 @@ def test_new_plan_on_a_lost_gpu_is_refused() -> None:
 def test_small_buckets_cut_items_and_bound_buffer_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     """With 256-byte buckets, items are cut into row ranges, buckets stay within the cap (unless one
     row is bigger), the replay still fills every target exactly, and the memory check's buffer
-    figure (two buckets in flight per pair) is what the replay measures."""
+    figure (two rounds in flight per worker, from the executor's own bucketizer) is what the replay
+    measures."""
     import transitions.primitives as prims
+    from transitions import transfer_plan
 
     old, new = _plans((2, 1, [0, 1, 2, 3], 2), (4, 1, [0, 1, 2, 3], 1))
     whole_buffers_peak = max(build_transition(STATES, CLUSTER, old, new).peak_bytes.values())
-    monkeypatch.setattr(prims, "DEFAULT_BUCKET_BYTES", 256)
+    monkeypatch.setattr(transfer_plan, "DEFAULT_BUCKET_BYTES", 256)
     monkeypatch.setattr(prims, "_FOOTPRINTS", {})
     dag = build_transition(STATES, CLUSTER, old, new)
     assert max(dag.peak_bytes.values()) < whole_buffers_peak
     replay(dag)  # peaks per GPU equal the DAG's, which now count bounded buffers
     for prim in dag.nodes:
         whole = transfers(prim)
-        packed = buckets(prim)
-        assert sum(t.num_bytes for b in packed for t in b.items) == sum(t.num_bytes for t in whole)
-        for b in packed:
-            assert b.total_bytes <= 256 or len(b.items) == 1
-    big = max((t for p in dag.nodes for t in transfers(p)), key=lambda t: t.num_bytes)
-    assert big.num_bytes > 256
-    cut = [t for b in prims.bucketize([big]) for t in b.items]
-    assert sum(t.lengths[0] for t in cut) == big.lengths[0] and cut[0].offsets == big.offsets
-    assert cut[1].src_offsets[0] == big.src_offsets[0] + cut[0].lengths[0]
+        wire = transfer_plan.messages(prims.slot_pieces(prim, whole), 256)
+        assert sum(p.num_bytes for m in wire for p in m.pieces) == sum(t.num_bytes for t in whole)
+        for m in wire:
+            assert m.num_bytes <= 256 or len(m.pieces) == 1 or m.num_bytes >= transfer_plan.DIRECT_MIN_BYTES
+    # the largest piece that travels in buckets (not as one zero-copy run) is cut along its first
+    # stored dim, into pieces of at most one bucket each
+    packed = [q for p in dag.nodes for q in prims.slot_pieces(p, transfers(p))
+              if q.num_bytes < transfer_plan.DIRECT_MIN_BYTES]
+    piece = max(packed, key=lambda q: q.num_bytes)
+    assert piece.num_bytes > 256
+    cut = [q for m in transfer_plan.messages([piece], 256) for q in m.pieces]
+    d = piece.src_slot.order[0] if piece.src_slot.order else 0
+    assert len(cut) > 1 and all(q.num_bytes <= 256 for q in cut)
+    assert sum(q.box[1][d] for q in cut) == piece.box[1][d] and cut[0].box[0] == piece.box[0]
+    assert cut[1].box[0][d] == piece.box[0][d] + cut[0].box[1][d]
