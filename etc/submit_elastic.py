@@ -16,7 +16,7 @@ import argparse
 import json
 import sys
 
-from agent.launch import nereusctl_job_add, submit_elastic_job
+from nereusd.launch import nereusctl_job_add, submit_elastic_job
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -99,7 +99,7 @@ class SlurmSource:
                 if member not in merged.member_job_ids:
                     merged = merged.with_member(member)
             tracked.job = merged
-        # an anchor launched by agent.launch carries the job's comment: a reused id cannot match it
+        # an anchor launched by nereusd.launch carries the job's comment: a reused id cannot match it
         self.poller.watch(job.anchor_job_id, submitted_at_s=job.submitted_at_s, comment=job.extra.get("comment"))
         for member in tracked.job.member_job_ids:
             self.poller.watch(member, comment=job_comment(job.job_id))

@@ -58,3 +58,82 @@ def test_real_transitions_package_passes() -> None:
     proc = _run("import nereusd, agent, transitions; print(transitions.__nereus__)")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "True"
+
+
+# --- the import direction of every package, as DESIGN.md's table states it -------------------------
+# Read from each module's syntax tree (imports inside functions count too), so a rule breaks here
+# the moment a forbidden import is written, whether or not a test happens to execute it.
+
+PACKAGES = ("planner", "transitions", "agent", "nereusd")
+# transitions: torch only in the data channel, the executor and the checkpoint fallback
+TORCH_IN_TRANSITIONS = ("transitions.channel", "transitions.checkpoint", "transitions.executor")
+# the torch-free wire layer agent/ may use from nereusd (protocol, client, keys, logging)
+WIRE = ("nereusd.protocol", "nereusd.client", "nereusd.keys", "nereusd.logs")
+NO_IO = ("zmq", "sqlite3", "subprocess", "socket", "fsspec", "requests", "urllib")
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def _imports() -> dict[str, set[str]]:
+    """Per module of the four packages, every module it imports (absolute names)."""
+    import ast
+
+    out: dict[str, set[str]] = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            name = _module_name(path)
+            found: set[str] = set()
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Import):
+                    found |= {alias.name for alias in node.names}
+                elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                    found.add(node.module)
+                    found |= {f"{node.module}.{alias.name}" for alias in node.names}
+            out[name] = found
+    return out
+
+
+def _under(name: str, prefixes: tuple[str, ...] | str) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in ((prefixes,) if isinstance(prefixes, str) else prefixes))
+
+
+def _violations(imports: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for module, imported in imports.items():
+        package = module.split(".")[0]
+        for name in sorted(imported):
+            top = name.split(".")[0]
+            if package == "planner" and (top in ("transitions", "agent", "nereusd", "torch") or top in NO_IO):
+                bad.append(f"{module} imports {name}: the planner is pure (stdlib, numpy, pydantic)")
+            if package == "transitions":
+                if top in ("agent", "nereusd"):
+                    bad.append(f"{module} imports {name}: transitions never imports agent or nereusd")
+                if top == "torch" and not _under(module, TORCH_IN_TRANSITIONS):
+                    bad.append(f"{module} imports torch outside the channel, executor and checkpoint")
+            if package == "nereusd" and top in ("torch", "agent"):
+                bad.append(f"{module} imports {name}: the daemon never imports torch or agent")
+            if package == "agent" and top == "nereusd" and name != "nereusd" and not _under(name, WIRE):
+                bad.append(f"{module} imports {name}: agent uses only nereusd's wire layer {WIRE}")
+    return bad
+
+
+def test_every_package_imports_only_in_the_direction_the_design_states() -> None:
+    imports = _imports()
+    assert len(imports) > 60  # the walk saw the packages (a wrong ROOT would pass vacuously)
+    assert _violations(imports) == []
+
+
+def test_the_direction_check_catches_each_forbidden_import() -> None:
+    bad = _violations({
+        "planner.cost": {"torch", "sqlite3"},
+        "transitions.layout": {"torch"},
+        "transitions.executor.runner": {"torch", "agent.worker"},
+        "nereusd.admin": {"agent.node"},
+        "agent.node": {"nereusd.protocol", "nereusd.store"},
+    })
+    assert len(bad) == 6, bad
+    assert not _violations({"transitions.executor.runner": {"torch"}, "agent.node": {"nereusd.keys"}})

@@ -1,5 +1,5 @@
 """End to end on the real cluster: nereusd (Slurm source) tracks an elastic job submitted with
-agent.launch; the anchor's agent joins; `nereusctl alloc --grow` submits a member whose agent joins;
+nereusd.launch; the anchor's agent joins; `nereusctl alloc --grow` submits a member whose agent joins;
 `--shrink` releases it; a node DOWN under the anchor is noticed; the store records each change and
 nereusctl shows it."""
 
@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from lab import SlurmLab, wait_for
 
-from agent.launch import nereusctl_job_add, submit_elastic_job
+from nereusd.launch import nereusctl_job_add, submit_elastic_job
 from nereusd.keys import KeyStore
 
 pytestmark = [pytest.mark.slurm, pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.xdist_group("slurm")]

@@ -1,7 +1,7 @@
 """Python API to submit an elastic job to Slurm through submitit: an anchor job plus optional members,
 each running the node agent (``python -m agent.node``) once per node via srun.
 
-    from agent.launch import submit_elastic_job, nereusctl_job_add
+    from nereusd.launch import submit_elastic_job, nereusctl_job_add
     job = submit_elastic_job(job_id="grpo-8b", min_gpus=16, max_gpus=64, gpus_per_node=8,
                              endpoint="tcp://head:7501", folder="/shared/nereus/grpo-8b",
                              keys_dir="~/.config/nereus/agent", register=nereusctl_job_add(user="alice"))
