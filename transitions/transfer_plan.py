@@ -174,7 +174,8 @@ def _split_piece(p: Piece, max_bytes: int) -> list[Piece]:
 
 def messages(pieces: Iterable[Piece], max_bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[Message]:
     """The messages carrying ``pieces`` between workers (local pieces are skipped), pair by pair in
-    worker order, each pair's in the order its receiver posts them."""
+    worker order, each pair's in the order its receiver posts them: its zero-copy runs first (all in
+    round 0, they need no buffer), then its buckets, in rounds of at most ``max_bucket_bytes``."""
     by_pair: dict[tuple[int, int], list[Piece]] = defaultdict(list)
     for p in pieces:
         if p.src_worker != p.dst_worker:
@@ -189,42 +190,49 @@ def messages(pieces: Iterable[Piece], max_bucket_bytes: int = DEFAULT_BUCKET_BYT
             else:
                 for p in members:
                     packed.extend(_split_piece(p, max_bucket_bytes))
-        tag = 0
-        # direct runs need no buffer: all of them go in round 0, with the first bucket
-        for run, members in direct:
+        for tag, (run, members) in enumerate(direct):
             layout = tuple(contiguous_range(p.src_slot, p.box)[0] - run[0][0] for p in members)  # type: ignore[index]
             out.append(Message(src_worker=src, dst_worker=dst, round=0, tag=tag, pieces=tuple(members),
                                layout=layout, length=run[0][1] - run[0][0], src_start=run[0][0],
                                dst_start=run[1][0]))
-            tag += 1
-        buckets: list[list[Piece]] = [[]]
-        size = 0
-        adjacent, last = False, None  # whether the open bucket lies back to back in the destination
-        for p in packed:
-            # a bucket also closes where the pieces stop lying back to back in the destination (a
-            # direct run sits in between): the destination then receives each bucket in place instead
-            # of unpacking it, unless that would make the bucket too small to be worth a message
-            here = contiguous_range(p.dst_slot, p.box)
-            follows = (here is not None and last is not None and adjacent and last[2] == p.dst_unit
-                       and _back_to_back(last[0], last[1], here, p.dst_slot))
-            gap = bool(buckets[-1]) and size >= SPLIT_MIN_BYTES and not follows
-            if buckets[-1] and (size + align(p.num_bytes) > max_bucket_bytes or gap):
-                buckets.append([])
-                size = 0
-            adjacent = here is not None and (follows or not buckets[-1])
-            last = (here, p.dst_slot, p.dst_unit) if here is not None else None
-            buckets[-1].append(p)
-            size += align(p.num_bytes)
-        # rounds by volume: each round carries at most max_bucket_bytes of buckets per pair
-        rnd, volume = 0, 0
-        for bucket in (b for b in buckets if b):
+        out += _rounds(src, dst, _buckets(packed, max_bucket_bytes), max_bucket_bytes, first_tag=len(direct))
+    return out
+
+
+def _buckets(packed: list[Piece], max_bucket_bytes: int) -> list[list[Piece]]:
+    """``packed`` cut into buckets of at most ``max_bucket_bytes`` (each piece 16-byte aligned). A
+    bucket also closes where its pieces stop lying back to back in the destination (a direct run
+    sits in between): the destination then receives each bucket in place instead of unpacking it,
+    unless that would make the bucket too small to be worth a message (``SPLIT_MIN_BYTES``)."""
+    buckets: list[list[Piece]] = [[]]
+    size = 0
+    adjacent, last = False, None  # whether the open bucket lies back to back in the destination
+    for p in packed:
+        here = contiguous_range(p.dst_slot, p.box)
+        follows = (here is not None and last is not None and adjacent and last[2] == p.dst_unit
+                   and _back_to_back(last[0], last[1], here, p.dst_slot))
+        gap = bool(buckets[-1]) and size >= SPLIT_MIN_BYTES and not follows
+        if buckets[-1] and (size + align(p.num_bytes) > max_bucket_bytes or gap):
+            buckets.append([])
+            size = 0
+        adjacent = here is not None and (follows or not buckets[-1])
+        last = (here, p.dst_slot, p.dst_unit) if here is not None else None
+        buckets[-1].append(p)
+        size += align(p.num_bytes)
+    return [b for b in buckets if b]
+
+
+def _rounds(src: int, dst: int, buckets: list[list[Piece]], max_bucket_bytes: int, first_tag: int) -> list[Message]:
+    """The buckets' messages in rounds by volume: each carries at most ``max_bucket_bytes`` per pair."""
+    out: list[Message] = []
+    rnd, volume = 0, 0
+    for tag, bucket in enumerate(buckets, start=first_tag):
+        message = _bucket_message(src, dst, rnd, tag, bucket)
+        if volume and volume + message.length > max_bucket_bytes:
+            rnd, volume = rnd + 1, 0
             message = _bucket_message(src, dst, rnd, tag, bucket)
-            if volume and volume + message.length > max_bucket_bytes:
-                rnd, volume = rnd + 1, 0
-                message = _bucket_message(src, dst, rnd, tag, bucket)
-            volume += message.length
-            out.append(message)
-            tag += 1
+        volume += message.length
+        out.append(message)
     return out
 
 
