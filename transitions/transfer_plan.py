@@ -31,15 +31,17 @@ Run = tuple[tuple[int, int], tuple[int, int]]  # (src byte range, dst byte range
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Piece:
-    """One box of one tensor's state kind copied from a source rank's buffer to a destination's."""
+    """One box of one tensor's state kind copied from a slot of a source unit's buffer on one worker
+    to a slot of a target unit's buffer on another (or the same) worker: the one record of a piece
+    moved, as the runner, the memory check and replay see it."""
 
     src_worker: int
     dst_worker: int
     src_slot: Slot
     dst_slot: Slot
     box: Box
-    src_unit: str = ""  # DAG runs: the EMU uids read and written ("" = the model-stage's old/new state)
-    dst_unit: str = ""
+    src_unit: str  # the EMU uids read and written
+    dst_unit: str
 
     @property
     def num_bytes(self) -> int:
