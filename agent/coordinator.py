@@ -36,6 +36,7 @@ from agent.commands import (
     SaveCheckpoint,
     WorkerState,
 )
+from agent.worker import worker_main  # the spawned processes' entry point; the worker imports no driver
 from planner.errors import NereusError, SpecError
 from planner.hardware import ClusterSpec
 from transitions.channel import GenerationSpec
@@ -55,6 +56,9 @@ class WorkerDied(NereusError):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TransitionOutcome:
+    """How a DAG run ended. ``committed``: every worker ran all its nodes (there is no separate commit:
+    sources are freed where the DAG frees them); otherwise ``lost`` says what no survivor covers."""
+
     committed: bool
     generation: int  # the generation the survivors are in afterwards
     dead_workers: tuple[int, ...]
@@ -102,8 +106,6 @@ class LocalCoordinator:
                  threads_per_worker: int = 1, worker_ids: Iterable[int] | None = None,
                  start_timeout_s: float = 180.0) -> None:
         import torch.distributed as dist  # the store lives here; workers only connect to it
-
-        from agent.worker import worker_main
 
         if num_workers < 1:
             raise SpecError("num_workers", f"must be >= 1, got {num_workers}")
