@@ -4,6 +4,9 @@ BROKEN until the next Join."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from executor_helpers import assert_same_state, init_placements, logical_state, placement
@@ -15,6 +18,13 @@ from transitions.channel import DataChannel
 from transitions.placement_dag import placement_cluster, placement_dag, placement_units
 
 OLD, NEW = [placement("a", 1, 1, [[0]])], [placement("a", 1, 1, [[1]])]
+
+
+def test_worker_imports_no_driver() -> None:
+    """The command set lives in agent.commands: the worker never imports the coordinator."""
+    code = "import sys, agent.worker; print('agent.coordinator' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False"
 
 
 def test_transition_table() -> None:
