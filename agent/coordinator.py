@@ -1,15 +1,16 @@
-"""The control interface between whoever drives transitions and the workers, and a local driver.
+"""The interface between whoever drives the workers and the workers, and a local driver.
 
-Workers obey a handful of commands (join a generation, initialise state, prepare a transition, commit
-or abort it, dump, checkpoint save/load, exit) and answer each with one ``Reply``. ``Coordinator`` is
-the small interface a driver offers; the daemon's ZeroMQ plane (through the node agents) implements
-the same one later, so the executor never knows who drives it. ``LocalCoordinator`` runs the workers
-as spawned processes on this machine, talks to them over pipes and hosts the generations' TCPStore:
-it is what tests, benchmarks and the local allocation source use.
+Workers obey the commands of ``agent.commands`` (join a generation, initialise units, run a
+TransitionDAG, dump, checkpoint save/load, call, exit) and answer each with one ``Reply``.
+``Coordinator`` is the small interface a driver offers; the daemon's ZeroMQ plane (through the node
+agents) implements the same one later, so the executor never knows who drives it. ``LocalCoordinator``
+runs the workers as spawned processes on this machine, talks to them over pipes and hosts the
+generations' TCPStore: it is what tests, benchmarks and the local allocation source use.
 
-A transition is two-phase: every worker prepares its new state beside the old (transfers), then, only
-if all succeeded, all commit; otherwise survivors abort (keeping their old state), a new generation is
-formed without the dead, and the stages whose last copy died are reported as needing the checkpoint.
+Every move of state is a DAG run (``run_dag``): each worker runs its nodes; if any fails, the
+survivors re-form a generation without the dead and report the units they still hold, and the
+model-stages no held unit covers any more are reported as needing the checkpoint
+(``transitions.survival.uncovered_state``).
 """
 
 from __future__ import annotations
@@ -19,119 +20,32 @@ import multiprocessing as mp
 import multiprocessing.connection as mpc
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
+from agent.commands import (
+    Call,
+    Command,
+    Dump,
+    Exit,
+    InitUnits,
+    Join,
+    LoadCheckpoint,
+    Reply,
+    RunDag,
+    SaveCheckpoint,
+    WorkerState,
+)
+from agent.worker import worker_main  # the spawned processes' entry point; the worker imports no driver
 from planner.errors import NereusError, SpecError
 from planner.hardware import ClusterSpec
 from transitions.channel import GenerationSpec
 from transitions.cost import DEFAULT_COMMUNICATOR_SETUP_S, primitive_seconds
-from transitions.emu import EMU, box_intersection
+from transitions.emu import EMU
 from transitions.executor import StepReport
-from transitions.layout import StagePlacement
-from transitions.transfer_plan import DEFAULT_BUCKET_BYTES
 from transitions.global_dag import TransitionDAG
-
-# --- commands and replies (plain frozen data: pickled on local pipes, msgpack on the daemon plane) ---
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Join:
-    spec: GenerationSpec
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class InitState:
-    """Random state (deterministic in ``seed``) for this worker's ranks of ``placements``."""
-
-    placements: tuple[StagePlacement, ...]
-    seed: int
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Prepare:
-    """Run this worker's part of old -> new; keep the result pending until Commit or Abort."""
-
-    old: tuple[StagePlacement, ...]
-    new: tuple[StagePlacement, ...]
-    max_bucket_bytes: int = DEFAULT_BUCKET_BYTES
-    kill_at: tuple[str, int] | None = None  # fault injection: SIGKILL self before (model_stage, round)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class InitUnits:
-    """Random state (deterministic in ``seed`` per model-stage) for this worker's shares of ``units``."""
-
-    units: tuple[EMU, ...]
-    seed: int
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class RunDag:
-    """Run this worker's nodes of ``dag`` in order (no separate commit: frees follow the DAG)."""
-
-    dag: TransitionDAG
-    predicted_s: tuple[float, ...]
-    max_bucket_bytes: int = DEFAULT_BUCKET_BYTES
-    kill_at: tuple[str, int] | None = None
-    in_place: bool | None = None  # None: the executor's default (transitions.executor.IN_PLACE, CPU only)
-    fan_out: bool | None = None  # Extend fan-outs as broadcasts; None: the executor's default (large ones)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Commit:
-    pass
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Abort:
-    pass
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Dump:
-    """Every shard this worker holds (tests reassemble logical state from them)."""
-
-    stages: tuple[str, ...] | None = None
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class SaveCheckpoint:
-    url: str
-    tag: str
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class LoadCheckpoint:
-    url: str
-    tag: str
-    placements: tuple[StagePlacement, ...]
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Call:
-    """Run ``fn(worker_context, **kwargs)`` in the worker (tests, benchmarks, engine hooks)."""
-
-    fn: Callable[..., Any]
-    kwargs: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Exit:
-    pass
-
-
-Command = Join | InitState | InitUnits | RunDag | Prepare | Commit | Abort | Dump | SaveCheckpoint | LoadCheckpoint | Call | Exit
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Reply:
-    worker: int
-    seq: int  # the request it answers: a late reply to an abandoned request is recognised and dropped
-    ok: bool
-    value: Any = None
-    error: str | None = None
-    seconds: float = 0.0
+from transitions.survival import uncovered_state
+from transitions.transfer_plan import DEFAULT_BUCKET_BYTES
 
 
 class WorkerDied(NereusError):
@@ -143,6 +57,9 @@ class WorkerDied(NereusError):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TransitionOutcome:
+    """How a DAG run ended. ``committed``: every worker ran all its nodes (there is no separate commit:
+    sources are freed where the DAG frees them); otherwise ``lost`` says what no survivor covers."""
+
     committed: bool
     generation: int  # the generation the survivors are in afterwards
     dead_workers: tuple[int, ...]
@@ -163,11 +80,6 @@ class Coordinator(Protocol):
     def alive(self) -> tuple[int, ...]: ...
 
     def form_generation(self, members: Iterable[int] | None = None) -> GenerationSpec: ...
-
-    def init_state(self, placements: Iterable[StagePlacement], seed: int) -> None: ...
-
-    def transition(self, old: Iterable[StagePlacement], new: Iterable[StagePlacement],
-                   max_bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> TransitionOutcome: ...
 
     def init_units(self, units: Iterable[EMU], seed: int) -> None: ...
 
@@ -196,8 +108,6 @@ class LocalCoordinator:
                  start_timeout_s: float = 180.0) -> None:
         import torch.distributed as dist  # the store lives here; workers only connect to it
 
-        from agent.worker import worker_main
-
         if num_workers < 1:
             raise SpecError("num_workers", f"must be >= 1, got {num_workers}")
         self.timeout_s = timeout_s
@@ -207,6 +117,9 @@ class LocalCoordinator:
         self.generation = -1
         self._seq = 0
         self.spec: GenerationSpec | None = None
+        # per worker, from its latest reply: its state and the uids of the units it holds
+        self.state: dict[int, WorkerState] = {}
+        self.held: dict[int, tuple[str, ...]] = {}
         ctx = mp.get_context("spawn")
         ids = list(worker_ids) if worker_ids is not None else list(range(num_workers))
         self._procs: dict[int, _Proc] = {}
@@ -233,7 +146,7 @@ class LocalCoordinator:
                 raise WorkerDied(f"workers {sorted(pending)} did not start within {timeout_s} s")
             for wid, proc in list(pending.items()):
                 if proc.conn in ready:
-                    proc.conn.recv()
+                    self.state[wid] = proc.conn.recv().state  # INIT: imports done, in no generation
                     del pending[wid]
                 elif proc.process.sentinel in ready:
                     self.close()
@@ -261,12 +174,12 @@ class LocalCoordinator:
                 proc.conn.send((seq, cmd))
                 waiting[wid] = proc
             except (BrokenPipeError, OSError) as exc:
-                replies[wid] = Reply(worker=wid, seq=seq, ok=False, error=f"worker died: {exc}")
+                replies[wid] = self._lost_reply(wid, seq, f"worker died: {exc}")
         while waiting:
             left = deadline - time.monotonic()
             if left <= 0:
                 for wid in waiting:
-                    replies[wid] = Reply(worker=wid, seq=seq, ok=False, error="no reply before the timeout")
+                    replies[wid] = self._lost_reply(wid, seq, "no reply before the timeout")
                 break
             handles: list[Any] = [p.conn for p in waiting.values()]
             handles += [p.process.sentinel for p in waiting.values()]
@@ -279,17 +192,26 @@ class LocalCoordinator:
                         # the pipe closes while the process is still exiting: wait for the exit, so
                         # that is_alive() agrees with what the reply says
                         proc.process.join(5.0)
-                        reply = Reply(worker=wid, seq=seq, ok=False, error="worker died (pipe closed)")
+                        reply = self._lost_reply(wid, seq, "worker died (pipe closed)")
                     if reply.seq != seq:
                         continue  # a late answer to an earlier request that was given up on
                     replies[wid] = reply
                     del waiting[wid]
                 elif proc.process.sentinel in ready and not proc.conn.poll():
                     proc.process.join(1.0)
-                    replies[wid] = Reply(worker=wid, seq=seq, ok=False,
-                                         error=f"worker died (exit code {proc.process.exitcode})")
+                    replies[wid] = self._lost_reply(wid, seq, f"worker died (exit code {proc.process.exitcode})")
                     del waiting[wid]
+        for wid, reply in replies.items():
+            self.state[wid] = reply.state
+            self.held[wid] = reply.units
         return replies
+
+    def _lost_reply(self, worker: int, seq: int, error: str) -> Reply:
+        """The reply a worker could not give: gone (STOPPED, holding nothing) or still in its command."""
+        alive = self._procs[worker].process.is_alive()
+        return Reply(worker=worker, seq=seq, ok=False, error=error,
+                     state=WorkerState.RUNNING if alive else WorkerState.STOPPED,
+                     units=self.held.get(worker, ()) if alive else ())
 
     def request_all(self, cmd: Command, workers: Iterable[int] | None = None,
                     timeout_s: float | None = None) -> dict[int, Reply]:
@@ -311,36 +233,6 @@ class LocalCoordinator:
         self._check(self.request_all(Join(spec=spec), members_t), f"join generation {self.generation}")
         self.spec = spec
         return spec
-
-    def init_state(self, placements: Iterable[StagePlacement], seed: int) -> None:
-        self._check(self.request_all(InitState(placements=tuple(placements), seed=seed)), "init state")
-
-    def transition(self, old: Iterable[StagePlacement], new: Iterable[StagePlacement],
-                   max_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                   kill_at: dict[int, tuple[str, int]] | None = None) -> TransitionOutcome:
-        start = time.perf_counter()
-        old_t, new_t = tuple(old), tuple(new)
-        members = self.spec.members if self.spec is not None else self.alive
-        cmds: dict[int, Command] = {
-            w: Prepare(old=old_t, new=new_t, max_bucket_bytes=max_bucket_bytes,
-                       kill_at=(kill_at or {}).get(w))
-            for w in members
-        }
-        prepared = self.request(cmds)
-        if all(r.ok for r in prepared.values()):
-            self._check(self.request_all(Commit(), members), "commit")
-            return TransitionOutcome(committed=True, generation=self.generation, dead_workers=(),
-                                     errors={}, reports={w: r.value for w, r in prepared.items()}, lost={},
-                                     seconds=time.perf_counter() - start)
-        # abort: survivors drop what they prepared and keep their old state; re-form without the dead
-        errors = {w: r.error or "" for w, r in prepared.items() if not r.ok}
-        dead = tuple(sorted(w for w in members if not self._procs[w].process.is_alive()))
-        survivors = tuple(w for w in members if w not in dead)
-        self._check(self.request_all(Abort(), survivors), "abort")
-        self.form_generation(survivors)
-        return TransitionOutcome(committed=False, generation=self.generation, dead_workers=dead,
-                                 errors=errors, reports={}, lost=lost_state(old_t, dead),
-                                 seconds=time.perf_counter() - start)
 
     def init_units(self, units: Iterable[EMU], seed: int) -> None:
         self._check(self.request_all(InitUnits(units=tuple(units), seed=seed)), "init units")
@@ -367,10 +259,8 @@ class LocalCoordinator:
         errors = {w: r.error or "" for w, r in replies.items() if not r.ok}
         dead = tuple(sorted(w for w in members if not self._procs[w].process.is_alive()))
         survivors = tuple(w for w in members if w not in dead)
-        self.form_generation(survivors)
-        from agent.worker import held_units
-
-        held = {w: set(v) for w, v in self.call(held_units, survivors).items()}
+        self.form_generation(survivors)  # every Join reply says which units its worker still holds
+        held = {w: set(self.held[w]) for w in survivors}
         return TransitionOutcome(committed=False, generation=self.generation, dead_workers=dead, errors=errors,
                                  reports={}, lost=uncovered_state(dag, held),
                                  seconds=time.perf_counter() - start)
@@ -382,8 +272,9 @@ class LocalCoordinator:
     def save_checkpoint(self, url: str, tag: str) -> dict[int, Reply]:
         return self._check(self.request_all(SaveCheckpoint(url=url, tag=tag)), "checkpoint save")
 
-    def load_checkpoint(self, url: str, tag: str, placements: Iterable[StagePlacement]) -> dict[int, Reply]:
-        cmd = LoadCheckpoint(url=url, tag=tag, placements=tuple(placements))
+    def load_checkpoint(self, url: str, tag: str, units: Iterable[EMU]) -> dict[int, Reply]:
+        """Every worker replaces what it holds by its shares of ``units``, read from the checkpoint."""
+        cmd = LoadCheckpoint(url=url, tag=tag, units=tuple(units))
         return self._check(self.request_all(cmd), "checkpoint load")
 
     def call(self, fn: Callable[..., Any], workers: Iterable[int] | None = None,
@@ -419,56 +310,6 @@ def _td(seconds: float) -> Any:
     from datetime import timedelta
 
     return timedelta(seconds=seconds)
-
-
-def uncovered_state(dag: TransitionDAG, held: dict[int, set[str]]) -> dict[str, list[str]]:
-    """Per model-stage of the DAG, the tensors/kinds that no surviving unit share covers entirely.
-
-    ``held``: worker -> uids of the units it still holds. Boxes of one tensor differ along at most
-    its split dimension, so coverage is a union of intervals along the dimension where they differ.
-    """
-    units = {u.uid: u for u in (*dag.old_units, *dag.new_units)}
-    for prim in dag.nodes:
-        for u in (*prim.sources, *prim.targets):
-            units.setdefault(u.uid, u)
-    renamed = dict(dag.renamed)
-    for old, new in renamed.items():
-        if new not in units and old in units:
-            units[new] = units[old]
-    boxes: dict[tuple[str, str, str], list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
-    shapes: dict[tuple[str, str, str], tuple[int, ...]] = {}
-    for u in dag.old_units:
-        for g in u.gpus:
-            for sh in u.shards(g):
-                shapes[(u.model_stage, sh.tensor, sh.kind.value)] = sh.global_shape
-    for worker, uids in held.items():
-        for uid in uids:
-            unit = units.get(uid)
-            if unit is None or not unit.holds(worker):
-                continue
-            for sh in unit.shards(worker):
-                boxes.setdefault((unit.model_stage, sh.tensor, sh.kind.value), []).append(
-                    (sh.offsets, sh.lengths))
-    out: dict[str, list[str]] = {}
-    for key, shape in shapes.items():
-        if not _covers(shape, boxes.get(key, [])):
-            out.setdefault(key[0], []).append(f"{key[1]}/{key[2]}")
-    return {k: sorted(v) for k, v in out.items()}
-
-
-def _covers(shape: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> bool:
-    full = (tuple(0 for _ in shape), shape)
-    for dim in range(len(shape)):
-        spans = sorted((o[dim], o[dim] + k[dim]) for o, k in boxes
-                       if all(o[d] == 0 and k[d] == shape[d] for d in range(len(shape)) if d != dim))
-        reach = 0
-        for lo, hi in spans:
-            if lo > reach:
-                break
-            reach = max(reach, hi)
-        if reach >= shape[dim]:
-            return True
-    return not shape or any(box_intersection(b, full) == full for b in boxes)
 
 
 def _implements(c: LocalCoordinator) -> Coordinator:  # checked by mypy: the local driver is a Coordinator

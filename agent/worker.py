@@ -1,10 +1,10 @@
-"""A worker: one process per device (a GPU, or a CPU slot locally) holding the EMU shards placed on it.
+"""A worker: one process per device (a GPU, or a CPU slot locally) holding the EMU shares placed on it.
 
-It keeps, per model-stage, one ``RankState`` (bf16 parameters, fp32 master weights, Adam m and v,
-the unit's counters) across world generations, and obeys the coordinator's commands one at a time:
-join a generation, initialise state, prepare/commit/abort a transition, dump, checkpoint save/load.
-A failure in a command is answered as an error reply; the worker itself keeps running (its data
-channel is marked broken until the next generation is joined).
+It keeps one map, EMU uid -> ``RankState`` (bf16 parameters, fp32 master weights, Adam m and v, the
+unit's counters), across world generations, and obeys the commands of ``agent.commands`` one at a
+time, dispatched through ``HANDLERS`` (command type -> handler). Its ``WorkerState`` is reported in
+every reply: a failure in a command is answered as an error reply and the worker keeps running; a
+failed data channel leaves it BROKEN (RunDag and checkpoints refused) until the next Join.
 
 Started by ``LocalCoordinator`` (spawn) or by the node agent: ``worker_main(worker_id, link, device)``.
 """
@@ -18,67 +18,120 @@ import signal
 import time
 import traceback
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from agent.coordinator import (
+from agent.commands import (
+    NEEDS_GENERATION,
+    TRANSITIONS,
     Call,
     Dump,
     Exit,
-    InitState,
     InitUnits,
     Join,
     LoadCheckpoint,
     Reply,
     RunDag,
     SaveCheckpoint,
+    WorkerState,
+    WorkerStateError,
 )
 from transitions.channel import DataChannel
 from transitions.dag_pieces import DagMemo
-from transitions.executor import RankState, run_dag
-from transitions.layout import COUNTERS, StagePlacement, unit_placement
+from transitions.emu import EMU
+from transitions.executor import RankState, allocate_unit, run_dag
+from transitions.layout import COUNTERS
 
 
 @dataclass(slots=True)
 class WorkerContext:
-    """What a worker holds: its id, device, data channel, live state and a pending transition."""
+    """What a worker holds: its id, device, data channel, state, and the units (EMU uid -> state)."""
 
     worker_id: int
     device: torch.device
     channel: DataChannel
-    states: dict[str, RankState] = field(default_factory=dict)  # per model-stage (geometry plans)
-    units: dict[str, RankState] = field(default_factory=dict)  # per EMU uid (DAG runs)
-    memo: DagMemo = field(default_factory=DagMemo)  # what this worker derived from the DAGs it runs
+    units: dict[str, RankState] = field(default_factory=dict)
+    state: WorkerState = WorkerState.INIT
+    memo: DagMemo = field(default_factory=DagMemo)  # what it derived from the DAGs it runs (their lifetime)
+
+    def enter(self, state: WorkerState) -> None:
+        """Change state along an edge of ``TRANSITIONS`` (any other change is a bug here)."""
+        assert state is self.state or (self.state, state) in TRANSITIONS, (self.state, state)
+        self.state = state
+
+    def settled(self) -> WorkerState:
+        """The state after a command: what the data channel says."""
+        if self.channel.ready:
+            return WorkerState.READY
+        return WorkerState.BROKEN if self.channel.broken_reason is not None else WorkerState.INIT
 
 
 def logical_seed(seed: int, model_stage: str, tensor: str, kind: str) -> int:
     return zlib.crc32(f"{seed}/{model_stage}/{tensor}/{kind}".encode())
 
 
-def random_state(placement: StagePlacement, replica: int, rank: int, seed: int,
-                 device: torch.device) -> RankState:
-    """A rank's shards of a deterministic random logical state: every replica/rank slices the same
-    full tensors, so replicas agree exactly and the logical state is a function of ``seed`` alone."""
-    state = RankState.allocate(placement, replica, rank, device)
+def random_unit(unit: EMU, worker: int, seed: int, device: torch.device) -> RankState:
+    """``worker``'s share of a deterministic random logical state: every replica/rank slices the same
+    full tensors, so replicas agree exactly and the logical state is a function of ``seed`` (and the
+    model-stage) alone."""
+    state = allocate_unit(unit, worker, device)
     for slot, view in state.shards():
         if slot.tensor == COUNTERS:
             # version, optimizer step, minibatch position, spare: distinct, seed-dependent values
             view.copy_(torch.tensor([seed + 1, 3 * seed + 7, 5 * seed + 11, 0], dtype=torch.int64))
             continue
-        gen = torch.Generator().manual_seed(logical_seed(seed, placement.model_stage, slot.tensor, slot.kind))
+        gen = torch.Generator().manual_seed(logical_seed(seed, unit.model_stage, slot.tensor, slot.kind))
         full = torch.randn(slot.global_shape, generator=gen, dtype=torch.float32)
         box = tuple(slice(o, o + k) for o, k in zip(slot.offsets, slot.lengths))
         view.copy_(full[box].to(view.dtype))
     return state
 
 
-def _dump(ctx: WorkerContext, stages: tuple[str, ...] | None) -> dict[str, list[dict[str, Any]]]:
+def held_units(ctx: WorkerContext) -> list[str]:
+    """Uids of the EMU shares this worker holds (what survives a failed DAG run)."""
+    return sorted(ctx.units)
+
+
+def stage_unit(ctx: WorkerContext, model_stage: str) -> RankState:
+    """The one unit share of ``model_stage`` this worker holds (tests and engine hooks read it)."""
+    (state,) = (s for s in ctx.units.values() if s.placement.model_stage == model_stage)
+    return state
+
+
+# --- handlers: one per command type; each returns the reply's value ---------------------------------
+
+
+def _join(ctx: WorkerContext, cmd: Join) -> dict[str, int]:
+    ctx.channel.join(cmd.spec)
+    return {"generation": cmd.spec.generation, "rank": cmd.spec.rank_of(ctx.worker_id)}
+
+
+def _init_units(ctx: WorkerContext, cmd: InitUnits) -> list[str]:
+    ctx.units.clear()
+    for unit in cmd.units:
+        if unit.holds(ctx.worker_id):
+            ctx.units[unit.uid] = random_unit(unit, ctx.worker_id, cmd.seed, ctx.device)
+    return held_units(ctx)
+
+
+def _run_dag(ctx: WorkerContext, cmd: RunDag) -> Any:
+    def on_round(model_stage: str, rnd: int) -> None:
+        if cmd.kill_at == (model_stage, rnd):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return run_dag(cmd.dag, ctx.worker_id, ctx.units, ctx.channel, predicted_s=cmd.predicted_s,
+                   max_bucket_bytes=cmd.max_bucket_bytes, on_round=on_round, in_place=cmd.in_place,
+                   fan_out=cmd.fan_out, memo=ctx.memo)
+
+
+def _dump(ctx: WorkerContext, cmd: Dump) -> dict[str, list[dict[str, Any]]]:
     out: dict[str, list[dict[str, Any]]] = {}
-    for state in (*ctx.states.values(), *ctx.units.values()):
+    for state in ctx.units.values():
         name = state.placement.model_stage
-        if stages is not None and name not in stages:
+        if cmd.stages is not None and name not in cmd.stages:
             continue
         out.setdefault(name, []).extend([
             {"tensor": slot.tensor, "kind": slot.kind, "offsets": slot.offsets, "lengths": slot.lengths,
@@ -89,56 +142,49 @@ def _dump(ctx: WorkerContext, stages: tuple[str, ...] | None) -> dict[str, list[
     return out
 
 
-def held_units(ctx: WorkerContext) -> list[str]:
-    """Uids of the EMU shares this worker holds (what survives a failed DAG run)."""
-    return sorted(ctx.units)
+def _save(ctx: WorkerContext, cmd: SaveCheckpoint) -> dict[str, Any]:
+    from transitions.checkpoint import save_units
+
+    return save_units(ctx.units, cmd.url, cmd.tag, ctx.channel)
+
+
+def _load(ctx: WorkerContext, cmd: LoadCheckpoint) -> list[str]:
+    from transitions.checkpoint import load_units
+
+    ctx.units = load_units(cmd.units, ctx.worker_id, cmd.url, cmd.tag, ctx.channel)
+    return held_units(ctx)
+
+
+def _call(ctx: WorkerContext, cmd: Call) -> Any:
+    return cmd.fn(ctx, **cmd.kwargs)
+
+
+HANDLERS: dict[type, Callable[[WorkerContext, Any], Any]] = {
+    Join: _join, InitUnits: _init_units, RunDag: _run_dag, Dump: _dump, SaveCheckpoint: _save,
+    LoadCheckpoint: _load, Call: _call,
+}
 
 
 def handle(ctx: WorkerContext, cmd: Any) -> Any:
-    """Execute one command; its return value is the reply's value."""
-    if isinstance(cmd, Join):
-        ctx.channel.join(cmd.spec)
-        return {"generation": cmd.spec.generation, "rank": cmd.spec.rank_of(ctx.worker_id)}
-    if isinstance(cmd, InitState):
-        ctx.states.clear()
-        ctx.units.clear()
-        for placement in cmd.placements:
-            pos = placement.position(ctx.worker_id)
-            if pos is not None:
-                ctx.states[placement.model_stage] = random_state(placement, pos[0], pos[1], cmd.seed,
-                                                                 ctx.device)
-        return sorted(ctx.states)
-    if isinstance(cmd, InitUnits):
-        ctx.units.clear()
-        ctx.states.clear()
-        for unit in cmd.units:
-            if unit.holds(ctx.worker_id):
-                placement = unit_placement(unit)
-                rank = placement.gpu_sets[0].index(ctx.worker_id)
-                ctx.units[unit.uid] = random_state(placement, 0, rank, cmd.seed, ctx.device)
-        return sorted(ctx.units)
-    if isinstance(cmd, RunDag):
-        def on_round_dag(model_stage: str, rnd: int) -> None:
-            if cmd.kill_at == (model_stage, rnd):
-                os.kill(os.getpid(), signal.SIGKILL)
+    """Execute one command from ``ctx.state`` (READY, INIT or BROKEN); its return value is the reply's
+    value. Leaves ``ctx.state`` where the data channel says, whether the command succeeded or not."""
+    handler = HANDLERS.get(type(cmd))
+    if handler is None:
+        raise TypeError(f"unknown command {type(cmd).__name__}")
+    if isinstance(cmd, NEEDS_GENERATION) and ctx.state is not WorkerState.READY:
+        why = f": {ctx.channel.broken_reason}" if ctx.state is WorkerState.BROKEN else ""
+        raise WorkerStateError(f"worker {ctx.worker_id} is {ctx.state.value}{why}; "
+                               f"{type(cmd).__name__} needs a working generation (Join one first)")
+    ctx.enter(WorkerState.RUNNING)
+    try:
+        return handler(ctx, cmd)
+    finally:
+        ctx.enter(ctx.settled())
 
-        return run_dag(cmd.dag, ctx.worker_id, ctx.units, ctx.channel, predicted_s=cmd.predicted_s,
-                       max_bucket_bytes=cmd.max_bucket_bytes, on_round=on_round_dag, in_place=cmd.in_place,
-                       fan_out=cmd.fan_out, memo=ctx.memo)
-    if isinstance(cmd, Dump):
-        return _dump(ctx, cmd.stages)
-    if isinstance(cmd, SaveCheckpoint):
-        from transitions.checkpoint import save_states
 
-        return save_states(ctx.states, cmd.url, cmd.tag, ctx.channel)
-    if isinstance(cmd, LoadCheckpoint):
-        from transitions.checkpoint import load_states
-
-        ctx.states = load_states(cmd.placements, ctx.worker_id, cmd.url, cmd.tag, ctx.channel)
-        return sorted(ctx.states)
-    if isinstance(cmd, Call):
-        return cmd.fn(ctx, **cmd.kwargs)
-    raise TypeError(f"unknown command {type(cmd).__name__}")
+def _status(ctx: WorkerContext, start: float) -> dict[str, Any]:
+    """What every reply reports besides its value: state, held units, duration."""
+    return {"state": ctx.state, "units": tuple(held_units(ctx)), "seconds": time.perf_counter() - start}
 
 
 def worker_main(worker_id: int, link: Any, device: str = "cpu", threads: int = 1) -> None:
@@ -152,7 +198,7 @@ def worker_main(worker_id: int, link: Any, device: str = "cpu", threads: int = 1
     # collector's reach, or the first full collection (0.22 s here) lands in the first transition
     gc.collect()
     gc.freeze()
-    link.send(Reply(worker=worker_id, seq=0, ok=True, value="ready"))  # hello: imports are done
+    link.send(Reply(worker=worker_id, seq=0, ok=True, state=ctx.state, value="ready"))  # imports are done
     while True:
         try:
             seq, cmd = link.recv()
@@ -163,13 +209,14 @@ def worker_main(worker_id: int, link: Any, device: str = "cpu", threads: int = 1
         start = time.perf_counter()
         try:
             value = handle(ctx, cmd)
-            reply = Reply(worker=worker_id, seq=seq, ok=True, value=value, seconds=time.perf_counter() - start)
+            reply = Reply(worker=worker_id, seq=seq, ok=True, value=value, **_status(ctx, start))
         except Exception as exc:  # noqa: BLE001 - reported to the coordinator, the worker lives on
-            reply = Reply(worker=worker_id, seq=seq, ok=False, seconds=time.perf_counter() - start,
+            reply = Reply(worker=worker_id, seq=seq, ok=False, **_status(ctx, start),
                           error=f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}")
         try:
             link.send(reply)
         except (BrokenPipeError, OSError):
             break
+    ctx.enter(WorkerState.STOPPED)
     with contextlib.suppress(Exception):  # exiting anyway: a broken group may fail to tear down
         ctx.channel.leave()

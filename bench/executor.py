@@ -89,6 +89,7 @@ class Change:
         self.cluster = cluster_preset("cpu", NUM_WORKERS)
         self.dag = build_transition(states, self.cluster, old_plan, new_plan)
         self.old_units = [u for sp in old_plan for u in plan_units(states[sp.model_stage], sp, 1)]
+        self.new_units = [u for sp in new_plan for u in plan_units(states[sp.model_stage], sp, 2)]
 
     def dag_pairs(self) -> dict[tuple[int, int], int]:
         out: dict[tuple[int, int], int] = defaultdict(int)
@@ -213,7 +214,7 @@ def emu_vs_restart(model: str, repeats: int) -> dict[str, Any]:
             with tempfile.TemporaryDirectory(prefix="nereus-bench-") as tmp:
                 first = LocalCoordinator(NUM_WORKERS, timeout_s=120, device=DEVICE[0])
                 first.form_generation()
-                first.init_state(change.old, seed=2)
+                first.init_units(change.old_units, seed=2)
                 t0 = time.perf_counter()
                 first.save_checkpoint(tmp, f"ck{i}")
                 t1 = time.perf_counter()
@@ -222,7 +223,7 @@ def emu_vs_restart(model: str, repeats: int) -> dict[str, Any]:
                 second = LocalCoordinator(NUM_WORKERS, timeout_s=120, device=DEVICE[0])  # new processes
                 second.form_generation()
                 t3 = time.perf_counter()
-                second.load_checkpoint(tmp, f"ck{i}", change.new)
+                second.load_checkpoint(tmp, f"ck{i}", change.new_units)
                 t4 = time.perf_counter()
                 second.close()
             restart_s.append(t4 - t0)

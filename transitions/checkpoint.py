@@ -3,8 +3,10 @@
 Used when no in-memory path exists (the last copy of some state died) and as the baseline the live
 executor is measured against. Every worker of the current generation saves the shards it holds as
 DCP chunks at their global offsets (replicas and GQA duplicates are deduplicated by DCP's planner),
-so the checkpoint is layout-free: ``load_states`` restores into ANY other placement, each worker
-reading exactly the boxes of its new unit ranks.
+so the checkpoint is layout-free: ``load_units`` restores into the units of ANY other plan, each
+worker reading exactly the boxes of its shares. Saved and loaded is the worker's one state map, EMU
+uid -> ``RankState``; a tensor is named by its unit's model-stage, never by the unit, so what was
+saved from one layout's units is found again by another's.
 
 Writes are atomic: the checkpoint is written under ``<url>/<tag>.partial-g<generation>``, renamed to
 ``<url>/<tag>`` once every rank finished, and then marked by a ``COMMITTED`` file (itself written to a
@@ -36,9 +38,10 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from planner.errors import NereusError
 from transitions.channel import DataChannel
+from transitions.emu import EMU
 from transitions.emu import box_intersection as intersect
-from transitions.executor import RankState
-from transitions.layout import Slot, StagePlacement
+from transitions.executor import RankState, allocate_unit
+from transitions.layout import Slot
 
 COMMIT_MARKER = "COMMITTED"
 
@@ -51,8 +54,17 @@ def fqn(model_stage: str, slot: Slot) -> str:
     return f"{model_stage}/{slot.tensor}/{slot.kind}"
 
 
-def _boxes(states: dict[str, RankState]) -> dict[str, tuple[torch.Tensor, Slot]]:
-    return {fqn(name, slot): (view, slot) for name, state in states.items() for slot, view in state.shards()}
+def _boxes(units: dict[str, RankState]) -> dict[str, tuple[torch.Tensor, Slot]]:
+    """fqn -> (view, slot) of every shard held; one worker holds one box of a tensor at rest."""
+    boxes: dict[str, tuple[torch.Tensor, Slot]] = {}
+    for uid, state in units.items():
+        for slot, view in state.shards():
+            name = fqn(state.placement.model_stage, slot)
+            if name in boxes:
+                raise CheckpointError(f"{name}: held twice on this worker (unit {uid} and another of its "
+                                      "model-stage); checkpoint between transitions, not inside one")
+            boxes[name] = (view, slot)
+    return boxes
 
 
 class _BoxSavePlanner(DefaultSavePlanner):
@@ -123,8 +135,9 @@ def _join(url: str, *parts: str) -> str:
     return "/".join([url.rstrip("/"), *parts])
 
 
-def save_states(states: dict[str, RankState], url: str, tag: str, channel: DataChannel) -> dict[str, Any]:
-    """Collective over the current generation: every member saves what it holds; atomic commit."""
+def save_units(units: dict[str, RankState], url: str, tag: str, channel: DataChannel) -> dict[str, Any]:
+    """Collective over the current generation: every member saves the units it holds (EMU uid ->
+    state); atomic commit."""
     spec = channel.spec
     if spec is None:
         raise CheckpointError("save needs a formed generation")
@@ -141,14 +154,16 @@ def save_states(states: dict[str, RankState], url: str, tag: str, channel: DataC
             fs.rm(partial_path, recursive=True)  # left over by a save that died halfway
         fs.makedirs(partial_path, exist_ok=True)
     channel.barrier()
-    boxes = _boxes(states)
+    boxes = _boxes(units)
     dcp.save({name: view for name, (view, _) in boxes.items()}, storage_writer=FsspecWriter(partial),
              planner=_BoxSavePlanner(boxes))
     channel.barrier()  # every rank's files and the metadata are written
     if leader:
+        # the stages of every rank (DCP's metadata), not the leader's own: it may hold none of some
+        saved = FsspecReader(partial).read_metadata().state_dict_metadata
         fs.mv(partial_path, final_path, recursive=True)
         manifest = {"tag": tag, "generation": spec.generation, "members": list(spec.members),
-                    "stages": sorted({n.split("/")[0] for n in boxes})}
+                    "stages": sorted({n.split("/")[0] for n in saved})}
         tmp = _join(final_path, f".{COMMIT_MARKER}.tmp")
         with fs.open(tmp, "wb") as f:
             f.write(json.dumps(manifest).encode())
@@ -162,24 +177,20 @@ def is_committed(url: str, tag: str) -> bool:
     return bool(fs.exists(path))
 
 
-def load_states(placements: tuple[StagePlacement, ...] | list[StagePlacement], worker: int, url: str,
-                tag: str, channel: DataChannel) -> dict[str, RankState]:
-    """Collective: allocate this worker's ranks of ``placements`` and fill them from the checkpoint."""
+def load_units(units: tuple[EMU, ...] | list[EMU], worker: int, url: str, tag: str,
+               channel: DataChannel) -> dict[str, RankState]:
+    """Collective: allocate this worker's shares of ``units`` (any plan's) and fill them from the
+    checkpoint; returns the new state map, EMU uid -> state."""
     if not is_committed(url, tag):
         raise CheckpointError(f"{_join(url, tag)} has no {COMMIT_MARKER} marker: not a complete checkpoint")
-    states: dict[str, RankState] = {}
-    for placement in placements:
-        pos = placement.position(worker)
-        if pos is not None:
-            states[placement.model_stage] = RankState.allocate(placement, pos[0], pos[1], channel.device)
-    boxes = _boxes(states)
-    wanted = {p.model_stage for p in placements}
     fs, marker = url_to_fs(_join(url, tag, COMMIT_MARKER))
     with fs.open(marker, "rb") as f:
         manifest = json.loads(f.read().decode())
-    missing = wanted - set(manifest["stages"])
+    missing = {u.model_stage for u in units} - set(manifest["stages"])
     if missing:
         raise CheckpointError(f"checkpoint {tag} holds no stage {sorted(missing)}")
+    held = {u.uid: allocate_unit(u, worker, channel.device) for u in units if u.holds(worker)}
+    boxes = _boxes(held)
     dcp.load({name: view for name, (view, _) in boxes.items()}, storage_reader=FsspecReader(_join(url, tag)),
              planner=_BoxLoadPlanner(boxes))
-    return states
+    return held

@@ -1,71 +1,84 @@
-"""Transition DAGs between placements given as ``StagePlacement`` lists (what the engine and tests hold).
+"""Stage placements as plans: the TransitionDAG, and the initial units, for lists of placements.
 
-A ``StagePlacement`` names a model-stage's model, head, state kinds, layout and GPU sets; the DAG
-builder wants the same as a ``UnitState`` per stage and ``GlobalPlan``s. This is that translation,
-so that every move of state, including the engine's weight sync and a replan of its training state,
-is a ``TransitionDAG`` run by ``transitions.executor.run_dag``. Pure: no torch.
+A stage placement (``StagePlacement``: model-stage, model, head, state kinds, layout, one worker set
+per DP replica) is how tests, benchmarks and local runs say where state lives. Every move of state
+is a TransitionDAG, so this module turns old/new placement lists into what ``build_transition``
+takes (a ``UnitState`` per model-stage, two ``GlobalPlan`` versions, a cluster with one device per
+worker) and returns the checked DAG; ``placement_units`` gives the units a placement list starts
+with (what ``LocalCoordinator.init_units`` fills). Pure: no torch; placements are duck-typed.
+
+    dag = placement_dag(old, new)            # old at version 1, new at version 2
+    coordinator.init_units(placement_units(old), seed=0)
+    coordinator.run_dag(dag, placement_cluster(old, new))
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from planner.errors import SpecError
 from planner.hardware import ClusterSpec, cluster_preset
+from planner.models import Head
 from planner.plan import GlobalPlan, StagePlan
 from planner.workflow import Role, StageKind
 from transitions.emu import EMU, UnitState
 from transitions.geometry import StateKind
 from transitions.global_dag import TransitionDAG, build_transition
-from transitions.layout import StagePlacement
 from transitions.local_dag import plan_units
 
+if TYPE_CHECKING:
+    from transitions.layout import StagePlacement
 
-def unit_state(p: StagePlacement) -> UnitState:
-    """The state description of ``p``'s units: training if it holds optimizer state."""
-    kind = StageKind.TRAINING if StateKind.EXP_AVG in p.kinds else StageKind.INFERENCE
-    role = Role.ACTOR if p.head is Role.ACTOR.head else Role.CRITIC
-    return UnitState(model_stage=p.model_stage, stage_kind=kind, role=role, model=p.model, head=p.head,
-                     kinds=p.kinds)
+Placements = Sequence["StagePlacement"]
 
 
-def global_plan(placements: Iterable[StagePlacement], version: int) -> GlobalPlan:
-    return GlobalPlan(version=version, stages=tuple(
-        StagePlan(model_stage=p.model_stage, layout=p.layout, gpu_sets=p.gpu_sets, micro_batch_size=1)
-        for p in placements))
+def unit_state(placement: StagePlacement) -> UnitState:
+    """What every unit of the placement's model-stage holds. Optimizer state makes it a training
+    stage; the role follows the head (value: critic; LM: actor when training, else reference), so
+    that only a training stage of the same role and model can stand in for a lost one."""
+    training = bool(set(placement.kinds) - {StateKind.PARAM})
+    if placement.head is Head.VALUE:
+        role = Role.CRITIC
+    else:
+        role = Role.ACTOR if training else Role.REFERENCE
+    return UnitState(model_stage=placement.model_stage,
+                     stage_kind=StageKind.TRAINING if training else StageKind.INFERENCE,
+                     role=role, model=placement.model, head=placement.head, kinds=tuple(placement.kinds))
 
 
-def states_of(*placement_lists: Iterable[StagePlacement]) -> dict[str, UnitState]:
-    """One UnitState per model-stage across ``placement_lists``; a stage described twice must agree."""
-    out: dict[str, UnitState] = {}
-    for placements in placement_lists:
-        for p in placements:
-            state = unit_state(p)
-            if out.setdefault(p.model_stage, state) != state:
-                raise SpecError(f"{p.model_stage}.model", "a transition keeps each stage's model, head and "
-                                "state kinds")
-    return out
+def stage_plan(placement: StagePlacement) -> StagePlan:
+    return StagePlan(model_stage=placement.model_stage, layout=placement.layout,
+                     gpu_sets=tuple(placement.gpu_sets), micro_batch_size=1)
 
 
-def units_of(placements: Sequence[StagePlacement], version: int = 0) -> list[EMU]:
-    """The units ``placements`` hold at plan ``version`` (what a worker initialises or restores)."""
-    states = states_of(placements)
-    plan = global_plan(placements, version)
-    return [u for sp in plan for u in plan_units(states[sp.model_stage], sp, version)]
+def placement_plan(placements: Iterable[StagePlacement], version: int) -> GlobalPlan:
+    return GlobalPlan(version=version, stages=tuple(stage_plan(p) for p in placements))
 
 
-def cluster_for(placements: Iterable[StagePlacement], device: str = "cpu") -> ClusterSpec:
-    """The smallest cluster of ``device`` holding every GPU the placements use, one node."""
-    gpus = max((g for p in placements for g in p.workers), default=0) + 1
-    return cluster_preset(device, gpus, gpus_per_node=gpus)
+def placement_cluster(*placement_lists: Placements) -> ClusterSpec:
+    """One local node with a CPU device per worker, up to the highest worker any placement uses."""
+    num = 1 + max(g for ps in placement_lists for p in ps for s in p.gpu_sets for g in s)
+    return cluster_preset("cpu", num, gpus_per_node=num)
 
 
-def placement_dag(old: Sequence[StagePlacement], new: Sequence[StagePlacement], *, old_version: int = 0,
-                  cluster: ClusterSpec | None = None, refresh: Mapping[str, str] | None = None,
-                  capacity_bytes: int | None = None, exact: bool | None = None) -> TransitionDAG:
-    """The checked DAG moving ``old`` to ``new`` (plan versions ``old_version`` -> ``old_version + 1``).
-    ``refresh``: stage -> source stage whose units overwrite it (a weight sync)."""
-    states = states_of(old, new)
-    cluster = cluster if cluster is not None else cluster_for((*old, *new))
-    return build_transition(states, cluster, global_plan(old, old_version), global_plan(new, old_version + 1),
-                            refresh=refresh, capacity_bytes=capacity_bytes, exact=exact)
+def placement_units(placements: Iterable[StagePlacement], version: int = 1) -> list[EMU]:
+    """The units ``placements`` hold at plan ``version`` (one per DP replica, uids as the DAG names them)."""
+    return [u for p in placements for u in plan_units(unit_state(p), stage_plan(p), version)]
+
+
+def placement_dag(old: Placements, new: Placements, *, old_version: int = 1,
+                  cluster: ClusterSpec | None = None, lost_workers: Iterable[int] = ()) -> TransitionDAG:
+    """The checked DAG moving every model-stage from ``old`` (at ``old_version``) to ``new`` (the next
+    version). Both lists place the same model-stages with the same state (model, head, kinds): a
+    SpecError otherwise, before anything moves. ``lost_workers``: workers that died since ``old``."""
+    old_by = {p.model_stage: p for p in old}
+    new_by = {p.model_stage: p for p in new}
+    if set(old_by) != set(new_by):
+        raise SpecError("placements", f"old stages {sorted(old_by)} differ from new {sorted(new_by)}")
+    states = {name: unit_state(p) for name, p in old_by.items()}
+    for name, p in new_by.items():
+        if unit_state(p) != states[name]:
+            raise SpecError(f"{name}.model", "a transition keeps the model, head and state kinds")
+    return build_transition(states, cluster or placement_cluster(old, new), placement_plan(old, old_version),
+                            placement_plan(new, old_version + 1), lost_gpus=frozenset(lost_workers))

@@ -35,7 +35,7 @@ from transitions.geometry import StateKind
 from transitions.global_dag import TransitionDAG
 from transitions.layout import StagePlacement
 from transitions.node_steps import dag_messages
-from transitions.placement_dag import cluster_for, placement_dag, units_of
+from transitions.placement_dag import placement_cluster, placement_dag, placement_units
 
 PARAMS: tuple[StateKind, ...] = (StateKind.PARAM,)
 # the engine keeps no separate fp32 master copy: its parameters are the master weights
@@ -96,9 +96,9 @@ def sync_plan(old: tuple[StagePlacement, ...], new: tuple[StagePlacement, ...], 
     the destination's name) to ``new``. ``shared``: two old units share one packed buffer (a source
     feeding two destinations), so none may be compacted in place."""
     dag = placement_dag(old, new)
-    cluster: ClusterSpec = cluster_for((*old, *new))
+    cluster: ClusterSpec = placement_cluster(old, new)
     in_place = IN_PLACE and not shared
-    return SyncPlan(dag=dag, old_units=tuple(units_of(old, 0)), new_units=tuple(units_of(new, 1)),
+    return SyncPlan(dag=dag, old_units=tuple(placement_units(old, 1)), new_units=tuple(placement_units(new, 2)),
                     plan_bytes=sum(m.num_bytes for m in dag_messages(dag, DagMemo(), early=in_place)),
                     predicted_s=transition_cost(dag, cluster).seconds, in_place=in_place)
 

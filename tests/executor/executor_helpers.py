@@ -1,4 +1,5 @@
-"""Helpers for the executor tests: placements of tiny models and logical-state reassembly from dumps."""
+"""Helpers for the executor tests: placements of tiny models, moving them as DAG runs, and
+logical-state reassembly from dumps."""
 
 from __future__ import annotations
 
@@ -6,10 +7,12 @@ from typing import Any
 
 import torch
 
+from agent.coordinator import LocalCoordinator, TransitionOutcome
 from planner.models import Head, ModelSpec
 from planner.plan import Layout
 from transitions.geometry import INFERENCE_KINDS, TRAINING_KINDS
 from transitions.layout import StagePlacement
+from transitions.placement_dag import placement_cluster, placement_dag, placement_units
 
 # a smaller real architecture than TINY_3M keeps multi-process tests fast on 2 cores
 MICRO = ModelSpec(name="micro", num_layers=4, hidden_size=64, num_attention_heads=4, num_kv_heads=2,
@@ -21,6 +24,17 @@ def placement(stage: str, tp: int, pp: int, gpu_sets: list[list[int]], *, model:
     return StagePlacement(model_stage=stage, model=model, head=head,
                           kinds=TRAINING_KINDS if training else INFERENCE_KINDS, layout=Layout(tp, pp),
                           gpu_sets=tuple(tuple(g) for g in gpu_sets))
+
+
+def init_placements(pool: LocalCoordinator, placements: list[StagePlacement], seed: int) -> None:
+    """Random state (deterministic in ``seed``) in the units of ``placements`` at plan version 1."""
+    pool.init_units(placement_units(placements), seed=seed)
+
+
+def move(pool: LocalCoordinator, old: list[StagePlacement], new: list[StagePlacement], *, old_version: int = 1,
+         **run: Any) -> TransitionOutcome:
+    """Run the DAG moving ``old`` (at ``old_version``) to ``new`` on the pool's workers."""
+    return pool.run_dag(placement_dag(old, new, old_version=old_version), placement_cluster(old, new), **run)
 
 
 def logical_state(dumps: dict[int, Any]) -> dict[tuple[str, str, str], torch.Tensor]:
@@ -65,7 +79,7 @@ WEIGHT_SCALE = 0.05  # keeps activations of random N(0, 1) weights in a sane ran
 
 
 def reference_weights(model: ModelSpec, stage: str, seed: int) -> dict[str, torch.Tensor]:
-    """The full fp32 master weights ``agent.worker.random_state`` slices for ``seed`` (scaled)."""
+    """The full fp32 master weights ``agent.worker.random_unit`` slices for ``seed`` (scaled)."""
     from agent.worker import logical_seed
 
     out = {}
@@ -87,10 +101,11 @@ def tp_forward(ctx: Any, *, stage: str, mesh_shape: tuple[int, ...], tokens: tor
 
     from agent.engine.model import build_decoder
     from agent.engine.parallel import tp_plan
+    from agent.worker import stage_unit
 
     names = ("dp", "tp") if len(mesh_shape) == 2 else ("tp",)
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)["tp"]
-    state = ctx.states[stage]
+    state = stage_unit(ctx, stage)
     model = build_decoder(state.placement.model, state.placement.head)
     parallelize_module(model, mesh, tp_plan(model))
     checked = 0

@@ -1,6 +1,6 @@
 """The geometry the executor moves is exactly what DTensor and pipelining stages hold.
 
-After a live transition, each worker parallelizes the RL engine's decoder (agent.engine) with
+After a live transition (a DAG run), each worker parallelizes the RL engine's decoder (agent.engine) with
 DTensor over the new TP mesh, checks every DTensor's local shape and global offset against the box
 its moved shard holds, re-wraps the moved shards with DTensor.from_local and runs a forward pass
 that must equal the unsharded model's. Pipelining: a PP stage's module holds exactly the tensors
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from executor_helpers import MICRO, placement, reference_weights, tp_forward
+from executor_helpers import MICRO, init_placements, move, placement, reference_weights, tp_forward
 
 from agent.coordinator import LocalCoordinator
 from agent.engine.model import build_decoder
@@ -32,8 +32,8 @@ def test_moved_shards_rewrap_as_dtensors_and_forward_equals_unsharded(
     seed = 123 + tp + len(old_sets[0])
     old = [placement("actor", len(old_sets[0]), 1, old_sets)]
     new = [placement("actor", tp, 1, new_sets)]
-    pool.init_state(old, seed=seed)
-    assert pool.transition(old, new).committed
+    init_placements(pool, old, seed=seed)
+    assert move(pool, old, new).committed
     tokens = torch.randint(0, MICRO.vocab_size, (2, 7), generator=torch.Generator().manual_seed(seed))
     results = pool.call(tp_forward, stage="actor", mesh_shape=mesh, tokens=tokens)
     reference = build_decoder(MICRO, weights=reference_weights(MICRO, "actor", seed))

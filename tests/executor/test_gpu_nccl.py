@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from executor_helpers import assert_same_state, logical_state, placement
+from executor_helpers import assert_same_state, init_placements, logical_state, move, placement
 
 from agent.coordinator import LocalCoordinator
 
@@ -18,9 +18,9 @@ def test_tp_change_and_extend_over_nccl_are_bit_exact() -> None:
         pool.form_generation()
         old = [placement("a", 1, 1, [[0], [1]])]
         new = [placement("a", 2, 1, [[0, 1]])] if n < 4 else [placement("a", 2, 1, [[0, 1], [2, 3]])]
-        pool.init_state(old, seed=3)
+        init_placements(pool, old, seed=3)
         before = logical_state(pool.dump())
-        outcome = pool.transition(old, new)
+        outcome = move(pool, old, new)
         assert outcome.committed, outcome.errors
         assert_same_state(before, logical_state(pool.dump()))
 

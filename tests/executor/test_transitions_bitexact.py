@@ -1,18 +1,21 @@
 """Live transitions on real worker processes (gloo): logical state bit-identical before and after.
 
 One pool of 4 spawned workers serves every case (process start dominates on 2 cores). Each case
-initialises a deterministic random state on the old placement, reassembles the logical state from all
-workers' shards, runs the transition, reassembles again and compares bytes: every parameter, fp32
-master, Adam moment and unit counter.
+initialises a deterministic random state in the units of the old placement, reassembles the logical
+state from all workers' shards, runs the TransitionDAG to the new placement
+(transitions.placement_dag), reassembles again and compares bytes: every parameter, fp32 master,
+Adam moment and unit counter.
 """
 
 from __future__ import annotations
 
 import pytest
-from executor_helpers import MICRO, assert_same_state, logical_state, placement
+from executor_helpers import MICRO, assert_same_state, init_placements, logical_state, move, placement
 
 from agent.coordinator import LocalCoordinator
+from planner.errors import SpecError
 from planner.models import Head, ModelSpec
+from transitions.placement_dag import placement_dag
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.xdist_group("executor-pool")]
 
@@ -20,12 +23,11 @@ TIED = ModelSpec(name="micro-tied", num_layers=3, hidden_size=48, num_attention_
                  head_dim=12, ffn_hidden_size=100, vocab_size=50, tie_word_embeddings=True)
 
 
-
 def _run_chain(pool: LocalCoordinator, chain: list, seed: int, bucket: int = 32 << 20) -> None:
-    pool.init_state(chain[0], seed=seed)
+    init_placements(pool, chain[0], seed=seed)
     start = logical_state(pool.dump())
-    for old, new in zip(chain, chain[1:]):
-        outcome = pool.transition(old, new, max_bucket_bytes=bucket)
+    for version, (old, new) in enumerate(zip(chain, chain[1:]), start=1):
+        outcome = move(pool, old, new, old_version=version, max_bucket_bytes=bucket)
         assert outcome.committed, outcome.errors
         assert_same_state(start, logical_state(pool.dump()))
         held = {w for p in new for w in p.workers}
@@ -63,9 +65,9 @@ def test_transition_is_bit_exact(pool: LocalCoordinator, name: str) -> None:
 def test_small_buckets_many_rounds(pool: LocalCoordinator) -> None:
     """A 4 KiB bucket forces pieces to be split by rows and sent over many rounds; still exact."""
     chain = [[placement("a", 1, 2, [[0, 1]])], [placement("a", 4, 1, [[0, 1, 2, 3]])]]
-    pool.init_state(chain[0], seed=11)
+    init_placements(pool, chain[0], seed=11)
     before = logical_state(pool.dump())
-    outcome = pool.transition(chain[0], chain[1], max_bucket_bytes=4096)
+    outcome = move(pool, chain[0], chain[1], max_bucket_bytes=4096)
     assert outcome.committed, outcome.errors
     assert_same_state(before, logical_state(pool.dump()))
     moving = [r for reports in outcome.reports.values() for r in reports if r.bytes_sent or r.bytes_received]
@@ -89,24 +91,29 @@ def test_round_trip_dp_1_4_2(pool: LocalCoordinator) -> None:
 
 def test_reports_predicted_next_to_measured(pool: LocalCoordinator) -> None:
     old, new = [placement("a", 1, 1, [[0], [1]])], [placement("a", 2, 1, [[0, 1], [2, 3]])]
-    pool.init_state(old, seed=2)
-    outcome = pool.transition(old, new)
+    init_placements(pool, old, seed=2)
+    outcome = move(pool, old, new)
     assert outcome.committed
     moved = sum(r.bytes_received for reps in outcome.reports.values() for r in reps)
     sent = sum(r.bytes_sent for reps in outcome.reports.values() for r in reps)
     assert moved == sent > 0
+    # each report names the DAG node it measured (kind#index), next to that node's prediction
+    nodes = {f"{prim.kind.value}#{i}" for i, prim in enumerate(placement_dag(old, new).nodes)}
     for reps in outcome.reports.values():
         for r in reps:
-            assert r.primitive == "Merge" and r.predicted_s > 0 and r.measured_s > 0
+            assert r.primitive in nodes and r.predicted_s > 0 and r.measured_s > 0
 
 
 def test_unknown_model_change_is_refused(pool: LocalCoordinator) -> None:
     old = [placement("a", 1, 1, [[0]], model=MICRO)]
     new = [placement("a", 1, 1, [[1]], model=TIED)]
-    pool.init_state(old, seed=1)
-    outcome = pool.transition(old, new)
-    assert not outcome.committed and all("model" in e for e in outcome.errors.values())
-    assert outcome.dead_workers == () and not outcome.needs_checkpoint
+    init_placements(pool, old, seed=1)
+    before = logical_state(pool.dump())
+    # refused while the DAG is built, before anything moves: nobody died, nothing needs the checkpoint
+    with pytest.raises(SpecError, match="model"):
+        placement_dag(old, new)
+    assert pool.alive == (0, 1, 2, 3)
+    assert_same_state(before, logical_state(pool.dump()))
 
 
 WIDE = ModelSpec(name="wide-ffn", num_layers=2, hidden_size=128, num_attention_heads=4, num_kv_heads=2,
@@ -116,10 +123,12 @@ WIDE = ModelSpec(name="wide-ffn", num_layers=2, hidden_size=128, num_attention_h
 def test_mixed_zero_copy_runs_and_packed_buckets(pool: LocalCoordinator) -> None:
     """Large contiguous halves (ffn rows, >= 1 MiB) travel as zero-copy messages in round 0 next to
     packed buckets over several rounds; still bit-exact, both ways."""
-    from transitions.executor import plan_transition
+    from transitions.dag_pieces import DagMemo
+    from transitions.node_steps import node_step
 
     old, new = [placement("a", 1, 1, [[0]], model=WIDE)], [placement("a", 2, 1, [[1, 2]], model=WIDE)]
-    messages = [m for s in plan_transition(old, new, max_bucket_bytes=256 << 10).steps for m in s.messages]
+    dag = placement_dag(old, new)
+    messages = [m for node in dag.nodes_on(0) for m in node_step(dag, node, 0, DagMemo(), 256 << 10).messages]
     assert any(m.direct for m in messages) and any(not m.direct for m in messages)
     assert max(m.round for m in messages) >= 2
     _run_chain(pool, [old, new, [placement("a", 1, 1, [[3]], model=WIDE)]], seed=12, bucket=256 << 10)

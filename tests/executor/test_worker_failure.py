@@ -1,15 +1,19 @@
-"""A worker SIGKILLed in the middle of a transition: the others abort within a bounded time, the group
+"""A worker SIGKILLed in the middle of a DAG run: the others stop within a bounded time, the group
 is re-formed without it, and no logical state is lost unless its last copy died (then the stage is
-reported as needing the checkpoint path). Real processes, real kill, real gloo."""
+reported as needing the checkpoint path). Every worker runs its DAG nodes in the DAG's order and a
+node frees the sources it is done with, so what survives is what the units held at the failure
+cover (transitions.survival). Real processes, real kill, real gloo."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
 import pytest
-from executor_helpers import MICRO, assert_same_state, logical_state, placement
+from executor_helpers import MICRO, assert_same_state, init_placements, logical_state, move, placement
 
+from agent.commands import WorkerState
 from agent.coordinator import LocalCoordinator
+from transitions.placement_dag import placement_cluster, placement_dag, placement_units
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.xdist_group("executor-kill")]
 
@@ -32,20 +36,25 @@ def test_killed_destination_loses_nothing_and_group_reforms(kill_pool: LocalCoor
     pool = kill_pool
     old = [placement("a", 1, 1, [[0], [1]]), placement("b", 2, 1, [[0, 1]], training=False)]
     new = [placement("a", 2, 1, [[1, 2], [0, 3]]), placement("b", 1, 1, [[2], [3]], training=False)]
-    pool.init_state(old, seed=21)
+    init_placements(pool, old, seed=21)
     before = logical_state(pool.dump())
-    # worker 2 dies just before the first round of stage "a": the transfers to it never happen
-    outcome = pool.transition(old, new, max_bucket_bytes=8192, kill_at={2: ("a", 0)})
+    # worker 2 dies just before the first round of its first node (stage "b": Extend to it): the
+    # transfers to it never happen, and no node frees anything before they would have
+    dag = placement_dag(old, new)
+    assert all(dag.nodes_on(w)[0] == dag.nodes_on(2)[0] for w in (0, 1))  # every sender's first node
+    outcome = pool.run_dag(dag, placement_cluster(old, new), max_bucket_bytes=8192, kill_at={2: ("b", 0)})
     assert not outcome.committed
     assert outcome.dead_workers == (2,)
     assert outcome.seconds < 3 * TIMEOUT_S  # bounded: nobody waits for ever on the dead peer
     assert pool.alive == (0, 1, 3) and pool.spec is not None and pool.spec.members == (0, 1, 3)
     assert outcome.lost == {} and not outcome.needs_checkpoint
-    # survivors still hold the old state, bit for bit
+    # survivors still hold the old units, bit for bit, and are READY in the new generation
+    assert set(pool.held[0]) | set(pool.held[1]) | set(pool.held[3]) == {u.uid for u in placement_units(old)}
+    assert {pool.state[w] for w in pool.alive} == {WorkerState.READY}
     assert_same_state(before, logical_state(pool.dump()))
     # the re-formed generation works: move to a layout that avoids the dead worker
     retry = [placement("a", 2, 1, [[1, 0]]), placement("b", 1, 1, [[3], [0]], training=False)]
-    outcome = pool.transition(old, retry)
+    outcome = move(pool, old, retry)
     assert outcome.committed, outcome.errors
     assert_same_state(before, logical_state(pool.dump()))
 
@@ -53,17 +62,18 @@ def test_killed_destination_loses_nothing_and_group_reforms(kill_pool: LocalCoor
 def test_killed_last_copy_is_reported_for_checkpoint(kill_pool: LocalCoordinator) -> None:
     pool = kill_pool
     a, b, c = pool.alive[:3]
-    # stage "solo" has one copy, on worker a; stage "dup" has two replicas (a and b)
+    # stage "solo" has one copy, on worker a; stage "dup" has two replicas (a and b). The DAG
+    # destroys b's replica at once (one source suffices) and extends a's to c, then splits solo.
     old = [placement("solo", 1, 1, [[a]]), placement("dup", 1, 1, [[a], [b]], training=False)]
     new = [placement("solo", 2, 1, [[b, c]]), placement("dup", 1, 1, [[c]], training=False)]
-    pool.init_state(old, seed=4)
+    init_placements(pool, old, seed=4)
     before = logical_state(pool.dump())
-    outcome = pool.transition(old, new, kill_at={a: ("dup", 0)})  # steps run in name order: dup, solo
+    outcome = move(pool, old, new, kill_at={a: ("solo", 0)})  # a dies once dup reached c, before solo moves
     assert not outcome.committed and outcome.dead_workers == (a,)
     assert outcome.seconds < 3 * TIMEOUT_S
     assert set(outcome.lost) == {"solo"} and outcome.needs_checkpoint
     assert "model.embed_tokens.weight/master" in outcome.lost["solo"]
-    # "dup" survived on worker b, bit-identical
+    # "dup" survived (on worker c), bit-identical
     assert_same_state(_subset(before, {"dup"}), _subset(logical_state(pool.dump()), {"dup"}))
 
 
