@@ -11,7 +11,8 @@ rank-aligned holder so that each source rank feeds its own counterpart. ``transf
 GPU derives on its own; ``buckets(gpu)`` packs all transfers between one GPU pair into one contiguous,
 16-byte aligned buffer. ``footprint`` is the per-GPU memory and traffic summary the DAG builder, the
 memory check and the cost model use; it is cached per relative shape (GPU ids relabelled), so the
-thousands of identical replicas of a large plan cost one derivation. Pure: no torch, no I/O.
+thousands of identical replicas of a large plan cost one derivation. A primitive whose sources do not
+hold all of a target shard raises transitions.errors.CoverageError. Pure: no torch, no I/O.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from functools import lru_cache
 
 from planner.models import Parallel, TensorSpec
 from transitions.emu import EMU, Box, StateKey, UnitState
+from transitions.errors import CoverageError
 from transitions.geometry import Shard, StateKind, tensor_stages
 
 BUFFER_ALIGN_BYTES = 16  # bucket items start 16-byte aligned, so any dtype can view its slot
@@ -271,6 +273,7 @@ def _covers(target: EMU, sources: tuple[EMU, ...], gpu: int) -> list[tuple[Shard
 
     The cover is computed once per tensor and reused for its other state kinds: sources hold every
     kind the target holds (same model-stage, or a training stage feeding a parameters-only one).
+    CoverageError if no source holds some of a shard's rows.
     """
     index = _tensor_index(target.state)
     owner = target.final if target.final is not None else target
@@ -308,7 +311,7 @@ def _covers(target: EMU, sources: tuple[EMU, ...], gpu: int) -> list[tuple[Shard
                     if not need:
                         break
             if need:
-                raise AssertionError(f"{target.uid} on GPU {gpu}: {key} rows {need} held by no source")
+                raise CoverageError(target.uid, gpu, key, tuple(need))
         out.append((shard, dim, cover))
     return out
 

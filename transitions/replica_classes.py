@@ -36,6 +36,7 @@ import numpy as np
 from planner.hardware import ClusterSpec
 from planner.plan import GlobalPlan, Layout, StagePlan
 from transitions.emu import EMU, UnitState, part_gpus, part_indices, parts_nest, rank_bytes, t_sub
+from transitions.errors import DagCycleError
 from transitions.feasibility import bottom_levels
 from transitions.local_dag import plan_units, target_parts, unit_uid
 from transitions.primitives import (
@@ -394,8 +395,8 @@ def _classes_of(st: _Stage, local: _Local, order: int) -> list[ReplicaClass]:
             if hit is None:
                 rep = _representative(st, kind, int(unit[idx[0]]), refs[idx[0]])
                 canon, gpus = canonical_footprint(rep)
-                if gpus != g[0].tolist():
-                    raise AssertionError(f"replica class labels disagree: {gpus} vs {g[0].tolist()}")
+                # invariant: _shape_groups labels GPUs by first appearance, as canonical_footprint does
+                assert gpus == g[0].tolist(), f"replica class labels disagree: {gpus} vs {g[0].tolist()}"
                 touched = np.array(sorted(canon.gpus), dtype=np.int64)
                 empty = not len(touched) and not (kind is PrimitiveKind.MERGE and relabels(rep))
                 if len(_SHAPES) > 4096:
@@ -519,7 +520,7 @@ def _order(classes: list[ReplicaClass], edges: list[tuple[int, int]], initial: n
     try:  # classes only lead from Split/Extend to Merge/Destroy, so this cannot close a cycle; if it
         # ever did, the per-unit path (whose DAG is finer) decides
         level = bottom_levels(n, edges, [float(c.canon.moved_bytes + 1) for c in classes])
-    except AssertionError:
+    except DagCycleError:
         return None
     heap = [((int(c.acquire), c.stage_order, -level[i], i), i) for i, c in enumerate(classes) if indeg[i] == 0]
     heapq.heapify(heap)
