@@ -16,6 +16,7 @@ from transitions.errors import CoverageError, DagCycleError
 from transitions.feasibility import bottom_levels, order_by_memory
 from transitions.global_dag import build_transition
 from transitions.local_dag import plan_units, target_parts
+from transitions.planning_cache import PlanningCache
 from transitions.primitives import Extend, Footprint, footprint, pieces
 from transitions.replay import ReplayError, replay
 from transitions.scenarios import PPO_STAGES, ppo_plan, stage_plan, stage_states
@@ -51,7 +52,7 @@ def test_an_uncovered_shard_raises_coverage_error() -> None:
         _typed(caught.value)
         assert caught.value.target == target.uid and caught.value.rows
         with pytest.raises(CoverageError):
-            footprint(prim)
+            footprint(prim, PlanningCache())
 
 
 def test_a_failed_replay_raises_replay_error() -> None:
@@ -76,14 +77,14 @@ def _big_case() -> tuple[dict, ClusterSpec, GlobalPlan, GlobalPlan]:
 
 def test_the_fast_path_falls_back_on_a_class_cycle_and_on_nothing_else(monkeypatch: pytest.MonkeyPatch) -> None:
     states, cluster, old, new = _big_case()
-    assert build_transition(states, cluster, old, new, exact=False).replicas is not None
-    exact = build_transition(states, cluster, old, new, exact=True)
+    assert build_transition(states, cluster, old, new, exact=False, cache=PlanningCache()).replicas is not None
+    exact = build_transition(states, cluster, old, new, exact=True, cache=PlanningCache())
 
     def cyclic(num_nodes: int, edges: list[tuple[int, int]], weight: list[float]) -> list[float]:
         raise DagCycleError(tuple(range(num_nodes)))
 
     monkeypatch.setattr(replica_classes, "bottom_levels", cyclic)
-    dag = build_transition(states, cluster, old, new, exact=False)
+    dag = build_transition(states, cluster, old, new, exact=False, cache=PlanningCache())
     assert dag.replicas is None  # the per-unit path took it
     assert dag.nodes == exact.nodes and dag.order == exact.order and dag.peak_bytes == exact.peak_bytes
 
@@ -92,4 +93,4 @@ def test_the_fast_path_falls_back_on_a_class_cycle_and_on_nothing_else(monkeypat
 
     monkeypatch.setattr(replica_classes, "bottom_levels", broken)
     with pytest.raises(AssertionError, match="a bug"):  # a bug is not taken for a reason to fall back
-        build_transition(states, cluster, old, new, exact=False)
+        build_transition(states, cluster, old, new, exact=False, cache=PlanningCache())
