@@ -68,7 +68,7 @@ def gpu_array(gpu_sets: tuple[tuple[int, ...], ...], cache: PlanningCache) -> np
         arr = np.fromiter(chain.from_iterable(gpu_sets), dtype=np.int64, count=size * len(gpu_sets))
         return arr.reshape(len(gpu_sets), size)
 
-    return cache.gpu_arrays.get_or_make((gpu_sets,), None, make)
+    return cache.gpu_arrays.get_or_make((id(gpu_sets),), (gpu_sets,), make)
 
 
 def _group_rows(keys: np.ndarray) -> list[np.ndarray]:
@@ -283,7 +283,7 @@ def _owners(plan: StagePlan, num_gpus: int, cache: PlanningCache) -> tuple[np.nd
         rank[cur.ravel()] = np.tile(np.arange(sc), dc)
         return owner, rank
 
-    return cache.owners.get_or_make((plan,), num_gpus, make)
+    return cache.owners.get_or_make((id(plan), num_gpus), (plan,), make)
 
 
 def _local_plan(st: _Stage, num_gpus: int, cache: PlanningCache) -> _Local | None:
@@ -545,7 +545,7 @@ def _stage_classes(state: UnitState, cp: StagePlan, tp: StagePlan, n_gpus: int,
                    cache: PlanningCache) -> StageClasses | None:
     """The class-level local plan of one model-stage; memoised per pair of stage plans (by identity:
     a planner keeps proposing the same plans), None where it is not symmetric."""
-    return cache.stage_pairs.get_or_make((cp, tp), (state, n_gpus),
+    return cache.stage_pairs.get_or_make((id(cp), id(tp), state, n_gpus), (cp, tp),
                                          lambda: _relabelled_stage(state, cp, tp, n_gpus, cache))
 
 
@@ -646,7 +646,7 @@ def _initial(state: UnitState, cp: StagePlan, n_gpus: int, cache: PlanningCache)
         np.add.at(out, cur.ravel(), np.tile(per_rank, len(cur)))
         return out
 
-    return cache.held_bytes.get_or_make((cp,), (state, n_gpus), make)
+    return cache.held_bytes.get_or_make((id(cp), state, n_gpus), (cp,), make)
 
 
 def plan_replicas(states: Mapping[str, UnitState], cluster: ClusterSpec, old: GlobalPlan, new: GlobalPlan,

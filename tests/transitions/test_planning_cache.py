@@ -42,7 +42,8 @@ def test_memos_stay_bounded() -> None:
     assert (lru.get("a"), lru.get("b"), lru.get("c"), len(lru)) == (1, None, 3, 2)
     ident: IdentityMemo[int] = IdentityMemo(4)
     for k in range(10):
-        ident.get_or_make((object(),), k, int)
+        obj = object()
+        ident.get_or_make((id(obj), k), (obj,), int)
         assert len(ident) <= 4
 
 
@@ -64,10 +65,11 @@ def test_identity_memo_pins_its_objects_so_ids_are_never_reused() -> None:
 
     plan = Plan(1)
     alive = weakref.ref(plan)
-    assert memo.get_or_make((plan,), "x", maker(1)) == 1
-    assert memo.get_or_make((plan,), "x", maker(2)) == 1  # the same object: a hit
-    assert memo.get_or_make((Plan(1),), "x", maker(3)) == 3  # equal, but another object
-    assert memo.get_or_make((plan,), "y", maker(4)) == 4  # another extra
+    other = Plan(1)
+    assert memo.get_or_make((id(plan), "x"), (plan,), maker(1)) == 1
+    assert memo.get_or_make((id(plan), "x"), (plan,), maker(2)) == 1  # the same object: a hit
+    assert memo.get_or_make((id(other), "x"), (other,), maker(3)) == 3  # equal, but another object
+    assert memo.get_or_make((id(plan), "y"), (plan,), maker(4)) == 4  # another extra
     assert made == [1, 3, 4]
     del plan
     gc.collect()
