@@ -69,11 +69,13 @@ CHANGES: dict[str, tuple[ModelSpec, dict[str, Layout], dict[str, Layout]]] = {
 
 
 def _cold_start() -> None:
-    """Empty the run's planning cache and the geometry functions' own memos (functools.lru_cache of
-    pure functions, keyed by value): every figure called cold starts from nothing."""
+    """Empty the run's planning cache and the functools memos of the pure geometry functions in
+    transitions.emu and transitions.primitives (keyed by value, no planner's to own): cold is cold."""
     CACHE.clear()
-    for fn in (emu.rank_shards, emu.rank_boxes, emu.rank_bytes, emu.parts_nest, primitives._tensor_index):
-        fn.cache_clear()
+    for module in (emu, primitives):
+        for fn in vars(module).values():
+            if callable(getattr(fn, "cache_clear", None)) and getattr(fn, "__module__", "") == module.__name__:
+                fn.cache_clear()
 
 
 def _time_once(states: dict[str, UnitState], cluster: ClusterSpec, old: GlobalPlan, new: GlobalPlan,
