@@ -135,10 +135,14 @@ def barrier(ctx: Any) -> None:
 
 
 def clear_caches(ctx: Any) -> int:
-    """Empty every functools cache of the planner and transition modules in this worker, and what the
-    worker derived from the DAGs it ran (its ``DagMemo``)."""
+    """Empty every functools cache of the planner and transition modules in this worker, what the
+    worker derived from the DAGs it ran (its ``DagMemo``) and the process's default planning cache
+    (a DAG received by pickle expands with it)."""
+    from transitions.planning_cache import DEFAULT_CACHE
+
     ctx.memo.clear()
-    cleared = 1
+    DEFAULT_CACHE.clear()
+    cleared = 2
     for name, module in list(sys.modules.items()):
         if module is None or not name.startswith(("planner.", "transitions.")):
             continue

@@ -33,7 +33,7 @@ from planner.errors import InfeasibleError  # noqa: E402
 from planner.hardware import ClusterSpec  # noqa: E402
 from planner.models import LLAMA_31_8B, LLAMA_33_70B, ModelSpec  # noqa: E402
 from planner.plan import GlobalPlan, Layout  # noqa: E402
-from transitions import replica_classes  # noqa: E402
+from transitions import emu, primitives  # noqa: E402
 from transitions.cost import (  # noqa: E402
     DEFAULT_COMMUNICATOR_SETUP_S,
     primitive_seconds,
@@ -44,10 +44,12 @@ from transitions.dag_pieces import DagMemo  # noqa: E402
 from transitions.emu import UnitState  # noqa: E402
 from transitions.global_dag import TransitionDAG, build_transition  # noqa: E402
 from transitions.node_steps import node_step  # noqa: E402
-from transitions.replica_classes import clear_caches  # noqa: E402
+from transitions.planning_cache import DEFAULT_CACHE, PlanningCache  # noqa: E402
 from transitions.scenarios import h200_cluster, ppo_plan, random_scenario, stage_states  # noqa: E402
 
 TARGET_MS_AT_1024 = 1.2
+# The run's own planning cache, as a planner owns one: every build below passes it.
+CACHE = PlanningCache()
 
 # (old layouts, new layouts) per model: a drift-triggered replan. 8B: every model-stage changes. 70B:
 # generation and inference change, training keeps its layout: with all six model-stages co-resident,
@@ -67,11 +69,21 @@ CHANGES: dict[str, tuple[ModelSpec, dict[str, Layout], dict[str, Layout]]] = {
 }
 
 
+def _cold_start() -> None:
+    """Empty the run's planning cache and the functools memos of the pure geometry functions in
+    transitions.emu and transitions.primitives (keyed by value, no planner's to own): cold is cold."""
+    CACHE.clear()
+    for module in (emu, primitives):
+        for fn in vars(module).values():
+            if callable(getattr(fn, "cache_clear", None)) and getattr(fn, "__module__", "") == module.__name__:
+                fn.cache_clear()
+
+
 def _time_once(states: dict[str, UnitState], cluster: ClusterSpec, old: GlobalPlan, new: GlobalPlan,
                exact: bool) -> tuple[float, float, float, TransitionDAG, float]:
     """(build s, schedule s, CPU s, dag, L_tran) of one build_transition + transition_cost."""
     c0, t0 = time.process_time(), time.perf_counter()
-    dag = build_transition(states, cluster, old, new, exact=exact)  # False: replica classes at any size
+    dag = build_transition(states, cluster, old, new, exact=exact, cache=CACHE)  # False: classes at any size
     t1 = time.perf_counter()
     cost = transition_cost(dag, cluster)
     c2, t2 = time.process_time(), time.perf_counter()
@@ -81,7 +93,7 @@ def _time_once(states: dict[str, UnitState], cluster: ClusterSpec, old: GlobalPl
 def plan_time(num_gpus: int, name: str, repeats: int, exact: bool) -> dict[str, object]:
     """cold: caches empty; fresh: the same current plan, a new target plan object (a planner's first
     look at a candidate: geometry, footprint and stage-shape caches warm, its stage plan objects never
-    seen); new_shape: as fresh, with the stage-shape cache (replica_classes._SHAPE_STAGES) emptied,
+    seen); new_shape: as fresh, with the stage-shape memo (PlanningCache.shape_stages) emptied,
     i.e. a candidate whose stage pairs have a relative shape never seen; warm: the same plans again
     (median of repeats; best CPU time)."""
     model, old_layouts, new_layouts = CHANGES[name]
@@ -89,14 +101,14 @@ def plan_time(num_gpus: int, name: str, repeats: int, exact: bool) -> dict[str, 
     cluster = h200_cluster(num_gpus)
     old = ppo_plan(1, num_gpus, old_layouts)
     new = ppo_plan(2, num_gpus, new_layouts)
-    clear_caches()
+    _cold_start()
     build_cold, sched_cold, _, dag, l_tran = _time_once(states, cluster, old, new, exact)
     fresh = [_time_once(states, cluster, old, ppo_plan(2, num_gpus, new_layouts), exact)
              for _ in range(max(1, repeats // 2))]
     warm = [_time_once(states, cluster, old, new, exact) for _ in range(repeats)]
     novel = []  # a candidate whose stage-pair shapes were never seen (geometry and footprints warm)
     for _ in range(max(1, repeats // 2)):
-        replica_classes._SHAPE_STAGES.clear()
+        CACHE.shape_stages.clear()
         novel.append(_time_once(states, cluster, old, ppo_plan(2, num_gpus, new_layouts), exact))
     build_ms = 1e3 * statistics.median(w[0] for w in warm)
     sched_ms = 1e3 * statistics.median(w[1] for w in warm)
@@ -107,7 +119,7 @@ def plan_time(num_gpus: int, name: str, repeats: int, exact: bool) -> dict[str, 
     nodes = len(dag.nodes)  # the unit-level DAG (expanded on first use on the fast path)
     expand_ms = 1e3 * (time.perf_counter() - t0)
     units = len(dag.old_units) + len(dag.new_units)
-    default = build_transition(states, cluster, old, new)  # what callers get without ``exact``
+    default = build_transition(states, cluster, old, new, cache=CACHE)  # what callers get without ``exact``
     return {"gpus": num_gpus, "change": name, "path": "exact" if exact else "fast",
             "used_classes": dag.replicas is not None, "default_uses_classes": default.replicas is not None,
             "classes": len(dag.replicas.classes) if dag.replicas is not None else None,
@@ -138,7 +150,9 @@ def one_gpu_derive(num_gpus: int, name: str) -> dict[str, object]:
     states = stage_states(model)
     cluster = h200_cluster(num_gpus)
     old, new = ppo_plan(1, num_gpus, old_layouts), ppo_plan(2, num_gpus, new_layouts)
-    dag = build_transition(states, cluster, old, new, capacity_bytes=1 << 60)
+    # a GPU's own derivation (primitives.pieces, as a worker runs its part) reads the process default
+    # cache: built into that one, its footprints are warm, as a planner's are in its own
+    dag = build_transition(states, cluster, old, new, capacity_bytes=1 << 60, cache=DEFAULT_CACHE)
     gpu = max(range(num_gpus), key=lambda g: len(dag.nodes_on(g)) if g < 64 else -1)
     t0 = time.perf_counter()
     mine = dag.nodes_on(gpu)
@@ -178,7 +192,7 @@ def greedy_vs_optimum(instances: int, max_nodes: int) -> dict[str, object]:
         tried += 1
         sc = random_scenario(rng, max_stages=3)
         try:
-            roomy = build_transition(sc.states, sc.cluster, sc.old, sc.new, capacity_bytes=1 << 50)
+            roomy = build_transition(sc.states, sc.cluster, sc.old, sc.new, capacity_bytes=1 << 50, cache=CACHE)
         except InfeasibleError:
             continue
         n = len(roomy.nodes)
@@ -187,7 +201,7 @@ def greedy_vs_optimum(instances: int, max_nodes: int) -> dict[str, object]:
         peak = max(roomy.peak_bytes.values())
         capacity = int(peak * rng.uniform(0.85, 1.0))  # tight enough that order matters for memory too
         try:
-            dag = build_transition(sc.states, sc.cluster, sc.old, sc.new, capacity_bytes=capacity)
+            dag = build_transition(sc.states, sc.cluster, sc.old, sc.new, capacity_bytes=capacity, cache=CACHE)
         except InfeasibleError:
             continue
         durations = [primitive_seconds(fp, sc.cluster, DEFAULT_COMMUNICATOR_SETUP_S) for fp in dag.footprints]

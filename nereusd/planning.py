@@ -57,9 +57,14 @@ class PlannerBinding:
     """The controller's PlannerPort over the real planner and transition layer."""
 
     def __init__(self) -> None:
+        from transitions.planning_cache import PlanningCache  # stdlib only: cheap at start
+
         self.efficiency: dict[str, Any] = {}  # job spec key -> fitted per-op-class efficiencies
         # transition key (spec without workload) -> measured/predicted L_tran correction
         self.transition_calibration: dict[str, TransitionCalibrator] = {}
+        # every DAG this daemon builds (all its jobs' controllers share the binding) memoises here:
+        # replanning the same job again costs lookups; bounded, so it lives as long as the daemon
+        self.planning_cache = PlanningCache()
 
     def warm_up(self) -> None:
         """Import the numerical modules (numpy, search, DAG) ahead of the first decision; run in a thread
@@ -122,7 +127,8 @@ class PlannerBinding:
             return TransitionSketch(predicted_s=0.0, bytes_moved=0, dag=initial, parts=parts)
         everything = pool | new.gpus | old.gpus
         cluster = cluster_for(job, everything)
-        dag = build_transition(job_spec(job), cluster, old, new, lost_gpus=old.gpus - pool)
+        dag = build_transition(job_spec(job), cluster, old, new, lost_gpus=old.gpus - pool,
+                               cache=self.planning_cache)
         cost = transition_cost(dag, cluster)
         parts = {}
         for gpu in sorted(new.gpus | (old.gpus & pool)):

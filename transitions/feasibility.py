@@ -10,7 +10,8 @@ timeline starts from every intact unit of every model-stage (co-resident state i
 gen -> inf -> train (rule 2) and longest remaining path; two other priorities, then an exact search on
 small DAGs, are tried when that is blocked. An acquisition that does not fit waits on the GPU it is
 blocked on and is retried after the next release there; the release that made it fit becomes a
-resource edge. If nothing can run, InfeasibleError names the GPU and bytes.
+resource edge. If nothing can run, InfeasibleError names the GPU and bytes; edges that close a cycle
+raise transitions.errors.DagCycleError.
 ``policy="per_stage"`` is the naive per-model-stage migration: stages one after another, no waiting.
 Pure: no torch, no I/O.
 """
@@ -21,6 +22,7 @@ import heapq
 from dataclasses import dataclass
 
 from planner.errors import InfeasibleError, SpecError
+from transitions.errors import DagCycleError
 from transitions.primitives import Footprint
 
 POLICIES = ("global", "per_stage")
@@ -34,7 +36,8 @@ class MemoryOrder:
 
 
 def bottom_levels(num_nodes: int, edges: list[tuple[int, int]], weight: list[float]) -> list[float]:
-    """Longest path (sum of ``weight``) from each node to a sink; nodes are not assumed sorted."""
+    """Longest path (sum of ``weight``) from each node to a sink; nodes are not assumed sorted.
+    DagCycleError if ``edges`` close a cycle."""
     succ: list[list[int]] = [[] for _ in range(num_nodes)]
     indeg = [0] * num_nodes
     for a, b in edges:
@@ -47,7 +50,8 @@ def bottom_levels(num_nodes: int, edges: list[tuple[int, int]], weight: list[flo
             if indeg[j] == 0:
                 topo.append(j)
     if len(topo) != num_nodes:
-        raise AssertionError("transition DAG has a cycle")
+        ready = set(topo)
+        raise DagCycleError(tuple(i for i in range(num_nodes) if i not in ready))
     level = list(weight)
     for i in reversed(topo):
         if succ[i]:
@@ -168,7 +172,8 @@ def _greedy(
         if blocked_on:
             i, (gpu, need) = min(blocked_on.items(), key=lambda kv: key(kv[0]))
             raise _infeasible(i, gpu, need, used, capacity_bytes, "no executable release frees it")
-        raise AssertionError("transition DAG has a cycle")
+        done = set(order)  # nothing blocked, yet nodes never ready: a cycle (bottom_levels refuses it first)
+        raise DagCycleError(tuple(i for i in range(n) if i not in done))
     return MemoryOrder(order=tuple(order), resource_edges=tuple(resource), peak_bytes=peak)
 
 

@@ -25,7 +25,8 @@ Plain plan changes (no lost GPUs, no weight sync, the same model-stages before a
 planned over replica classes (transitions.replica_classes: DP replicas alike up to a renaming of
 GPUs), which keeps the 1,024-GPU build near a millisecond; the unit-level DAG above is expanded from
 them on first use, so consumers see the same attributes. Anything else, or ``exact=True``, is planned
-unit by unit. Pure: no torch, no I/O.
+unit by unit. What a build derives is memoised in the caller's PlanningCache (``cache=``; see
+transitions.planning_cache for who owns one). Pure: no torch, no I/O.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from planner.workflow import JobSpec, StageKind
 from transitions.emu import EMU, UnitState, job_states
 from transitions.feasibility import MemoryOrder, apply_footprint, order_by_memory
 from transitions.local_dag import LastCopyLostError, plan_stage, plan_units
+from transitions.planning_cache import DEFAULT_CACHE, PlanningCache
 from transitions.primitives import Footprint, Primitive, footprint
 from transitions.replica_classes import MIN_UNITS, ReplicaPlan, plan_replicas
 
@@ -247,6 +249,7 @@ def build_transition(
     capacity_bytes: int | None = None,
     policy: str = "global",
     exact: bool | None = None,
+    cache: PlanningCache | None = None,
 ) -> TransitionDAG:
     """The checked DAG moving every model-stage's state from ``old`` to ``new``.
 
@@ -259,7 +262,13 @@ def build_transition(
     ``exact``: None (default) plans plain plan changes of at least replica_classes.MIN_UNITS
     units over replica classes (expanded to units on first use), anything else unit by unit;
     True always unit by unit; False over replica classes whenever they apply, however small.
+
+    ``cache``: the caller's transitions.planning_cache.PlanningCache, whose memos (footprints, plans,
+    replica classes) make repeated builds cheap; whoever builds repeatedly owns one and passes it
+    (the daemon's planner binding does). None: DEFAULT_CACHE, the process's documented default.
+    The DAG is the same whatever the cache holds.
     """
+    cache = DEFAULT_CACHE if cache is None else cache
     states = _states(job_or_models)
     refresh = dict(refresh or {})
     old_version = old.version if old is not None else -1
@@ -268,7 +277,8 @@ def build_transition(
     capacity = cluster.device.memory_bytes if capacity_bytes is None else capacity_bytes
     if exact is not True and old is not None and not lost_gpus and not refresh and policy == "global" \
             and all(sp.model_stage in states for sp in (*old, *new)):
-        fast = plan_replicas(states, cluster, old, new, capacity, min_units=0 if exact is False else MIN_UNITS)
+        fast = plan_replicas(states, cluster, old, new, capacity, min_units=0 if exact is False else MIN_UNITS,
+                             cache=cache)
         if fast is not None:
             return TransitionDAG(old_version=old_version, new_version=new.version, capacity_bytes=capacity,
                                  replicas=fast)
@@ -319,7 +329,7 @@ def build_transition(
     if missing:
         raise LastCopyLostError(tuple(missing), tuple(sorted(lost_gpus)))
     edges = data_edges(nodes)
-    fps = [footprint(p) for p in nodes]
+    fps = [footprint(p, cache) for p in nodes]
     initial: dict[int, int] = {}
     for units in intact.values():
         for u in units:
@@ -341,7 +351,7 @@ def _expand(plan: ReplicaPlan) -> DagBody:
     """The unit-level DAG of a class-level plan: members of each class back to back, in class order;
     edges re-derived from the primitives, peaks replayed exactly (the class check bounds them)."""
     nodes, stage_order, old_units, new_units, renamed = plan.expand()
-    fps = [footprint(p) for p in nodes]
+    fps = [footprint(p, plan.cache) for p in nodes]  # the builder's cache (None once pickled: the default)
     order = tuple(plan.order())
     used: dict[int, int] = {}
     for u in old_units:
@@ -377,9 +387,11 @@ def build_weight_sync(
     train_stage: str = "actor-train",
     gen_stage: str = "actor-gen",
     capacity_bytes: int | None = None,
+    cache: PlanningCache | None = None,
 ) -> TransitionDAG:
     """The per-step weight sync as a transition: the generation replicas are destroyed (stale) and
-    Extended again from the training replicas' parameters, layouts reshaped on the way."""
+    Extended again from the training replicas' parameters, layouts reshaped on the way. ``cache``: as
+    for build_transition."""
     new = GlobalPlan(version=plan.version + 1, stages=plan.stages)
     return build_transition(job_or_models, cluster, plan, new, refresh={gen_stage: train_stage},
-                            capacity_bytes=capacity_bytes)
+                            capacity_bytes=capacity_bytes, cache=cache)

@@ -11,9 +11,10 @@ rank-aligned holder so that each source rank feeds its own counterpart. ``transf
 GPU derives on its own; ``slot_pieces`` places them in the units' buffers (``transitions.layout``),
 and ``wire_buffers`` is the bucket memory the executor holds for them, from the executor's own
 bucketizer (``transitions.transfer_plan.messages``). ``footprint`` is the per-GPU memory and traffic
-summary the DAG builder, the memory check and the cost model use; it is cached per relative shape
-(GPU ids relabelled), so the thousands of identical replicas of a large plan cost one derivation.
-Pure: no torch, no I/O.
+summary the DAG builder, the memory check and the cost model use; it is memoised per relative shape
+(GPU ids relabelled) in the builder's transitions.planning_cache.PlanningCache, so the thousands of
+identical replicas of a large plan cost one derivation. A primitive whose sources do not hold all of
+a target shard raises transitions.errors.CoverageError. Pure: no torch, no I/O.
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ from functools import lru_cache
 from planner.models import Parallel, TensorSpec
 from transitions import transfer_plan
 from transitions.emu import EMU, Box, StateKey, UnitState
+from transitions.errors import CoverageError
 from transitions.geometry import Shard, StateKind, tensor_stages
 from transitions.layout import COUNTERS, COUNTERS_KIND, NUM_COUNTERS, unit_slots
+from transitions.planning_cache import DEFAULT_CACHE, PlanningCache
 from transitions.transfer_plan import Piece, in_flight_bytes, messages
 
 
@@ -256,6 +259,7 @@ def _covers(target: EMU, sources: tuple[EMU, ...], gpu: int) -> list[tuple[Shard
 
     The cover is computed once per tensor and reused for its other state kinds: sources hold every
     kind the target holds (same model-stage, or a training stage feeding a parameters-only one).
+    CoverageError if no source holds some of a shard's rows.
     """
     index = _tensor_index(target.state)
     owner = target.final if target.final is not None else target
@@ -293,7 +297,7 @@ def _covers(target: EMU, sources: tuple[EMU, ...], gpu: int) -> list[tuple[Shard
                     if not need:
                         break
             if need:
-                raise AssertionError(f"{target.uid} on GPU {gpu}: {key} rows {need} held by no source")
+                raise CoverageError(target.uid, gpu, key, tuple(need))
         out.append((shard, dim, cover))
     return out
 
@@ -457,10 +461,6 @@ def _canonical_footprint(prim: Primitive) -> Footprint:
                      buffer_bytes=buffer, local_bytes=local, pair_bytes=pair)
 
 
-_FOOTPRINT_CACHE_SIZE = 16384
-_FOOTPRINTS: dict[tuple[object, ...], Footprint] = {}
-
-
 def _shape_key(prim: Primitive) -> tuple[tuple[object, ...], list[int]]:
     """Hashable relative shape of ``prim`` (GPUs relabelled in the order _canonical uses) and the GPU
     of each label; cheaper than building the canonical primitive when the footprint is cached."""
@@ -487,29 +487,30 @@ def _shape_key(prim: Primitive) -> tuple[tuple[object, ...], list[int]]:
     return key, gpus
 
 
-def canonical_footprint(prim: Primitive) -> tuple[Footprint, list[int]]:
+def canonical_footprint(prim: Primitive, cache: PlanningCache) -> tuple[Footprint, list[int]]:
     """``prim``'s footprint over GPU labels 0..k-1 (first appearance: each unit's GPUs, then its
-    ``final``'s, units in field order) and the GPU of each label; cached per relative shape, so every
-    replica of the same shape (transitions.replica_classes) shares one derivation."""
+    ``final``'s, units in field order) and the GPU of each label; memoised per relative shape in
+    ``cache.footprints``, so every replica of the same shape (transitions.replica_classes) shares one
+    derivation."""
     if isinstance(prim, Destroy):
         gpus = list(prim.unit.gpus)
         return Footprint(alloc_bytes={}, free_bytes={r: prim.unit.bytes_on(g) for r, g in enumerate(gpus)},
                          buffer_bytes={}, local_bytes={}, pair_bytes={}), gpus
     key, gpus = _shape_key(prim)
-    fp = _FOOTPRINTS.get(key)
+    fp = cache.footprints.get(key)
     if fp is None:
-        if len(_FOOTPRINTS) >= _FOOTPRINT_CACHE_SIZE:
-            _FOOTPRINTS.clear()
-        fp = _FOOTPRINTS[key] = _canonical_footprint(_canonical(prim)[0])
+        fp = cache.footprints.put(key, _canonical_footprint(_canonical(prim)[0]))
     return fp, gpus
 
 
-def footprint(prim: Primitive) -> Footprint:
-    """Per-GPU memory and traffic of ``prim`` (exact: derived from its pieces and buckets)."""
+def footprint(prim: Primitive, cache: PlanningCache | None = None) -> Footprint:
+    """Per-GPU memory and traffic of ``prim`` (exact: derived from its pieces and buckets); ``cache``:
+    whose footprint memo serves it (None: transitions.planning_cache.DEFAULT_CACHE, the documented
+    default of callers that own none, such as ``pieces`` on a worker)."""
     if isinstance(prim, Destroy):
         return Footprint(alloc_bytes={}, free_bytes={g: prim.unit.bytes_on(g) for g in prim.unit.gpus},
                          buffer_bytes={}, local_bytes={}, pair_bytes={})
-    fp, gpus = canonical_footprint(prim)
+    fp, gpus = canonical_footprint(prim, DEFAULT_CACHE if cache is None else cache)
     return Footprint(
         alloc_bytes={gpus[g]: v for g, v in fp.alloc_bytes.items()},
         free_bytes={gpus[g]: v for g, v in fp.free_bytes.items()},

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from planner.errors import NereusError
 from transitions.emu import EMU, StateKey
 from transitions.global_dag import TransitionDAG
 from transitions.primitives import Destroy, Merge, pieces, wire_buffers
@@ -28,8 +29,11 @@ from transitions.primitives import Destroy, Merge, pieces, wire_buffers
 _INDEX_BITS = 36
 
 
-class ReplayError(AssertionError):
-    """The DAG, replayed element by element, does not do what a transition must."""
+class ReplayError(NereusError):
+    """The DAG, replayed element by element, does not do what a transition must (the message says which
+    check failed: capacity, a read of an incomplete or missing shard, a target written twice or wrong,
+    the last copy dropped, leftovers). A typed failure, not an AssertionError: replay is the oracle that
+    tests and debugging tools call, and they report it as such."""
 
 
 @dataclass(kw_only=True)

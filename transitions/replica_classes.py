@@ -21,14 +21,16 @@ when someone reads it (``ReplicaPlan.expand``); what it holds is then the same a
 unit by unit with this order. ``plan_replicas`` returns None whenever the symmetry it relies on does
 not hold (lost GPUs, a weight-sync refresh, added or removed model-stages, a part nobody overlaps, a
 class that does not fit as a block): the caller then takes the exact per-unit path, so correctness
-never depends on this one. Pure: no torch, no I/O (numpy).
+never depends on this one. What it derives is memoised in the caller's PlanningCache
+(transitions.planning_cache: per plan, per pair of stage plans, per relative shape), so a planner's
+repeated builds cost lookups. Pure: no torch, no I/O (numpy).
 """
 
 from __future__ import annotations
 
 import heapq
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from itertools import chain
 
 import numpy as np
@@ -36,8 +38,10 @@ import numpy as np
 from planner.hardware import ClusterSpec
 from planner.plan import GlobalPlan, Layout, StagePlan
 from transitions.emu import EMU, UnitState, part_gpus, part_indices, parts_nest, rank_bytes, t_sub
+from transitions.errors import DagCycleError
 from transitions.feasibility import bottom_levels
 from transitions.local_dag import plan_units, target_parts, unit_uid
+from transitions.planning_cache import PlanningCache
 from transitions.primitives import (
     Destroy,
     Extend,
@@ -53,37 +57,18 @@ from transitions.primitives import (
 # With fewer units (old and new together) the exact path is as fast, and its per-unit order is finer
 # (greedy vs optimum on <= 7-node instances: mean gap 2.5% per unit, 3.75% per class).
 MIN_UNITS = 32
-# Memoised plans (arrays of their GPUs, owners, bytes) and stage-plan pairs (their classes): bounded,
-# since at 4,096 GPUs one pair's classes take about a MB.
-_CACHE_PLANS = 256
-_CACHE_PAIRS = 64
 _MIX = np.random.default_rng(12345).integers(1, 2**62, size=256, dtype=np.int64) | 1
-_ARRAYS: dict[int, tuple[tuple[tuple[int, ...], ...], np.ndarray]] = {}
-_SHAPES: dict[tuple[object, ...], tuple[Footprint, np.ndarray, bool]] = {}  # relative shape -> footprint
 
 
-def clear_caches() -> None:
-    """Empty every geometry, footprint and replica-class cache (a cold start, for benchmarks)."""
-    from transitions import emu, primitives
-
-    for fn in (emu.rank_shards, emu.rank_boxes, emu.rank_bytes, emu.parts_nest, primitives._tensor_index):
-        fn.cache_clear()
-    for cache in (primitives._FOOTPRINTS, _SHAPES, _STAGES, _SHAPE_STAGES, _INITIAL, _ARRAYS, _OWNERS):
-        cache.clear()
-
-
-def gpu_array(gpu_sets: tuple[tuple[int, ...], ...]) -> np.ndarray:
+def gpu_array(gpu_sets: tuple[tuple[int, ...], ...], cache: PlanningCache) -> np.ndarray:
     """The GPU sets of a stage plan as a (replicas x unit size) array; memoised per tuple object."""
-    hit = _ARRAYS.get(id(gpu_sets))
-    if hit is not None and hit[0] is gpu_sets:
-        return hit[1]
-    size = len(gpu_sets[0])
-    arr = np.fromiter(chain.from_iterable(gpu_sets), dtype=np.int64, count=size * len(gpu_sets))
-    arr = arr.reshape(len(gpu_sets), size)
-    if len(_ARRAYS) > _CACHE_PLANS:
-        _ARRAYS.clear()
-    _ARRAYS[id(gpu_sets)] = (gpu_sets, arr)
-    return arr
+
+    def make() -> np.ndarray:
+        size = len(gpu_sets[0])
+        arr = np.fromiter(chain.from_iterable(gpu_sets), dtype=np.int64, count=size * len(gpu_sets))
+        return arr.reshape(len(gpu_sets), size)
+
+    return cache.gpu_arrays.get_or_make((id(gpu_sets),), (gpu_sets,), make)
 
 
 def _group_rows(keys: np.ndarray) -> list[np.ndarray]:
@@ -206,6 +191,17 @@ class ReplicaPlan:
     class_order: list[int]
     num_nodes: int
     initial: np.ndarray  # bytes per GPU before the transition
+    cache: PlanningCache | None = None  # the builder's, for the expansion's footprints (None: the default)
+
+    def __getstate__(self) -> dict[str, object]:
+        """Pickled without ``cache``: the builder's memos stay with the builder (a worker that receives
+        the DAG expands it, if ever, with its own process's DEFAULT_CACHE)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "cache"}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        for name, value in state.items():
+            setattr(self, name, value)
+        self.cache = None
 
     @property
     def bytes_moved(self) -> int:
@@ -274,33 +270,28 @@ class _Local:
     destroys: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
 
-_OWNERS: dict[tuple[int, int], tuple[StagePlan, np.ndarray, np.ndarray]] = {}
-
-
-def _owners(plan: StagePlan, num_gpus: int) -> tuple[np.ndarray, np.ndarray]:
+def _owners(plan: StagePlan, num_gpus: int, cache: PlanningCache) -> tuple[np.ndarray, np.ndarray]:
     """Per GPU: the replica of ``plan`` on it and its rank there (-1: none); memoised per plan, by
     identity (the current plan stays the same while a planner tries candidates)."""
-    hit = _OWNERS.get((id(plan), num_gpus))
-    if hit is not None and hit[0] is plan:
-        return hit[1], hit[2]
-    cur = gpu_array(plan.gpu_sets)
-    dc, sc = cur.shape
-    owner = np.full(num_gpus, -1, dtype=np.int64)
-    rank = np.full(num_gpus, -1, dtype=np.int64)
-    owner[cur.ravel()] = np.repeat(np.arange(dc), sc)
-    rank[cur.ravel()] = np.tile(np.arange(sc), dc)
-    if len(_OWNERS) > _CACHE_PLANS:
-        _OWNERS.clear()
-    _OWNERS[(id(plan), num_gpus)] = (plan, owner, rank)
-    return owner, rank
+
+    def make() -> tuple[np.ndarray, np.ndarray]:
+        cur = gpu_array(plan.gpu_sets, cache)
+        dc, sc = cur.shape
+        owner = np.full(num_gpus, -1, dtype=np.int64)
+        rank = np.full(num_gpus, -1, dtype=np.int64)
+        owner[cur.ravel()] = np.repeat(np.arange(dc), sc)
+        rank[cur.ravel()] = np.tile(np.arange(sc), dc)
+        return owner, rank
+
+    return cache.owners.get_or_make((id(plan), num_gpus), (plan,), make)
 
 
-def _local_plan(st: _Stage, num_gpus: int) -> _Local | None:
+def _local_plan(st: _Stage, num_gpus: int, cache: PlanningCache) -> _Local | None:
     cur, sub = st.cur, st.sub
     lc, lt = st.current.layout, st.target.layout
     out = _Local()
     dc, sc = cur.shape
-    owner, rank = _owners(st.current, num_gpus)
+    owner, rank = _owners(st.current, num_gpus, cache)
     own = owner[st.parts]
     rk = rank[st.parts]
     one_owner = (own == own[:, :1]).all(1) & (own[:, 0] >= 0)
@@ -357,7 +348,7 @@ def _local_plan(st: _Stage, num_gpus: int) -> _Local | None:
     return out
 
 
-def _classes_of(st: _Stage, local: _Local, order: int) -> list[ReplicaClass]:
+def _classes_of(st: _Stage, local: _Local, order: int, cache: PlanningCache) -> list[ReplicaClass]:
     cur, tgt, parts, nq = st.cur, st.tgt, st.parts, st.nq
 
     def part_seq(pid: np.ndarray) -> list[np.ndarray]:  # a part's GPUs, then its final unit's
@@ -389,18 +380,16 @@ def _classes_of(st: _Stage, local: _Local, order: int) -> list[ReplicaClass]:
             # inputs' types (a kept current unit, or a T_sub part of a target unit)
             key = (kind, st.state, st.current.layout, st.target.layout, tuple((refs[idx[0]] < 0).tolist()),
                    first.tobytes())
-            hit = _SHAPES.get(key)
+            hit = cache.class_shapes.get(key)
             g = (x if len(idx) == len(x) else x[idx])[:, labels]
             if hit is None:
                 rep = _representative(st, kind, int(unit[idx[0]]), refs[idx[0]])
-                canon, gpus = canonical_footprint(rep)
-                if gpus != g[0].tolist():
-                    raise AssertionError(f"replica class labels disagree: {gpus} vs {g[0].tolist()}")
+                canon, gpus = canonical_footprint(rep, cache)
+                # invariant: _shape_groups labels GPUs by first appearance, as canonical_footprint does
+                assert gpus == g[0].tolist(), f"replica class labels disagree: {gpus} vs {g[0].tolist()}"
                 touched = np.array(sorted(canon.gpus), dtype=np.int64)
                 empty = not len(touched) and not (kind is PrimitiveKind.MERGE and relabels(rep))
-                if len(_SHAPES) > 4096:
-                    _SHAPES.clear()
-                hit = _SHAPES[key] = (canon, touched, empty)
+                hit = cache.class_shapes.put(key, (canon, touched, empty))
             canon, touched, empty = hit
             if empty:
                 return []  # an empty primitive: let the exact path deal with it
@@ -519,7 +508,7 @@ def _order(classes: list[ReplicaClass], edges: list[tuple[int, int]], initial: n
     try:  # classes only lead from Split/Extend to Merge/Destroy, so this cannot close a cycle; if it
         # ever did, the per-unit path (whose DAG is finer) decides
         level = bottom_levels(n, edges, [float(c.canon.moved_bytes + 1) for c in classes])
-    except AssertionError:
+    except DagCycleError:
         return None
     heap = [((int(c.acquire), c.stage_order, -level[i], i), i) for i, c in enumerate(classes) if indeg[i] == 0]
     heapq.heapify(heap)
@@ -552,29 +541,19 @@ def _order(classes: list[ReplicaClass], edges: list[tuple[int, int]], initial: n
     return order if len(order) == n else None
 
 
-_STAGES: dict[tuple[object, ...], tuple[object, object, StageClasses | None]] = {}
-_INITIAL: dict[tuple[object, ...], tuple[object, np.ndarray]] = {}
-
-
-def _stage_classes(state: UnitState, cp: StagePlan, tp: StagePlan, n_gpus: int) -> StageClasses | None:
+def _stage_classes(state: UnitState, cp: StagePlan, tp: StagePlan, n_gpus: int,
+                   cache: PlanningCache) -> StageClasses | None:
     """The class-level local plan of one model-stage; memoised per pair of stage plans (by identity:
     a planner keeps proposing the same plans), None where it is not symmetric."""
-    key = (id(cp), id(tp), state, n_gpus)
-    hit = _STAGES.get(key)
-    if hit is not None and hit[0] is cp and hit[1] is tp:
-        return hit[2]
-    out = _relabelled_stage(state, cp, tp, n_gpus)
-    if len(_STAGES) > _CACHE_PAIRS:
-        _STAGES.clear()
-    _STAGES[key] = (cp, tp, out)
-    return out
+    return cache.stage_pairs.get_or_make((id(cp), id(tp), state, n_gpus), (cp, tp),
+                                         lambda: _relabelled_stage(state, cp, tp, n_gpus, cache))
 
 
 @dataclass(kw_only=True, slots=True)
-class _ShapeEntry:
+class ShapeEntry:
     """A stage's class-level plan over GPU labels (what ``_build_stage`` gives for every pair of
     stage plans with the same relative shape): the plan built for the first such pair, and its
-    classes' and parts' GPUs as labels."""
+    classes' and parts' GPUs as labels. Held in PlanningCache.shape_stages."""
 
     built: StageClasses | None
     labels: list[np.ndarray]  # per class: labels of ``gpus``
@@ -582,18 +561,17 @@ class _ShapeEntry:
     gpu_of: np.ndarray  # the GPU of each label in ``built``
 
 
-# Relative shape of a pair of stage plans (state, layouts, target GPUs as labels: a current GPU is
-# labelled by its position in the current plan, a GPU only the target uses by its order of appearance)
-# -> its class-level plan. Everything ``_build_stage`` derives is equivariant under renaming GPUs
-# (it only compares GPU ids for equality), so one entry serves every candidate of that shape.
-_SHAPE_STAGES: dict[tuple[object, ...], _ShapeEntry] = {}
-
-
-def _relabelled_stage(state: UnitState, cp: StagePlan, tp: StagePlan, n_gpus: int) -> StageClasses | None:
-    cur, tgt = gpu_array(cp.gpu_sets), gpu_array(tp.gpu_sets)
+def _relabelled_stage(state: UnitState, cp: StagePlan, tp: StagePlan, n_gpus: int,
+                      cache: PlanningCache) -> StageClasses | None:
+    """``_build_stage``'s plan, taken from ``cache.shape_stages`` when a pair of the same relative shape
+    was built before. That key is the state, the layouts and the target GPUs as labels (a current GPU
+    is labelled by its position in the current plan, a GPU only the target uses by its order of
+    appearance). Everything ``_build_stage`` derives is equivariant under renaming GPUs (it only
+    compares GPU ids for equality), so one entry serves every candidate of that shape."""
+    cur, tgt = gpu_array(cp.gpu_sets, cache), gpu_array(tp.gpu_sets, cache)
     if cur.min() < 0 or tgt.min() < 0 or cur.max() >= n_gpus or tgt.max() >= n_gpus:
         return None  # the exact path names the offending GPU
-    owner, rank = _owners(cp, n_gpus)
+    owner, rank = _owners(cp, n_gpus, cache)
     flat = tgt.ravel()
     own = owner[flat]
     label = own * cur.shape[1] + rank[flat]
@@ -605,19 +583,14 @@ def _relabelled_stage(state: UnitState, cp: StagePlan, tp: StagePlan, n_gpus: in
     else:
         gpu_of = cur.ravel()
     key = (state, cp.layout, tp.layout, cur.shape, tgt.shape, label.tobytes())
-    entry = _SHAPE_STAGES.pop(key, None)
-    if entry is not None:
-        _SHAPE_STAGES[key] = entry  # least recently used first: a planner's hot shapes stay
-    else:
-        built = _build_stage(state, cp, tp, n_gpus)
+    entry = cache.shape_stages.get(key)  # least recently used evicted first: a planner's hot shapes stay
+    if entry is None:
+        built = _build_stage(state, cp, tp, n_gpus, cache)
         label_of = np.full(n_gpus, -1, dtype=np.int64)
         label_of[gpu_of] = np.arange(len(gpu_of), dtype=np.int64)
-        entry = _ShapeEntry(built=built, labels=[] if built is None else [label_of[c.gpus] for c in built.classes],
-                            parts=np.zeros(0, dtype=np.int64) if built is None else label_of[built.stage.parts],
-                            gpu_of=gpu_of)
-        if len(_SHAPE_STAGES) >= _CACHE_PAIRS:
-            del _SHAPE_STAGES[next(iter(_SHAPE_STAGES))]
-        _SHAPE_STAGES[key] = entry
+        cache.shape_stages.put(key, ShapeEntry(
+            built=built, labels=[] if built is None else [label_of[c.gpus] for c in built.classes],
+            parts=np.zeros(0, dtype=np.int64) if built is None else label_of[built.stage.parts], gpu_of=gpu_of))
         return built
     b = entry.built
     if b is None:
@@ -638,8 +611,9 @@ def _relabelled_stage(state: UnitState, cp: StagePlan, tp: StagePlan, n_gpus: in
     return StageClasses(stage=stage, classes=classes, edges=b.edges, num_nodes=b.num_nodes)
 
 
-def _build_stage(state: UnitState, cp: StagePlan, tp: StagePlan, n_gpus: int) -> StageClasses | None:
-    cur, tgt = gpu_array(cp.gpu_sets), gpu_array(tp.gpu_sets)
+def _build_stage(state: UnitState, cp: StagePlan, tp: StagePlan, n_gpus: int,
+                 cache: PlanningCache) -> StageClasses | None:
+    cur, tgt = gpu_array(cp.gpu_sets, cache), gpu_array(tp.gpu_sets, cache)
     if cur.min() < 0 or tgt.min() < 0 or cur.max() >= n_gpus or tgt.max() >= n_gpus:
         return None  # the exact path names the offending GPU
     sub = t_sub(cp.layout, tp.layout)
@@ -650,10 +624,10 @@ def _build_stage(state: UnitState, cp: StagePlan, tp: StagePlan, n_gpus: int) ->
         parts, nq = tgt[:, cols].reshape(-1, sub.size), len(cols)
     st = _Stage(name=state.model_stage, state=state, current=cp, target=tp, sub=sub, nq=nq, cur=cur, tgt=tgt,
                 parts=parts, renamed=[])
-    local = _local_plan(st, n_gpus)
+    local = _local_plan(st, n_gpus, cache)
     if local is None:
         return None
-    mine = _classes_of(st, local, state.stage_order)
+    mine = _classes_of(st, local, state.stage_order, cache)
     if not mine and (len(local.destroys) or local.extends or local.splits or local.merges):
         return None
     edges = _link(st, mine)
@@ -662,26 +636,24 @@ def _build_stage(state: UnitState, cp: StagePlan, tp: StagePlan, n_gpus: int) ->
     return StageClasses(stage=st, classes=mine, edges=edges, num_nodes=sum(c.size for c in mine))
 
 
-def _initial(state: UnitState, cp: StagePlan, n_gpus: int) -> np.ndarray:
+def _initial(state: UnitState, cp: StagePlan, n_gpus: int, cache: PlanningCache) -> np.ndarray:
     """Bytes each GPU holds of one stage plan's units (memoised per plan, by identity)."""
-    key = (id(cp), state, n_gpus)
-    hit = _INITIAL.get(key)
-    if hit is not None and hit[0] is cp:
-        return hit[1]
-    cur = gpu_array(cp.gpu_sets)
-    per_rank = np.array(rank_bytes(state, cp.layout), dtype=np.int64)
-    out = np.zeros(n_gpus, dtype=np.int64)
-    np.add.at(out, cur.ravel(), np.tile(per_rank, len(cur)))
-    if len(_INITIAL) > _CACHE_PLANS:
-        _INITIAL.clear()
-    _INITIAL[key] = (cp, out)
-    return out
+
+    def make() -> np.ndarray:
+        cur = gpu_array(cp.gpu_sets, cache)
+        per_rank = np.array(rank_bytes(state, cp.layout), dtype=np.int64)
+        out = np.zeros(n_gpus, dtype=np.int64)
+        np.add.at(out, cur.ravel(), np.tile(per_rank, len(cur)))
+        return out
+
+    return cache.held_bytes.get_or_make((id(cp), state, n_gpus), (cp,), make)
 
 
 def plan_replicas(states: Mapping[str, UnitState], cluster: ClusterSpec, old: GlobalPlan, new: GlobalPlan,
-                  capacity: int, min_units: int = 0) -> ReplicaPlan | None:
+                  capacity: int, min_units: int = 0, *, cache: PlanningCache) -> ReplicaPlan | None:
     """The class-level plan of a transition, or None where the exact per-unit path must be used
-    (also with fewer than ``min_units`` units, where that one is as fast and orders finer)."""
+    (also with fewer than ``min_units`` units, where that one is as fast and orders finer). ``cache``
+    (the builder's) memoises plans, pairs and shapes across calls, and serves the plan's expansion."""
     if sum(len(sp.gpu_sets) for sp in (*old, *new)) < min_units:
         return None
     n_gpus = cluster.num_gpus
@@ -692,11 +664,11 @@ def plan_replicas(states: Mapping[str, UnitState], cluster: ClusterSpec, old: Gl
     initial = np.zeros(n_gpus, dtype=np.int64)
     for name in old_names:
         cp = old.stage(name)
-        sc = _stage_classes(states[name], cp, new.stage(name), n_gpus)
+        sc = _stage_classes(states[name], cp, new.stage(name), n_gpus, cache)
         if sc is None:
             return None
         stages.append(sc)
-        initial += _initial(states[name], cp, n_gpus)
+        initial += _initial(states[name], cp, n_gpus, cache)
     if (initial > capacity).any():
         return None
     classes: list[ReplicaClass] = []
@@ -719,4 +691,4 @@ def plan_replicas(states: Mapping[str, UnitState], cluster: ClusterSpec, old: Gl
         return None
     return ReplicaPlan(old_version=old.version, new_version=new.version, stages=stages, classes=classes,
                        class_stage=class_stage, first=first, stage_base=stage_base, class_order=order,
-                       num_nodes=base, initial=initial)
+                       num_nodes=base, initial=initial, cache=cache)

@@ -23,6 +23,7 @@ from planner.models import ModelSpec
 from planner.plan import GlobalPlan, Layout
 from transitions.cost import transition_cost
 from transitions.global_dag import TransitionDAG, build_transition
+from transitions.planning_cache import PlanningCache
 from transitions.replay import replay
 from transitions.scenarios import PPO_STAGES, ppo_plan, random_model, stage_plan, stage_states
 
@@ -172,23 +173,21 @@ def test_plans_of_a_seen_shape_reuse_its_classes_on_their_own_gpus(seed: int) ->
     """Candidates whose stage plans have the shape of a pair seen before (the same plans as new objects,
     or every GPU renamed) take the class-level plan from the shape cache, mapped onto their GPUs: the
     result is still exactly the exact path's, and its schedule the unit-level one on the new GPUs."""
-    from transitions import replica_classes
-
     states, cluster, old, new = symmetric_case(seed)
-    replica_classes.clear_caches()  # a bounded cache filled by earlier cases could be emptied midway
-    first = build_transition(states, cluster, old, new, capacity_bytes=1 << 50, exact=False)
+    cache = PlanningCache()  # this case's own: one filled by earlier cases could be emptied midway
+    first = build_transition(states, cluster, old, new, capacity_bytes=1 << 50, exact=False, cache=cache)
     if first.replicas is None:
         return
     transition_cost(first, cluster)  # fills the class durations memo the same-GPU candidate shares
-    shapes = len(replica_classes._SHAPE_STAGES)
+    shapes = len(cache.shape_stages)
     perm = list(range(cluster.num_gpus))
     random.Random(seed).shuffle(perm)
     for cur, cand in ((old, _renamed(new, 3, list(range(cluster.num_gpus)))),
                       (_renamed(old, 1, perm), _renamed(new, 2, perm))):
-        dag = build_transition(states, cluster, cur, cand, capacity_bytes=1 << 50, exact=False)
+        dag = build_transition(states, cluster, cur, cand, capacity_bytes=1 << 50, exact=False, cache=cache)
         assert dag.replicas is not None
-        assert len(replica_classes._SHAPE_STAGES) == shapes  # served from the shape cache
-        exact = build_transition(states, cluster, cur, cand, capacity_bytes=1 << 50, exact=True)
+        assert len(cache.shape_stages) == shapes  # served from the shape cache
+        exact = build_transition(states, cluster, cur, cand, capacity_bytes=1 << 50, exact=True, cache=cache)
         _check_order_and_cost(dag, cluster)
         _same_as_exact(dag, exact)
         report = replay(dag)

@@ -16,6 +16,7 @@ from transitions.cost import transition_cost
 from transitions.geometry import StateKind
 from transitions.global_dag import TransitionDAG, build_transition, build_weight_sync
 from transitions.local_dag import LastCopyLostError
+from transitions.planning_cache import PlanningCache
 from transitions.primitives import Destroy, Extend, Merge, Split, Transfer, pieces, slot_pieces, transfers
 from transitions.replay import replay
 from transitions.scenarios import stage_plan, stage_states
@@ -302,8 +303,7 @@ def test_small_buckets_cut_items_and_bound_buffer_memory(monkeypatch: pytest.Mon
     old, new = _plans((2, 1, [0, 1, 2, 3], 2), (4, 1, [0, 1, 2, 3], 1))
     whole_buffers_peak = max(build_transition(STATES, CLUSTER, old, new).peak_bytes.values())
     monkeypatch.setattr(transfer_plan, "DEFAULT_BUCKET_BYTES", 256)
-    monkeypatch.setattr(prims, "_FOOTPRINTS", {})
-    dag = build_transition(STATES, CLUSTER, old, new)
+    dag = build_transition(STATES, CLUSTER, old, new, cache=PlanningCache())  # footprints of 256-byte buckets
     assert max(dag.peak_bytes.values()) < whole_buffers_peak
     replay(dag)  # peaks per GPU equal the DAG's, which now count bounded buffers
     for prim in dag.nodes:
