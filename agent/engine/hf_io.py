@@ -40,6 +40,25 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ExportConfig:
+    """Periodic export of the actor as a HF directory: ``<dir>/step-<N>`` after every ``every_steps``
+    steps (N = steps done), the newest ``keep`` kept, ``<dir>/latest`` a symlink to the newest."""
+
+    dir: str
+    every_steps: int
+    dtype: str = "bfloat16"
+    keep: int = 2
+
+    def __post_init__(self) -> None:
+        if self.every_steps < 1:
+            raise SpecError("export.every_steps", f"must be >= 1, got {self.every_steps}")
+        if self.keep < 1:
+            raise SpecError("export.keep", f"must be >= 1, got {self.keep}")
+        if self.dtype not in DTYPES:
+            raise SpecError("export.dtype", f"unknown {self.dtype!r}", ", ".join(DTYPES))
+
+
 @dataclass(frozen=True, slots=True)
 class HFModel:
     """What a HF directory holds for the engine: the spec, its weight files, and the directory."""
@@ -192,6 +211,21 @@ def save_hf_dir(path: str | Path, spec: ModelSpec, state: Mapping[str, torch.Ten
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return out
+
+
+def export_step(cfg: ExportConfig, steps_done: int, spec: ModelSpec, state: Mapping[str, torch.Tensor], *,
+                tokenizer_from: str | Path | None = None, token_ids: Mapping[str, int | None] | None = None) -> Path:
+    """Write ``<dir>/step-<steps_done>`` atomically, point ``latest`` at it (symlink renamed into
+    place), and remove exports older than the newest ``keep``."""
+    root = Path(cfg.dir)
+    out = save_hf_dir(root / f"step-{steps_done:06d}", spec, state, dtype=cfg.dtype, tokenizer_from=tokenizer_from,
+                      token_ids=token_ids)
+    link = root / f".latest.tmp-{uuid.uuid4().hex[:8]}"
+    os.symlink(out.name, link)
+    os.replace(link, root / "latest")
+    for old in sorted(root.glob("step-*"))[:-cfg.keep]:
         shutil.rmtree(old, ignore_errors=True)
     return out
 

@@ -8,7 +8,9 @@ arguments, one list entry per sample, and returns one finite float per sample::
     def my_reward(prompts: list[str], responses: list[str], ground_truths: list[str | None],
                   finished: list[bool], **kwargs) -> list[float]: ...
 
-``finished`` says whether the response ended with the tokenizer's EOS (not cut at the length limit);
+A prompt is passed as the prompt file holds it (text, or its list of chat messages); a response is
+the decoded text up to EOS. ``finished`` says whether the response ended with the tokenizer's EOS
+(not cut at the length limit);
 ``**kwargs`` keeps a function working when later versions pass more fields. The synthetic tasks'
 rewards are built-ins of the same interface (``agent.engine.tasks:rule_scores``); a learned reward
 model is the reward-inf model-stage instead (``RunConfig.reward_model``).
@@ -187,7 +189,7 @@ class RewardFn:
         resolve(cfg.function, cfg.base_dir)  # in this process too: errors at start, not at step 1
         self._pool: multiprocessing.pool.Pool | None = None
 
-    def __call__(self, *, prompts: Sequence[str], responses: Sequence[str],
+    def __call__(self, *, prompts: Sequence[Any], responses: Sequence[str],
                  ground_truths: Sequence[str | None], finished: Sequence[bool]) -> RewardReport:
         c = self.cfg
         batch: dict[str, list[Any]] = {"prompts": list(prompts), "responses": list(responses), "ground_truths": list(ground_truths),
