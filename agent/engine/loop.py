@@ -472,19 +472,25 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--algo", default="grpo", choices=("ppo", "grpo", "remax"))
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--job", help="a job file (etc/jobs/*.toml): model, prompts, reward, ...; --algo/--seed ignored")
+    ap.add_argument("--steps", type=int, default=None, help="RL steps (default: the job file's, else 5)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--world", type=int, default=1, help="local gloo ranks; replicas fill them (DP)")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     args = ap.parse_args()
-    torch.manual_seed(args.seed)
-    cfg = RunConfig(algo=args.algo, seed=args.seed)
+    cfg, steps = RunConfig(algo=args.algo, seed=args.seed), 5
+    if args.job:
+        from agent.engine.jobfile import load_job
+
+        cfg, steps = load_job(args.job)
+    steps = args.steps or steps
+    torch.manual_seed(cfg.seed)
     layout = Layout(args.tp, args.pp)
     if args.world == 1 and layout.size == 1:
-        rows = _run_rank(0, 1, cfg, layout, args.steps)
+        rows = _run_rank(0, 1, cfg, layout, steps)
     else:
-        rows = run_local(_run_rank, args.world, cfg, layout, args.steps, timeout_s=3600)[0]
+        rows = run_local(_run_rank, args.world, cfg, layout, steps, timeout_s=3600)[0]
     for row in rows:
         print(json.dumps(row))
 
