@@ -461,7 +461,9 @@ def _run_rank(rank: int, world: int, cfg: RunConfig, layout: Layout, steps: int)
     out: list[dict[str, object]] = []
     for s in range(steps):
         r = loop.step(s)
-        out.append({"step": s, "mean_score": round(r.mean_score, 4), "accuracy": round(r.mean_accuracy, 4),
+        acc = None if r.mean_accuracy != r.mean_accuracy else round(r.mean_accuracy, 4)  # NaN: no task
+        out.append({"step": s, "mean_score": round(r.mean_score, 4), "accuracy": acc,
+                    "reward_errors": len(r.reward_errors),
                     "seconds": round(r.seconds, 3),
                     "stage_seconds": {k: round(v, 4) for k, v in r.stage_seconds.items()}})
     return out

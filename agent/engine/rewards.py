@@ -15,7 +15,7 @@ the decoded text up to EOS. ``finished`` says whether the response ended with th
 rewards are built-ins of the same interface (``agent.engine.tasks:rule_scores``); a learned reward
 model is the reward-inf model-stage instead (``RunConfig.reward_model``).
 
-A user function runs in a child process (spawned once, reused across steps), so a timeout can kill
+A user function runs in a child process (started once, reused across steps), so a timeout can kill
 it; the built-ins run inline. When the batch call raises, each sample is retried alone in the child
 to name the failing ones. A failure (exception, non-finite or missing score, timeout) is never
 silent: ``on_error="raise"`` (default) raises ``RewardError`` naming the function and the first
@@ -31,12 +31,14 @@ import importlib
 import importlib.util
 import inspect
 import math
-import multiprocessing
-import multiprocessing.pool
+import os
+import socket
+import subprocess
 import sys
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -181,19 +183,68 @@ def evaluate(function: str, base_dir: str, batch: dict[str, list[Any]]) -> tuple
     return _scores_of(out, n)  # a malformed result (length, type) raises ValueError: the whole batch
 
 
+class RewardChild:
+    """One child process that runs ``evaluate`` on request: started with ``subprocess`` (it works from
+    daemonic processes, where multiprocessing may not start children), spoken to over a socket pair
+    with ``multiprocessing.connection`` (pickled messages), killed on timeout."""
+
+    def __init__(self) -> None:
+        ours, theirs = socket.socketpair()
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", f"from agent.engine.rewards import serve; serve({theirs.fileno()})"],
+            pass_fds=(theirs.fileno(),), env=env)
+        theirs.close()
+        self.conn = Connection(ours.detach())
+
+    def call(self, request: tuple[str, str, dict[str, list[Any]]], timeout_s: float) -> Any:
+        """``evaluate(*request)`` in the child; raises TimeoutError, or the child's own exception."""
+        self.conn.send(request)
+        if not self.conn.poll(timeout_s):
+            raise TimeoutError
+        try:
+            status, value = self.conn.recv()
+        except EOFError:
+            raise RuntimeError(f"the reward process died (exit code {self.proc.wait()})") from None
+        if status == "ok":
+            return value
+        raise (ValueError if status == "value-error" else RuntimeError)(value)
+
+    def kill(self) -> None:
+        self.conn.close()
+        self.proc.kill()
+        self.proc.wait()
+
+
+def serve(fd: int) -> None:
+    """The child's loop: one ``evaluate`` per request until the parent closes the socket. User code's
+    prints go to stderr (stdout is the job's progress)."""
+    sys.stdout = sys.stderr
+    conn = Connection(fd)
+    while True:
+        try:
+            request = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            conn.send(("ok", evaluate(*request)))
+        except Exception as e:  # as text: not every exception pickles back
+            conn.send(("value-error", str(e)) if isinstance(e, ValueError) else ("error", _failure(e)))
+
+
 class RewardFn:
     """A loaded reward function; resolves it at construction, so a bad name fails at job start."""
 
     def __init__(self, cfg: RewardConfig) -> None:
         self.cfg = cfg
         resolve(cfg.function, cfg.base_dir)  # in this process too: errors at start, not at step 1
-        self._pool: multiprocessing.pool.Pool | None = None
+        self._child: RewardChild | None = None
 
     def __call__(self, *, prompts: Sequence[Any], responses: Sequence[str],
                  ground_truths: Sequence[str | None], finished: Sequence[bool]) -> RewardReport:
         c = self.cfg
-        batch: dict[str, list[Any]] = {"prompts": list(prompts), "responses": list(responses), "ground_truths": list(ground_truths),
-                 "finished": [bool(f) for f in finished]}
+        batch: dict[str, list[Any]] = {"prompts": list(prompts), "responses": list(responses),
+                                       "ground_truths": list(ground_truths), "finished": [bool(f) for f in finished]}
         n = len(batch["prompts"])
         if any(len(v) != n for v in batch.values()):
             raise ValueError(f"reward inputs differ in length: { {k: len(v) for k, v in batch.items()} }")
@@ -201,13 +252,13 @@ class RewardFn:
             if c.inline:
                 scores, errors = evaluate(c.function, c.base_dir, batch)
             else:
-                if self._pool is None:
-                    self._pool = multiprocessing.get_context("spawn").Pool(1)
-                scores, errors = self._pool.apply_async(evaluate, (c.function, c.base_dir, batch)).get(c.timeout_s)
-        except multiprocessing.TimeoutError:
+                if self._child is None:
+                    self._child = RewardChild()
+                scores, errors = self._child.call((c.function, c.base_dir, batch), c.timeout_s)
+        except TimeoutError:
             self.close()  # the child may be stuck in user code: kill it, the next call starts a fresh one
             scores, errors = [None] * n, [(i, f"timed out after {c.timeout_s} s") for i in range(n)]
-        except ValueError as e:  # the result itself is malformed (length, type): the whole batch
+        except (ValueError, RuntimeError) as e:  # a malformed result (length, type), a dead child: the batch
             if c.on_error == "raise":
                 raise RewardError(c.function, None, str(e)) from None
             scores, errors = [None] * n, [(i, str(e)) for i in range(n)]
@@ -218,15 +269,13 @@ class RewardFn:
         return RewardReport(scores=[c.error_score if s is None else s for s in scores], errors=errors)
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.terminate()
-            self._pool.join()
-            self._pool = None
+        if self._child is not None:
+            self._child.kill()
+            self._child = None
 
     def __del__(self) -> None:
-        pool = getattr(self, "_pool", None)
-        if pool is not None:
-            pool.terminate()
+        if getattr(self, "_child", None) is not None:
+            self.close()
 
 
 if __name__ == "__main__":

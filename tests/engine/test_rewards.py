@@ -101,7 +101,7 @@ def test_a_hung_function_times_out_and_the_next_call_gets_a_fresh_child(user_dir
     rep = fn(**_batch(["a", "b"]))
     assert time.monotonic() - t0 < 20
     assert rep.scores == [0.0, 0.0] and all("timed out after 2.0 s" in r for _, r in rep.errors)
-    assert fn._pool is None  # the stuck child was killed
+    assert fn._child is None  # the stuck child was killed
     fn.close()
 
 
