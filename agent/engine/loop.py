@@ -174,6 +174,9 @@ class StepResult:
     tokens: torch.Tensor = field(repr=False)  # the step's rollout, for reproducibility checks
     # samples whose reward failed and got the error score (reward.on_error = "score"): (index, reason)
     reward_errors: tuple[tuple[int, str], ...] = ()
+    # the prompt file's position after this step (agent.engine.data.DataPosition): what a resumed run
+    # passes back; 0 for synthetic tasks, whose prompts derive from the step alone
+    prompts_consumed: int = 0
     # the weight sync (one executor transition): bytes this rank sent point-to-point (local copies
     # excluded), the executor's predicted time for the whole plan, this rank's measured run
     sync_sent_bytes: int = 0
@@ -448,6 +451,7 @@ class RLLoop:
                           mean_response_tokens=float(mask.sum(1).mean()), actor_loss=sum(losses) / n_mb,
                           critic_loss=critic_loss, seconds=time.perf_counter() - t0, stage_seconds=stage_seconds,
                           tokens=roll.tokens, reward_errors=tuple(self._reward_errors),
+                          prompts_consumed=(step + 1) * c.prompts_per_step if self.prompts is not None else 0,
                           sync_sent_bytes=sync.bytes_sent if sync else 0,
                           sync_predicted_s=sync.predicted_s if sync else 0.0,
                           sync_measured_s=sync.measured_s if sync else 0.0)

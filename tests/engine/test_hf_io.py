@@ -139,3 +139,24 @@ def test_what_the_decoder_cannot_express_is_refused_by_name(tmp_path: Path) -> N
     (tmp_path / "config.json").write_text(json.dumps(base))
     with pytest.raises(SpecError, match="no \\*.safetensors"):
         read_hf_dir(tmp_path)
+
+
+def test_a_sequence_classification_reward_model_loads_with_its_score_head(tmp_path: Path) -> None:
+    """A learned reward model (reward-inf) from a HF *ForSequenceClassification directory: the engine's
+    value at the last token is transformers' reward."""
+    from planner.models import Head
+
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=16, vocab_size=300, num_labels=1, pad_token_id=0)
+    torch.manual_seed(1)
+    hf = transformers.LlamaForSequenceClassification(cfg).eval()
+    hf.save_pretrained(tmp_path / "rm")
+    loaded = read_hf_dir(tmp_path / "rm")
+    names = [t.name for t in loaded.spec.tensors(Head.VALUE)]
+    assert "score.weight" in names
+    model = build_decoder(loaded.spec, Head.VALUE, weights=load_safetensors(loaded.weight_files, names))
+    ids = _ids(300).clamp(min=1)  # no pad token inside: transformers scores the last token
+    with torch.no_grad():
+        theirs = hf(input_ids=ids).logits[:, 0]
+        ours = model(ids, torch.ones_like(ids))[:, -1]
+    assert theirs.abs().max() > 1e-3 and (theirs - ours).abs().max().item() < 1e-4

@@ -38,6 +38,7 @@ def test_prompt_file_and_builtin_reward_give_the_synthetic_run(tmp_path: Path) -
                      max_prompt_tokens=syn.prompt_tokens, max_new_tokens=syn.response_tokens)
     _, a = run(syn, 2)
     _, b = run(user, 2)
+    assert [r.prompts_consumed for r in b] == [4, 8] and a[1].prompts_consumed == 0
     for x, y in zip(a, b):
         assert torch.equal(x.tokens, y.tokens)
         assert (x.mean_score, x.actor_loss) == (y.mean_score, y.actor_loss)
