@@ -172,7 +172,8 @@ class StepResult:
     seconds: float
     stage_seconds: dict[str, float]  # per model-stage, plus "weight-sync" (train -> gen/inf)
     tokens: torch.Tensor = field(repr=False)  # the step's rollout, for reproducibility checks
-    # samples whose reward failed and got the error score (reward.on_error = "score"): (index, reason)
+    # samples whose reward failed and got the error score (reward.on_error = "score"): (index, reason);
+    # ReMax's greedy rollout's failures say so in the reason
     reward_errors: tuple[tuple[int, str], ...] = ()
     # the prompt file's position after this step (agent.engine.data.DataPosition): what a resumed run
     # passes back; 0 for synthetic tasks, whose prompts derive from the step alone
@@ -301,17 +302,18 @@ class RLLoop:
         action[:, p - 1:-1] = attn[:, p:].float()
         return Rollout(tokens=tokens, attention_mask=attn, action_mask=action, logprobs=logp, prompt_tokens=p)
 
-    def _scores(self, step: int, roll: Rollout, problems: list[Problem]) -> torch.Tensor:
+    def _scores(self, step: int, roll: Rollout, problems: list[Problem], rollout: str = "sampled") -> torch.Tensor:
         if self.reward is not None:
-            return self._function_scores(roll, problems, self.reward)
+            return self._function_scores(roll, problems, self.reward, rollout)
         vals = self.engines["reward-inf"].forward(roll.tokens, roll.attention_mask, roll.next_tokens,
                                                   lambda y, e: y)
         last = roll.attention_mask.shape[1] - 1 - roll.attention_mask.flip(1).argmax(1)
         return vals.gather(1, last[:, None]).squeeze(1)
 
-    def _function_scores(self, roll: Rollout, problems: list[Problem], reward: RewardFn) -> torch.Tensor:
+    def _function_scores(self, roll: Rollout, problems: list[Problem], reward: RewardFn, rollout: str) -> torch.Tensor:
         """Scores from the reward function. A user's function runs once, on rank 0, and its scores are
-        broadcast (it may not be deterministic); the built-ins run on every rank."""
+        broadcast (it may not be deterministic); the built-ins run on every rank. Failures scored
+        ``error_score`` are kept for the step's result, their reason naming the ``rollout``."""
         responses = roll.responses()
         n = len(problems)
         scores = torch.zeros(n, dtype=torch.float64)
@@ -324,8 +326,9 @@ class RLLoop:
                                 ground_truths=[pr.answer for pr in problems],
                                 finished=[self.tok.terminated(r) for r in responses])
                 scores = torch.tensor(report.scores, dtype=torch.float64)
-                self._reward_errors += report.errors
-            except RewardError:
+                self._reward_errors += [(i, reason if rollout == "sampled" else f"{rollout} rollout: {reason}")
+                                        for i, reason in report.errors]
+            except Exception:
                 if not shared:
                     raise
                 failed.fill_(1.0)
@@ -410,7 +413,7 @@ class RLLoop:
             with timer.stage(step, sp("actor-gen-greedy")) as tally:
                 greedy = self._generate("actor-gen-greedy", prompts, self._seeds(step, len(prompts), 1), greedy=True)
                 tally.attention_mask = greedy.attention_mask
-            adv = remax_advantages(scores, self._scores(step, greedy, problems), mask)
+            adv = remax_advantages(scores, self._scores(step, greedy, problems, "greedy"), mask)
             actor_loss = ActorLoss(clip=c.remax.clip, kl_coef=c.remax.kl_coef, temperature=temp)
         if self.vllm is not None:
             self.vllm.release()  # colocated: hand the engine's memory to training
