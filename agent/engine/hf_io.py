@@ -178,8 +178,11 @@ def save_hf_dir(path: str | Path, spec: ModelSpec, state: Mapping[str, torch.Ten
                 max_position_embeddings: int = 4096) -> Path:
     """Write ``state`` (full tensors by HF name, LM head) as a HF directory at ``path``, atomically.
 
-    The files go to a hidden sibling first, which is renamed onto ``path`` (an existing directory
-    there is moved aside and removed only after the rename), so a reader never sees a partial export.
+    The files go to a hidden sibling first and are synced to disk, then the sibling is renamed onto
+    ``path``, so a reader never sees a partial export, even after a crash. An existing directory at
+    ``path`` is moved aside first (POSIX cannot rename over a non-empty directory), so for an instant
+    ``path`` is absent; periodic exports never replace one (``export_step``: a new name per step, and
+    ``latest`` a symlink replaced atomically).
     """
     from safetensors.torch import save_file
 
@@ -202,6 +205,7 @@ def save_hf_dir(path: str | Path, spec: ModelSpec, state: Mapping[str, torch.Ten
             for f in TOKENIZER_FILES:
                 if (Path(tokenizer_from) / f).is_file():
                     shutil.copy2(Path(tokenizer_from) / f, tmp / f)
+        _sync_tree(tmp)
         old = None
         if out.exists():
             old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
@@ -213,6 +217,21 @@ def save_hf_dir(path: str | Path, spec: ModelSpec, state: Mapping[str, torch.Ten
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     return out
+
+
+def _sync_tree(path: Path) -> None:
+    """fsync every file of ``path`` and the directory itself, so a rename after it publishes data."""
+    for f in path.iterdir():
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def export_step(cfg: ExportConfig, steps_done: int, spec: ModelSpec, state: Mapping[str, torch.Tensor], *,
