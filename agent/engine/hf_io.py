@@ -169,7 +169,7 @@ def read_hf_dir(path: str | Path) -> HFModel:
         cfg = json.loads(cfg_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise SpecError(str(cfg_file), f"is not valid JSON: {e}") from None
-    spec = spec_from_hf_config(cfg, name=p.name, where=str(cfg_file))
+    spec = spec_from_hf_config(cfg, name=p.resolve().name, where=str(cfg_file))  # "latest" -> its step
     return HFModel(spec=spec, weight_files=weight_files(p), path=p)
 
 
