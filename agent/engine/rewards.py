@@ -264,6 +264,8 @@ class RewardFn:
             scores, errors = [None] * n, [(i, str(e)) for i in range(n)]
         if errors and c.on_error == "raise":
             index, reason = errors[0]
+            if n > 1 and len(errors) == n and all(r == reason for _, r in errors):
+                raise RewardError(c.function, None, reason)  # the batch failed, not a sample (a timeout)
             more = f" ({len(errors) - 1} more samples failed)" if len(errors) > 1 else ""
             raise RewardError(c.function, index, reason + more)
         return RewardReport(scores=[c.error_score if s is None else s for s in scores], errors=errors)

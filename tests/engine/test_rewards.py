@@ -103,6 +103,10 @@ def test_a_hung_function_times_out_and_the_next_call_gets_a_fresh_child(user_dir
     assert rep.scores == [0.0, 0.0] and all("timed out after 2.0 s" in r for _, r in rep.errors)
     assert fn._child is None  # the stuck child was killed
     fn.close()
+    strict = RewardFn(RewardConfig(function="my_rewards:sleepy", base_dir=str(user_dir), timeout_s=1.0))
+    with pytest.raises(RewardError, match="failed on the batch: timed out after 1.0 s$") as e:
+        strict(**_batch(["a", "b"]))
+    assert e.value.index is None and strict._child is None
 
 
 def test_bad_names_and_signatures_fail_at_load(user_dir: Path) -> None:
