@@ -5,12 +5,17 @@ the rollout batch and every stage's per-token outputs are handed to all ranks, s
 computed identically everywhere. A step: actor-gen (and ReMax's greedy rollout) -> rewards (rule or
 reward-inf) -> ref-inf, critic-inf -> actor-train, critic-train -> weight sync train -> gen/inf.
 
-Prompts of step ``s`` derive from ``(seed, s)``, sampling noise from ``(seed, s, sequence index)``
-and each DP replica takes its rows by rank, so a run is reproducible across layouts; ``replan``
-moves the live state (weights, AdamW moments) onto new plans between steps.
+Prompts of step ``s`` derive from ``(seed, s)`` (a synthetic task, or a user's prompt file:
+``agent.engine.data``), sampling noise from ``(seed, s, sequence index)`` and each DP replica takes
+its rows by rank, so a run is reproducible across layouts; ``replan`` moves the live state (weights,
+AdamW moments) onto new plans between steps. Scores come from a reward function
+(``agent.engine.rewards``; the task's rule reward by default) or a learned reward model; a HF model
+directory gives the model, weights and tokenizer (``agent.engine.jobfile``), and the actor is
+exported as one every ``export.every_steps`` steps (``agent.engine.hf_io``).
 
 Run locally: ``python -m agent.engine.loop --algo grpo --steps 5`` (one process), or on local gloo
-ranks with every model-stage on one layout: ``python -m agent.engine.loop --world 2 --tp 2``.
+ranks with every model-stage on one layout: ``python -m agent.engine.loop --world 2 --tp 2``; a job
+file with the user's prompts, reward and model: ``python -m agent.engine.loop --job etc/jobs/grpo.toml``.
 """
 
 from __future__ import annotations
@@ -22,17 +27,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from agent.engine.data import DataConfig, PromptDataset
 from agent.engine.grpo import GRPOConfig, grpo_advantages
+from agent.engine.hf_io import ExportConfig, export_step, full_state
 from agent.engine.losses import ActorLoss, CriticLoss, pack, token_logprobs
 from agent.engine.measure import StageMeasurement, StageTimer
 from agent.engine.model import load_safetensors
 from agent.engine.parallel import PipelineRunner, StageEngine
 from agent.engine.ppo import PPOConfig, ppo_advantages
 from agent.engine.remax import ReMaxConfig, remax_advantages
+from agent.engine.rewards import RewardConfig, RewardError, RewardFn
 from agent.engine.rollout import Rollout, SamplingParams, generate
 from agent.engine.sync import SyncReport, move_training_state, transfer
-from agent.engine.tasks import ByteTokenizer, SortDigits, Task, accuracy, problems_for_step, rule_reward
+from agent.engine.tasks import ByteTokenizer, Problem, SortDigits, Task, accuracy, problems_for_step
+from agent.engine.tokenizer import HFTokenizer, encode_prompt
 from planner.errors import SpecError
 from planner.models import Head, ModelSpec
 from planner.plan import GlobalPlan, Layout, StagePlan, batch_splits
@@ -51,7 +61,14 @@ class RunConfig:
     task: Task = field(default_factory=SortDigits)
     model: ModelSpec = TINY_BYTE  # actor and reference
     critic_model: ModelSpec | None = None  # defaults to ``model``
-    reward_model: ModelSpec | None = None  # a learned reward model; None = the task's rule reward
+    reward_model: ModelSpec | None = None  # a learned reward model (reward-inf); None = ``reward``
+    # a reward function; None = the synthetic task's rule reward (agent.engine.tasks:rule_scores)
+    reward: RewardConfig | None = None
+    data: DataConfig | None = None  # a user's prompt file; None = prompts of the synthetic ``task``
+    tokenizer: str | None = None  # a HF tokenizer.json or model directory; None = the byte tokenizer
+    chat_template: bool = False  # wrap prompts in the tokenizer's chat template
+    max_prompt_tokens: int | None = None  # left-padded prompt length; defaults to the task's (needed with data)
+    export: ExportConfig | None = None  # periodic HF export of the actor
     # HF-layout safetensors files per role (random initialisation where empty); a critic or reward
     # model loaded from an LM checkpoint keeps the trunk and starts a fresh value head
     actor_weights: tuple[str, ...] = ()
@@ -81,6 +98,14 @@ class RunConfig:
         if self.sequences_per_step % self.train_mini_batches_per_step:
             raise SpecError("train_mini_batches_per_step", f"{self.train_mini_batches_per_step} does not divide "
                             f"{self.sequences_per_step} sequences per step")
+        if self.data is not None:
+            for name in ("max_prompt_tokens", "max_new_tokens"):
+                if getattr(self, name) is None:
+                    raise SpecError(name, "is needed with a prompt file (the synthetic task sets it otherwise)")
+            if self.reward is None and self.reward_model is None:
+                raise SpecError("reward", "a prompt file needs a reward function or a reward model")
+        if self.reward is not None and self.reward_model is not None:
+            raise SpecError("reward", "give a reward function or a reward model, not both")
 
     @property
     def samples_per_prompt(self) -> int:
@@ -96,7 +121,7 @@ class RunConfig:
 
     @property
     def prompt_tokens(self) -> int:
-        return self.task.max_prompt_chars + 1  # BOS
+        return self.max_prompt_tokens or self.task.max_prompt_chars + 1  # BOS
 
     @property
     def response_tokens(self) -> int:
@@ -147,6 +172,12 @@ class StepResult:
     seconds: float
     stage_seconds: dict[str, float]  # per model-stage, plus "weight-sync" (train -> gen/inf)
     tokens: torch.Tensor = field(repr=False)  # the step's rollout, for reproducibility checks
+    # samples whose reward failed and got the error score (reward.on_error = "score"): (index, reason);
+    # ReMax's greedy rollout's failures say so in the reason
+    reward_errors: tuple[tuple[int, str], ...] = ()
+    # the prompt file's position after this step (agent.engine.data.DataPosition): what a resumed run
+    # passes back; 0 for synthetic tasks, whose prompts derive from the step alone
+    prompts_consumed: int = 0
     # the weight sync (one executor transition): bytes this rank sent point-to-point (local copies
     # excluded), the executor's predicted time for the whole plan, this rank's measured run
     sync_sent_bytes: int = 0
@@ -159,9 +190,19 @@ class RLLoop:
 
     def __init__(self, cfg: RunConfig, plan: GlobalPlan, *, rank: int = 0) -> None:
         self.cfg, self.plan, self.rank = cfg, plan, rank
-        self.tok = ByteTokenizer()
-        if cfg.model.vocab_size < self.tok.min_vocab_size:
+        self.tok: ByteTokenizer | HFTokenizer = ByteTokenizer()
+        if cfg.tokenizer is not None:
+            self.tok = HFTokenizer(cfg.tokenizer, chat_template=cfg.chat_template)
+            if self.tok.vocab_size > cfg.model.vocab_size:
+                raise SpecError("tokenizer", f"{self.tok.vocab_size} tokens do not fit the model's vocab_size="
+                                f"{cfg.model.vocab_size}")
+        elif cfg.model.vocab_size < self.tok.min_vocab_size:
             raise SpecError("model.vocab_size", f"the byte tokenizer needs >= {self.tok.min_vocab_size}")
+        self.prompts = PromptDataset(cfg.data, seed=cfg.seed) if cfg.data is not None else None
+        self.reward: RewardFn | None = None
+        if cfg.reward_model is None:
+            self.reward = RewardFn(cfg.reward or RewardConfig(function="agent.engine.tasks:rule_scores"))
+        self._reward_errors: list[tuple[int, str]] = []
         self.timer = StageTimer(rank=rank, profile_ops=cfg.profile_ops)
         self.optimizer_steps = 0
         self.engines = {ms.name: self._build(ms.name, plan.stage(ms.name)) for ms in cfg.workflow.model_stages}
@@ -242,7 +283,7 @@ class RLLoop:
     def _generate(self, name: str, prompts: list[list[int]], seeds: list[int], greedy: bool) -> Rollout:
         eng, c = self.engines[name], self.cfg
         params = SamplingParams(max_new_tokens=c.response_tokens, temperature=c.temperature, top_p=c.top_p,
-                                greedy=greedy, stop_ids=(self.tok.eos_id,))
+                                greedy=greedy, stop_ids=self.tok.stop_ids)
         b, p = len(prompts), c.prompt_tokens
         t = p + params.max_new_tokens
         tokens, attn, logp = torch.zeros(b, t, dtype=torch.long), torch.zeros(b, t, dtype=torch.long), torch.zeros(b, t)
@@ -261,20 +302,90 @@ class RLLoop:
         action[:, p - 1:-1] = attn[:, p:].float()
         return Rollout(tokens=tokens, attention_mask=attn, action_mask=action, logprobs=logp, prompt_tokens=p)
 
-    def _scores(self, step: int, roll: Rollout, problems: list) -> torch.Tensor:
-        if self.cfg.reward_model is None:
-            return torch.tensor([rule_reward(pr, r, self.tok) for pr, r in zip(problems, roll.responses())])
+    def _scores(self, step: int, roll: Rollout, problems: list[Problem], rollout: str = "sampled") -> torch.Tensor:
+        if self.reward is not None:
+            return self._function_scores(roll, problems, self.reward, rollout)
         vals = self.engines["reward-inf"].forward(roll.tokens, roll.attention_mask, roll.next_tokens,
                                                   lambda y, e: y)
         last = roll.attention_mask.shape[1] - 1 - roll.attention_mask.flip(1).argmax(1)
         return vals.gather(1, last[:, None]).squeeze(1)
 
+    def _function_scores(self, roll: Rollout, problems: list[Problem], reward: RewardFn, rollout: str) -> torch.Tensor:
+        """Scores from the reward function. A user's function runs once, on rank 0, and its scores are
+        broadcast (it may not be deterministic); the built-ins run on every rank. Failures scored
+        ``error_score`` are kept for the step's result, their reason naming the ``rollout``."""
+        responses = roll.responses()
+        n = len(problems)
+        scores = torch.zeros(n, dtype=torch.float64)
+        failed = torch.zeros(1)
+        shared = not reward.cfg.inline and dist.is_initialized() and dist.get_world_size() > 1
+        if not shared or dist.get_rank() == 0:
+            try:
+                report = reward(prompts=[pr.prompt for pr in problems],
+                                responses=[self.tok.decode(r) for r in responses],
+                                ground_truths=[pr.answer for pr in problems],
+                                finished=[self.tok.terminated(r) for r in responses])
+                scores = torch.tensor(report.scores, dtype=torch.float64)
+                self._reward_errors += [(i, reason if rollout == "sampled" else f"{rollout} rollout: {reason}")
+                                        for i, reason in report.errors]
+            except Exception:
+                if not shared:
+                    raise
+                failed.fill_(1.0)
+                dist.broadcast(failed, 0)  # the other ranks stop with it instead of waiting
+                raise
+        if shared:
+            dist.broadcast(failed, 0)
+            if failed.item():
+                raise RewardError(reward.cfg.function, None, "failed on rank 0 (see its error)")
+            dist.broadcast(scores, 0)
+        return scores.float()
+
+    def _problems(self, step: int) -> list[Problem]:
+        c = self.cfg
+        if self.prompts is None:
+            return problems_for_step(c.task, c.seed, step, c.prompts_per_step)
+        return self.prompts.batch(step, c.prompts_per_step)
+
+    def _encode(self, step: int, base: list[Problem]) -> list[list[int]]:
+        c, out = self.cfg, []
+        for i, pr in enumerate(base):
+            ids = encode_prompt(self.tok, pr.prompt)
+            if len(ids) > c.prompt_tokens:
+                where = f"prompt {i} of step {step}"
+                if self.prompts is not None:
+                    row = self.prompts.source_rows[self.prompts.indices(step * c.prompts_per_step, len(base))[i]]
+                    where = f"{self.prompts.cfg.path}, row {row}"
+                raise SpecError("max_prompt_tokens", f"{where} has {len(ids)} tokens > {c.prompt_tokens}")
+            out.append(ids)
+        return out
+
+    def _export(self, step: int) -> None:
+        """Every ``export.every_steps`` steps: the actor's full weights, gathered onto rank 0 and written
+        as a HF directory (collective over actor-train's first replica and rank 0)."""
+        c = self.cfg
+        if c.export is None or (step + 1) % c.export.every_steps:
+            return
+        state = full_state(self.engines["actor-train"])
+        if state is None:
+            return
+        tok_dir = None
+        token_ids: dict[str, int | None] = {}
+        if isinstance(self.tok, HFTokenizer):
+            tok_dir = str(self.tok.dir)
+            token_ids = {"eos_token_id": self.tok.stop_ids[0], "pad_token_id": self.tok.pad_id}
+        else:
+            token_ids = {"bos_token_id": self.tok.bos_id, "eos_token_id": self.tok.eos_id,
+                         "pad_token_id": self.tok.pad_id}
+        export_step(c.export, step + 1, c.model, state, tokenizer_from=tok_dir, token_ids=token_ids)
+
     def step(self, step: int) -> StepResult:
         c, t0 = self.cfg, time.perf_counter()
         timer, sp = self.timer, self.plan.stage
-        base = problems_for_step(c.task, c.seed, step, c.prompts_per_step)
+        base = self._problems(step)
         problems = [pr for pr in base for _ in range(c.samples_per_prompt)]  # GRPO groups are consecutive
-        prompts = [self.tok.encode(pr.prompt) for pr in problems]
+        prompts = [ids for ids in self._encode(step, base) for _ in range(c.samples_per_prompt)]
+        self._reward_errors = []
         with timer.stage(step, sp("actor-gen")) as tally:
             roll = self._generate("actor-gen", prompts, self._seeds(step, len(prompts)), greedy=False)
             tally.attention_mask = roll.attention_mask
@@ -302,7 +413,7 @@ class RLLoop:
             with timer.stage(step, sp("actor-gen-greedy")) as tally:
                 greedy = self._generate("actor-gen-greedy", prompts, self._seeds(step, len(prompts), 1), greedy=True)
                 tally.attention_mask = greedy.attention_mask
-            adv = remax_advantages(scores, self._scores(step, greedy, problems), mask)
+            adv = remax_advantages(scores, self._scores(step, greedy, problems, "greedy"), mask)
             actor_loss = ActorLoss(clip=c.remax.clip, kl_coef=c.remax.kl_coef, temperature=temp)
         if self.vllm is not None:
             self.vllm.release()  # colocated: hand the engine's memory to training
@@ -335,11 +446,16 @@ class RLLoop:
             self.vllm.push_weights(self.engines["actor-gen"].local_tensors())
         stage_seconds = {m.model_stage: m.seconds for m in timer.of_step(step).values()}
         stage_seconds["weight-sync"] = time.perf_counter() - t_sync  # not a model-stage: the hand-over
-        acc = sum(accuracy(pr, r, self.tok) for pr, r in zip(problems, roll.responses())) / len(problems)
+        acc = float("nan")  # a user's prompts have no task to be accurate at; their reward says it all
+        if self.prompts is None and isinstance(self.tok, ByteTokenizer):
+            acc = sum(accuracy(pr, r, self.tok) for pr, r in zip(problems, roll.responses())) / len(problems)
+        self._export(step)
         return StepResult(step=step, mean_score=float(scores.mean()), mean_accuracy=acc,
                           mean_response_tokens=float(mask.sum(1).mean()), actor_loss=sum(losses) / n_mb,
                           critic_loss=critic_loss, seconds=time.perf_counter() - t0, stage_seconds=stage_seconds,
-                          tokens=roll.tokens, sync_sent_bytes=sync.bytes_sent if sync else 0,
+                          tokens=roll.tokens, reward_errors=tuple(self._reward_errors),
+                          prompts_consumed=(step + 1) * c.prompts_per_step if self.prompts is not None else 0,
+                          sync_sent_bytes=sync.bytes_sent if sync else 0,
                           sync_predicted_s=sync.predicted_s if sync else 0.0,
                           sync_measured_s=sync.measured_s if sync else 0.0)
 
@@ -352,7 +468,9 @@ def _run_rank(rank: int, world: int, cfg: RunConfig, layout: Layout, steps: int)
     out: list[dict[str, object]] = []
     for s in range(steps):
         r = loop.step(s)
-        out.append({"step": s, "mean_score": round(r.mean_score, 4), "accuracy": round(r.mean_accuracy, 4),
+        acc = None if r.mean_accuracy != r.mean_accuracy else round(r.mean_accuracy, 4)  # NaN: no task
+        out.append({"step": s, "mean_score": round(r.mean_score, 4), "accuracy": acc,
+                    "reward_errors": len(r.reward_errors),
                     "seconds": round(r.seconds, 3),
                     "stage_seconds": {k: round(v, 4) for k, v in r.stage_seconds.items()}})
     return out
@@ -363,19 +481,25 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--algo", default="grpo", choices=("ppo", "grpo", "remax"))
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--job", help="a job file (etc/jobs/*.toml): model, prompts, reward, ...; --algo/--seed ignored")
+    ap.add_argument("--steps", type=int, default=None, help="RL steps (default: the job file's, else 5)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--world", type=int, default=1, help="local gloo ranks; replicas fill them (DP)")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     args = ap.parse_args()
-    torch.manual_seed(args.seed)
-    cfg = RunConfig(algo=args.algo, seed=args.seed)
+    cfg, steps = RunConfig(algo=args.algo, seed=args.seed), 5
+    if args.job:
+        from agent.engine.jobfile import load_job
+
+        cfg, steps = load_job(args.job)
+    steps = args.steps or steps
+    torch.manual_seed(cfg.seed)
     layout = Layout(args.tp, args.pp)
     if args.world == 1 and layout.size == 1:
-        rows = _run_rank(0, 1, cfg, layout, args.steps)
+        rows = _run_rank(0, 1, cfg, layout, steps)
     else:
-        rows = run_local(_run_rank, args.world, cfg, layout, args.steps, timeout_s=3600)[0]
+        rows = run_local(_run_rank, args.world, cfg, layout, steps, timeout_s=3600)[0]
     for row in rows:
         print(json.dumps(row))
 

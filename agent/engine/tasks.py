@@ -1,7 +1,9 @@
 """Synthetic verifiable tasks with a byte-level tokenizer, and their rule-based rewards.
 
 Prompts for RL step ``s`` derive only from ``(seed, s)``, so every layout sees the same global batch
-in the same order; a DP replica takes its rows by rank (see ``agent.engine.data``).
+in the same order; a DP replica takes its rows by rank (``StageEngine.replica_rows``), exactly as for
+a user's prompt file (``agent.engine.data``). The rule reward is a built-in reward function of the
+job file's interface (``agent.engine.rewards``): ``agent.engine.tasks:rule_scores``.
 
 Run: ``python -m agent.engine.tasks`` prints a few problems.
 """
@@ -42,11 +44,18 @@ class ByteTokenizer:
     def terminated(self, ids: list[int]) -> bool:
         return self.eos_id in ids
 
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return (self.eos_id,)
+
 
 @dataclass(frozen=True, slots=True)
 class Problem:
-    prompt: str
-    answer: str
+    """One prompt of a step's batch: text (or chat messages, from a user's file) and its ground truth
+    (None where a user's file names no ground-truth field)."""
+
+    prompt: str | tuple[dict[str, str], ...]
+    answer: str | None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -104,24 +113,40 @@ def problems_for_step(task: Task, seed: int, step: int, count: int) -> list[Prob
     return [task.make(rng) for _ in range(count)]
 
 
-def rule_reward(problem: Problem, response_ids: list[int], tok: ByteTokenizer) -> float:
+def score_text(answer: str, text: str, stopped: bool) -> float:
     """Format (0.2: share of answer-alphabet characters), accuracy (0.7: right characters in place) and
     the exact, stopped answer (0.1).
 
     The format term is the usual verifiable-RL shaping: it gives a randomly initialised policy a dense
     signal; accuracy then needs the task solved, and the optimum is the verifiable answer.
     """
-    text = tok.decode(response_ids)
-    ans = problem.answer
     alphabet = set("0123456789")
-    fmt = sum(1 for ch in text if ch in alphabet) / max(len(text), len(ans), 1)
-    right = sum(1 for a, b in zip(text, ans) if a == b) / max(len(ans), len(text), 1)
-    exact = text == ans and tok.terminated(response_ids)
+    fmt = sum(1 for ch in text if ch in alphabet) / max(len(text), len(answer), 1)
+    right = sum(1 for a, b in zip(text, answer) if a == b) / max(len(answer), len(text), 1)
+    exact = text == answer and stopped
     return 0.2 * fmt + 0.7 * right + (0.1 if exact else 0.0)
+
+
+def rule_reward(problem: Problem, response_ids: list[int], tok: ByteTokenizer) -> float:
+    """``score_text`` of one response given as token ids."""
+    assert problem.answer is not None
+    return score_text(problem.answer, tok.decode(response_ids), tok.terminated(response_ids))
+
+
+def rule_scores(prompts: list[str], responses: list[str], ground_truths: list[str | None],
+                finished: list[bool], **kwargs: object) -> list[float]:
+    """The synthetic tasks' reward as a reward function of the job file's interface."""
+    out = []
+    for i, (text, answer, stopped) in enumerate(zip(responses, ground_truths, finished)):
+        if answer is None:
+            raise ValueError(f"sample {i} has no ground truth; the rule reward needs one")
+        out.append(score_text(answer, text, stopped))
+    return out
 
 
 def accuracy(problem: Problem, response_ids: list[int], tok: ByteTokenizer) -> float:
     """Share of answer characters right in place (the task part of the reward, without format)."""
+    assert problem.answer is not None
     text = tok.decode(response_ids)
     return sum(1 for a, b in zip(text, problem.answer) if a == b) / max(len(problem.answer), len(text), 1)
 
