@@ -88,8 +88,13 @@ class ClusterSpec:
     gpus_per_node: int
     intra_node_link: LinkSpec
     inter_node_link: LinkSpec
+    # fixed seconds per RL step outside the model-stages (driver scheduling, rollout/experience transfer,
+    # rule-based rewards, logging): op class STEP_OVERHEAD; 0 where nothing is known (learned from steps)
+    step_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
+        if not (self.step_overhead_s >= 0):
+            raise SpecError("cluster.step_overhead_s", f"must be >= 0, got {self.step_overhead_s}")
         if self.num_nodes < 1:
             raise SpecError("cluster.num_nodes", f"must be >= 1, got {self.num_nodes}")
         if self.gpus_per_node < 1:

@@ -32,6 +32,11 @@ OPTIMIZER_BYTES_PER_PARAM = 3 * BYTES_FP32
 TRAINING_BYTES_PER_PARAM = BYTES_BF16 + BYTES_BF16 + OPTIMIZER_BYTES_PER_PARAM  # 16
 
 
+def training_bytes_per_param(model: ModelSpec) -> int:
+    """Model state per parameter of a training replica: 16 with bf16 gradients, 18 with fp32 ones."""
+    return model.bytes_per_param + model.grad_bytes_per_param + OPTIMIZER_BYTES_PER_PARAM
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MemoryBreakdown:
     """Bytes on one GPU by term; ``total_bytes`` is the peak including headroom."""
@@ -109,7 +114,7 @@ def resident_bytes(model: ModelSpec, ms: ModelStage, layout: Layout) -> MemoryBr
     """State a model-stage keeps on each of its GPUs for the whole step (worst GPU of a unit)."""
     n = params_per_gpu(model, ms.role.head, layout)
     if ms.kind is StageKind.TRAINING:
-        return MemoryBreakdown(params_bytes=n * BYTES_BF16, grads_bytes=n * BYTES_BF16,
+        return MemoryBreakdown(params_bytes=n * model.bytes_per_param, grads_bytes=n * model.grad_bytes_per_param,
                                optimizer_bytes=n * OPTIMIZER_BYTES_PER_PARAM)
     return MemoryBreakdown(params_bytes=n * model.bytes_per_param)
 
@@ -152,8 +157,10 @@ def transient_parts(model: ModelSpec, ms: ModelStage, layout: Layout, workload: 
     layers = stage_layer_counts(model.num_layers, pp)[0]
     b = micro_batch_size
     if ms.kind is StageKind.GENERATION:
-        # vLLM-style: KV cache sized for every concurrent sequence at its maximum length
-        tokens = b * workload.max_tokens_per_sequence
+        # paged KV (vLLM's PagedAttention): blocks are taken as tokens are generated, so a budget for b
+        # concurrent sequences holds b sequences at prompt + mean response, plus the one that runs on to
+        # the longest response (no reservation at the maximum length for every sequence)
+        tokens = b * workload.tokens_per_sequence + workload.tail_response_tokens
         kv = tokens * kv_bytes_per_token_per_gpu(model, layout)
         # logits of the batch being sampled (fp32) and one layer's prefill activations of one sequence
         logits = b * model.vocab_size // tp * BYTES_FP32
