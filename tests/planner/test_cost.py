@@ -79,13 +79,13 @@ def test_dp_all_reduce_moves_2_d_minus_1_over_d_of_the_gradients() -> None:
 def test_decode_is_memory_bound_at_small_batch_and_compute_bound_at_large() -> None:
     small = stage_cost(LLAMA_31_8B, ACTOR_GEN, Layout(1, 1), W, micro_batch_size=1, grad_accum=64,
                        recompute=False, dp=1, cluster=CL, links=Links(), eff=PRIORS)
-    big = stage_cost(LLAMA_31_8B, ACTOR_GEN, Layout(1, 1), W, micro_batch_size=64, grad_accum=1,
+    big = stage_cost(LLAMA_31_8B, ACTOR_GEN, Layout(1, 1), W, micro_batch_size=512, grad_accum=1,
                      recompute=False, dp=1, cluster=CL, links=Links(), eff=PRIORS)
     # prefill is compute bound (its own GEMM term); decode keeps the larger of weight reads and GEMMs
     assert OpClass.MEMORY_BOUND in {t.op_class for t in small.terms}
     assert [t.op_class for t in small.terms].count(OpClass.GEMM) == 1
     assert [t.op_class for t in big.terms].count(OpClass.GEMM) == 2
-    assert big.seconds < small.seconds / 10  # batching amortises the weight reads
+    assert big.seconds / 512 < small.seconds / 64 / 10  # batching amortises the weight reads (per sequence)
 
 
 def _inference_plan(shared: bool) -> GlobalPlan:
