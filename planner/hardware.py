@@ -114,14 +114,80 @@ class ClusterSpec:
         return tuple(range(self.num_gpus))
 
 
-# device preset -> (gpus per node, intra-node link, inter-node link) of the usual systems
-_SYSTEMS: dict[str, tuple[int, LinkSpec, LinkSpec]] = {
-    "h100-80gb": (8, NVLINK4, IB_NDR),
-    "h200-141gb": (8, NVLINK4, IB_NDR),
-    "a100-64gb": (4, NVLINK3, IB_HDR),
-    "mi250x-gcd-64gb": (8, INFINITY_FABRIC, SLINGSHOT),
-    "cpu": (2, LOOPBACK, LOOPBACK),
-}
+def nic_link(name: str, *, nics_per_node: int, gbit_per_s: float, gpus_per_node: int,
+             latency_s: float = 5e-6) -> LinkSpec:
+    """The inter-node link one GPU sees: the node's NICs shared by its GPUs, per direction
+    (NICs per node x link speed / GPUs per node)."""
+    if nics_per_node < 1 or gbit_per_s <= 0 or gpus_per_node < 1:
+        raise SpecError(f"link.{name}", "nics_per_node and gpus_per_node must be >= 1, gbit_per_s > 0")
+    return LinkSpec(name=name, bytes_per_s=nics_per_node * gbit_per_s * 1e9 / 8 / gpus_per_node,
+                    latency_s=latency_s)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SystemSpec:
+    """A node design: its device, GPUs per node, the intra-node link and the NICs of the fabric."""
+
+    name: str
+    device: DeviceSpec
+    gpus_per_node: int
+    intra_node_link: LinkSpec
+    nics_per_node: int
+    nic_gbit_per_s: float
+    nic_latency_s: float = 5e-6
+    num_nodes: int | None = None  # a named machine (the paper's testbeds) has a size
+    step_overhead_s: float = 0.0
+
+    def inter_node_link(self, gpus_per_node: int | None = None) -> LinkSpec:
+        return nic_link(f"{self.name}-fabric", nics_per_node=self.nics_per_node, gbit_per_s=self.nic_gbit_per_s,
+                        gpus_per_node=gpus_per_node or self.gpus_per_node, latency_s=self.nic_latency_s)
+
+    def cluster(self, num_gpus: int | None = None, gpus_per_node: int | None = None) -> ClusterSpec:
+        per_node = gpus_per_node or self.gpus_per_node
+        if num_gpus is None:
+            if self.num_nodes is None:
+                raise SpecError("gpus", f"system {self.name} has no size: give the number of GPUs")
+            num_gpus = self.num_nodes * per_node
+        if num_gpus < 1:
+            raise SpecError("gpus", f"must be >= 1, got {num_gpus}")
+        # the fabric is shared by the GPUs a node has, even when a job uses fewer of them
+        inter = self.inter_node_link(per_node)
+        if num_gpus < per_node:
+            per_node = num_gpus
+        if num_gpus % per_node:
+            raise SpecError("gpus", f"{num_gpus} is not a multiple of {per_node} GPUs per node")
+        return ClusterSpec(device=self.device, num_nodes=num_gpus // per_node, gpus_per_node=per_node,
+                           intra_node_link=self.intra_node_link, inter_node_link=inter,
+                           step_overhead_s=self.step_overhead_s)
+
+
+# Node designs from vendor and site documentation:
+# - NVIDIA DGX H100/H200 user guide: 8 GPUs, NVLink 4, 8x ConnectX-7 400 Gb/s (compute fabric) -> 50 GB/s per GPU.
+# - AMD/HPE Frontier node (OLCF user guide): 4 MI250X = 8 GCDs, 4 Slingshot-11 200 Gb/s NICs -> 12.5 GB/s per GCD.
+# - A100 4-GPU HGX nodes: one HDR 200 Gb/s port per GPU -> 25 GB/s (the project's usual A100 system).
+# - CINECA Leonardo Booster (user guide): 4 A100-64GB per node, 2x dual-port HDR100 = 4 x 100 Gb/s -> 12.5 GB/s.
+SYSTEMS: dict[str, SystemSpec] = {sys_.name: sys_ for sys_ in (
+    SystemSpec(name="dgx-h100", device=H100, gpus_per_node=8, intra_node_link=NVLINK4, nics_per_node=8,
+               nic_gbit_per_s=400),
+    SystemSpec(name="dgx-h200", device=H200, gpus_per_node=8, intra_node_link=NVLINK4, nics_per_node=8,
+               nic_gbit_per_s=400),
+    SystemSpec(name="hgx-a100-64gb", device=A100_64G, gpus_per_node=4, intra_node_link=NVLINK3, nics_per_node=4,
+               nic_gbit_per_s=200),
+    SystemSpec(name="frontier-mi250x", device=MI250X_GCD, gpus_per_node=8, intra_node_link=INFINITY_FABRIC,
+               nics_per_node=4, nic_gbit_per_s=200, nic_latency_s=6e-6),
+    SystemSpec(name="cpu-dev", device=CPU, gpus_per_node=2, intra_node_link=LOOPBACK, nics_per_node=1,
+               nic_gbit_per_s=48, nic_latency_s=50e-6),  # gloo loopback, 3 GB/s
+    # the paper's three testbeds (PAPER.md): 1,024 MI250X GCDs, 256 A100-64GB, 64 H200-141GB
+    SystemSpec(name="paper-mi250x-1024", device=MI250X_GCD, gpus_per_node=8, intra_node_link=INFINITY_FABRIC,
+               nics_per_node=4, nic_gbit_per_s=200, nic_latency_s=6e-6, num_nodes=128),
+    SystemSpec(name="paper-a100-256", device=A100_64G, gpus_per_node=4, intra_node_link=NVLINK3, nics_per_node=4,
+               nic_gbit_per_s=100, num_nodes=64),
+    SystemSpec(name="paper-h200-64", device=H200, gpus_per_node=8, intra_node_link=NVLINK4, nics_per_node=8,
+               nic_gbit_per_s=400, num_nodes=8),
+)}
+# device preset -> the usual system built from it
+_SYSTEM_OF_DEVICE = {"h100-80gb": "dgx-h100", "h200-141gb": "dgx-h200", "a100-64gb": "hgx-a100-64gb",
+                     "mi250x-gcd-64gb": "frontier-mi250x", "cpu": "cpu-dev"}
 
 
 def device_preset(name: str) -> DeviceSpec:
@@ -131,22 +197,16 @@ def device_preset(name: str) -> DeviceSpec:
     return DEVICES[key]
 
 
+def system_preset(name: str) -> SystemSpec:
+    if name.lower() not in SYSTEMS:
+        raise unknown_preset("system", name, list(SYSTEMS))
+    return SYSTEMS[name.lower()]
+
+
 def cluster_preset(device: str, num_gpus: int, gpus_per_node: int | None = None) -> ClusterSpec:
     """The usual system built from ``device``: e.g. ``cluster_preset("h200", 1024)`` is 128 DGX nodes."""
     dev = device_preset(device)
-    per_node, intra, inter = _SYSTEMS[dev.name]
-    if gpus_per_node is not None:
-        per_node = gpus_per_node
+    system = SYSTEMS[_SYSTEM_OF_DEVICE[dev.name]]
     if num_gpus < 1:
         raise SpecError("gpus", f"must be >= 1, got {num_gpus}")
-    if num_gpus < per_node:
-        per_node = num_gpus
-    if num_gpus % per_node:
-        raise SpecError("gpus", f"{num_gpus} is not a multiple of {per_node} GPUs per node")
-    return ClusterSpec(
-        device=dev,
-        num_nodes=num_gpus // per_node,
-        gpus_per_node=per_node,
-        intra_node_link=intra,
-        inter_node_link=inter,
-    )
+    return system.cluster(num_gpus, gpus_per_node)
