@@ -45,6 +45,11 @@ class OpClass(str, Enum):
     DP_ALLREDUCE_INTER = "dp_allreduce_inter"
     WEIGHT_SYNC = "weight_sync"  # train -> generation weight refit, bytes per generation GPU over its link
     STEP_OVERHEAD = "step_overhead"  # fixed seconds per RL step (ClusterSpec.step_overhead_s) at "peak" 1/s
+    DECODE_OVERHEAD = "decode_overhead"  # engine CPU time per live sequence per decode step (seconds)
+
+
+# classes whose work is a time in seconds (peak 1/s), not FLOPs or bytes
+TIME_CLASSES = frozenset({OpClass.STEP_OVERHEAD, OpClass.DECODE_OVERHEAD})
 
 
 # Priors: every one set from a public measurement (below the best tuned figures, so an uncalibrated
@@ -72,7 +77,15 @@ PRIOR_EFFICIENCY: Mapping[OpClass, float] = MappingProxyType({
     # on H100 NVLink (450 GB/s): 0.2 of the link.
     OpClass.WEIGHT_SYNC: 0.2,
     OpClass.STEP_OVERHEAD: 1.0,  # a time, not a rate: the configured overhead is taken as it is
+    OpClass.DECODE_OVERHEAD: 1.0,  # a time: DECODE_SEQUENCE_OVERHEAD_S per sequence per step
 })
+
+# Inference engines spend CPU time per decode step on scheduling, sampling and output processing,
+# growing with the batch: vLLM's multi-step scheduling RFC (vllm-project/vllm issue 6854) measured
+# ~4 ms of GPU bubble per decode step at large batch (5-13 ms in the worst traces), and issue 6913
+# 3.4 ms of output processing per step at batch 32 (Llama-3-70B, 4 H100). Per live sequence: 4 ms over
+# 256 sequences ~ 15 us; at concurrency 1 it vanishes (0.015 ms).
+DECODE_SEQUENCE_OVERHEAD_S = 15e-6
 
 # GEMM efficiency falls with the per-GPU shape: NVIDIA's "Matrix Multiplication Background" guide
 # (docs.nvidia.com/deeplearning/performance) shows tile/wave quantisation and a memory-bound regime
@@ -89,10 +102,12 @@ GEMM_HALF_WIDTH = 128.0
 DP_BUCKET_PARAMS = 40_000_000
 DP_OVERLAP = 1.0  # share of the last backward the all-reduce can hide behind
 
-# Weight refit train -> generation: per refit, communicator / IPC-handle set-up and the engine's
-# weight reload, once per step (NeMo-RL reports refit as its own step-time line; tens of ms to a
-# second; transitions.cost.DEFAULT_COMMUNICATOR_SETUP_S is the DAG's per-primitive analogue).
-WEIGHT_SYNC_SETUP_S = 0.5
+# Weight refit train -> generation: per refit, communicator / IPC-handle set-up, format conversion and
+# the engine's weight reload, once per step. Public range for Llama-3.1-8B on one H100 node: 5 s
+# (NeMo-RL issue 959, v0.3 Megatron, "Refit (s)") down to 0.13 s (NeMo-RL PR 1052's timing output,
+# weight_sync); 1 s sits between them in log scale (transitions.cost.DEFAULT_COMMUNICATOR_SETUP_S
+# is the DAG's per-primitive analogue).
+WEIGHT_SYNC_SETUP_S = 1.0
 
 
 class Efficiencies(Mapping[OpClass, float]):
@@ -252,7 +267,8 @@ def microbatch_raw(model: ModelSpec, ms: ModelStage, layout: Layout, workload: W
         decode_flops = 2.0 * w * b * r
         decode_bytes = float(w * model.bytes_per_param * r)
         # roofline pair: the search keeps both; stage_cost takes the larger of the two
-        terms.append((OpClass.GEMM, decode_flops, dev.peak_flops_bf16, 0.0, 0.0))
+        # a decode GEMM has one row per live sequence: b rows, the shape factor's small-M regime
+        terms.append((OpClass.GEMM, decode_flops, gemm_peak(cluster, model, layout, b), 0.0, 0.0))
         terms.append((OpClass.MEMORY_BOUND, decode_bytes, dev.hbm_bytes_per_s, 0.0, 0.0))
         terms.append((OpClass.GEMM, 2.0 * w * b * p, gemm_peak(cluster, model, layout, b * p), 0.0, 0.0))
         terms.append((OpClass.ATTENTION_PREFILL, attention_flops(p), dev.peak_flops_bf16, 0.0, 0.0))
@@ -261,6 +277,7 @@ def microbatch_raw(model: ModelSpec, ms: ModelStage, layout: Layout, workload: W
         kv_tokens = p * r + workload.response_tokens_second_moment / 2
         terms.append((OpClass.ATTENTION_DECODE, float(b * kv_tokens * kv_bytes_per_token_per_gpu(model, layout)),
                       dev.hbm_bytes_per_s, 0.0, 0.0))
+        terms.append((OpClass.DECODE_OVERHEAD, b * r * DECODE_SEQUENCE_OVERHEAD_S, 1.0, 0.0, 0.0))
         if tp > 1:
             terms.append(tp_allreduces(2 * layers, b * p))
             terms.append(tp_allreduces(2 * layers * r, b))
@@ -322,6 +339,7 @@ def fixed_raw(model: ModelSpec, ms: ModelStage, layout: Layout, workload: Worklo
                                         - workload.prompt_tokens) / 2
         terms.append((OpClass.ATTENTION_DECODE, float(ctx * tail * kv_bytes_per_token_per_gpu(model, layout)),
                       dev.hbm_bytes_per_s, 0.0, 0.0))
+        terms.append((OpClass.DECODE_OVERHEAD, tail * DECODE_SEQUENCE_OVERHEAD_S, 1.0, 0.0, 0.0))
         if layout.tp > 1:
             terms.append((tp_cls, 2 * layers * tail * BYTES_BF16 * model.hidden_size * _ring(layout.tp),
                           tp_link.bytes_per_s, 2 * layers * tail * _hops(layout.tp), tp_link.latency_s))

@@ -161,6 +161,11 @@ class SystemSpec:
                            step_overhead_s=self.step_overhead_s)
 
 
+# Fixed per-step overhead of an RL framework on GPU systems (data processing, batching for log-probs
+# and training, buffer sampling): NeMo-RL PR 1052's timing output for Llama-3.1-8B on H100 lists
+# buffer_sampling 1.38 + logprob_inference_prep 1.34 + training_prep 1.06 + data_processing 0.23 s.
+GPU_STEP_OVERHEAD_S = 4.0
+
 # Node designs from vendor and site documentation:
 # - NVIDIA DGX H100/H200 user guide: 8 GPUs, NVLink 4, 8x ConnectX-7 400 Gb/s (compute fabric) -> 50 GB/s per GPU.
 # - AMD/HPE Frontier node (OLCF user guide): 4 MI250X = 8 GCDs, 4 Slingshot-11 200 Gb/s NICs -> 12.5 GB/s per GCD.
@@ -168,22 +173,23 @@ class SystemSpec:
 # - CINECA Leonardo Booster (user guide): 4 A100-64GB per node, 2x dual-port HDR100 = 4 x 100 Gb/s -> 12.5 GB/s.
 SYSTEMS: dict[str, SystemSpec] = {sys_.name: sys_ for sys_ in (
     SystemSpec(name="dgx-h100", device=H100, gpus_per_node=8, intra_node_link=NVLINK4, nics_per_node=8,
-               nic_gbit_per_s=400),
+               nic_gbit_per_s=400, step_overhead_s=GPU_STEP_OVERHEAD_S),
     SystemSpec(name="dgx-h200", device=H200, gpus_per_node=8, intra_node_link=NVLINK4, nics_per_node=8,
-               nic_gbit_per_s=400),
+               nic_gbit_per_s=400, step_overhead_s=GPU_STEP_OVERHEAD_S),
     SystemSpec(name="hgx-a100-64gb", device=A100_64G, gpus_per_node=4, intra_node_link=NVLINK3, nics_per_node=4,
-               nic_gbit_per_s=200),
+               nic_gbit_per_s=200, step_overhead_s=GPU_STEP_OVERHEAD_S),
     SystemSpec(name="frontier-mi250x", device=MI250X_GCD, gpus_per_node=8, intra_node_link=INFINITY_FABRIC,
-               nics_per_node=4, nic_gbit_per_s=200, nic_latency_s=6e-6),
+               nics_per_node=4, nic_gbit_per_s=200, nic_latency_s=6e-6, step_overhead_s=GPU_STEP_OVERHEAD_S),
     SystemSpec(name="cpu-dev", device=CPU, gpus_per_node=2, intra_node_link=LOOPBACK, nics_per_node=1,
                nic_gbit_per_s=48, nic_latency_s=50e-6),  # gloo loopback, 3 GB/s
     # the paper's three testbeds (PAPER.md): 1,024 MI250X GCDs, 256 A100-64GB, 64 H200-141GB
     SystemSpec(name="paper-mi250x-1024", device=MI250X_GCD, gpus_per_node=8, intra_node_link=INFINITY_FABRIC,
-               nics_per_node=4, nic_gbit_per_s=200, nic_latency_s=6e-6, num_nodes=128),
+               nics_per_node=4, nic_gbit_per_s=200, nic_latency_s=6e-6, num_nodes=128,
+               step_overhead_s=GPU_STEP_OVERHEAD_S),
     SystemSpec(name="paper-a100-256", device=A100_64G, gpus_per_node=4, intra_node_link=NVLINK3, nics_per_node=4,
-               nic_gbit_per_s=100, num_nodes=64),
+               nic_gbit_per_s=100, num_nodes=64, step_overhead_s=GPU_STEP_OVERHEAD_S),
     SystemSpec(name="paper-h200-64", device=H200, gpus_per_node=8, intra_node_link=NVLINK4, nics_per_node=8,
-               nic_gbit_per_s=400, num_nodes=8),
+               nic_gbit_per_s=400, num_nodes=8, step_overhead_s=GPU_STEP_OVERHEAD_S),
 )}
 # device preset -> the usual system built from it
 _SYSTEM_OF_DEVICE = {"h100-80gb": "dgx-h100", "h200-141gb": "dgx-h200", "a100-64gb": "hgx-a100-64gb",

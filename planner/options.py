@@ -122,24 +122,26 @@ def _grid(sequences: int, max_dp: int) -> tuple[np.ndarray, np.ndarray, np.ndarr
 
 
 def _seconds_line(t1: list[RawTerm], t2: list[RawTerm],
-                  eff: Mapping[OpClass, float]) -> tuple[float, float, float, float]:
-    """(decode GEMM s per sequence, weight-read s, other s per sequence, other fixed s) of one micro-batch.
+                  eff: Mapping[OpClass, float]) -> tuple[float, float, float, float, float]:
+    """(decode GEMM s per sequence and fixed, weight-read s, other s per sequence, other fixed s) of one
+    micro-batch.
 
     Generation keeps max(decode GEMM, weight read) per micro-batch (roofline, as planner.cost.roofline
     does: the first GEMM and the MEMORY_BOUND term); every other term is affine in the micro-batch."""
-    gemm_a = mem_c = other_a = other_c = 0.0
+    gemm_a = gemm_c = mem_c = other_a = other_c = 0.0
     roof = any(a[0] is OpClass.MEMORY_BOUND for a in t1)
     for a, b in zip(t1, t2):
         s1, s2 = raw_seconds(a, eff), raw_seconds(b, eff)
         if roof and a[0] is OpClass.GEMM:
             gemm_a += s2 - s1
+            gemm_c += 2 * s1 - s2
             roof = False  # only the decode GEMM (the first one) is on the roofline
         elif a[0] is OpClass.MEMORY_BOUND:
             mem_c += s1
         else:
             other_a += s2 - s1
             other_c += 2 * s1 - s2
-    return gemm_a, mem_c, other_a, other_c
+    return gemm_a, gemm_c, mem_c, other_a, other_c
 
 
 def _ring_hops(dp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -168,8 +170,8 @@ def _lines_for(key: tuple[object, ...]) -> dict[tuple[int, int, bool], tuple[flo
 def _layout_line(model: ModelSpec, ms: ModelStage, layout: Layout, workload: Workload, recompute: bool,
                  cluster: ClusterSpec, eff: Mapping[OpClass, float], usable: float) -> tuple[float, ...] | None:
     """One layout's scalars, from exact evaluations of the cost and memory models (None: its resident
-    state alone does not fit): resident bytes; GEMM s per sequence, weight-read s, other s per sequence
-    and fixed, of one micro-batch; optimizer-update s, DP gradient bytes and per-link (s per byte,
+    state alone does not fit): resident bytes; decode GEMM s per sequence and fixed, weight-read s, other s
+    per sequence and fixed, of one micro-batch; optimizer-update s, DP gradient bytes and per-link (s per byte,
     latency) for the all-reduce; transient bytes c0, c1, c2 (c0 + b * (c1 + (min(pp, g) - 1) * c2));
     backward s per sequence and fixed (what the all-reduce hides behind), the last bucket's share of
     the all-reduce, and the once-per-step seconds (generation tail, weight refit)."""
@@ -238,7 +240,7 @@ def option_table(job: JobSpec, ms: ModelStage, cluster: ClusterSpec, num_gpus: i
     lay = np.array(layouts, dtype=np.int64)
     tp_l, pp_l, rec_l = lay[:, 0:1], lay[:, 1:2], lay[:, 2:3].astype(bool)
     size_l = tp_l * pp_l
-    (resident, gemm_a, mem_c, other_a, other_c, sync_mem, grad_bytes, intra_s, intra_lat, inter_s, inter_lat,
+    (resident, gemm_a, gemm_c, mem_c, other_a, other_c, sync_mem, grad_bytes, intra_s, intra_lat, inter_s, inter_lat,
      c0, c1, c2, bwd_a, bwd_c, last_bucket, fixed) = (col[:, None] for col in np.array(rows, dtype=float).T)
     dp, b, g = grid_dp[None, :], grid_b[None, :], grid_g[None, :]
     if ms.kind is StageKind.TRAINING:
@@ -250,7 +252,7 @@ def option_table(job: JobSpec, ms: ModelStage, cluster: ClusterSpec, num_gpus: i
         sync = sync_mem + np.maximum(all_reduce * last_bucket, all_reduce - DP_OVERLAP * (bwd_a * b + bwd_c))
     else:
         sync = np.zeros((1, 1))
-    mb_s = np.maximum(gemm_a * b, mem_c) + other_a * b + other_c
+    mb_s = np.maximum(gemm_a * b + gemm_c, mem_c) + other_a * b + other_c
     seconds = mb_s * (g + pp_l - 1) * mini + sync * mini + fixed
     # + slack: the affine read-off may sit a few bytes under transient_bytes' own rounding
     in_flight = np.minimum(pp_l, g) - 1

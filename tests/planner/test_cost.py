@@ -5,7 +5,16 @@ from __future__ import annotations
 import pytest
 from planner_jobs import h200, job
 
-from planner.cost import PRIORS, Efficiencies, Links, OpClass, microbatch_terms, stage_cost, sync_terms
+from planner.cost import (
+    PRIORS,
+    TIME_CLASSES,
+    Efficiencies,
+    Links,
+    OpClass,
+    microbatch_terms,
+    stage_cost,
+    sync_terms,
+)
 from planner.models import LLAMA_31_8B, Head
 from planner.plan import GlobalPlan, Layout, StagePlan
 from planner.prediction import predict
@@ -128,7 +137,7 @@ def test_efficiencies_default_to_conservative_priors() -> None:
     e = Efficiencies({OpClass.GEMM: 0.8})
     assert e[OpClass.GEMM] == 0.8 and e[OpClass.PP_SEND_INTER] == PRIORS[OpClass.PP_SEND_INTER]
     # rates start conservative; the per-step overhead is a time in seconds, taken as configured
-    assert all(0 < PRIORS[c] <= 0.6 for c in OpClass if c is not OpClass.STEP_OVERHEAD)
+    assert all(0 < PRIORS[c] <= 0.6 for c in OpClass if c not in TIME_CLASSES)
     assert len(e) == len(OpClass) and set(e) == set(OpClass)
     with pytest.raises(ValueError, match="efficiencies.gemm"):
         Efficiencies({OpClass.GEMM: 0.0})

@@ -210,12 +210,15 @@ def test_step_overhead_is_part_of_the_step() -> None:
                   micro_batch_size=4, grad_accum=4),
         StagePlan(model_stage="actor-train", layout=Layout(4, 1), gpu_sets=((0, 1, 2, 3), (4, 5, 6, 7)),
                   micro_batch_size=1, grad_accum=32)))
-    plain, loaded = predict(job, h200(8), plan), predict(job, cl, plan)
+    plain = predict(job, dataclasses.replace(h200(8), step_overhead_s=0.0), plan)
+    loaded = predict(job, cl, plan)
     assert loaded.step_latency_s == pytest.approx(plain.step_latency_s + 3.0)
     assert loaded.kind_seconds["overhead"] == 3.0 and sum(loaded.kind_seconds.values()) == pytest.approx(
         loaded.step_latency_s)
     with pytest.raises(ValueError, match="step_overhead_s"):
         dataclasses.replace(h200(8), step_overhead_s=-1.0)
+    # GPU systems carry NeMo-RL's published per-step overhead by default; the CPU development system none
+    assert h200(8).step_overhead_s == 4.0 and cluster_preset("cpu", 2).step_overhead_s == 0.0
 
 
 @pytest.mark.parametrize("stage", ["actor-gen", "actor-train", "ref-inf"])
