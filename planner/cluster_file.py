@@ -5,6 +5,7 @@
     num_nodes = 16
     gpus_per_node = 8           # defaults to the system's
     step_overhead_s = 2.0       # fixed seconds per RL step outside the model-stages (optional)
+    refit_setup_s = 1.0         # set-up of each step's train -> generation weight refit (optional)
 
     [device]                    # optional with a system; else all of these
     preset = "h100"             # or: name, memory_gb, peak_tflops_bf16, hbm_tb_per_s
@@ -40,7 +41,7 @@ from planner.hardware import (
 )
 
 _KEYS = {
-    "cluster": {"system", "num_nodes", "gpus_per_node", "step_overhead_s", "name"},
+    "cluster": {"system", "num_nodes", "gpus_per_node", "step_overhead_s", "refit_setup_s", "name"},
     "device": {"preset", "name", "memory_gb", "peak_tflops_bf16", "hbm_tb_per_s"},
     "intra_node": {"preset", "gb_per_s", "latency_us"},
     "inter_node": {"preset", "gb_per_s", "latency_us", "nics_per_node", "nic_gbit_per_s"},
@@ -138,5 +139,7 @@ def cluster_from_dict(data: Mapping[str, Any], source: str = "cluster") -> Clust
     inter_link = link(inter, f"{source}:inter_node", system.inter_node_link(per_node) if system else None)
     overhead = _number(c, "step_overhead_s", f"{source}:cluster", positive=False) if "step_overhead_s" in c else (
         system.step_overhead_s if system else 0.0)
+    refit = _number(c, "refit_setup_s", f"{source}:cluster", positive=False) if "refit_setup_s" in c else (
+        system.refit_setup_s if system else 0.0)
     return ClusterSpec(device=device, num_nodes=num_nodes, gpus_per_node=per_node, intra_node_link=intra_link,
-                       inter_node_link=inter_link, step_overhead_s=overhead)
+                       inter_node_link=inter_link, step_overhead_s=overhead, refit_setup_s=refit)

@@ -102,12 +102,9 @@ GEMM_HALF_WIDTH = 128.0
 DP_BUCKET_PARAMS = 40_000_000
 DP_OVERLAP = 1.0  # share of the last backward the all-reduce can hide behind
 
-# Weight refit train -> generation: per refit, communicator / IPC-handle set-up, format conversion and
-# the engine's weight reload, once per step. Public range for Llama-3.1-8B on one H100 node: 5 s
-# (NeMo-RL issue 959, v0.3 Megatron, "Refit (s)") down to 0.13 s (NeMo-RL PR 1052's timing output,
-# weight_sync); 1 s sits between them in log scale (transitions.cost.DEFAULT_COMMUNICATOR_SETUP_S
-# is the DAG's per-primitive analogue).
-WEIGHT_SYNC_SETUP_S = 1.0
+# Weight refit train -> generation: its set-up (communicators / IPC handles, format conversion, the
+# engine's weight reload) is ClusterSpec.refit_setup_s, a framework figure like the step overhead:
+# planner.hardware.GPU_REFIT_SETUP_S on GPU systems, 0 on the CPU development system.
 
 
 class Efficiencies(Mapping[OpClass, float]):
@@ -324,7 +321,7 @@ def fixed_raw(model: ModelSpec, ms: ModelStage, layout: Layout, workload: Worklo
     runs ``tail_response_tokens`` steps past the mean at concurrency ~1, each step reading the
     weights (and the tail sequence's KV, TP all-reduce latencies, PP hops). Refit: a generation
     model-stage of the actor receives its weight shard from training every step (bf16 bytes per GPU
-    over its unit's link, plus WEIGHT_SYNC_SETUP_S)."""
+    over its unit's link, plus ClusterSpec.refit_setup_s)."""
     if ms.kind is not StageKind.GENERATION:
         return []
     tp_link, pp_link, tp_cls, pp_cls = _links_of(cluster, links)
@@ -350,7 +347,7 @@ def fixed_raw(model: ModelSpec, ms: ModelStage, layout: Layout, workload: Worklo
         link = cluster.intra_node_link if links.tp_intra and links.pp_intra else cluster.inter_node_link
         n = params_per_gpu(model, ms.role.head, layout)
         terms.append((OpClass.WEIGHT_SYNC, float(n * model.bytes_per_param), link.bytes_per_s, 1.0,
-                      WEIGHT_SYNC_SETUP_S))
+                      cluster.refit_setup_s))
     return terms
 
 

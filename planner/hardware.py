@@ -91,10 +91,13 @@ class ClusterSpec:
     # fixed seconds per RL step outside the model-stages (driver scheduling, rollout/experience transfer,
     # rule-based rewards, logging): op class STEP_OVERHEAD; 0 where nothing is known (learned from steps)
     step_overhead_s: float = 0.0
+    # set-up of each step's train -> generation weight refit (IPC handles, conversion, engine reload)
+    refit_setup_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if not (self.step_overhead_s >= 0):
-            raise SpecError("cluster.step_overhead_s", f"must be >= 0, got {self.step_overhead_s}")
+        for field in ("step_overhead_s", "refit_setup_s"):
+            if not (getattr(self, field) >= 0):
+                raise SpecError(f"cluster.{field}", f"must be >= 0, got {getattr(self, field)}")
         if self.num_nodes < 1:
             raise SpecError("cluster.num_nodes", f"must be >= 1, got {self.num_nodes}")
         if self.gpus_per_node < 1:
@@ -137,6 +140,7 @@ class SystemSpec:
     nic_latency_s: float = 5e-6
     num_nodes: int | None = None  # a named machine (the paper's testbeds) has a size
     step_overhead_s: float = 0.0
+    refit_setup_s: float = 0.0
 
     def inter_node_link(self, gpus_per_node: int | None = None) -> LinkSpec:
         return nic_link(f"{self.name}-fabric", nics_per_node=self.nics_per_node, gbit_per_s=self.nic_gbit_per_s,
@@ -158,13 +162,17 @@ class SystemSpec:
             raise SpecError("gpus", f"{num_gpus} is not a multiple of {per_node} GPUs per node")
         return ClusterSpec(device=self.device, num_nodes=num_gpus // per_node, gpus_per_node=per_node,
                            intra_node_link=self.intra_node_link, inter_node_link=inter,
-                           step_overhead_s=self.step_overhead_s)
+                           step_overhead_s=self.step_overhead_s, refit_setup_s=self.refit_setup_s)
 
 
 # Fixed per-step overhead of an RL framework on GPU systems (data processing, batching for log-probs
 # and training, buffer sampling): NeMo-RL PR 1052's timing output for Llama-3.1-8B on H100 lists
 # buffer_sampling 1.38 + logprob_inference_prep 1.34 + training_prep 1.06 + data_processing 0.23 s.
 GPU_STEP_OVERHEAD_S = 4.0
+# Refit set-up per step, Llama-3.1-8B on one H100 node: 5 s (NeMo-RL issue 959, v0.3 Megatron,
+# "Refit (s)") down to 0.13 s (NeMo-RL PR 1052's timing output, weight_sync); 1 s sits between them in
+# log scale (transitions.cost.DEFAULT_COMMUNICATOR_SETUP_S is the DAG's per-primitive analogue).
+GPU_REFIT_SETUP_S = 1.0
 
 # Node designs from vendor and site documentation:
 # - NVIDIA DGX H100/H200 user guide: 8 GPUs, NVLink 4, 8x ConnectX-7 400 Gb/s (compute fabric) -> 50 GB/s per GPU.
@@ -173,23 +181,30 @@ GPU_STEP_OVERHEAD_S = 4.0
 # - CINECA Leonardo Booster (user guide): 4 A100-64GB per node, 2x dual-port HDR100 = 4 x 100 Gb/s -> 12.5 GB/s.
 SYSTEMS: dict[str, SystemSpec] = {sys_.name: sys_ for sys_ in (
     SystemSpec(name="dgx-h100", device=H100, gpus_per_node=8, intra_node_link=NVLINK4, nics_per_node=8,
-               nic_gbit_per_s=400, step_overhead_s=GPU_STEP_OVERHEAD_S),
+               nic_gbit_per_s=400, step_overhead_s=GPU_STEP_OVERHEAD_S,
+               refit_setup_s=GPU_REFIT_SETUP_S),
     SystemSpec(name="dgx-h200", device=H200, gpus_per_node=8, intra_node_link=NVLINK4, nics_per_node=8,
-               nic_gbit_per_s=400, step_overhead_s=GPU_STEP_OVERHEAD_S),
+               nic_gbit_per_s=400, step_overhead_s=GPU_STEP_OVERHEAD_S,
+               refit_setup_s=GPU_REFIT_SETUP_S),
     SystemSpec(name="hgx-a100-64gb", device=A100_64G, gpus_per_node=4, intra_node_link=NVLINK3, nics_per_node=4,
-               nic_gbit_per_s=200, step_overhead_s=GPU_STEP_OVERHEAD_S),
+               nic_gbit_per_s=200, step_overhead_s=GPU_STEP_OVERHEAD_S,
+               refit_setup_s=GPU_REFIT_SETUP_S),
     SystemSpec(name="frontier-mi250x", device=MI250X_GCD, gpus_per_node=8, intra_node_link=INFINITY_FABRIC,
-               nics_per_node=4, nic_gbit_per_s=200, nic_latency_s=6e-6, step_overhead_s=GPU_STEP_OVERHEAD_S),
+               nics_per_node=4, nic_gbit_per_s=200, nic_latency_s=6e-6, step_overhead_s=GPU_STEP_OVERHEAD_S,
+               refit_setup_s=GPU_REFIT_SETUP_S),
     SystemSpec(name="cpu-dev", device=CPU, gpus_per_node=2, intra_node_link=LOOPBACK, nics_per_node=1,
                nic_gbit_per_s=48, nic_latency_s=50e-6),  # gloo loopback, 3 GB/s
     # the paper's three testbeds (PAPER.md): 1,024 MI250X GCDs, 256 A100-64GB, 64 H200-141GB
     SystemSpec(name="paper-mi250x-1024", device=MI250X_GCD, gpus_per_node=8, intra_node_link=INFINITY_FABRIC,
                nics_per_node=4, nic_gbit_per_s=200, nic_latency_s=6e-6, num_nodes=128,
-               step_overhead_s=GPU_STEP_OVERHEAD_S),
+               step_overhead_s=GPU_STEP_OVERHEAD_S,
+               refit_setup_s=GPU_REFIT_SETUP_S),
     SystemSpec(name="paper-a100-256", device=A100_64G, gpus_per_node=4, intra_node_link=NVLINK3, nics_per_node=4,
-               nic_gbit_per_s=100, num_nodes=64, step_overhead_s=GPU_STEP_OVERHEAD_S),
+               nic_gbit_per_s=100, num_nodes=64, step_overhead_s=GPU_STEP_OVERHEAD_S,
+               refit_setup_s=GPU_REFIT_SETUP_S),
     SystemSpec(name="paper-h200-64", device=H200, gpus_per_node=8, intra_node_link=NVLINK4, nics_per_node=8,
-               nic_gbit_per_s=400, num_nodes=8, step_overhead_s=GPU_STEP_OVERHEAD_S),
+               nic_gbit_per_s=400, num_nodes=8, step_overhead_s=GPU_STEP_OVERHEAD_S,
+               refit_setup_s=GPU_REFIT_SETUP_S),
 )}
 # device preset -> the usual system built from it
 _SYSTEM_OF_DEVICE = {"h100-80gb": "dgx-h100", "h200-141gb": "dgx-h200", "a100-64gb": "hgx-a100-64gb",

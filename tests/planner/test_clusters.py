@@ -26,6 +26,9 @@ def test_the_papers_three_testbeds() -> None:
     assert {k: (c.num_gpus, c.device.memory_bytes // 10**9) for k, c in sizes.items()} == {
         "paper-mi250x-1024": (1024, 64), "paper-a100-256": (256, 64), "paper-h200-64": (64, 141)}
     assert sizes["paper-a100-256"].inter_node_link.bytes_per_s == 12.5e9  # 4 x HDR100 per 4-GPU node
+    # framework fixed costs of GPU systems (NeMo-RL's published figures); none on the CPU system
+    assert all(c.step_overhead_s == 4.0 and c.refit_setup_s == 1.0 for c in sizes.values())
+    assert cluster_preset("cpu", 2).refit_setup_s == 0.0
 
 
 def test_presets_keep_the_fabric_of_a_full_node_for_small_jobs() -> None:
@@ -43,6 +46,7 @@ def test_every_example_cluster_file_loads() -> None:
     clusters = {f.stem: load_cluster(f) for f in files}
     assert clusters["dgx-h100-16-nodes"].num_gpus == 128
     assert clusters["dgx-h100-16-nodes"].step_overhead_s == 2.0
+    assert clusters["dgx-h100-16-nodes"].refit_setup_s == 0.5
     assert clusters["leonardo-booster-a100-64gb"].inter_node_link.bytes_per_s == 12.5e9
     assert clusters["custom-device"].device.memory_bytes == 48 * 10**9
 

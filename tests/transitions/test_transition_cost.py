@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from planner.cost import PRIORS, WEIGHT_SYNC_SETUP_S, Links, OpClass, stage_cost
+from planner.cost import PRIORS, Links, OpClass, stage_cost
 from planner.hardware import CPU, H200, IB_NDR, NVLINK4, ClusterSpec
 from planner.models import LLAMA_31_8B
 from planner.plan import GlobalPlan, Layout
@@ -66,6 +66,6 @@ def test_planner_refit_price_matches_the_weight_sync_dag() -> None:
     c = stage_cost(LLAMA_31_8B, ACTOR_GEN, Layout(4, 1), job.workload, micro_batch_size=4, grad_accum=1,
                    recompute=False, dp=2, cluster=h200, links=Links(), eff={**PRIORS, OpClass.WEIGHT_SYNC: 1.0})
     refit = [t for t in c.terms if t.op_class is OpClass.WEIGHT_SYNC][0]
-    planner_s = refit.seconds({**PRIORS, OpClass.WEIGHT_SYNC: 1.0}) - WEIGHT_SYNC_SETUP_S
+    planner_s = refit.seconds({**PRIORS, OpClass.WEIGHT_SYNC: 1.0}) - h200.refit_setup_s
     gen_dp = 2
     assert planner_s == pytest.approx(dag_s / gen_dp, rel=0.25)
