@@ -46,6 +46,7 @@ class OpClass(str, Enum):
     WEIGHT_SYNC = "weight_sync"  # train -> generation weight refit, bytes per generation GPU over its link
     STEP_OVERHEAD = "step_overhead"  # fixed seconds per RL step (ClusterSpec.step_overhead_s) at "peak" 1/s
     DECODE_OVERHEAD = "decode_overhead"  # engine CPU time per live sequence per decode step (seconds)
+    HOST_COPY = "host_copy"  # bytes between host and device (sleep mode: weights out and back), per GPU
 
 
 # classes whose work is a time in seconds (peak 1/s), not FLOPs or bytes
@@ -78,6 +79,9 @@ PRIOR_EFFICIENCY: Mapping[OpClass, float] = MappingProxyType({
     OpClass.WEIGHT_SYNC: 0.2,
     OpClass.STEP_OVERHEAD: 1.0,  # a time, not a rate: the configured overhead is taken as it is
     OpClass.DECODE_OVERHEAD: 1.0,  # a time: DECODE_SEQUENCE_OVERHEAD_S per sequence per step
+    # pinned host <-> device copies reach ~80% of the PCIe link (nvbandwidth / bandwidthTest: ~26 of 32
+    # GB/s on Gen4 x16, ~50-55 of 64 on Gen5); sleep mode's offload may use pageable memory: 0.5.
+    OpClass.HOST_COPY: 0.5,
 })
 
 # Inference engines spend CPU time per decode step on scheduling, sampling and output processing,
@@ -315,19 +319,23 @@ def backward_seconds(model: ModelSpec, ms: ModelStage, layout: Layout, workload:
 
 def fixed_raw(model: ModelSpec, ms: ModelStage, layout: Layout, workload: Workload, cluster: ClusterSpec,
               links: Links) -> list[RawTerm]:
-    """Once per RL step per replica, whatever the batch split: the generation tail and the weight refit.
+    """Once per RL step per replica, whatever the batch split: the generation tail, the weight refit, and
+    a sleeping model-stage's two host copies of its weights.
 
     Tail: under continuous batching a replica's last sequences decode alone; the longest response
     runs ``tail_response_tokens`` steps past the mean at concurrency ~1, each step reading the
     weights (and the tail sequence's KV, TP all-reduce latencies, PP hops). Refit: a generation
     model-stage of the actor receives its weight shard from training every step (bf16 bytes per GPU
     over its unit's link, plus ClusterSpec.refit_setup_s)."""
+    terms: list[RawTerm] = []
+    if ms.sleeps:  # weights out to the host after running, back before the next step's run
+        n = params_per_gpu(model, ms.role.head, layout)
+        terms.append((OpClass.HOST_COPY, 2.0 * n * model.bytes_per_param, cluster.device.host_bytes_per_s, 0.0, 0.0))
     if ms.kind is not StageKind.GENERATION:
-        return []
+        return terms
     tp_link, pp_link, tp_cls, pp_cls = _links_of(cluster, links)
     w = _matmul_params(model, ms, layout)
     layers = stage_layer_counts(model.num_layers, layout.pp)[0]
-    terms: list[RawTerm] = []
     tail = workload.tail_response_tokens
     if tail > 0:
         dev = cluster.device

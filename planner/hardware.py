@@ -20,9 +20,10 @@ class DeviceSpec:
     memory_bytes: int
     peak_flops_bf16: float
     hbm_bytes_per_s: float
+    host_bytes_per_s: float = 25e9  # host <-> device copies, per direction (PCIe 4 x16 by default)
 
     def __post_init__(self) -> None:
-        for field in ("memory_bytes", "peak_flops_bf16", "hbm_bytes_per_s"):
+        for field in ("memory_bytes", "peak_flops_bf16", "hbm_bytes_per_s", "host_bytes_per_s"):
             if getattr(self, field) <= 0:
                 raise SpecError(f"device.{field}", f"must be > 0, got {getattr(self, field)}")
 
@@ -40,20 +41,26 @@ class LinkSpec:
 
 # --- device presets -------------------------------------------------------------------------------
 # NVIDIA H100 SXM5 80GB data sheet: 989 TFLOP/s dense BF16 (1,979 with sparsity), 3.35 TB/s HBM3.
-H100 = DeviceSpec(name="h100-80gb", memory_bytes=80 * GB, peak_flops_bf16=989e12, hbm_bytes_per_s=3.35e12)
+# Host link: PCIe Gen5 x16 (H100/H200 SXM) is 64 GB/s per direction; Gen4 x16 (A100) 32 GB/s; Frontier's
+# CPU-GCD Infinity Fabric 36 GB/s per direction (OLCF user guide).
+H100 = DeviceSpec(name="h100-80gb", memory_bytes=80 * GB, peak_flops_bf16=989e12, hbm_bytes_per_s=3.35e12,
+                  host_bytes_per_s=64e9)
 # NVIDIA H200 SXM 141GB data sheet: 989 TFLOP/s dense BF16, 4.8 TB/s HBM3e.
-H200 = DeviceSpec(name="h200-141gb", memory_bytes=141 * GB, peak_flops_bf16=989e12, hbm_bytes_per_s=4.8e12)
+H200 = DeviceSpec(name="h200-141gb", memory_bytes=141 * GB, peak_flops_bf16=989e12, hbm_bytes_per_s=4.8e12,
+                  host_bytes_per_s=64e9)
 # NVIDIA A100 SXM data sheet: 312 TFLOP/s dense BF16, 2.039 TB/s HBM2e (80GB part); the paper's
 # cluster runs a 64 GB variant, so memory is 64 GB with the SXM compute and bandwidth figures.
-A100_64G = DeviceSpec(name="a100-64gb", memory_bytes=64 * GB, peak_flops_bf16=312e12, hbm_bytes_per_s=2.039e12)
+A100_64G = DeviceSpec(name="a100-64gb", memory_bytes=64 * GB, peak_flops_bf16=312e12, hbm_bytes_per_s=2.039e12,
+                      host_bytes_per_s=32e9)
 # AMD Instinct MI250X data sheet: 383 TFLOP/s peak BF16, 3.2 TB/s, 128 GB HBM2e for the whole
 # package of two GCDs; one GCD (what the runtime sees as a GPU) has half of each.
 MI250X_GCD = DeviceSpec(
-    name="mi250x-gcd-64gb", memory_bytes=64 * GB, peak_flops_bf16=191.5e12, hbm_bytes_per_s=1.6e12
+    name="mi250x-gcd-64gb", memory_bytes=64 * GB, peak_flops_bf16=191.5e12, hbm_bytes_per_s=1.6e12,
+    host_bytes_per_s=36e9,
 )
 # A CPU worker slot on the project's development machine (2 cores): measured in
 # shared/notes/torch-cpu.md (memcpy 15 GB/s; the tiny GPT's AdamW step implies ~50 GFLOP/s fp32).
-CPU = DeviceSpec(name="cpu", memory_bytes=8 * GiB, peak_flops_bf16=5e10, hbm_bytes_per_s=15e9)
+CPU = DeviceSpec(name="cpu", memory_bytes=8 * GiB, peak_flops_bf16=5e10, hbm_bytes_per_s=15e9, host_bytes_per_s=15e9)
 
 DEVICES: dict[str, DeviceSpec] = {d.name: d for d in (H100, H200, A100_64G, MI250X_GCD, CPU)}
 DEVICE_ALIASES = {"h100": "h100-80gb", "h200": "h200-141gb", "a100": "a100-64gb", "mi250x": "mi250x-gcd-64gb"}

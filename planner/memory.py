@@ -113,6 +113,8 @@ def params_per_gpu(model: ModelSpec, head: Head, layout: Layout) -> int:
 def resident_bytes(model: ModelSpec, ms: ModelStage, layout: Layout) -> MemoryBreakdown:
     """State a model-stage keeps on each of its GPUs for the whole step (worst GPU of a unit)."""
     n = params_per_gpu(model, ms.role.head, layout)
+    if ms.sleeps:  # its weights are on the GPU only while it runs (transient_parts counts them)
+        return MemoryBreakdown()
     if ms.kind is StageKind.TRAINING:
         return MemoryBreakdown(params_bytes=n * model.bytes_per_param, grads_bytes=n * model.grad_bytes_per_param,
                                optimizer_bytes=n * OPTIMIZER_BYTES_PER_PARAM)
@@ -145,14 +147,22 @@ def _layer_activation_bytes_per_token(model: ModelSpec, tp: int) -> float:
 def transient_bytes(model: ModelSpec, ms: ModelStage, layout: Layout, workload: Workload,
                     micro_batch_size: int, grad_accum: int, recompute: bool) -> MemoryBreakdown:
     """Memory a model-stage needs only while it runs (worst GPU of a unit)."""
-    kv, act = transient_parts(model, ms, layout, workload, micro_batch_size, grad_accum, recompute)
-    return MemoryBreakdown(kv_cache_bytes=kv, activations_bytes=act)
+    kv, act, woken = transient_parts(model, ms, layout, workload, micro_batch_size, grad_accum, recompute)
+    return MemoryBreakdown(params_bytes=woken, kv_cache_bytes=kv, activations_bytes=act)
 
 
 def transient_parts(model: ModelSpec, ms: ModelStage, layout: Layout, workload: Workload,
-                    micro_batch_size: int, grad_accum: int, recompute: bool) -> tuple[int, int]:
-    """(KV-cache bytes, activation bytes) of :func:`transient_bytes`, without building the breakdown
-    (the option tables evaluate it thousands of times per replan)."""
+                    micro_batch_size: int, grad_accum: int, recompute: bool) -> tuple[int, int, int]:
+    """(KV-cache bytes, activation bytes, woken weight bytes) of :func:`transient_bytes`, without building
+    the breakdown (the option tables evaluate it thousands of times per replan). Woken weights: a
+    sleeping model-stage's weights, on the GPU only while it runs."""
+    woken = params_per_gpu(model, ms.role.head, layout) * model.bytes_per_param if ms.sleeps else 0
+    kv, act = _transient_kv_act(model, ms, layout, workload, micro_batch_size, grad_accum, recompute)
+    return kv, act, woken
+
+
+def _transient_kv_act(model: ModelSpec, ms: ModelStage, layout: Layout, workload: Workload,
+                      micro_batch_size: int, grad_accum: int, recompute: bool) -> tuple[int, int]:
     tp, pp = layout.tp, layout.pp
     layers = stage_layer_counts(model.num_layers, pp)[0]
     b = micro_batch_size
@@ -195,7 +205,7 @@ def with_headroom(m: MemoryBreakdown, workspace_bytes: int = WORKSPACE_BYTES) ->
 def combine(resident: MemoryBreakdown, transient: MemoryBreakdown, co_resident_bytes: int) -> MemoryBreakdown:
     """A running model-stage's own terms plus the other model-stages' resident state, with headroom."""
     return with_headroom(MemoryBreakdown(
-        params_bytes=resident.params_bytes, grads_bytes=resident.grads_bytes,
+        params_bytes=resident.params_bytes + transient.params_bytes, grads_bytes=resident.grads_bytes,
         optimizer_bytes=resident.optimizer_bytes, activations_bytes=transient.activations_bytes,
         kv_cache_bytes=transient.kv_cache_bytes, co_resident_bytes=co_resident_bytes))
 

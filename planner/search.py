@@ -258,7 +258,7 @@ def search(job: JobSpec, cluster: ClusterSpec, pool: Sequence[int] | None = None
         shared: dict[tuple[object, ...], tuple[OptionTable, int]] = {}
         for ms in job.workflow.model_stages:
             # model-stages with the same model, head and kind (critic-inf, reward-inf) share one table
-            key = (id(job.model_of(ms)), ms.role.head, ms.kind, ms.greedy)
+            key = (id(job.model_of(ms)), ms.role.head, ms.kind, ms.greedy, ms.sleeps, ms.old_logprob_pass)
             if key in shared:
                 table, raw = replace(shared[key][0], model_stage=ms.name), shared[key][1]
             else:

@@ -47,10 +47,19 @@ class ModelStage:
     # rollout's log-probs under the training weights, on the training layout, before the update: one
     # extra forward pass over every sequence of the step, priced inside the training model-stage.
     old_logprob_pass: bool = False
+    # sleep mode (vLLM's sleep level 1, verl/NeMo-RL colocation): the model-stage's weights go to host
+    # memory while other model-stages run and its KV cache is dropped; they come back before it runs.
+    # Its weights then count as transient memory, and each step pays the two host copies.
+    sleeps: bool = False
 
     @property
     def holds_optimizer(self) -> bool:
         return self.kind is StageKind.TRAINING
+
+    def __post_init__(self) -> None:
+        if self.sleeps and self.kind is StageKind.TRAINING:
+            raise SpecError(f"{self.name}.sleeps", "only generation and inference model-stages sleep (no optimizer "
+                            "offload is priced)")
 
 
 @dataclass(frozen=True, slots=True)

@@ -237,3 +237,33 @@ def test_option_rows_match_the_cost_model_with_a_tail_and_overlap(stage: str) ->
         exact = stage_cost(MEGATRON_8B, ms, o.layout, w, micro_batch_size=o.micro_batch_size,
                            grad_accum=o.grad_accum, recompute=o.recompute, dp=o.dp, cluster=cl, links=links, eff=PRIORS)
         assert o.seconds == pytest.approx(exact.seconds, rel=1e-9)
+
+
+def test_sleeping_generation_frees_its_weights_for_training_and_pays_the_host_copies() -> None:
+    """vLLM sleep mode as colocated RL systems run it: the generation weights leave the GPU while
+    training runs (its peak drops by them) and each step copies them out and back over PCIe."""
+    asleep = dataclasses.replace(ACTOR_GEN, sleeps=True)
+    w = Workload(prompts_per_step=64, prompt_tokens=512, response_tokens=512)
+    gpus = tuple(range(8))
+    stages = (StagePlan(model_stage="actor-gen", layout=Layout(1, 1), gpu_sets=tuple((g,) for g in gpus),
+                        micro_batch_size=8),
+              StagePlan(model_stage="actor-train", layout=Layout(4, 1), gpu_sets=(gpus[:4], gpus[4:]),
+                        micro_batch_size=1, grad_accum=32))
+    plan = GlobalPlan(version=1, stages=stages)
+    cl = h200(8)
+    awake_job = same_model_job(grpo(learned_reward=False), LLAMA_31_8B, w)
+    flows = {"awake": awake_job, "asleep": dataclasses.replace(awake_job, workflow=dataclasses.replace(
+        awake_job.workflow, model_stages=tuple(asleep if m.name == "actor-gen" else m
+                                               for m in awake_job.workflow.model_stages if m.name != "ref-inf")))}
+    flows["awake"] = dataclasses.replace(awake_job, workflow=dataclasses.replace(
+        awake_job.workflow, model_stages=tuple(m for m in awake_job.workflow.model_stages if m.name != "ref-inf")))
+    preds = {k: predict(j, cl, plan) for k, j in flows.items()}
+    weights = params_per_gpu(LLAMA_31_8B, Head.LM, Layout(1, 1)) * 2
+    train = {k: p.memory["actor-train"] for k, p in preds.items()}
+    assert train["awake"].co_resident_bytes - train["asleep"].co_resident_bytes == weights
+    copy = preds["asleep"].stage_seconds["actor-gen"] - preds["awake"].stage_seconds["actor-gen"]
+    assert copy == pytest.approx(2 * weights / (cl.device.host_bytes_per_s * PRIORS[OpClass.HOST_COPY]))
+    # while it runs, the woken weights are on the GPU like any others
+    assert preds["asleep"].memory["actor-gen"].params_bytes == weights
+    with pytest.raises(ValueError, match="sleeps"):
+        dataclasses.replace(ACTOR_TRAIN, sleeps=True)
