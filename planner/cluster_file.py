@@ -24,10 +24,11 @@ parsed table (tests and the daemon's job files use it directly). Unknown keys ar
 
 from __future__ import annotations
 
-import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from planner.errors import SpecError
 from planner.hardware import (

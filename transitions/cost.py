@@ -136,7 +136,7 @@ def _class_seconds(c: ReplicaClass, cluster: ClusterSpec, setup_s: float,
     """primitive_seconds of every member of a replica class (the links depend on where its members
     sit), and its intra- and inter-node bytes; memoised on the class per cluster."""
     hit = c.seconds.get(id(cluster))  # by identity: hashing a ClusterSpec costs more than a lookup
-    if hit is not None and hit[0] is cluster and hit[1] == (setup_s, fixed):
+    if fixed is None and hit is not None and hit[0] is cluster and hit[1] == setup_s:
         return hit[2]
     fp = c.canon
     labels = c.gpus.shape[1]
@@ -169,9 +169,11 @@ def _class_seconds(c: ReplicaClass, cluster: ClusterSpec, setup_s: float,
             setup = fixed.communicator_per_peer_s * float(peers.max())
         intra_bytes = int((intra * nbytes).sum())
         out = (per_gpu[:, touched].max(axis=1) + setup, intra_bytes, int(nbytes.sum()) * c.size - intra_bytes)
+    if fixed is not None:  # the opt-in path is not memoised (the memo is keyed on the set-up alone)
+        return out
     if len(c.seconds) > 8:
         c.seconds.clear()
-    c.seconds[id(cluster)] = (cluster, (setup_s, fixed), out)
+    c.seconds[id(cluster)] = (cluster, setup_s, out)
     return out
 
 

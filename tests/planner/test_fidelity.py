@@ -81,7 +81,11 @@ def test_fp32_gradients_are_18_bytes_per_param() -> None:
 W = Workload(prompts_per_step=256, prompt_tokens=1024, response_tokens=1024)
 
 
-def _train(ms, layout: Layout, dp: int, b: int, g: int, links: Links = Links(dp_intra=False),  # type: ignore[no-untyped-def]
+INTER = Links(dp_intra=False)
+ONE = Layout(1, 1)
+
+
+def _train(ms, layout: Layout, dp: int, b: int, g: int, links: Links = INTER,  # type: ignore[no-untyped-def]
            workload: Workload = W):
     return stage_cost(LLAMA_31_8B, ms, layout, workload, micro_batch_size=b, grad_accum=g, recompute=False,
                       dp=dp, cluster=h200(64), links=links, eff=PRIORS)
@@ -130,7 +134,7 @@ def test_old_logprob_pass_adds_one_forward_to_the_actor_only() -> None:
     assert ACTOR_TRAIN.old_logprob_pass and not CRITIC_TRAIN.old_logprob_pass
 
 
-def _gen(b: int, g: int, workload: Workload, layout: Layout = Layout(1, 1)):  # type: ignore[no-untyped-def]
+def _gen(b: int, g: int, workload: Workload, layout: Layout = ONE):  # type: ignore[no-untyped-def]
     return stage_cost(LLAMA_31_8B, ACTOR_GEN, layout, workload, micro_batch_size=b, grad_accum=g,
                       recompute=False, dp=1, cluster=h200(8), links=Links(), eff=PRIORS)
 
