@@ -91,14 +91,7 @@ PRIOR_EFFICIENCY: Mapping[OpClass, float] = MappingProxyType({
 # 256 sequences ~ 15 us; at concurrency 1 it vanishes (0.015 ms).
 DECODE_SEQUENCE_OVERHEAD_S = 15e-6
 
-# GEMM efficiency falls with the per-GPU shape: NVIDIA's "Matrix Multiplication Background" guide
-# (docs.nvidia.com/deeplearning/performance) shows tile/wave quantisation and a memory-bound regime
-# below a few hundred rows, and a slower climb with the width. A GEMM of M tokens and N output
-# columns per GPU reaches peak / ((1 + M0/M) (1 + N0/N)): M = 256 tokens -> 0.8, 4,096 -> 0.98; a
-# Llama-8B layer's width per GPU 4,096/tp -> 0.97 at tp = 1, 0.89 at tp = 8. Affine in the micro-batch
-# size, so the option tables keep their lines.
-GEMM_HALF_TOKENS = 64.0
-GEMM_HALF_WIDTH = 128.0
+# GEMM efficiency falls with the per-GPU shape: see planner.hardware.GEMM_HALF_TOKENS (per device).
 
 # Megatron-core DDP (--overlap-grad-reduce) all-reduces gradient buckets while the last micro-batch's
 # backward still runs; only what the backward cannot hide stays exposed, and never less than the
@@ -199,10 +192,11 @@ def _matmul_params(model: ModelSpec, ms: ModelStage, layout: Layout) -> int:
 
 
 def gemm_peak(cluster: ClusterSpec, model: ModelSpec, layout: Layout, tokens: float) -> float:
-    """Attainable GEMM FLOP/s for ``tokens`` rows per GPU (see GEMM_HALF_TOKENS): FLOPs stay FLOPs,
+    """Attainable GEMM FLOP/s for ``tokens`` rows per GPU (DeviceSpec.gemm_half_tokens): FLOPs stay FLOPs,
     the shape lowers the peak they run at."""
+    dev = cluster.device
     width = model.hidden_size / layout.tp
-    return cluster.device.peak_flops_bf16 / ((1.0 + GEMM_HALF_TOKENS / tokens) * (1.0 + GEMM_HALF_WIDTH / width))
+    return dev.peak_flops_bf16 / ((1.0 + dev.gemm_half_tokens / tokens) * (1.0 + dev.gemm_half_width / width))
 
 
 # (op class, work, peak per s, messages, latency s) of one term: what OpTerm holds, without building one
@@ -268,8 +262,8 @@ def microbatch_raw(model: ModelSpec, ms: ModelStage, layout: Layout, workload: W
         decode_flops = 2.0 * w * b * r
         decode_bytes = float(w * model.bytes_per_param * r)
         # roofline pair: the search keeps both; stage_cost takes the larger of the two
-        # a decode GEMM has one row per live sequence: b rows, the shape factor's small-M regime
-        terms.append((OpClass.GEMM, decode_flops, gemm_peak(cluster, model, layout, b), 0.0, 0.0))
+        # decode GEMMs at the plain peak: their small-M regime is the weight read the roofline keeps
+        terms.append((OpClass.GEMM, decode_flops, dev.peak_flops_bf16, 0.0, 0.0))
         terms.append((OpClass.MEMORY_BOUND, decode_bytes, dev.hbm_bytes_per_s, 0.0, 0.0))
         terms.append((OpClass.GEMM, 2.0 * w * b * p, gemm_peak(cluster, model, layout, b * p), 0.0, 0.0))
         terms.append((OpClass.ATTENTION_PREFILL, attention_flops(p), dev.peak_flops_bf16, 0.0, 0.0))

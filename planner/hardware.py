@@ -14,6 +14,17 @@ GiB = 1024**3
 GB = 1000**3
 
 
+# GEMM efficiency falls with the per-GPU shape: NVIDIA's "Matrix Multiplication Background" guide
+# (docs.nvidia.com/deeplearning/performance) shows tile/wave quantisation and a memory-bound regime
+# below a few hundred rows, and a slower climb with the width. A GEMM of M tokens and N output
+# columns per GPU reaches peak / ((1 + M0/M) (1 + N0/N)): M = 256 tokens -> 0.8, 4,096 -> 0.98; a
+# Llama-8B layer's width per GPU 4,096/tp -> 0.97 at tp = 1, 0.89 at tp = 8. Affine in the micro-batch
+# size, so the option tables keep their lines (planner.cost.gemm_peak). Per device: these on GPUs, none
+# on the CPU worker.
+GEMM_HALF_TOKENS = 64.0
+GEMM_HALF_WIDTH = 128.0
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DeviceSpec:
     name: str
@@ -21,6 +32,10 @@ class DeviceSpec:
     peak_flops_bf16: float
     hbm_bytes_per_s: float
     host_bytes_per_s: float = 25e9  # host <-> device copies, per direction (PCIe 4 x16 by default)
+    # GEMM shape efficiency (planner.cost.gemm_peak): rows (tokens) and columns per GPU at which a GEMM
+    # runs at half its peak; tensor-core tiles and waves make small GEMMs slow on GPUs (see planner.cost)
+    gemm_half_tokens: float = GEMM_HALF_TOKENS
+    gemm_half_width: float = GEMM_HALF_WIDTH
 
     def __post_init__(self) -> None:
         for field in ("memory_bytes", "peak_flops_bf16", "hbm_bytes_per_s", "host_bytes_per_s"):
@@ -60,7 +75,9 @@ MI250X_GCD = DeviceSpec(
 )
 # A CPU worker slot on the project's development machine (2 cores): measured in
 # shared/notes/torch-cpu.md (memcpy 15 GB/s; the tiny GPT's AdamW step implies ~50 GFLOP/s fp32).
-CPU = DeviceSpec(name="cpu", memory_bytes=8 * GiB, peak_flops_bf16=5e10, hbm_bytes_per_s=15e9, host_bytes_per_s=15e9)
+# no tile/wave quantisation on a CPU worker: no GEMM shape factor (the calibration learns its one figure)
+CPU = DeviceSpec(name="cpu", memory_bytes=8 * GiB, peak_flops_bf16=5e10, hbm_bytes_per_s=15e9, host_bytes_per_s=15e9,
+                 gemm_half_tokens=0.0, gemm_half_width=0.0)
 
 DEVICES: dict[str, DeviceSpec] = {d.name: d for d in (H100, H200, A100_64G, MI250X_GCD, CPU)}
 DEVICE_ALIASES = {"h100": "h100-80gb", "h200": "h200-141gb", "a100": "a100-64gb", "mi250x": "mi250x-gcd-64gb"}
