@@ -100,13 +100,25 @@ class SimJob:
 
 
 class SimPort(PlannerBinding):
-    """The daemon's planner binding plus what the simulation learns from OOMs: the planner's usable
-    memory is derated by the ratio predicted/needed of the worst OOM seen (the planner's memory model
-    is left as it is; a failure report is what a real worker would give: the bytes it needed)."""
+    """The daemon's planner binding plus what a job learns from its OOMs (a worker's OOM report says which
+    model-stage failed, the bytes it needed and the longest sequence in the failing batch):
+
+    - the planner is asked to size memory for the longest response seen so far (``max_response_tokens``
+      of the spec it plans), since the cost model plans for mean lengths and the tail is what overflows;
+    - if the plan still looks feasible with that, the usable memory is derated by predicted/needed.
+
+    The planner's memory model itself is left as it is."""
 
     def __init__(self) -> None:
         super().__init__()
         self.memory_derate = 1.0
+        self.max_response_tokens = 0
+
+    def _job(self, job: dict[str, Any]) -> dict[str, Any]:
+        w = job.get("workload") or {}
+        if self.max_response_tokens <= int(w.get("max_response_tokens") or 0):
+            return job
+        return {**job, "workload": {**w, "max_response_tokens": self.max_response_tokens}}
 
     def _cluster(self, job: dict[str, Any], pool: frozenset[int]) -> ClusterSpec:
         c = cluster_for(job, pool)
@@ -118,18 +130,26 @@ class SimPort(PlannerBinding):
     def search(self, job: dict[str, Any], pool: frozenset[int], version: int) -> admission.Candidate:
         from planner.search import search
 
+        job = self._job(job)
         res = search(job_spec(job), self._cluster(job, pool), pool=sorted(pool), eff=self._eff(job), version=version)
         return admission.Candidate(plan=res.plan, prediction=res.prediction)
 
     def predict(self, job: dict[str, Any], pool: frozenset[int], plan: GlobalPlan) -> Any | None:
         from planner.prediction import predict
 
+        job = self._job(job)
         pred = predict(job_spec(job), self._cluster(job, pool), plan, self._eff(job))
         return pred if pred.feasible else None
 
-    def learn_oom(self, predicted_bytes: int, needed_bytes: int) -> None:
-        if predicted_bytes > 0 and needed_bytes > predicted_bytes:
-            self.memory_derate = min(self.memory_derate, 0.97 * predicted_bytes / needed_bytes)
+    def learn_oom(self, job: dict[str, Any], pool: frozenset[int], plan: GlobalPlan, oom: OutOfMemory) -> None:
+        from planner.prediction import predict
+
+        self.max_response_tokens = max(self.max_response_tokens, math.ceil(oom.longest_response_tokens * 1.1))
+        job = self._job(job)
+        pred = predict(job_spec(job), cluster_for(job, pool), plan, self._eff(job))
+        predicted = pred.memory[oom.model_stage].total_bytes
+        if predicted < oom.need_bytes:
+            self.memory_derate = min(self.memory_derate, 0.95 * predicted / oom.need_bytes)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -359,15 +379,16 @@ def simulate(trace: Trace, job: SimJob, *, policy: str = "nereus", gamma: float 
                 wasted = (ctl.prediction.step_latency_s if ctl.prediction is not None else 0.0) / 2
                 lost += wasted
                 clock.advance(wasted)
-                pred = port.predict(ctl._spec_now(), ctl.pool, plan)
-                predicted = pred.memory[oom.model_stage].total_bytes if pred is not None else 0
-                port.learn_oom(predicted, oom.need_bytes)
+                port.learn_oom(ctl._spec_now(), ctl.pool, plan, oom)
                 ctl.on_step_failed(node=nodes.alive[0], step=row.step, plan_version=plan.version, reason=str(oom))
                 record.transition_s += safe_point(True)
                 continue
-            if track_prediction_error and ctl.prediction is not None:
-                result.prediction_errors.append({"step": row.step, "predicted_s": ctl.prediction.step_latency_s,
-                                                 "truth_s": out.step_latency_s})
+            if track_prediction_error:  # the running plan under the efficiencies calibrated so far
+                fresh = port.predict(ctl._spec_now(), ctl.pool, plan)
+                if fresh is not None:
+                    result.prediction_errors.append({"step": row.step, "predicted_s": fresh.step_latency_s,
+                                                     "truth_s": out.step_latency_s,
+                                                     "truth_mean_s": truth.mean_latency(plan, row.step, w)})
             if loss_pending:  # the node dies during the step: its work is lost, the pool shrinks, try again
                 loss_pending = False
                 lost += out.step_latency_s

@@ -87,8 +87,10 @@ THROTTLING = dict(rate=1 / 300, steps=(20, 60), factor=(0.85, 0.95))  # power/th
 class OutOfMemory(Exception):
     """A stage of the plan does not fit on a GPU in truth (what a worker's CUDA OOM would report)."""
 
-    def __init__(self, model_stage: str, gpu: int, need_bytes: int, capacity_bytes: int) -> None:
+    def __init__(self, model_stage: str, gpu: int, need_bytes: int, capacity_bytes: int,
+                 longest_response_tokens: float = 0.0) -> None:
         self.model_stage = model_stage
+        self.longest_response_tokens = longest_response_tokens  # what the failing batch held
         self.gpu = gpu
         self.need_bytes = need_bytes
         self.capacity_bytes = capacity_bytes
@@ -256,8 +258,8 @@ class GroundTruth:
         return kv
 
     # --- one step ---------------------------------------------------------------------------------
-    def run_step(self, plan: GlobalPlan, step: int, w: StepWorkload) -> StepOutcome:
-        """Time one RL step of ``plan`` (raises OutOfMemory when a stage does not fit)."""
+    def run_step(self, plan: GlobalPlan, step: int, w: StepWorkload, *, check_memory: bool = True) -> StepOutcome:
+        """Time one RL step of ``plan`` (raises OutOfMemory when a stage does not fit, if ``check_memory``)."""
         geo = self.geometry(plan)
         cf, nf = self.factors(step, w)
         sigma = lognormal_sigma(w.mean_response_tokens, w.p95_response_tokens)
@@ -284,10 +286,10 @@ class GroundTruth:
             seq_max = float(longest_per_replica.max()) + prompt
             act = self._activation_bytes(g, seq_max, prompt + w.mean_response_tokens)
             need = g.resident_max_bytes + FRAGMENTATION * act + WORKSPACE_BYTES
-            if g.ms.kind is StageKind.GENERATION and need > VLLM_MEMORY_UTILIZATION * cap:
-                raise OutOfMemory(name, g.fullest_gpu, int(need), cap)
-            if need > cap:
-                raise OutOfMemory(name, g.fullest_gpu, int(need), cap)
+            if check_memory and g.ms.kind is StageKind.GENERATION and need > VLLM_MEMORY_UTILIZATION * cap:
+                raise OutOfMemory(name, g.fullest_gpu, int(need), cap, seq_max - prompt)
+            if check_memory and need > cap:
+                raise OutOfMemory(name, g.fullest_gpu, int(need), cap, seq_max - prompt)
             peak = max(peak, need)
             per_replica = self._replica_seconds(g, w, longest_per_replica, cf, nf)
             # stragglers and noise: a model-stage takes its slowest replica
@@ -297,6 +299,15 @@ class GroundTruth:
             times[name] = t
         return StepOutcome(step_latency_s=self._critical_path(plan, times), stage_times_s=times,
                            peak_memory_bytes=int(peak), longest_response_tokens=longest)
+
+    def mean_latency(self, plan: GlobalPlan, step: int, w: StepWorkload, draws: int = 16) -> float:
+        """The step latency averaged over ``draws`` draws of noise, stragglers and tails, without touching
+        this run's random stream (what a prediction should be compared with)."""
+        saved, self.rng = self.rng, np.random.default_rng(step + 7919)
+        try:
+            return sum(self.run_step(plan, step, w, check_memory=False).step_latency_s for _ in range(draws)) / draws
+        finally:
+            self.rng = saved
 
     def _link(self, inter: bool, nf: float) -> tuple[float, float]:
         """(bytes/s, latency) of the path a group uses."""
