@@ -176,6 +176,8 @@ class RunResult:
     controller_passes: int = 0
     wall_s: float = 0.0
     prediction_errors: list[dict[str, float]] = field(default_factory=list)
+    port: Any = field(default=None, repr=False)  # the planner binding as the run left it (not serialised)
+    truth: Any = field(default=None, repr=False)  # the ground truth of the run (not serialised)
 
     @property
     def run_s(self) -> float:
@@ -409,6 +411,7 @@ def simulate(trace: Trace, job: SimJob, *, policy: str = "nereus", gamma: float 
         if progress is not None:
             progress(i + 1, len(trace))
     result.wall_s = time.perf_counter() - wall0
+    result.port, result.truth = port, truth
     store.close()
     return result
 
@@ -500,16 +503,33 @@ def _simulate_baseline(trace: Trace, job: SimJob, *, policy: str, seed: int,
             try:
                 out = truth.run_step(plan, row.step, w)
             except OutOfMemory as oom:
-                # a fixed plan that does not fit: the job crashes and is restarted by hand with recomputation
                 record.ooms += 1
+                spec = job.spec(row.mean_response_tokens)
+                if policy == "oracle":  # it knows the tail: plan again for it, for free
+                    record.ooms -= 1
+                    port.learn_oom(spec, frozenset(pool), plan, oom)
+                    oracle_cache.clear()
+                    version += 1
+                    plan = oracle_cache[key] = port.search(spec, frozenset(pool), version).plan
+                    continue
                 lost += restart_seconds(truth.job, cluster, row.gpus)
-                plan = GlobalPlan(version=plan.version, stages=tuple(
-                    dataclasses.replace(s, recompute=True) if s.model_stage == oom.model_stage else s
-                    for s in plan.stages))
-                if policy == "static":
-                    plan0 = GlobalPlan(version=plan0.version, stages=tuple(
+                if policy == "restart":  # the job crashed: restarted on a plan sized for what failed
+                    port.learn_oom(spec, frozenset(pool), plan, oom)
+                    version += 1
+                    plan = port.search(spec, frozenset(pool), version).plan
+                    continue
+                # static: the job crashed and is restarted by hand, that model-stage with recomputation
+                def recompute(p: GlobalPlan) -> GlobalPlan:
+                    return GlobalPlan(version=p.version, stages=tuple(
                         dataclasses.replace(s, recompute=True) if s.model_stage == oom.model_stage else s
-                        for s in plan0.stages))
+                        for s in p.stages))
+                if plan.stage(oom.model_stage).recompute:  # recomputation was not enough: replan by hand
+                    port.learn_oom(spec, frozenset(pool), plan, oom)
+                    version += 1
+                    plan = plan0 = port.search(spec, frozenset(pool), version).plan
+                    initial_pool = row.gpus
+                else:
+                    plan, plan0 = recompute(plan), recompute(plan0)
                 continue
             record.step_s = out.step_latency_s
             if row.node_loss:
