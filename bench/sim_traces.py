@@ -7,7 +7,8 @@
 - growth_1024.csv: 1,000 steps reaching 1,024 GPUs (MI250X GCDs, 8 per node): the pool doubles from 64
   every 150 steps and responses grow 500 -> 8,000 tokens (PAPER.md: "500 -> 8,000 within 1,000 steps");
 - spot_16.csv: a 16-GPU job (A100, 4 per node) on spot capacity for ~10 h with 12 availability changes
-  (PAPER.md: "> 10 availability changes for a 16-GPU job in 10 h") and 2 abrupt node losses;
+  (PAPER.md: "> 10 availability changes for a 16-GPU job in 10 h") among 8, 12 and 16 GPUs, and 2 abrupt
+  node losses;
 - smoke.csv: 30 steps on 8 -> 16 GPUs, for tests.
 
 Response lengths: the mean follows the description with 3% step-to-step noise; p95 = 2x the mean (RL
@@ -57,11 +58,13 @@ def spot(rng: np.random.Generator) -> list[TraceRow]:
     gpus = []
     for i in range(n):
         gpus.append(levels[int(np.searchsorted(cuts, i, side="right"))])
-    losses = {int(x) for x in rng.choice(np.arange(30, n - 30), size=2, replace=False)}
+    # abrupt losses only where a node can be spared (the job needs 8 GPUs to fit at all)
+    spare = np.array([i for i in range(30, n - 30) if gpus[i] >= 12])
+    losses = {int(x) for x in rng.choice(spare, size=2, replace=False)}
     for s in sorted(losses):  # an abrupt loss leaves one node fewer until the next change
         end = next((c for c in cuts if c > s), n)
         for i in range(s + 1, end):
-            gpus[i] = max(4, gpus[s] - 4)
+            gpus[i] = gpus[s] - 4
     return _rows(gpus, np.linspace(1000, 2000, n), rng, losses)
 
 

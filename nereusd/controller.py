@@ -216,6 +216,18 @@ class JobController:
         if self.plan is not None and plan_version == self.plan.version:
             self.memory_violation = True
 
+    def on_restarted(self, reason: str) -> None:
+        """The job was restarted from its checkpoint (the fallback when no transition can reach a plan):
+        the running plan is gone, and the next pass places the job from nothing on the current pool."""
+        self.store.add_event("restarted", {"reason": reason, "from_version": self.plan.version if self.plan else None},
+                             job_id=self.job_id)
+        self.log.warning("restarted", reason=reason)
+        self.plan = self.prediction = self._pending_prediction = None
+        self.trigger_state = None
+        self.memory_violation = False
+        self.pool_dirty = True
+        self._save()
+
     def on_transition_report(self, msg: protocol.TransitionReport) -> None:
         t = self.store.transition(msg.transition_id)
         if t is None or t["job_id"] != self.job_id or t["state"] != "ordered":

@@ -171,11 +171,13 @@ class RunResult:
     trace: str
     steps: list[StepRecord]
     transitions: list[dict[str, Any]] = field(default_factory=list)  # executed (not the initial placement)
+    restarts: list[dict[str, Any]] = field(default_factory=list)  # checkpoint/restarts the controller fell back to
     decisions: int = 0
     decision_ms: list[float] = field(default_factory=list)
     controller_passes: int = 0
     wall_s: float = 0.0
     prediction_errors: list[dict[str, float]] = field(default_factory=list)
+    plans_run: dict[int, GlobalPlan] = field(default_factory=dict, repr=False)  # version -> plan stepped on
     port: Any = field(default=None, repr=False)  # the planner binding as the run left it (not serialised)
     truth: Any = field(default=None, repr=False)  # the ground truth of the run (not serialised)
 
@@ -202,7 +204,7 @@ class RunResult:
             "run_s": self.run_s, "transitions": len(self.transitions),
             "transition_s": self.transition_time_s,
             "transition_share": self.transition_time_s / self.run_s if self.run_s else 0.0,
-            "ooms": self.ooms, "lost_s": sum(r.lost_s for r in self.steps),
+            "ooms": self.ooms, "lost_s": sum(r.lost_s for r in self.steps), "restarts": len(self.restarts),
             "response_tokens_per_s": tokens / self.run_s if self.run_s else 0.0,
             "decisions": self.decisions, "controller_passes": self.controller_passes,
             "decision_ms_mean": sum(self.decision_ms) / len(self.decision_ms) if self.decision_ms else None,
@@ -212,7 +214,7 @@ class RunResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {"summary": self.summary(), "steps": [dataclasses.asdict(r) for r in self.steps],
-                "transitions": self.transitions, "prediction_errors": self.prediction_errors}
+                "transitions": self.transitions, "restarts": self.restarts, "prediction_errors": self.prediction_errors}
 
 
 # --- simulated agents ---------------------------------------------------------------------------------
@@ -325,11 +327,21 @@ def simulate(trace: Trace, job: SimJob, *, policy: str = "nereus", gamma: float 
         result.controller_passes += 1
         old = ctl.plan
         did = ctl.step()
+        restart_s = 0.0
         if did is not None:
             result.decisions += 1
             row = store.decision(did)
             if row is not None and row["decision_ms"] is not None:
                 result.decision_ms.append(float(row["decision_ms"]))
+            if row is not None and row["rule"] == "checkpoint-restart" and row["reason"].startswith("no transition"):
+                # the last copy of some state is gone: restart from the checkpoint, then place from nothing
+                restart_s = restart_seconds(truth.job, cluster, len(ctl.pool))
+                clock.advance(restart_s)
+                result.restarts.append({"step": current_step, "seconds": restart_s, "decision": did})
+                ctl.on_restarted(f"decision {did}: {row['reason'][:120]}")
+                ctl.step()
+                old = None
+        restarted[0] += restart_s
         if not orders:
             return 0.0
         tid = orders[0][1].transition_id
@@ -353,6 +365,7 @@ def simulate(trace: Trace, job: SimJob, *, policy: str = "nereus", gamma: float 
         return seconds
 
     current_step = 0
+    restarted = [0.0]  # checkpoint/restart seconds paid at safe points of the current step (lost time)
     for i, row in enumerate(trace.rows):
         current_step = row.step
         lost = 0.0
@@ -399,14 +412,16 @@ def simulate(trace: Trace, job: SimJob, *, policy: str = "nereus", gamma: float 
                 record.transition_s += safe_point(True)
                 continue
             record.step_s = out.step_latency_s
-            record.plan_version = plan.version if ctl.plan is None else ctl.plan.version
+            record.plan_version = plan.version
+            result.plans_run.setdefault(plan.version, plan)
             clock.advance(out.step_latency_s)
             ctl.on_measurement(protocol.Measurement(
                 job_id=job_id, node=nodes.alive[0] if nodes.alive else "?", step=row.step,
                 plan_version=ctl.plan.version if ctl.plan else 0, step_latency_s=out.step_latency_s,
                 stage_times_s=out.stage_times_s, response_tokens=row.mean_response_tokens))
             break
-        record.lost_s = lost
+        record.lost_s = lost + restarted[0]
+        restarted[0] = 0.0
         result.steps.append(record)
         if progress is not None:
             progress(i + 1, len(trace))
@@ -430,6 +445,8 @@ def scale_plan(initial: GlobalPlan, initial_pool: int, pool: list[int], job: Any
     for sp in initial.stages:
         ms = job.workflow.stage(sp.model_stage)
         size = sp.layout.size
+        if size > n:
+            raise InfeasibleError(f"{sp.model_stage}: its fixed layout {sp.layout} needs {size} GPUs, the pool has {n}")
         batch = batch_sequences(job, ms)
         share = len(sp.gpus) / initial_pool
         units = max(1, min(n // size, int(share * n // size)))
@@ -470,7 +487,7 @@ def _simulate_baseline(trace: Trace, job: SimJob, *, policy: str, seed: int,
         trans = lost = 0.0
         changed = plan is None or len(plan.gpus | set(pool)) > row.gpus or (i and trace.rows[i - 1].gpus != row.gpus)
         if policy == "oracle":
-            # true lengths, and the efficiencies the planner would fit from ground truth (no transitions paid)
+            # this step's true lengths, calibrated efficiencies, no transition paid
             key = (row.gpus, int(round(math.log(row.mean_response_tokens) * 20)))
             if key not in oracle_cache:
                 spec = job.spec(row.mean_response_tokens)
@@ -485,16 +502,25 @@ def _simulate_baseline(trace: Trace, job: SimJob, *, policy: str, seed: int,
                 if plan is not None:
                     lost += restart_seconds(truth.job, cluster, row.gpus)
             else:
-                new = scale_plan(plan0, initial_pool, pool, job_spec(spec), version)
                 try:
+                    new = scale_plan(plan0, initial_pool, pool, job_spec(spec), version)
+                except InfeasibleError:  # the fixed layouts no longer fit the pool: restart on a new plan
+                    new = plan0 = port.search(spec, frozenset(pool), version).plan
+                    initial_pool = row.gpus
+                    lost += restart_seconds(truth.job, cluster, row.gpus)
+                    plan = None
+                try:
+                    if plan is None:
+                        raise InfeasibleError("restarted")
                     sketch = port.transition(spec, plan, new, frozenset(pool), lambda g: f"n{g // job.gpus_per_node}")
                     involved = len(plan.gpus | new.gpus)
                     trans = ttruth.seconds(sketch.dag, cluster, involved)
                     result.transitions.append({"step": row.step, "truth_s": trans, "predicted_s": sketch.predicted_s,
                                                "bytes_moved": sketch.bytes_moved})
-                except InfeasibleError:
-                    lost += restart_seconds(truth.job, cluster, row.gpus)
-            if plan is None:
+                except InfeasibleError as exc:
+                    if str(exc) != "restarted":
+                        lost += restart_seconds(truth.job, cluster, row.gpus)
+            if i == 0:
                 plan0, initial_pool = new, row.gpus
             plan = new
         record = StepRecord(step=row.step, gpus=row.gpus, step_s=0.0, transition_s=trans, lost_s=0.0,
@@ -532,6 +558,10 @@ def _simulate_baseline(trace: Trace, job: SimJob, *, policy: str, seed: int,
                     plan, plan0 = recompute(plan), recompute(plan0)
                 continue
             record.step_s = out.step_latency_s
+            # every baseline's later searches use efficiencies calibrated the same way as the controller's
+            port.calibrate(job.spec(row.mean_response_tokens), protocol.Measurement(
+                job_id="sim", node="sim", step=row.step, plan_version=max(plan.version, 0),
+                step_latency_s=out.step_latency_s, stage_times_s=out.stage_times_s), plan)
             if row.node_loss:
                 lost += out.step_latency_s
                 if policy != "oracle":

@@ -89,3 +89,13 @@ def test_a_plan_that_does_not_fit_in_truth_fails_and_the_controller_replans() ->
     assert r.ooms >= 1 and r.steps[0].lost_s > 0
     assert all(x.step_s > 0 for x in r.steps[1:])  # after the urgent replan the job runs
     assert len(r.transitions) >= 1  # the OOM'd plan was left through a transition
+
+
+def test_a_lost_last_copy_falls_back_to_checkpoint_restart_and_the_job_goes_on() -> None:
+    # spot_16: at step 187 the pool shrinks 12 -> 8 and takes the only copy of a unit with it
+    trace = load_trace(ROOT / "etc" / "traces" / "spot_16.csv", gpus_per_node=4).head(192)
+    job = SimJob(model="llama-3.1-8b", algo="grpo", device="a100", gpus_per_node=4, prompts_per_step=512)
+    r = simulate(trace, job, seed=0)
+    assert [x["step"] for x in r.restarts] == [187]
+    assert r.steps[187].lost_s >= r.restarts[0]["seconds"] > 200  # the restart is paid as lost time
+    assert all(x.step_s > 0 for x in r.steps[187:])  # placed again from nothing, and running
