@@ -100,6 +100,7 @@ def growth(out: Path, seed: int) -> dict[str, Any]:
         "transition_share": {"ours": s["transition_share"], "paper": 0.00079},
         "nereus_vs_static": {"ours": s["mean_step_s"] / static.summary()["mean_step_s"] - 1, "paper": None},
         "wall_s_1000_steps": {"ours": wall, "goal": 60.0},
+        "cpu_s_1000_steps": {"ours": s["cpu_s"], "goal": 60.0},
         "controller_passes_per_s": {"ours": s["controller_passes_per_s"], "paper": None},
         "decisions": {"ours": s["decisions"]},
         "decision_ms_mean": {"ours": s["decision_ms_mean"], "paper_at_1024": 338.0},

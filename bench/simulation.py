@@ -2,6 +2,9 @@
 
     .venv/bin/python bench/simulation.py [--steps 1000] [--sizes 128,1024,4096] [--out FILE]
 
+Wall time depends on what else runs on the machine; CPU time (process time) is reported beside it,
+with the load average at the start.
+
 Per size: a growth trace like etc/traces/growth_1024.csv scaled to that maximum (the pool doubles from
 max/16 every 15% of the steps; responses 500 -> 8,000 tokens), Llama-3.1-8B PPO on MI250X GCDs, the
 Nereus policy through the real controller. Reported: wall seconds for the run (goal: <= 60 s for 1,000
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -52,7 +56,7 @@ def main() -> None:
     ap.add_argument("--out")
     args = ap.parse_args()
     job = SimJob(model="llama-3.1-8b", algo="ppo", device="mi250x", prompts_per_step=1024)
-    out = {"steps": args.steps, "job": job.spec(500), "sizes": {}}
+    out = {"steps": args.steps, "job": job.spec(500), "load_average": os.getloadavg(), "sizes": {}}
     for size in (int(s) for s in args.sizes.split(",")):
         rss: dict[str, float] = {}
 
@@ -63,8 +67,9 @@ def main() -> None:
         r = simulate(growth_trace(size, args.steps), job, policy="nereus", gamma=0.5, seed=0, progress=progress)
         s = r.summary()
         out["sizes"][str(size)] = {
-            "wall_s": s["wall_s"], "controller_passes": s["controller_passes"],
-            "controller_passes_per_s": s["controller_passes_per_s"], "decisions": s["decisions"],
+            "wall_s": s["wall_s"], "cpu_s": s["cpu_s"], "controller_passes": s["controller_passes"],
+            "controller_passes_per_s": s["controller_passes_per_s"],
+            "controller_passes_per_cpu_s": s["controller_passes_per_cpu_s"], "decisions": s["decisions"],
             "decisions_per_s_of_decision_time": (1e3 / s["decision_ms_mean"]) if s["decision_ms_mean"] else None,
             "decision_ms_mean": s["decision_ms_mean"], "decision_ms_max": s["decision_ms_max"],
             "transitions": s["transitions"], "transition_share": s["transition_share"], "ooms": s["ooms"],

@@ -155,6 +155,7 @@ class _Geometry:
     params_per_gpu: float
     resident_max_bytes: float  # fullest GPU of this stage: everything resident on it
     fullest_gpu: int
+    gpus: np.ndarray  # every GPU of the stage
 
 
 class GroundTruth:
@@ -209,7 +210,7 @@ class GroundTruth:
             return cached
         per_node = self.cluster.gpus_per_node
         resident = np.zeros(max(plan.gpus) + 1)
-        geo: dict[str, Any] = {"__plan__": plan}
+        geo: dict[str, Any] = {"__plan__": plan, "__resident__": resident}
         for sp in plan.stages:
             ms = self.job.workflow.stage(sp.model_stage)
             model = self.job.model_of(ms)
@@ -222,6 +223,7 @@ class GroundTruth:
             tp_groups = nodes.reshape(len(sp.gpu_sets), pp, tp)
             geo[sp.model_stage] = _Geometry(
                 ms=ms, sp=sp, model=model, params_per_gpu=ppg, resident_max_bytes=0.0, fullest_gpu=0,
+                gpus=sets.ravel(),
                 tp_inter=bool((tp_groups != tp_groups[:, :, :1]).any()),
                 pp_inter=bool(pp > 1 and (tp_groups[:, 1:, 0] != tp_groups[:, :-1, 0]).any()),
                 dp_inter=bool(len(sp.gpu_sets) > 1 and (nodes[:, 0] != nodes[0, 0]).any()))
@@ -271,7 +273,7 @@ class GroundTruth:
         n_seq_step = self.job.workload.sequences_per_step
         cap_tokens = self.job.workload.max_response_tokens
         for name, g in geo.items():
-            if name == "__plan__":
+            if name.startswith("__"):
                 continue
             dp = len(g.sp.gpu_sets)
             n_seq = max(1, math.ceil(n_seq_step / dp))
@@ -381,18 +383,18 @@ class GroundTruth:
 
     def _critical_path(self, plan: GlobalPlan, times: dict[str, float]) -> float:
         """Stages in order gen -> inf -> train; inside one, model-stages sharing a GPU serialise."""
-        end_of_gpu: dict[int, float] = {}
+        geo = self.geometry(plan)
+        end_of_gpu = np.zeros(len(geo["__resident__"]))
         barrier = 0.0
         for kind in (StageKind.GENERATION, StageKind.INFERENCE, StageKind.TRAINING):
             stage_end = barrier
             for sp in plan.stages:
-                if self.job.workflow.stage(sp.model_stage).kind is not kind:
+                g = geo[sp.model_stage]
+                if g.ms.kind is not kind:
                     continue
-                gpus = sp.gpus
-                start = max([barrier] + [end_of_gpu[x] for x in gpus if x in end_of_gpu])
+                start = max(barrier, float(end_of_gpu[g.gpus].max()))
                 end = start + times[sp.model_stage]
-                for x in gpus:
-                    end_of_gpu[x] = end
+                end_of_gpu[g.gpus] = end
                 stage_end = max(stage_end, end)
             barrier = stage_end
         return barrier

@@ -38,7 +38,7 @@ def test_same_seed_same_result_and_another_seed_differs() -> None:
     b = simulate(trace, JOB, seed=3).to_dict()
     c = simulate(trace, JOB, seed=4).to_dict()
     for r in (a, b, c):
-        r["summary"] = {k: v for k, v in r["summary"].items() if k not in ("wall_s", "controller_passes_per_s",
+        r["summary"] = {k: v for k, v in r["summary"].items() if k not in ("wall_s", "cpu_s", "controller_passes_per_s", "controller_passes_per_cpu_s",
                                                                            "decision_ms_mean", "decision_ms_max")}
     assert a == b
     assert a["steps"] != c["steps"]
@@ -99,3 +99,13 @@ def test_a_lost_last_copy_falls_back_to_checkpoint_restart_and_the_job_goes_on()
     assert [x["step"] for x in r.restarts] == [187]
     assert r.steps[187].lost_s >= r.restarts[0]["seconds"] > 200  # the restart is paid as lost time
     assert all(x.step_s > 0 for x in r.steps[187:])  # placed again from nothing, and running
+
+
+def test_a_short_run_at_1024_gpus_goes_through_the_controller() -> None:
+    rows = [TraceRow(step=i, gpus=512 if i < 4 else 1024, mean_response_tokens=800.0, p95_response_tokens=1600.0)
+            for i in range(8)]
+    job = SimJob(model="llama-3.1-8b", algo="ppo", device="mi250x", prompts_per_step=1024)
+    r = simulate(Trace(name="g", rows=tuple(rows)), job, seed=0)
+    assert all(x.step_s > 0 for x in r.steps) and {x.gpus for x in r.steps} == {512, 1024}
+    assert r.transitions[0]["step"] == 4 and r.transitions[0]["bytes_moved"] > 0  # the pool doubled
+    assert r.summary()["controller_passes"] >= 8 and r.cpu_s > 0
