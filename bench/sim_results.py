@@ -149,7 +149,7 @@ def calibration(out: Path, seed: int) -> dict[str, Any]:
     samples = []
     # Time is what is tested here, not memory: the OOM knowledge is set aside so plans are not dropped
     # as infeasible (the truth's expectation is taken without its memory check).
-    port.max_response_tokens, port.memory_derate = 0, 1.0
+    port.tail_ratio, port.memory_derate = 0.0, 1.0
     fresh = type(port)()  # priors only: the "before calibration" figure
     # pools and lengths the run met (8 GPUs at 1.1-1.9k tokens, 16 at 1.9-2.8k, 32 at 2.8-3.7k), and 24 GPUs,
     # a pool it never had

@@ -103,8 +103,9 @@ class SimPort(PlannerBinding):
     """The daemon's planner binding plus what a job learns from its OOMs (a worker's OOM report says which
     model-stage failed, the bytes it needed and the longest sequence in the failing batch):
 
-    - the planner is asked to size memory for the longest response seen so far (``max_response_tokens``
-      of the spec it plans), since the cost model plans for mean lengths and the tail is what overflows;
+    - the planner is asked to size memory for the tail: ``max_response_tokens`` of the spec it plans is
+      the mean times the worst longest/mean ratio an OOM has shown (the cost model plans for mean lengths
+      and the tail is what overflows; as a ratio it follows lengths that grow);
     - if the plan still looks feasible with that, the usable memory is derated by predicted/needed.
 
     The planner's memory model itself is left as it is."""
@@ -112,13 +113,14 @@ class SimPort(PlannerBinding):
     def __init__(self) -> None:
         super().__init__()
         self.memory_derate = 1.0
-        self.max_response_tokens = 0
+        self.tail_ratio = 0.0  # longest / mean response of the worst OOM seen, with 10% margin
 
     def _job(self, job: dict[str, Any]) -> dict[str, Any]:
         w = job.get("workload") or {}
-        if self.max_response_tokens <= int(w.get("max_response_tokens") or 0):
+        tail = math.ceil(self.tail_ratio * float(w.get("response_tokens") or 0))
+        if tail <= int(w.get("max_response_tokens") or 0):
             return job
-        return {**job, "workload": {**w, "max_response_tokens": self.max_response_tokens}}
+        return {**job, "workload": {**w, "max_response_tokens": tail}}
 
     def _cluster(self, job: dict[str, Any], pool: frozenset[int]) -> ClusterSpec:
         c = cluster_for(job, pool)
@@ -144,7 +146,8 @@ class SimPort(PlannerBinding):
     def learn_oom(self, job: dict[str, Any], pool: frozenset[int], plan: GlobalPlan, oom: OutOfMemory) -> None:
         from planner.prediction import predict
 
-        self.max_response_tokens = max(self.max_response_tokens, math.ceil(oom.longest_response_tokens * 1.1))
+        mean = float((job.get("workload") or {}).get("response_tokens") or 1)
+        self.tail_ratio = max(self.tail_ratio, 1.1 * oom.longest_response_tokens / mean)
         job = self._job(job)
         pred = predict(job_spec(job), cluster_for(job, pool), plan, self._eff(job))
         predicted = pred.memory[oom.model_stage].total_bytes
