@@ -20,6 +20,7 @@ cost model). The ground truth's parameters are in nereusd/sim/truth.py with thei
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -229,10 +230,8 @@ def _variants(plan: Any, job: Any, gpus: int) -> list[Any]:
                     sp = dataclasses.replace(sp, recompute=True)
             stages.append(sp)
         out.append(GlobalPlan(version=plan.version, stages=tuple(stages)))
-    try:
+    with contextlib.suppress(Exception):  # layouts that do not fit half the pool
         out.append(scale_plan(plan, gpus, list(range(gpus // 2)), job, plan.version))
-    except Exception:  # noqa: BLE001 - layouts that do not fit half the pool
-        pass
     return out
 
 

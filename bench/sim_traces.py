@@ -31,7 +31,8 @@ from nereusd.sim.trace import TraceRow, format_trace  # noqa: E402
 P95_OVER_MEAN = 2.0
 
 
-def _rows(gpus: list[int], mean: np.ndarray, rng: np.random.Generator, losses: set[int] = frozenset()) -> list[TraceRow]:
+def _rows(gpus: list[int], mean: np.ndarray, rng: np.random.Generator,
+          losses: frozenset[int] | set[int] = frozenset()) -> list[TraceRow]:
     noisy = mean * np.exp(rng.normal(0.0, 0.03, len(mean)))
     return [TraceRow(step=i, gpus=g, mean_response_tokens=float(m), p95_response_tokens=float(m * P95_OVER_MEAN),
                      node_loss=i in losses) for i, (g, m) in enumerate(zip(gpus, noisy))]

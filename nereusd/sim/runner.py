@@ -343,6 +343,11 @@ def simulate(trace: Trace, job: SimJob, *, policy: str = "nereus", gamma: float 
     spec0 = job.spec(trace.rows[0].mean_response_tokens)
     store.add_job(job_id=job_id, user="sim", spec=spec0)
     orders: list[tuple[str, protocol.TransitionOrder]] = []
+
+    def send_order(node: str, order: protocol.TransitionOrder) -> bool:
+        orders.append((node, order))  # the simulated agent of ``node`` has it
+        return True
+
     port = SimPort()
     thresholds = dict(admission.DEFAULT_THRESHOLDS)
     eff_gamma = gamma
@@ -352,7 +357,7 @@ def simulate(trace: Trace, job: SimJob, *, policy: str = "nereus", gamma: float 
         thresholds[admission.Signal.SEQUENCE_LENGTH] = 1e-12  # every pass that runs replans
     ctl = JobController(job_id=job_id, store=store, metrics=Metrics(), planner=port, gamma=eff_gamma,
                         thresholds=thresholds, log=_QuietLog(),
-                        send_order=lambda node, order: orders.append((node, order)) is None, clock=clock)
+                        send_order=send_order, clock=clock)
     cluster = _cluster(job, trace)
     truth = GroundTruth(job_spec(spec0), cluster, seed=seed, steps=len(trace) + 1)
     ttruth = TransitionTruth()
@@ -392,7 +397,7 @@ def simulate(trace: Trace, job: SimJob, *, policy: str = "nereus", gamma: float 
                                                        for gs in s["gpu_sets"] for g in gs])
         involved = len(new_gpus | (plan_gpus(old) if old else set()))
         seconds = ttruth.seconds(dag, cluster, involved) if old is not None else 0.0
-        for node, order in orders:
+        for node, _order in orders:
             ctl.on_transition_report(protocol.TransitionReport(job_id=job_id, node=node, transition_id=tid,
                                                                ok=True, measured_s=seconds,
                                                                bytes_moved=int(t.get("bytes_moved") or 0)))
@@ -508,6 +513,11 @@ def scale_plan(initial: GlobalPlan, initial_pool: int, pool: list[int], job: Any
     return GlobalPlan(version=version, stages=tuple(stages))
 
 
+def _recompute(plan: GlobalPlan, model_stage: str) -> GlobalPlan:
+    return GlobalPlan(version=plan.version, stages=tuple(
+        dataclasses.replace(s, recompute=True) if s.model_stage == model_stage else s for s in plan.stages))
+
+
 def _simulate_baseline(trace: Trace, job: SimJob, *, policy: str, seed: int,
                        progress: Callable[[int, int], None] | None) -> RunResult:
     """static / restart / oracle: plans made here (the planner's search and DAG), timed by the same truth."""
@@ -519,6 +529,7 @@ def _simulate_baseline(trace: Trace, job: SimJob, *, policy: str, seed: int,
     ttruth = TransitionTruth()
     result = RunResult(policy=policy, gamma=None, trace=trace.name, steps=[])
     plan: GlobalPlan | None = None
+    plan0: GlobalPlan | None = None  # static: the plan whose layouts are kept
     initial_pool = 0
     version = 0
     oracle_cache: dict[tuple[int, int], GlobalPlan] = {}
@@ -543,6 +554,7 @@ def _simulate_baseline(trace: Trace, job: SimJob, *, policy: str, seed: int,
                 if plan is not None:
                     lost += restart_seconds(truth.job, cluster, row.gpus)
             else:
+                assert plan0 is not None  # set at the first row
                 try:
                     new = scale_plan(plan0, initial_pool, pool, job_spec(spec), version)
                 except InfeasibleError:  # the fixed layouts no longer fit the pool: restart on a new plan
@@ -564,6 +576,8 @@ def _simulate_baseline(trace: Trace, job: SimJob, *, policy: str, seed: int,
             if i == 0:
                 plan0, initial_pool = new, row.gpus
             plan = new
+        assert plan is not None and plan0 is not None or policy == "oracle"
+        assert plan is not None
         record = StepRecord(step=row.step, gpus=row.gpus, step_s=0.0, transition_s=trans, lost_s=0.0,
                             response_tokens=row.mean_response_tokens, plan_version=plan.version)
         for _attempt in range(OOM_RETRIES):
@@ -586,17 +600,14 @@ def _simulate_baseline(trace: Trace, job: SimJob, *, policy: str, seed: int,
                     plan = port.search(spec, frozenset(pool), version).plan
                     continue
                 # static: the job crashed and is restarted by hand, that model-stage with recomputation
-                def recompute(p: GlobalPlan) -> GlobalPlan:
-                    return GlobalPlan(version=p.version, stages=tuple(
-                        dataclasses.replace(s, recompute=True) if s.model_stage == oom.model_stage else s
-                        for s in p.stages))
                 if plan.stage(oom.model_stage).recompute:  # recomputation was not enough: replan by hand
                     port.learn_oom(spec, frozenset(pool), plan, oom)
                     version += 1
                     plan = plan0 = port.search(spec, frozenset(pool), version).plan
                     initial_pool = row.gpus
                 else:
-                    plan, plan0 = recompute(plan), recompute(plan0)
+                    assert plan0 is not None
+                    plan, plan0 = _recompute(plan, oom.model_stage), _recompute(plan0, oom.model_stage)
                 continue
             record.step_s = out.step_latency_s
             # every baseline's later searches use efficiencies calibrated the same way as the controller's

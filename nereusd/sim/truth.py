@@ -80,8 +80,9 @@ WORKSPACE_BYTES = int(2.5 * GiB)  # CUDA context ~0.5 GiB + cuBLAS/NCCL workspac
 FRAGMENTATION = 1.08  # PyTorch caching allocator: reserved / allocated for dynamic tensors, 5-10%
 VLLM_MEMORY_UTILIZATION = 0.90  # vLLM's default gpu_memory_utilization
 # Drift episodes hidden from the planner (rates per step, durations in steps, factor on efficiency).
-CONGESTION = dict(rate=1 / 150, steps=(10, 40), factor=(0.5, 0.8))  # shared fabric, other jobs' traffic
-THROTTLING = dict(rate=1 / 300, steps=(20, 60), factor=(0.85, 0.95))  # power/thermal capping
+# (episodes per step, (shortest, longest) in steps, (lowest, highest) factor)
+CONGESTION = (1 / 150, (10, 40), (0.5, 0.8))  # shared fabric, other jobs' traffic
+THROTTLING = (1 / 300, (20, 60), (0.85, 0.95))  # power/thermal capping
 
 
 class OutOfMemory(Exception):
@@ -169,7 +170,7 @@ class GroundTruth:
         self.rng = np.random.default_rng(seed)
         self._episodes = self._draw_episodes(np.random.default_rng(seed + 1), steps) if drift else (
             np.ones(steps), np.ones(steps))
-        self._geometry: dict[int, dict[str, _Geometry]] = {}
+        self._geometry: dict[int, dict[str, Any]] = {}
 
     # --- hidden drift ---------------------------------------------------------------------------
     @staticmethod
@@ -178,12 +179,11 @@ class GroundTruth:
         for spec in (THROTTLING, CONGESTION):
             f = np.ones(steps)
             s = 0
+            rate, (lo, hi), (flo, fhi) = spec
             while True:
-                s += int(rng.exponential(1 / spec["rate"])) + 1  # type: ignore[operator]
+                s += int(rng.exponential(1 / rate)) + 1
                 if s >= steps:
                     break
-                lo, hi = spec["steps"]  # type: ignore[misc]
-                flo, fhi = spec["factor"]  # type: ignore[misc]
                 n = int(rng.integers(lo, hi + 1))
                 f[s:s + n] = np.minimum(f[s:s + n], rng.uniform(flo, fhi))
                 s += n
@@ -203,10 +203,11 @@ class GroundTruth:
         # stage holds the embedding, which makes it the fullest)
         return (per_layer * math.ceil(model.num_layers / pp) + embed / (2 if pp > 1 else 1)) / tp
 
-    def geometry(self, plan: GlobalPlan) -> dict[str, _Geometry]:
+    def geometry(self, plan: GlobalPlan) -> dict[str, Any]:
+        """model-stage -> _Geometry, plus "__plan__" and "__resident__" (bytes resident per GPU)."""
         key = id(plan)
         cached = self._geometry.get(key)
-        if cached is not None and cached["__plan__"] is plan:  # type: ignore[comparison-overlap]
+        if cached is not None and cached["__plan__"] is plan:
             return cached
         per_node = self.cluster.gpus_per_node
         resident = np.zeros(max(plan.gpus) + 1)

@@ -10,10 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from nereusd.planning import cluster_for, job_spec
 from nereusd.sim.runner import SimJob, SimPort, simulate
 from nereusd.sim.trace import Trace, TraceRow, load_trace, parse_trace
 from nereusd.sim.truth import GroundTruth, OutOfMemory, StepWorkload
-from nereusd.planning import cluster_for, job_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOKE = load_trace(ROOT / "etc" / "traces" / "smoke.csv", gpus_per_node=8)
@@ -27,8 +27,8 @@ def test_ground_truth_imports_nothing_of_the_planners_cost_model() -> None:
     names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     names |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert not {m for m in names if m.startswith(FORBIDDEN)}, names
-    code = ("import sys, nereusd.sim.truth; bad = [m for m in sys.modules if m.startswith(%r)]; "
-            "assert not bad, bad" % (FORBIDDEN,))
+    code = (f"import sys, nereusd.sim.truth; bad = [m for m in sys.modules if m.startswith({FORBIDDEN!r})]; "
+            "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=60)
 
 
