@@ -303,10 +303,11 @@ class GroundTruth:
         return StepOutcome(step_latency_s=self._critical_path(plan, times), stage_times_s=times,
                            peak_memory_bytes=int(peak), longest_response_tokens=longest)
 
-    def mean_latency(self, plan: GlobalPlan, step: int, w: StepWorkload, draws: int = 16) -> float:
+    def mean_latency(self, plan: GlobalPlan, step: int, w: StepWorkload, draws: int = 16,
+                     seed: int | None = None) -> float:
         """The step latency averaged over ``draws`` draws of noise, stragglers and tails, without touching
         this run's random stream (what a prediction should be compared with)."""
-        saved, self.rng = self.rng, np.random.default_rng(step + 7919)
+        saved, self.rng = self.rng, np.random.default_rng(step + 7919 if seed is None else seed)
         try:
             return sum(self.run_step(plan, step, w, check_memory=False).step_latency_s for _ in range(draws)) / draws
         finally:
