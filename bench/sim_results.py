@@ -263,10 +263,9 @@ def _mean(xs: list[float]) -> float | None:
 
 def _predict(port: Any, spec: dict[str, Any], pool: frozenset[int], plan: Any) -> float | None:
     try:
-        pred = port.predict(spec, pool, plan)
+        return float(port.predict_seconds(spec, pool, plan))
     except Exception:  # noqa: BLE001 - a plan the planner cannot evaluate is not sampled
         return None
-    return None if pred is None else float(pred.step_latency_s)
 
 
 def _plans_run(run: RunResult) -> list[Any]:

@@ -143,6 +143,14 @@ class SimPort(PlannerBinding):
         pred = predict(job_spec(job), self._cluster(job, pool), plan, self._eff(job))
         return pred if pred.feasible else None
 
+    def predict_seconds(self, job: dict[str, Any], pool: frozenset[int], plan: GlobalPlan) -> float:
+        """The predicted step latency of ``plan`` whether or not the planner thinks it fits (time is what
+        the calibration figures compare; memory is judged by the truth's OOMs)."""
+        from planner.prediction import predict
+
+        job = self._job(job)
+        return float(predict(job_spec(job), cluster_for(job, pool), plan, self._eff(job)).step_latency_s)
+
     def learn_oom(self, job: dict[str, Any], pool: frozenset[int], plan: GlobalPlan, oom: OutOfMemory) -> None:
         from planner.prediction import predict
 
@@ -445,9 +453,9 @@ def simulate(trace: Trace, job: SimJob, *, policy: str = "nereus", gamma: float 
                 record.transition_s += safe_point(True)
                 continue
             if track_prediction_error:  # the running plan under the efficiencies calibrated so far
-                fresh = port.predict(ctl._spec_now(), ctl.pool, plan)
-                if fresh is not None:
-                    result.prediction_errors.append({"step": row.step, "predicted_s": fresh.step_latency_s,
+                fresh = port.predict_seconds(ctl._spec_now(), ctl.pool, plan)
+                if fresh > 0:
+                    result.prediction_errors.append({"step": row.step, "predicted_s": fresh,
                                                      "truth_s": out.step_latency_s,
                                                      "truth_mean_s": truth.mean_latency(plan, row.step, w)})
             if loss_pending:  # the node dies during the step: its work is lost, the pool shrinks, try again
