@@ -9,8 +9,9 @@ Per size: a growth trace like etc/traces/growth_1024.csv scaled to that maximum 
 max/16 every 15% of the steps; responses 500 -> 8,000 tokens), Llama-3.1-8B PPO on MI250X GCDs, the
 Nereus policy through the real controller. Reported: wall seconds for the run (goal: <= 60 s for 1,000
 steps at 1,024 GPUs on 2 cores), controller passes per second (one pass per RL step, plus retries),
-decisions (replans) and their mean/max time, transitions, and resident memory at 10% and at the end of
-the run (flat: the simulator keeps no per-step state beyond one small record per step).
+decisions (replans) and their mean/max time, transitions, and resident memory at 10%, at 70% (the
+pool has stopped growing) and at the end (flat from 70% on: the simulator keeps no per-step state beyond
+one small record per step; what grows before is the plans and DAGs growing with the pool).
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ def main() -> None:
         def progress(done: int, total: int, rss: dict[str, float] = rss) -> None:
             if done == max(1, total // 10):
                 rss["at_10pct_mib"] = _rss_mib()
+            if done == max(1, 7 * total // 10):  # the pool stopped growing at 60%: flat from here
+                rss["at_70pct_mib"] = _rss_mib()
 
         r = simulate(growth_trace(size, args.steps), job, policy="nereus", gamma=0.5, seed=0, progress=progress)
         s = r.summary()
@@ -73,7 +76,8 @@ def main() -> None:
             "decisions_per_s_of_decision_time": (1e3 / s["decision_ms_mean"]) if s["decision_ms_mean"] else None,
             "decision_ms_mean": s["decision_ms_mean"], "decision_ms_max": s["decision_ms_max"],
             "transitions": s["transitions"], "transition_share": s["transition_share"], "ooms": s["ooms"],
-            "rss_at_10pct_mib": rss.get("at_10pct_mib"), "rss_end_mib": _rss_mib(),
+            "rss_at_10pct_mib": rss.get("at_10pct_mib"), "rss_at_70pct_mib": rss.get("at_70pct_mib"),
+            "rss_end_mib": _rss_mib(),
         }
         print(json.dumps({size: out["sizes"][str(size)]}), file=sys.stderr, flush=True)
     text = json.dumps(out, indent=1)
