@@ -219,6 +219,11 @@ def calibration(out: Path, seed: int) -> dict[str, Any]:
         "max_error": {"ours": max(errs) if errs else None, "paper": 0.1461, "goal": 0.12},
         "mean_error_priors": {"ours": sum(prior) / len(prior) if prior else None},
         "running_plan_error_first_10_steps": {"ours": _mean([r["error"] for r in running[:10]])},
+        # efficiencies fitted on one plan predict the next one worse; how fast the fit comes back
+        "running_plan_error_10_steps_after_a_transition": {"ours": _mean(
+            [r["error"] for r in running for t in run.transitions if t["step"] <= r["step"] < t["step"] + 10])},
+        "running_plan_error_30_to_40_steps_after": {"ours": _mean(
+            [r["error"] for r in running for t in run.transitions if t["step"] + 30 <= r["step"] < t["step"] + 40])},
         "running_plan_error_last_50_steps": {"ours": _mean([r["error"] for r in running[-50:]])},
     }
     data = {"trace": trace.name, "figures": figures, "samples": samples, "running": running,
