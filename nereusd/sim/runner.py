@@ -247,6 +247,8 @@ class SimStore(Store):
         if row is None:
             return None
         if transition_id not in self._dags:
+            if len(self._dags) >= 4:  # only the transition in flight is read per report; keep a few
+                self._dags.pop(next(iter(self._dags)))
             raw = self.db.execute("SELECT dag FROM transitions WHERE id=?", (transition_id,)).fetchone()
             self._dags[transition_id] = raw["dag"]
         row["dag"] = self._dags[transition_id]
