@@ -127,6 +127,7 @@ class JobController:
         self.last_step = 0
         self.signals: dict[admission.Signal, float] = {}
         self.pool_dirty = True  # recompute the pool on the next step (membership or allocation changed)
+        self.memory_violation = False  # a step of the running plan ran out of memory: replan urgently
         self.pool: frozenset[int] = frozenset()
         self.gpu_owner: dict[int, str] = {}
         workload = (store.job(job_id) or {}).get("spec", {}).get("workload") or {}
@@ -206,6 +207,27 @@ class JobController:
             except NereusError as exc:
                 self.log.warning("calibration-skipped", error=str(exc))
 
+    def on_step_failed(self, *, node: str, step: int, plan_version: int, reason: str) -> None:
+        """A step of the running plan failed for lack of memory (a worker's OOM): recorded, and the next
+        pass replans urgently, as for a predicted memory violation."""
+        self.store.add_event("step-failed", {"node": node, "step": step, "plan_version": plan_version,
+                                             "reason": reason}, job_id=self.job_id)
+        self.log.warning("step-failed", node=node, step=step, plan_version=plan_version, reason=reason)
+        if self.plan is not None and plan_version == self.plan.version:
+            self.memory_violation = True
+
+    def on_restarted(self, reason: str) -> None:
+        """The job was restarted from its checkpoint (the fallback when no transition can reach a plan):
+        the running plan is gone, and the next pass places the job from nothing on the current pool."""
+        self.store.add_event("restarted", {"reason": reason, "from_version": self.plan.version if self.plan else None},
+                             job_id=self.job_id)
+        self.log.warning("restarted", reason=reason)
+        self.plan = self.prediction = self._pending_prediction = None
+        self.trigger_state = None
+        self.memory_violation = False
+        self.pool_dirty = True
+        self._save()
+
     def on_transition_report(self, msg: protocol.TransitionReport) -> None:
         t = self.store.transition(msg.transition_id)
         if t is None or t["job_id"] != self.job_id or t["state"] != "ordered":
@@ -237,7 +259,8 @@ class JobController:
         if self.plan is not None and self.prediction is None and not self._predicted_once:
             self._predicted_once = True  # after a restart: the committed plan's prediction, once
             self.prediction = self._predict(self.plan)
-        obs = admission.Observation(step=self.last_step, gpu_pool=self.pool, signals=dict(self.signals))
+        obs = admission.Observation(step=self.last_step, gpu_pool=self.pool, signals=dict(self.signals),
+                                    memory_violation=self.memory_violation)
         if self.trigger_state is None:
             self.trigger_state = admission.initial_state(obs, self.thresholds)
             self._save()
@@ -258,6 +281,7 @@ class JobController:
         return self._decide(trigger, obs)
 
     def _decide(self, trigger: admission.Trigger, obs: admission.Observation) -> int:
+        self.memory_violation = False  # this replan answers it; a new failure sets it again
         spec = self._spec_now()
         version = self.store.max_plan_version(self.job_id) + 1
         current_pred = self._predict(self.plan) if self.plan is not None else None

@@ -34,6 +34,9 @@ def _subcommands() -> list[ModuleType]:
         pass
     else:
         mods.append(admin_cli)
+    from nereusd.sim import cli as simulate_cli  # `nereusctl simulate` (no daemon needed)
+
+    mods.append(simulate_cli)
     return mods
 
 

@@ -59,7 +59,7 @@ class PlannerBinding:
     def __init__(self) -> None:
         from transitions.planning_cache import PlanningCache  # stdlib only: cheap at start
 
-        self.efficiency: dict[str, Any] = {}  # job spec key -> fitted per-op-class efficiencies
+        self.efficiency: dict[str, Any] = {}  # job spec without workload -> fitted per-op-class efficiencies
         # transition key (spec without workload) -> measured/predicted L_tran correction
         self.transition_calibration: dict[str, TransitionCalibrator] = {}
         # every DAG this daemon builds (all its jobs' controllers share the binding) memoises here:
@@ -77,7 +77,7 @@ class PlannerBinding:
     def _eff(self, spec: dict[str, Any]) -> Any:
         from planner.cost import PRIORS
 
-        return self.efficiency.get(json.dumps(spec, sort_keys=True), PRIORS)
+        return self.efficiency.get(_efficiency_key(spec), PRIORS)
 
     def search(self, job: dict[str, Any], pool: frozenset[int], version: int) -> admission.Candidate:
         from planner.search import search
@@ -96,7 +96,7 @@ class PlannerBinding:
         (carrying their calibrator state) are used by the next search and prediction of this job."""
         from planner.calibration import fit_from_stage_times
 
-        key = json.dumps(job, sort_keys=True)
+        key = _efficiency_key(job)
         self.efficiency[key] = fit_from_stage_times(job_spec(job), plan, measurement.stage_times_s,
                                                     self.efficiency.get(key),
                                                     cluster=cluster_for(job, plan.gpus))
@@ -149,6 +149,13 @@ def _transition_key(spec: dict[str, Any]) -> str:
     """Transition speed depends on the model, the devices and the data channel, not on sequence lengths:
     the correction survives workload drift (which changes the efficiency key) and is learned per job spec."""
     return json.dumps({k: v for k, v in spec.items() if k != "workload"}, sort_keys=True)
+
+
+def _efficiency_key(spec: dict[str, Any]) -> str:
+    """Efficiencies are per op class of a model on a device (PAPER.md: one per class, reused as shapes
+    change), so they are learned across workload drift: keyed by the spec without its workload (keyed
+    with it, every new measured length started again from the priors)."""
+    return _transition_key(spec)
 
 
 def _count(kinds: Any) -> dict[str, int]:
