@@ -282,6 +282,16 @@ def build_transition(
         if fast is not None:
             return TransitionDAG(old_version=old_version, new_version=new.version, capacity_bytes=capacity,
                                  replicas=fast)
+    _check_gpus(states, cluster, old, new, lost_gpus)
+    intact, lost = _old_units(states, old, old_version, lost_gpus)
+    local = _stage_transitions(states, old, new, intact, refresh, lost_gpus)
+    body = _ordered(states, local, intact, lost, capacity, policy, cache)
+    return TransitionDAG(old_version=old_version, new_version=new.version, capacity_bytes=capacity, body_=body)
+
+
+def _check_gpus(states: Mapping[str, UnitState], cluster: ClusterSpec, old: GlobalPlan | None, new: GlobalPlan,
+                lost_gpus: frozenset[int]) -> None:
+    """Every stage described, every GPU in the cluster, nothing new placed on a lost GPU."""
     for sp in (*(old or ()), *new):
         if sp.model_stage not in states:
             raise SpecError("plan.model_stage", f"{sp.model_stage!r} has no state description",
@@ -294,6 +304,11 @@ def build_transition(
     if on_lost:
         raise SpecError("new.gpu_sets", f"the new plan places units on lost GPUs {on_lost}",
                         "GPUs outside lost_gpus")
+
+
+def _old_units(states: Mapping[str, UnitState], old: GlobalPlan | None, old_version: int,
+               lost_gpus: frozenset[int]) -> tuple[dict[str, list[EMU]], list[EMU]]:
+    """The old plan's units by model-stage that survive, and those that touched a lost GPU."""
     intact: dict[str, list[EMU]] = {}
     lost: list[EMU] = []
     for sp in old or ():
@@ -302,32 +317,54 @@ def build_transition(
                 lost.append(u)
             else:
                 intact.setdefault(sp.model_stage, []).append(u)
+    return intact, lost
+
+
+@dataclass(kw_only=True, slots=True)
+class _Local:
+    """Every model-stage's local plan, concatenated."""
+
+    nodes: list[Primitive] = field(default_factory=list)
+    new_units: list[EMU] = field(default_factory=list)
+    renamed: list[tuple[str, str]] = field(default_factory=list)
+    stale_uids: list[str] = field(default_factory=list)
+
+
+def _stage_transitions(states: Mapping[str, UnitState], old: GlobalPlan | None, new: GlobalPlan,
+                       intact: dict[str, list[EMU]], refresh: Mapping[str, str],
+                       lost_gpus: frozenset[int]) -> _Local:
+    """Each model-stage's local plan (transitions.local_dag), old stages first, in plan order.
+    Raises LastCopyLostError naming every stage whose state no surviving unit holds."""
     old_names = [sp.model_stage for sp in old or ()]
     names = old_names + [sp.model_stage for sp in new if sp.model_stage not in old_names]
-    nodes: list[Primitive] = []
-    new_units: list[EMU] = []
-    renamed: list[tuple[str, str]] = []
-    missing: list[str] = []
-    stale_uids: list[str] = []
     new_names = {sp.model_stage for sp in new}
+    out = _Local()
+    missing: list[str] = []
     for name in names:
         state = states[name]
         target = plan_units(state, new.stage(name), new.version) if name in new_names else []
         current, stale = intact.get(name, []), []
         if name in refresh:
             current, stale = [], current
-            stale_uids += [u.uid for u in stale]
+            out.stale_uids += [u.uid for u in stale]
         fallback = _fallback_for(state, states, intact, refresh.get(name)) if not current and target else []
         try:
             local = plan_stage(state, current, target, fallback, stale)
         except LastCopyLostError:
             missing.append(name)
             continue
-        nodes += local.primitives
-        new_units += local.new_units
-        renamed += local.renamed
+        out.nodes += local.primitives
+        out.new_units += local.new_units
+        out.renamed += local.renamed
     if missing:
         raise LastCopyLostError(tuple(missing), tuple(sorted(lost_gpus)))
+    return out
+
+
+def _ordered(states: Mapping[str, UnitState], local: _Local, intact: dict[str, list[EMU]], lost: list[EMU],
+             capacity: int, policy: str, cache: PlanningCache) -> DagBody:
+    """The unit-level DAG: edges, footprints and the order checked on every GPU's memory timeline."""
+    nodes = local.nodes
     edges = data_edges(nodes)
     fps = [footprint(p, cache) for p in nodes]
     initial: dict[int, int] = {}
@@ -337,14 +374,13 @@ def build_transition(
                 initial[g] = initial.get(g, 0) + u.bytes_on(g)
     stage_order = [_stage_of(p, states) for p in nodes]
     result: MemoryOrder = order_by_memory(fps, edges, stage_order, initial, capacity, policy=policy)
-    body = DagBody(
+    return DagBody(
         nodes=tuple(nodes), stage_order=tuple(stage_order),
         data_edges=tuple(edges), resource_edges=tuple(result.resource_edges), order=tuple(result.order),
         old_units=tuple(u for us in intact.values() for u in us), lost_units=tuple(lost),
-        new_units=tuple(new_units), renamed=tuple(renamed), stale_units=tuple(stale_uids),
+        new_units=tuple(local.new_units), renamed=tuple(local.renamed), stale_units=tuple(local.stale_uids),
         peak_bytes=result.peak_bytes, footprints=tuple(fps), gpu_nodes=_gpu_index(fps, result.order),
     )
-    return TransitionDAG(old_version=old_version, new_version=new.version, capacity_bytes=capacity, body_=body)
 
 
 def _expand(plan: ReplicaPlan) -> DagBody:

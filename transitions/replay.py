@@ -24,7 +24,7 @@ import numpy as np
 from planner.errors import NereusError
 from transitions.emu import EMU, StateKey
 from transitions.global_dag import TransitionDAG
-from transitions.primitives import Destroy, Merge, pieces, wire_buffers
+from transitions.primitives import Destroy, Merge, Primitive, Transfer, pieces, wire_buffers
 
 _INDEX_BITS = 36
 
@@ -136,95 +136,109 @@ def replay(dag: TransitionDAG) -> ReplayReport:
         r.peak[g] = b
     report = ReplayReport(peak_bytes=r.peak)
     pending = {u.uid: u for u in dag.new_units}
-    renamed = dict(dag.renamed)
     for _old_uid, new_uid in dag.renamed:
         pending.pop(new_uid)
     for i in dag.order:
         prim = dag.nodes[i]
-        fp = dag.footprints[i]
         if isinstance(prim, Destroy):
             r.free(prim.unit, {r.domain(u) for u in pending.values()})
             continue
-        relabelled: set[tuple[str, int]] = set()
-        for t in prim.targets:
-            if t.uid in r.units:
-                raise ReplayError(f"{t.uid} produced twice")
-            r.materialise(t, fill_values=False)
-            if isinstance(prim, Merge):
-                for p in prim.parts:
-                    if p.final == t:
-                        for g in p.gpus:
-                            r.alive[(t.uid, g)] = r.alive[(p.uid, g)]
-                            relabelled.add((t.uid, g))
-        written = {(t.uid, g): {k: np.zeros(v.shape, np.int32) for k, v in r.alive[(t.uid, g)].items()}
-                   for t in prim.targets for g in t.gpus if (t.uid, g) not in relabelled}
-        all_pieces = pieces(prim)
-        buffers = wire_buffers(prim)  # the executor's own bucketizer, as the memory check counts it
-        alloc: dict[int, int] = {}
-        for t in prim.targets:
-            for g in t.gpus:
-                if (t.uid, g) not in relabelled:
-                    alloc[g] = alloc.get(g, 0) + t.bytes_on(g)
-        for g in fp.gpus | set(alloc) | set(buffers):
-            r.check_capacity(g, r.used.get(g, 0) + alloc.get(g, 0) + buffers.get(g, 0), f"node {i}")
-        for g, b in alloc.items():
-            r.add_bytes(g, b)
-        for pc in all_pieces:
-            if pc.src_unit not in r.complete:
-                raise ReplayError(f"node {i} reads {pc.src_unit}, which is not complete")
-            src = r.alive.get((pc.src_unit, pc.src_gpu))
-            if src is None or (pc.tensor, pc.kind) not in src:
-                raise ReplayError(f"node {i}: {pc.src_unit} holds no {pc.tensor}/{pc.kind} "
-                                  f"on GPU {pc.src_gpu}")
-            dst = r.alive[(pc.dst_unit, pc.dst_gpu)][(pc.tensor, pc.kind)]
-            src_arr = src[(pc.tensor, pc.kind)]
-            if any(o + k > n for o, k, n in zip(pc.src_offsets, pc.lengths, src_arr.shape)) or \
-                    any(o + k > n for o, k, n in zip(pc.dst_offsets, pc.lengths, dst.shape)):
-                raise ReplayError(f"node {i}: piece {pc} outside its shards")
-            dst[pc.dst_slices] = src_arr[pc.src_slices]
-            written[(pc.dst_unit, pc.dst_gpu)][(pc.tensor, pc.kind)][pc.dst_slices] += 1
-            if pc.is_local:
-                report.pieces_local += 1
-            else:
-                report.pieces_remote += 1
-                report.bytes_remote += pc.num_bytes
-        for t in prim.targets:
-            for g in t.gpus:
-                for s in t.shards(g):
-                    if (t.uid, g) in written and not (written[(t.uid, g)][s.key] == 1).all():
-                        raise ReplayError(f"{t.uid} on GPU {g}: {s.key} not written exactly once")
-                    want = r.expected(t, s.key, s.offsets, s.lengths, s.global_shape)
-                    if not np.array_equal(r.alive[(t.uid, g)][s.key], want):
-                        raise ReplayError(f"{t.uid} on GPU {g}: {s.key} holds the wrong bytes")
-            r.complete.add(t.uid)
-            r.cover_add(t, +1)
-            pending.pop(t.uid, None)
-        for f in prim.frees:
-            if isinstance(prim, Merge) and f.final is not None and f.final in prim.targets:
-                r.cover_add(f, -1)  # relabelled: its bytes now belong to the merged unit
-                for g in f.gpus:
-                    del r.alive[(f.uid, g)]
-                del r.units[f.uid]
-                r.complete.discard(f.uid)
-                continue
-            r.free(f, {r.domain(u) for u in pending.values()})
+        _replay_node(r, i, prim, report, pending)
+    _check_end(r, dag, pending, stale, report)
+    return report
+
+
+def _replay_node(r: _Replay, i: int, prim: Primitive, report: ReplayReport, pending: dict[str, EMU]) -> None:
+    """One node that builds targets: allocate (checked against capacity, bucket buffers included),
+    copy every piece, check each target shard written exactly once with the right values, free."""
+    relabelled: set[tuple[str, int]] = set()
+    for t in prim.targets:
+        if t.uid in r.units:
+            raise ReplayError(f"{t.uid} produced twice")
+        r.materialise(t, fill_values=False)
+        if isinstance(prim, Merge):
+            for p in prim.parts:
+                if p.final == t:
+                    for g in p.gpus:
+                        r.alive[(t.uid, g)] = r.alive[(p.uid, g)]
+                        relabelled.add((t.uid, g))
+    written = {(t.uid, g): {k: np.zeros(v.shape, np.int32) for k, v in r.alive[(t.uid, g)].items()}
+               for t in prim.targets for g in t.gpus if (t.uid, g) not in relabelled}
+    buffers = wire_buffers(prim)  # the executor's own bucketizer, as the memory check counts it
+    alloc: dict[int, int] = {}
+    for t in prim.targets:
+        for g in t.gpus:
+            if (t.uid, g) not in relabelled:
+                alloc[g] = alloc.get(g, 0) + t.bytes_on(g)
+    for g in r.dag.footprints[i].gpus | set(alloc) | set(buffers):
+        r.check_capacity(g, r.used.get(g, 0) + alloc.get(g, 0) + buffers.get(g, 0), f"node {i}")
+    for g, b in alloc.items():
+        r.add_bytes(g, b)
+    for pc in pieces(prim):
+        _copy_piece(r, i, pc, written, report)
+    for t in prim.targets:
+        for g in t.gpus:
+            for s in t.shards(g):
+                if (t.uid, g) in written and not (written[(t.uid, g)][s.key] == 1).all():
+                    raise ReplayError(f"{t.uid} on GPU {g}: {s.key} not written exactly once")
+                want = r.expected(t, s.key, s.offsets, s.lengths, s.global_shape)
+                if not np.array_equal(r.alive[(t.uid, g)][s.key], want):
+                    raise ReplayError(f"{t.uid} on GPU {g}: {s.key} holds the wrong bytes")
+        r.complete.add(t.uid)
+        r.cover_add(t, +1)
+        pending.pop(t.uid, None)
+    for f in prim.frees:
+        if isinstance(prim, Merge) and f.final is not None and f.final in prim.targets:
+            r.cover_add(f, -1)  # relabelled: its bytes now belong to the merged unit
+            for g in f.gpus:
+                del r.alive[(f.uid, g)]
+            del r.units[f.uid]
+            r.complete.discard(f.uid)
+            continue
+        r.free(f, {r.domain(u) for u in pending.values()})
+
+
+def _copy_piece(r: _Replay, i: int, pc: Transfer, written: dict[tuple[str, int], dict[StateKey, np.ndarray]],
+                report: ReplayReport) -> None:
+    if pc.src_unit not in r.complete:
+        raise ReplayError(f"node {i} reads {pc.src_unit}, which is not complete")
+    src = r.alive.get((pc.src_unit, pc.src_gpu))
+    if src is None or (pc.tensor, pc.kind) not in src:
+        raise ReplayError(f"node {i}: {pc.src_unit} holds no {pc.tensor}/{pc.kind} on GPU {pc.src_gpu}")
+    dst = r.alive[(pc.dst_unit, pc.dst_gpu)][(pc.tensor, pc.kind)]
+    src_arr = src[(pc.tensor, pc.kind)]
+    if any(o + k > n for o, k, n in zip(pc.src_offsets, pc.lengths, src_arr.shape)) or \
+            any(o + k > n for o, k, n in zip(pc.dst_offsets, pc.lengths, dst.shape)):
+        raise ReplayError(f"node {i}: piece {pc} outside its shards")
+    dst[pc.dst_slices] = src_arr[pc.src_slices]
+    written[(pc.dst_unit, pc.dst_gpu)][(pc.tensor, pc.kind)][pc.dst_slices] += 1
+    if pc.is_local:
+        report.pieces_local += 1
+    else:
+        report.pieces_remote += 1
+        report.bytes_remote += pc.num_bytes
+
+
+def _check_end(r: _Replay, dag: TransitionDAG, pending: dict[str, EMU], stale: frozenset[str],
+               report: ReplayReport) -> None:
+    """Exactly the new plan's units are left, with the right values, and the peaks are the DAG's."""
     if pending:
         raise ReplayError(f"targets never produced: {sorted(pending)}")
+    renamed = dict(dag.renamed)
     left = {renamed.get(uid, uid) for uid in r.units}
     planned = {u.uid for u in dag.new_units}
     if left != planned:
         raise ReplayError(f"left on GPUs {sorted(left - planned)}, missing {sorted(planned - left)}")
-    for (uid, _g), shards in r.alive.items():
+    for (uid, g), shards in r.alive.items():
         unit = r.units[uid]
         if uid in stale:
             raise ReplayError(f"stale {uid} survived")
-        for s in unit.shards(_g):
+        for s in unit.shards(g):
             want = r.expected(unit, s.key, s.offsets, s.lengths, s.global_shape)
             if not np.array_equal(shards[s.key], want):
-                raise ReplayError(f"{uid} on GPU {_g}: {s.key} wrong at the end")
+                raise ReplayError(f"{uid} on GPU {g}: {s.key} wrong at the end")
     for g, peak in r.peak.items():
         predicted = dag.peak_bytes.get(g, 0)
         if peak != predicted:
             raise ReplayError(f"GPU {g}: replay peak {peak} != predicted {predicted}")
     report.final_units = sorted(left)
-    return report
