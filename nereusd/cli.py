@@ -29,7 +29,7 @@ def _settings(args: argparse.Namespace) -> Any:
 
     overrides: dict[str, Any] = {}
     if getattr(args, "state_dir", None):
-        overrides["daemon"] = {"state_dir": args.state_dir}
+        overrides["daemon"] = {"state_dir": str(Path(args.state_dir).absolute())}  # explicit: relative to here
     return load_settings(args.config, **overrides)
 
 

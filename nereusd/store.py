@@ -118,9 +118,17 @@ _JSON_COLUMNS = frozenset({"spec", "snapshot", "devices", "nodes", "plan", "pred
 
 
 def _row(cur: sqlite3.Cursor, values: tuple[Any, ...]) -> dict[str, Any]:
-    out = {}
+    """A row as a dict, JSON columns parsed. A column that cannot be parsed (a damaged or hand-edited
+    store) reads as None and the row gets ``damaged``: the reason, so callers report it, never crash."""
+    out: dict[str, Any] = {}
     for (name, *_), value in zip(cur.description, values):
-        out[name] = json.loads(value) if name in _JSON_COLUMNS and value is not None else value
+        if name in _JSON_COLUMNS and value is not None:
+            try:
+                value = json.loads(value)
+            except (TypeError, ValueError) as exc:
+                out["damaged"] = f"column {name!r} holds no readable JSON ({type(exc).__name__}: {exc})"[:300]
+                value = None
+        out[name] = value
     return out
 
 
