@@ -133,14 +133,29 @@ class LocalSource:
 
     # --- tracking ---------------------------------------------------------------------------------
     def track(self, job: ElasticJob, allocation: Allocation | None = None) -> None:
+        """Follow ``job``; with no ``allocation`` (a new job) grant its minimum now. A restarted daemon
+        passes the allocation it stored, so nothing is granted twice and grown nodes stay. A job this
+        machine can never hold is refused (AllocationError) before anything is tracked."""
+        if job.job_id in self._jobs:
+            return
         if job.gpus_per_node > self.slots_per_node:
             raise AllocationError(f"job {job.job_id} wants {job.gpus_per_node} devices per node; local nodes "
                                   f"have {self.slots_per_node} slots")
-        if job.job_id in self._jobs:
-            return
+        need = -(-job.min_gpus // job.gpus_per_node)
+        grant = allocation is None and not any(s.job == job.job_id for s in self.schedule)
+        if need > job.max_nodes:
+            raise AllocationError(f"job {job.job_id}: min_gpus={job.min_gpus} needs {need} nodes of "
+                                  f"{job.gpus_per_node}, max_gpus={job.max_gpus} allows {job.max_nodes}")
+        if grant and need > len(self.free_nodes()):
+            raise AllocationError(f"job {job.job_id}: min_gpus={job.min_gpus} needs {need} local nodes, "
+                                  f"{len(self.free_nodes())} of {len(self.nodes)} are free")
+        if allocation is not None:
+            taken = set(allocation.node_names) - set(self.free_nodes())
+            if taken or not set(allocation.node_names) <= set(self.nodes):
+                self.log.warning("restored_allocation_conflict", job_id=job.job_id, nodes=sorted(taken))
+                allocation = allocation.without(sorted(taken | (set(allocation.node_names) - set(self.nodes))))
         self._jobs[job.job_id] = tracked = _Tracked(job=job, allocation=allocation or Allocation(job_id=job.job_id))
-        if allocation is None and not any(s.job == job.job_id for s in self.schedule):
-            need = -(-job.min_gpus // job.gpus_per_node)
+        if grant:
             self._add(tracked, need, EventKind.GRANTED, "granted on track")
         for node in tracked.allocation.nodes:  # restored allocation: make sure its processes run
             self._start_agent(tracked, node)

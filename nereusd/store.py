@@ -186,6 +186,10 @@ class Store:
     def _tx(self):
         return _Transaction(self.db)
 
+    def transaction(self) -> _Transaction:
+        """Several store calls as one commit (re-entrant: the calls' own transactions join it)."""
+        return _Transaction(self.db)
+
     def _one(self, sql: str, *args: Any) -> dict[str, Any] | None:
         return self.db.execute(sql, args).fetchone()
 
@@ -257,6 +261,9 @@ class Store:
                             "last_heartbeat=? WHERE job_id=? AND node=?",
                             (slurm_job_id, host, incarnation, json.dumps(devices), now, job_id, node))
             return kind
+
+    def node(self, job_id: str, node: str) -> dict[str, Any] | None:
+        return self._one("SELECT * FROM nodes WHERE job_id=? AND node=?", job_id, node)
 
     def nodes(self, job_id: str) -> list[dict[str, Any]]:
         return self._all("SELECT * FROM nodes WHERE job_id=? ORDER BY node", job_id)
@@ -344,6 +351,11 @@ class Store:
         else:
             rows = self._all("SELECT * FROM events WHERE job_id=? ORDER BY id DESC LIMIT ?", job_id, limit)
         return rows[::-1]
+
+    def allocation_events(self, job_id: str) -> list[dict[str, Any]]:
+        """Every allocation event of a job, oldest first (what a restarted daemon replays)."""
+        rows = self._all("SELECT data FROM events WHERE job_id=? AND kind='allocation' ORDER BY id", job_id)
+        return [r["data"] for r in rows if isinstance(r["data"], dict)]
 
     def save_controller_state(self, job_id: str, snapshot: dict[str, Any]) -> None:
         with self._tx():
