@@ -120,11 +120,15 @@ class CurveRouter:
         # absurd ones make ZeroMQ drop the connection (which must not buffer a gigabyte first).
         self.sock.setsockopt(zmq.MAXMSGSIZE, 16 * max_message_bytes)
         self.sock.sndhwm = 100_000
-        if port == 0:
-            self.port = self.sock.bind_to_random_port(f"tcp://{host}")
-        else:
-            self.sock.bind(f"tcp://{host}:{port}")
-            self.port = port
+        try:
+            if port == 0:
+                self.port = self.sock.bind_to_random_port(f"tcp://{host}")
+            else:
+                self.sock.bind(f"tcp://{host}:{port}")
+                self.port = port
+        except zmq.ZMQError:
+            self.sock.close(linger=0)  # an open socket would keep the context from terminating
+            raise
         self.max_message_bytes = max_message_bytes
         self.log = log
         self.on_reject = on_reject

@@ -124,9 +124,12 @@ def sd_notify(state: str) -> bool:
         return False
     if addr.startswith("@"):
         addr = "\0" + addr[1:]  # abstract namespace
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
-        s.connect(addr)
-        s.sendall(state.encode())
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.connect(addr)
+            s.sendall(state.encode())
+    except OSError:  # the supervisor went away (or never listened): no reason to fail or to stop serving
+        return False
     return True
 
 
