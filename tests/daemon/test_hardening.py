@@ -448,3 +448,37 @@ def test_a_bad_client_key_file_is_skipped_and_authentication_goes_on(daemon: Dae
     proc = subprocess.run([str(BIN / "nereusd"), "keys", "revoke", rel, "--state-dir", str(daemon.state_dir)],
                           capture_output=True, text=True, timeout=60, cwd=daemon.tmp)
     assert proc.returncode == 2 and "not a valid name" in proc.stderr and victim.exists()
+
+
+# --- restart-safe allocation source -----------------------------------------------------------------
+
+def test_the_local_source_grants_once_and_keeps_grown_nodes_across_restarts(daemon: DaemonHandle) -> None:
+    daemon.start()
+    elastic = {"anchor_job_id": "local-j", "min_gpus": 2, "max_gpus": 6, "gpus_per_node": 2}
+    daemon.admin("job-add", job="j", user="alice", spec={"elastic": elastic})
+
+    def kinds() -> list[str]:
+        return [a["source"] for a in daemon.admin("alloc", job="j")["allocations"]]
+
+    wait_for(lambda: kinds() == ["granted"], what="the grant in the store")
+    daemon.admin("alloc", job="j", action="grow", nodes=1)
+    wait_for(lambda: kinds() == ["granted", "grown"], what="the growth in the store")
+    grown = daemon.admin("alloc", job="j")["allocations"][-1]["nodes"]
+    for how in ("term", "kill9", "term", "kill9"):
+        if how == "term":
+            assert daemon.stop() == 0
+        else:
+            daemon.kill9()
+        daemon.start()
+        # the source's own view, asked synchronously: it holds both nodes (a fresh grant would hold one,
+        # leaving room for two), so asking for two more is refused with room for one
+        over = _admin_reply(daemon, "alloc", job="j", action="grow", nodes=2)
+        assert not over.ok and "holds 2, room for 1" in over.error, (how, over.error)
+        assert kinds() == ["granted", "grown"], how
+    # the restored source knows the grown node: it can be shrunk, and the room under max_gpus is right
+    daemon.admin("alloc", job="j", action="shrink", names=grown)
+    wait_for(lambda: kinds() == ["granted", "grown", "shrunk"], what="the shrink in the store")
+    over = _admin_reply(daemon, "alloc", job="j", action="grow", nodes=3)
+    assert not over.ok and "room for 2" in over.error
+    assert kinds() == ["granted", "grown", "shrunk"]
+    assert len([e for e in daemon.admin("events", job="j") if e["kind"] == "allocation"]) == 3
