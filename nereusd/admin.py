@@ -107,7 +107,7 @@ class AdminOps:
                                "predicted_s": pred_stages.get(name),
                                "measured_s": (measured or {}).get("stage_times", {}).get(name)})
         return {"job": j["job_id"], "plan_version": j["plan_version"], "stages": stages,
-                "predicted_step_s": (row["prediction"] or {}).get("step_latency_s") if stages else None,
+                "predicted_step_s": (row["prediction"] or {}).get("step_latency_s") if row and stages else None,
                 "measured_step_s": measured["step_latency_s"] if measured else None,
                 "measured_at_step": measured["step"] if measured else None}
 

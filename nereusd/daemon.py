@@ -71,6 +71,9 @@ _REMOVES = frozenset({EventKind.SHRUNK, EventKind.RELEASED, EventKind.NODE_DOWN,
                       EventKind.CANCELLED, EventKind.TIME_LIMIT, EventKind.FAILED, EventKind.COMPLETED})
 
 
+TRANSIENT = (sqlite3.OperationalError, OSError)  # a full disk, a locked db: retried, never "damaged"
+
+
 class StartupError(NereusError):
     """The environment refuses start-up (state dir, store, keys, ports): one line; ``nereusd`` exits 3."""
 
@@ -201,6 +204,9 @@ class _SourceWorker(threading.Thread):
 
 
 class Daemon:
+    agents: CurveRouter
+    admin: CurveRouter
+
     def __init__(self, settings: Settings, *, source: AllocationSource | None = None,
                  planner: PlannerPort | None = None, planner_name: str = "none", new_store: bool = False) -> None:
         t0 = time.monotonic()
@@ -269,7 +275,6 @@ class Daemon:
         except SpecError as exc:
             raise StartupError(str(exc)) from None
         hb = max(0.5, ctl.heartbeat_interval_s * 2)
-        self.agents = self.admin = None  # type: ignore[assignment]
         for name, port in (("agents", ctl.port), ("admin", ctl.admin_port)):
             try:
                 router = CurveRouter(self.ctx, domain=AGENT_DOMAIN if name == "agents" else ADMIN_DOMAIN,
@@ -507,7 +512,7 @@ class Daemon:
                     continue
                 try:
                     ctl.on_allocation(ev)
-                except NereusError as exc:
+                except (NereusError, *TRANSIENT) as exc:
                     self.log.error("allocation-event-failed", job=ev.job_id, error=str(exc))
                 except Exception as exc:
                     self._mark_damaged(ev.job_id, f"allocation event failed: {type(exc).__name__}: {exc}")
@@ -522,7 +527,7 @@ class Daemon:
         for job_id, ctl in list(self.controllers.items()):
             try:
                 ctl.step()
-            except NereusError as exc:
+            except (NereusError, *TRANSIENT) as exc:  # the next tick tries again
                 self.log.error("controller-step-failed", job=job_id, error=str(exc))
             except Exception as exc:  # a bug or an unreadable record: this job stops, the others go on
                 self._mark_damaged(job_id, f"controller step failed: {type(exc).__name__}: {exc}")
@@ -547,6 +552,8 @@ class Daemon:
                 if ctl is not None:
                     try:
                         ctl.on_node_lost(node, reason)
+                    except TRANSIENT as exc:
+                        self.log.error("node-lost-handling-failed", job=job_id, error=str(exc))
                     except Exception as exc:
                         self._mark_damaged(job_id, f"node-lost handling failed: {type(exc).__name__}: {exc}")
 
@@ -572,6 +579,10 @@ class Daemon:
         inc, msg = got
         try:
             reply = self._on_agent(inc.identity, inc.user, inc.key, inc.encoding, msg)
+        except TRANSIENT as exc:  # a full disk: not stored, and the sender is told so
+            self.log.error("agent-message-not-stored", type=msg.type, error=str(exc))
+            reply = protocol.ErrorReply(code="internal", message=f"this {msg.type} was not stored ({exc}); "
+                                        "send it again later")
         except Exception as exc:  # never no reply: the sender learns that this one was not taken
             self.log.exception("agent-handler-failed", type=msg.type)
             reply = protocol.ErrorReply(code="internal", message=f"the daemon failed on this {msg.type}: "
