@@ -182,10 +182,11 @@ class JobController:
 
     def on_node_lost(self, node: str, reason: str) -> None:
         self.pool_dirty = True
-        for t in self.store.transitions(self.job_id):
+        # open transitions and a count only: a mass loss of 1,024 nodes must not parse every row per node
+        for t in self.store.open_transitions(self.job_id):
             if t["state"] == "ordered" and node in t["parts_pending"]:
                 self._finish_transition(t, ok=False, reason=f"node {node} lost mid-transition: {reason}")
-        if not any(n["state"] == "alive" for n in self.store.nodes(self.job_id)):
+        if self.store.count_nodes(self.job_id, "alive") == 0:
             self._set_state("lost", f"every node is lost (last: {node})")
 
     def on_measurement(self, msg: protocol.Measurement) -> None:
@@ -361,7 +362,7 @@ class JobController:
         else:
             self.pool_dirty = True  # a lost node changes the pool, which triggers the next replan
         if self.job["state"] == "transitioning":
-            alive = any(n["state"] == "alive" for n in self.store.nodes(self.job_id))
+            alive = self.store.count_nodes(self.job_id, "alive") > 0
             self._set_state("running" if alive else "lost", f"transition {t['id']} {'done' if ok else 'failed'}")
 
     # --- helpers ------------------------------------------------------------------------------------

@@ -65,6 +65,7 @@ HEARTBEAT_FLUSH_S = 5.0  # last-heartbeat times reach the store this often (one 
 SLOW_HANDLER_S = 0.2
 AGENT_BATCH_S = 0.05  # agent messages served per pass before the admin socket is looked at again
 ADMIN_BATCH = 16
+LOST_PER_TICK = 64  # silent nodes marked lost per tick; the rest on the next ticks
 STORE_MARKER = "store.json"  # written next to the db when it is created: a missing db is then noticed
 _ADDS = frozenset({EventKind.GRANTED, EventKind.GROWN})
 _REMOVES = frozenset({EventKind.SHRUNK, EventKind.RELEASED, EventKind.NODE_DOWN, EventKind.PREEMPTED,
@@ -94,11 +95,13 @@ def _open_store(state_dir: Path, *, new_store: bool, log: Any) -> Store:
     except OSError as exc:
         raise StartupError(f"daemon.state_dir {state_dir} is not writable: {exc.strerror}") from None
     empty = not db.exists() or db.stat().st_size == 0
-    if empty and marker.exists() and not new_store:
+    # a daemon served from here before (its marker, or the endpoints.json of a daemon older than the marker)
+    evidence = next((p for p in (marker, state_dir / "endpoints.json") if p.exists()), None)
+    if empty and evidence is not None and not new_store:
         what = "missing" if not db.exists() else "empty (0 bytes)"
-        raise StartupError(f"the store {db} is {what}, but {state_dir} held one ({marker} says so): restore it "
-                           "from a backup, or start with `nereusd serve --new-store` to begin with no jobs")
-    if empty and marker.exists():
+        raise StartupError(f"the store {db} is {what}, but {state_dir} held one ({evidence.name} says so): restore "
+                           "it from a backup, or start with `nereusd serve --new-store` to begin with no jobs")
+    if empty and evidence is not None:
         log.warning("new-store", path=str(db), reason="--new-store: the previous store is gone; starting empty")
     try:
         store = Store(db)
@@ -538,24 +541,28 @@ class Daemon:
         self._update_gauges()
 
     def _check_heartbeats(self) -> None:
+        """Mark silent nodes lost, at most LOST_PER_TICK per tick (a mass loss is spread over ticks, so the
+        loop keeps answering while 1,024 nodes go)."""
         timeout = self.settings.control.heartbeat_timeout_s
         now = time.monotonic()
-        for key, seen in list(self.last_seen.items()):
-            if self.node_state.get(key) == "alive" and now - seen > timeout:
-                job_id, node = key
-                reason = f"no heartbeat for {now - seen:.1f} s (> {timeout:g} s)"
+        silent = [key for key, seen in self.last_seen.items()
+                  if self.node_state.get(key) == "alive" and now - seen > timeout]
+        for key in silent[:LOST_PER_TICK]:
+            job_id, node = key
+            reason = f"no heartbeat for {now - self.last_seen[key]:.1f} s (> {timeout:g} s)"
+            with self.store.transaction():
                 self.store.set_node_state(job_id, node, "lost", reason)
-                self.node_state[key] = "lost"
                 self.store.add_event("node-lost", {"node": node, "reason": reason}, job_id=job_id)
-                self.log.warning("node-lost", job=job_id, node=node, reason=reason)
-                ctl = self.controllers.get(job_id)
-                if ctl is not None:
-                    try:
-                        ctl.on_node_lost(node, reason)
-                    except TRANSIENT as exc:
-                        self.log.error("node-lost-handling-failed", job=job_id, error=str(exc))
-                    except Exception as exc:
-                        self._mark_damaged(job_id, f"node-lost handling failed: {type(exc).__name__}: {exc}")
+            self.node_state[key] = "lost"
+            self.log.warning("node-lost", job=job_id, node=node, reason=reason)
+            ctl = self.controllers.get(job_id)
+            if ctl is not None:
+                try:
+                    ctl.on_node_lost(node, reason)
+                except TRANSIENT as exc:
+                    self.log.error("node-lost-handling-failed", job=job_id, error=str(exc))
+                except Exception as exc:
+                    self._mark_damaged(job_id, f"node-lost handling failed: {type(exc).__name__}: {exc}")
 
     def _flush_heartbeats(self) -> None:
         if self.heartbeats_to_flush:

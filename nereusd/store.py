@@ -268,6 +268,10 @@ class Store:
     def nodes(self, job_id: str) -> list[dict[str, Any]]:
         return self._all("SELECT * FROM nodes WHERE job_id=? ORDER BY node", job_id)
 
+    def count_nodes(self, job_id: str, state: str) -> int:
+        row = self._one("SELECT COUNT(*) AS n FROM nodes WHERE job_id=? AND state=?", job_id, state)
+        return int(row["n"]) if row else 0
+
     def all_nodes(self) -> list[dict[str, Any]]:
         return self._all("SELECT * FROM nodes ORDER BY job_id, node")
 
@@ -406,8 +410,11 @@ class Store:
     def transitions(self, job_id: str) -> list[dict[str, Any]]:
         return self._all("SELECT * FROM transitions WHERE job_id=? ORDER BY id", job_id)
 
-    def open_transitions(self) -> list[dict[str, Any]]:
-        return self._all("SELECT * FROM transitions WHERE state IN ('planned', 'ordered') ORDER BY id")
+    def open_transitions(self, job_id: str | None = None) -> list[dict[str, Any]]:
+        if job_id is None:
+            return self._all("SELECT * FROM transitions WHERE state IN ('planned', 'ordered') ORDER BY id")
+        return self._all("SELECT * FROM transitions WHERE job_id=? AND state IN ('planned', 'ordered') ORDER BY id",
+                         job_id)
 
     def set_transition_state(self, transition_id: int, state: str, reason: str, *,
                              measured_s: float | None = None, parts_pending: list[str] | None = None) -> None:

@@ -349,6 +349,8 @@ def test_a_vanished_empty_or_damaged_store_is_refused_in_one_line(daemon: Daemon
         wal.unlink(missing_ok=True)
     db.unlink()
     _one_line_failure(_serve(daemon), 3, "is missing", "--new-store")
+    (daemon.state_dir / "store.json").unlink()  # a state dir of a daemon older than the marker
+    _one_line_failure(_serve(daemon), 3, "is missing", "endpoints.json says so")
     db.write_bytes(b"")
     _one_line_failure(_serve(daemon), 3, "empty")
     db.write_bytes(b"this is not an SQLite database" * 100)
