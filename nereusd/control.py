@@ -104,7 +104,7 @@ class CurveRouter:
 
     def __init__(self, context: zmq.Context, *, domain: str, server_keys: tuple[bytes, bytes], host: str,
                  port: int, max_message_bytes: int, log: Any, on_reject: Callable[[str], None],
-                 heartbeat_s: float = 2.0) -> None:
+                 heartbeat_s: float = 2.0, heartbeat_timeout_s: float = 6.0) -> None:
         self.sock = context.socket(zmq.ROUTER)
         self.sock.curve_server = True
         self.sock.curve_publickey, self.sock.curve_secretkey = server_keys
@@ -115,7 +115,7 @@ class CurveRouter:
         # ZMTP heartbeats drop dead connections, so an agent reconnecting with its routing id gets it back.
         self.sock.router_handover = False
         self.sock.heartbeat_ivl = int(heartbeat_s * 1e3)
-        self.sock.heartbeat_timeout = int(3 * heartbeat_s * 1e3)
+        self.sock.heartbeat_timeout = int(heartbeat_timeout_s * 1e3)
         # A hard guard far above the protocol limit: messages between the two get an ErrorReply, only
         # absurd ones make ZeroMQ drop the connection (which must not buffer a gigabyte first).
         self.sock.setsockopt(zmq.MAXMSGSIZE, 16 * max_message_bytes)

@@ -277,12 +277,16 @@ class Daemon:
             server_keys = self.keys.server_keys()
         except SpecError as exc:
             raise StartupError(str(exc)) from None
-        hb = max(0.5, ctl.heartbeat_interval_s * 2)
+        # ZMTP pings drop a dead connection (a crashed host) so its agent can reconnect with its routing id;
+        # no sooner than a node would be marked lost anyway, so a loaded client is never cut off early
+        hb = max(1.0, ctl.heartbeat_interval_s * 2)
+        hb_timeout = max(3 * hb, ctl.heartbeat_timeout_s)
         for name, port in (("agents", ctl.port), ("admin", ctl.admin_port)):
             try:
                 router = CurveRouter(self.ctx, domain=AGENT_DOMAIN if name == "agents" else ADMIN_DOMAIN,
                                      server_keys=server_keys, host=ctl.bind_host, port=port,
                                      max_message_bytes=ctl.max_message_bytes, log=self.log, heartbeat_s=hb,
+                                     heartbeat_timeout_s=hb_timeout,
                                      on_reject=lambda code: self.metrics.rejected.labels(code).inc())
             except zmq.ZMQError as exc:
                 key = "control.port" if name == "agents" else "control.admin_port"

@@ -74,3 +74,22 @@ def test_a_garbage_bundle_is_one_clear_error(tmp_path: Path) -> None:
     (tmp_path / "alice" / "server.key").write_text("short\n")
     with pytest.raises(SpecError, match="server.key is not a CURVE key"):
         load_bundle(tmp_path / "alice")
+
+
+def test_a_dead_authenticator_stops_the_daemon_loudly(tmp_path: Path) -> None:
+    """Deaf to new connections is worse than down: the next tick sets ``fatal`` and stops serving
+    (``nereusd serve`` then exits 1 with that line, and systemd restarts it)."""
+    from nereusd.daemon import Daemon
+    from nereusd.settings import load_settings
+
+    settings = load_settings(None, daemon={"state_dir": str(tmp_path / "state")},
+                             control={"port": 0, "admin_port": 0}, metrics={"enabled": False})
+    d = Daemon(settings)
+    try:
+        d._tick()
+        assert d.fatal is None and not d.stopping.is_set()
+        d.auth.stop()  # what an exception in the ZAP thread used to do, silently
+        d._tick()
+        assert d.stopping.is_set() and d.fatal is not None and "authenticator" in d.fatal
+    finally:
+        d.close()
