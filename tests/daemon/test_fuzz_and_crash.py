@@ -256,3 +256,51 @@ def test_a_full_disk_is_refused_at_start_and_survived_while_serving(daemon: Daem
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
+
+
+SPEC = {"model": "tiny-3m", "algo": "grpo", "device": "cpu", "gpus_per_node": 2,
+        "workload": {"prompts_per_step": 8, "prompt_tokens": 32, "response_tokens": 64}}
+DEV2 = tuple(protocol.Device(index=i, kind="cpu", name="cpu", memory_bytes=8 << 30) for i in range(2))
+
+
+@pytest.mark.parametrize("kill_at", ["ordered", "reported"])
+def test_kill9_during_a_transition_keeps_it_and_it_completes_after_restart(daemon: DaemonHandle,
+                                                                          kill_at: str) -> None:
+    daemon.start()
+    daemon.admin("job-add", job="j", user="alice", spec=SPEC)
+
+    def connect() -> Any:
+        c = daemon.client("alice", identity=b"agent-t")
+        reply = c.request(protocol.Register(job_id="j", node="n1", incarnation="t", devices=DEV2), timeout_s=10)
+        assert isinstance(reply, protocol.Welcome), reply
+        return c
+
+    c = connect()
+    order = None
+    deadline = time.monotonic() + 60
+    while order is None and time.monotonic() < deadline:  # the initial placement, ordered to this node
+        msg = c.recv(timeout_s=1)
+        if isinstance(msg, protocol.TransitionOrder):
+            order = msg
+        else:
+            c.send(protocol.Heartbeat(job_id="j", node="n1", seq=1))
+    assert order is not None, "no transition order within 60 s"
+    report = protocol.TransitionReport(job_id="j", node="n1", transition_id=order.transition_id, ok=True,
+                                       measured_s=0.01)
+    if kill_at == "reported":
+        assert isinstance(c.request(report, timeout_s=10), protocol.Ack)
+    daemon.kill9()
+    c.close()
+    daemon.clients.remove(c)
+    daemon.start()
+    (t,) = daemon.admin("transitions", job="j")
+    assert t["id"] == order.transition_id
+    if kill_at == "ordered":  # the order is still open and the job waits for it; the report completes it
+        assert t["state"] == "ordered" and daemon.admin("job", job="j")["state"] == "transitioning"
+        c = connect()
+        assert isinstance(c.request(report, timeout_s=10), protocol.Ack)
+    assert daemon.admin("transition", id=order.transition_id)["state"] == "done"
+    job = daemon.admin("job", job="j")
+    assert job["plan_version"] == order.to_version and job["state"] == "running"
+    assert _rows(daemon.state_dir, "PRAGMA integrity_check") == [("ok",)]
+    assert daemon.admin("status")["jobs_damaged"] == {}
