@@ -18,6 +18,7 @@ problems (state dir, store, key permissions, ports) raise ``StartupError``: one 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -93,6 +94,8 @@ def _open_store(state_dir: Path, *, new_store: bool, log: Any) -> Store:
             os.fsync(f.fileno())
         probe.unlink()
     except OSError as exc:
+        with contextlib.suppress(OSError):
+            probe.unlink(missing_ok=True)
         raise StartupError(f"daemon.state_dir {state_dir} is not writable: {exc.strerror}") from None
     empty = not db.exists() or db.stat().st_size == 0
     # a daemon served from here before (its marker, or the endpoints.json of a daemon older than the marker)
@@ -180,9 +183,6 @@ class _SourceWorker(threading.Thread):
         self.requests: queue.Queue[tuple[str, tuple[Any, ...]]] = queue.Queue()
         self.events: queue.Queue[AllocationEvent] = queue.Queue()
         self.stop_event = threading.Event()
-        # the serve loop also calls the source (track, checks): one caller at a time, sources are not
-        # thread-safe. Requests and polls hold it briefly; a slow Slurm command runs inside them.
-        self.lock = threading.Lock()
 
     def run(self) -> None:
         while not self.stop_event.is_set():
@@ -190,16 +190,13 @@ class _SourceWorker(threading.Thread):
                 while True:
                     op, args = self.requests.get_nowait()
                     try:
-                        with self.lock:
-                            getattr(self.source, op)(*args)
+                        getattr(self.source, op)(*args)
                     except Exception as exc:  # a request the checks let through but the source refused
                         self.log.warning("allocation-request-failed", op=op, args=str(args), error=str(exc))
             except queue.Empty:
                 pass
             try:
-                with self.lock:
-                    polled = self.source.poll()
-                for ev in polled:
+                for ev in self.source.poll():
                     self.events.put(ev)
             except Exception as exc:  # the source promises not to raise; if it does, log and keep going
                 self.log.error("allocation-poll-crashed", error=repr(exc))
@@ -258,12 +255,13 @@ class Daemon:
             self.store.close()
             raise
 
+        # The serve loop calls the source too (track, jobs, allocation) while its thread polls: the local
+        # source locks itself; the Slurm source's serve-loop calls only read or replace whole values. No
+        # lock is shared with the poll thread, so a slow squeue never stalls the loop.
         self.worker: _SourceWorker | None = None
-        self.source_lock: Any = threading.Lock()
         if source is not None:
             interval = settings.slurm.poll_interval_s if source.name == "slurm" else 0.2
             self.worker = _SourceWorker(source, interval, self.log)
-            self.source_lock = self.worker.lock
         self._restore()
         self.startup_s = time.monotonic() - t0
 
@@ -343,8 +341,7 @@ class Daemon:
             # source); Slurm finds its jobs again itself from the anchor and member ids
             held = replay_allocation(job_id, self.store.allocation_events(job_id)) \
                 if self.source.name == "local" else None
-            with self.source_lock:
-                self.source.track(ej, held)
+            self.source.track(ej, held)
         now = time.monotonic()
         for n in self.store.nodes(job_id):
             key = (job_id, n["node"])
@@ -398,15 +395,13 @@ class Daemon:
             slurm_job_id = slurm_job_id or ej.anchor_job_id
             stored["elastic"] = ej.to_dict()
             if self.source is not None:
-                with self.source_lock:  # the source refuses what it can never grant (AllocationError)
-                    self.source.track(ej)
+                self.source.track(ej)
         try:
             self.store.add_job(job_id=job_id, user=user, spec=stored, slurm_job_id=slurm_job_id)
             self.store.add_event("job-added", {"user": user, "slurm_job_id": slurm_job_id}, job_id=job_id)
         except BaseException:
             if self.source is not None and ej is not None:
-                with self.source_lock:
-                    self.source.untrack(job_id)
+                self.source.untrack(job_id)
             raise
         self._start_controller(job_id)
         self.log.info("job-added", job=job_id, user=user, slurm_job_id=slurm_job_id)
@@ -415,13 +410,12 @@ class Daemon:
         """Check a grow/shrink against what the job holds now, then queue it for the source thread."""
         if self.worker is None or self.source is None:
             raise AllocationError("the daemon runs without an allocation source")
-        with self.source_lock:
-            tracked = {j.job_id: j for j in self.source.jobs()}
-            if job_id not in tracked:
-                raise AllocationError(f"job {job_id!r} has no elastic allocation (its spec has no 'elastic')")
-            held = self.source.allocation(job_id).node_names
-            free = getattr(self.source, "free_nodes", None)
-            free_count = len(free()) if free is not None else None
+        tracked = {j.job_id: j for j in self.source.jobs()}
+        if job_id not in tracked:
+            raise AllocationError(f"job {job_id!r} has no elastic allocation (its spec has no 'elastic')")
+        held = self.source.allocation(job_id).node_names
+        free = getattr(self.source, "free_nodes", None)
+        free_count = len(free()) if free is not None else None
         if op == "grow":
             room = tracked[job_id].max_nodes - len(held)
             if arg > room:
@@ -681,8 +675,7 @@ class Daemon:
         if msg.slurm_job_id is not None and isinstance(job["spec"].get("elastic"), dict):
             held = ElasticJob.from_dict(job["spec"]["elastic"]).slurm_job_ids
             if self.source is not None:
-                with self.source_lock:
-                    tracked = {j.job_id: j for j in self.source.jobs()}
+                tracked = {j.job_id: j for j in self.source.jobs()}
                 if msg.job_id in tracked:
                     held = tracked[msg.job_id].slurm_job_ids
             if msg.slurm_job_id not in held:

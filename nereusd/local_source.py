@@ -19,11 +19,13 @@ one worker per slot) and each lost node's group is stopped (SIGTERM, then SIGKIL
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -111,6 +113,17 @@ class _Tracked:
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
 
+def _locked(method: Callable[..., Any]) -> Callable[..., Any]:
+    """The daemon calls track/grow/... from its serve loop while its source thread polls."""
+
+    @functools.wraps(method)
+    def call(self: LocalSource, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return call
+
+
 class LocalSource:
     name = "local"
 
@@ -129,9 +142,11 @@ class LocalSource:
         self.started = clock()
         self._jobs: dict[str, _Tracked] = {}
         self._events: list[AllocationEvent] = []
+        self._lock = threading.RLock()
         self.log = get_logger("local-source")
 
     # --- tracking ---------------------------------------------------------------------------------
+    @_locked
     def track(self, job: ElasticJob, allocation: Allocation | None = None) -> None:
         """Follow ``job``; with no ``allocation`` (a new job) grant its minimum now. A restarted daemon
         passes the allocation it stored, so nothing is granted twice and grown nodes stay. A job this
@@ -160,18 +175,22 @@ class LocalSource:
         for node in tracked.allocation.nodes:  # restored allocation: make sure its processes run
             self._start_agent(tracked, node)
 
+    @_locked
     def untrack(self, job_id: str) -> None:
         tracked = self._jobs.pop(job_id, None)
         if tracked is not None:
             for node in list(tracked.procs):
                 self._stop_agent(tracked, node)
 
+    @_locked
     def jobs(self) -> tuple[ElasticJob, ...]:
         return tuple(t.job for t in self._jobs.values())
 
+    @_locked
     def allocation(self, job_id: str) -> Allocation:
         return self._get(job_id).allocation
 
+    @_locked
     def free_nodes(self) -> tuple[str, ...]:
         held = {n for t in self._jobs.values() for n in t.allocation.node_names}
         return tuple(n for n in self.nodes if n not in held)
@@ -210,19 +229,23 @@ class LocalSource:
             self._stop_agent(tracked, node.node)
         self._emit(kind, tracked, gone, reason)
 
+    @_locked
     def grow(self, job_id: str, n_nodes: int) -> tuple[str, ...]:
         if n_nodes < 1:
             raise AllocationError(f"grow {job_id}: n_nodes must be >= 1, got {n_nodes}")
         return self._add(self._get(job_id), n_nodes, EventKind.GROWN, "grown on request")
 
+    @_locked
     def shrink(self, job_id: str, nodes: Sequence[str], reason: str = "released by Nereus") -> None:
         self._remove(self._get(job_id), list(nodes), EventKind.SHRUNK, reason)
 
+    @_locked
     def release(self, job_id: str) -> None:
         tracked = self._get(job_id)
         self._remove(tracked, list(tracked.allocation.node_names), EventKind.RELEASED, "job released")
 
     # --- passive sync -----------------------------------------------------------------------------
+    @_locked
     def poll(self) -> list[AllocationEvent]:
         elapsed = self.clock() - self.started
         while self.schedule and self.schedule[0].at_s <= elapsed:
@@ -275,6 +298,7 @@ class LocalSource:
             except subprocess.TimeoutExpired:
                 continue
 
+    @_locked
     def close(self) -> None:
         """Stop every node process this source started."""
         for tracked in self._jobs.values():
