@@ -66,6 +66,7 @@ HEARTBEAT_FLUSH_S = 5.0  # last-heartbeat times reach the store this often (one 
 SLOW_HANDLER_S = 0.2
 AGENT_BATCH_S = 0.05  # agent messages served per pass before the admin socket is looked at again
 ADMIN_BATCH = 16
+RESTART_GRACE_S = 5.0  # added to the heartbeat time-out for nodes restored from the store
 LOST_PER_TICK = 64  # silent nodes marked lost per tick; the rest on the next ticks
 STORE_MARKER = "store.json"  # written next to the db when it is created: a missing db is then noticed
 _ADDS = frozenset({EventKind.GRANTED, EventKind.GROWN})
@@ -237,6 +238,7 @@ class Daemon:
         self.sessions = SessionTable()
         self.controllers: dict[str, JobController] = {}
         self.damaged: dict[str, str] = {}  # job -> why it cannot be served (shown by nereusctl)
+        self.restored: set[tuple[str, str]] = set()  # nodes alive in the store at start: given a grace
         self.node_state: dict[tuple[str, str], str] = {}
         self.nodes_of: dict[str, set[str]] = {}  # job -> its known nodes (the per-job node limit)
         self.last_seen: dict[tuple[str, str], float] = {}  # monotonic time of the last message per node
@@ -347,8 +349,9 @@ class Daemon:
             key = (job_id, n["node"])
             self.node_state[key] = n["state"]
             self.nodes_of.setdefault(job_id, set()).add(n["node"])
-            if n["state"] == "alive":
-                self.last_seen[key] = now  # a fresh grace period: the agent may just not have spoken yet
+            if n["state"] == "alive":  # a fresh grace period (restarted in serve()): the agent reconnects
+                self.last_seen[key] = now
+                self.restored.add(key)
 
     def _mark_damaged(self, job_id: str, reason: str) -> None:
         reason = reason.splitlines()[0][:400] if reason else "unknown"
@@ -459,6 +462,12 @@ class Daemon:
         if ready is not None:
             ready()
         next_tick = next_flush = time.monotonic()
+        # the grace of restored nodes counts from now, plus the agents' reconnect back-off (up to 2 s,
+        # nereusd.client): a daemon down for a while must not mark every node lost on coming back
+        for key in self.restored:
+            if self.last_seen.get(key) is not None:
+                self.last_seen[key] = next_tick + RESTART_GRACE_S
+        self.restored.clear()
         while not self.stopping.is_set():
             timeout_ms = max(0, int((next_tick - time.monotonic()) * 1e3))
             ready_socks = dict(poller.poll(timeout_ms))
