@@ -304,3 +304,23 @@ def test_kill9_during_a_transition_keeps_it_and_it_completes_after_restart(daemo
     assert job["plan_version"] == order.to_version and job["state"] == "running"
     assert _rows(daemon.state_dir, "PRAGMA integrity_check") == [("ok",)]
     assert daemon.admin("status")["jobs_damaged"] == {}
+
+
+def test_a_read_only_state_dir_is_refused_in_one_line(daemon: DaemonHandle) -> None:
+    mnt = daemon.tmp / "ro"
+    if not _tmpfs(mnt, "4m"):
+        pytest.skip("cannot mount a small tmpfs here (needs root and mount(8)); chmod does not stop root")
+    try:
+        state = mnt / "state"
+        from nereusd.keys import KeyStore
+
+        KeyStore(state / "keys").init()
+        write_config(daemon.config, state)
+        assert subprocess.run(["mount", "-o", "remount,ro", str(mnt)], capture_output=True).returncode == 0
+        proc = subprocess.run([str(Path(__import__("sys").executable).parent / "nereusd"), "serve", "--config",
+                               str(daemon.config)], capture_output=True, text=True, timeout=60)
+        lines = [ln for ln in proc.stderr.splitlines() if not ln.startswith("{")]
+        assert proc.returncode == 3 and len(lines) == 1 and "not writable" in lines[0] \
+            and "Read-only" in lines[0], proc.stderr[-1500:]
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
