@@ -147,7 +147,8 @@ class NodeAgent:
         self.log = get_logger("agent", job=cfg.job_id, node=cfg.node)
         self.incarnation = uuid.uuid4().hex
         self.ctx = zmq.Context()
-        self.client = CurveClient(cfg.endpoint, cfg.bundle, identity=f"{cfg.job_id}/{cfg.node}".encode(),
+        # a random routing id, kept across reconnects: a name others can guess could be squatted
+        self.client = CurveClient(cfg.endpoint, cfg.bundle, identity=f"agent-{uuid.uuid4().hex}".encode(),
                                   context=self.ctx, immediate=True)
         tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.ipc_in = f"ipc://{cfg.ipc_dir}/nereus-agent-{tag}.in"

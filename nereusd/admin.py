@@ -1,8 +1,9 @@
 """The admin endpoint's operations: what nereusctl can ask the daemon (admin CURVE keys only).
 
-Each op takes the request's ``args`` and returns plain data (the CLI renders tables or --json).
-A bad request raises ``AdminError`` with a protocol error code; the daemon turns it into an
-``AdminReply(ok=False)`` and keeps serving.
+Each op's ``args`` are first checked against its model in ``protocol.ADMIN_ARGS`` (names, bounded
+counts, a job spec validated field by field); the op then gets the model and returns plain data (the
+CLI renders tables or --json). A bad request raises ``AdminError`` with a protocol error code naming
+the field; the daemon turns it into an ``AdminReply(ok=False)`` and keeps serving.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from nereusd import protocol
+from nereusd.allocation import AllocationError
 from planner.errors import NereusError
 
 if TYPE_CHECKING:
@@ -24,33 +27,25 @@ class AdminError(NereusError):
         super().__init__(message)
 
 
-def _arg(args: dict[str, Any], name: str, kind: type = str) -> Any:
-    if name not in args:
-        raise AdminError("invalid", f"missing argument {name!r}")
-    try:
-        return kind(args[name])
-    except (TypeError, ValueError):
-        raise AdminError("invalid", f"argument {name!r} must be {kind.__name__}, got {args[name]!r}") from None
-
-
 class AdminOps:
     def __init__(self, daemon: Daemon) -> None:
         self.d = daemon
-        self.ops: dict[str, Callable[[dict[str, Any]], Any]] = {
+        self.ops: dict[str, Callable[[Any], Any]] = {
             "status": self.status, "jobs": self.jobs, "job": self.job, "job-add": self.job_add,
             "job-plan": self.job_plan, "decisions": self.decisions, "transitions": self.transitions,
             "transition": self.transition, "explain": self.explain, "alloc": self.alloc, "keys": self.keys,
             "events": self.events,
         }
 
-    def handle(self, op: str, args: dict[str, Any]) -> Any:
-        fn = self.ops.get(op)
-        if fn is None:
-            raise AdminError("invalid", f"unknown op {op!r} (known: {', '.join(sorted(self.ops))})")
-        return fn(args)
+    def handle(self, op: str, args: Any) -> Any:
+        try:
+            parsed = protocol.admin_args(op, args)
+        except protocol.ProtocolError as exc:
+            raise AdminError(exc.code, str(exc).split(": ", 1)[1]) from None
+        return self.ops[op](parsed)
 
-    def _job(self, args: dict[str, Any]) -> dict[str, Any]:
-        job_id = _arg(args, "job")
+    def _job(self, args: Any) -> dict[str, Any]:
+        job_id = args.job
         row = self.d.store.job(job_id)
         if row is None:
             known = ", ".join(j["job_id"] for j in self.d.store.jobs()) or "none"
@@ -58,7 +53,7 @@ class AdminOps:
         return row
 
     # --- ops ----------------------------------------------------------------------------------------
-    def status(self, args: dict[str, Any]) -> dict[str, Any]:
+    def status(self, args: Any) -> dict[str, Any]:
         by_state: dict[str, int] = {}
         for j in self.d.store.jobs():
             by_state[j["state"]] = by_state.get(j["state"], 0) + 1
@@ -67,11 +62,11 @@ class AdminOps:
                 "started_at": self.d.started_at, "state_dir": str(self.d.state_dir), "endpoints": self.d.endpoints,
                 "allocation_source": self.d.source.name if self.d.source else None,
                 "planner": self.d.planner_name, "jobs": by_state,
-                "agents_connected": len(self.d.sessions),
+                "agents_connected": len(self.d.sessions), "jobs_damaged": self.d.damaged_jobs(),
                 "nodes": {s: sum(1 for n in nodes if n["state"] == s) for s in ("alive", "lost", "released")},
                 "store_schema_migrated_from": self.d.store.migrated_from}
 
-    def jobs(self, args: dict[str, Any]) -> list[dict[str, Any]]:
+    def jobs(self, args: Any) -> list[dict[str, Any]]:
         out = []
         for j in self.d.store.jobs():
             nodes = self.d.store.nodes(j["job_id"])
@@ -79,33 +74,30 @@ class AdminOps:
             out.append({"job": j["job_id"], "user": j["user"], "state": j["state"], "slurm_job_id": j["slurm_job_id"],
                         "nodes_alive": sum(n["state"] == "alive" for n in nodes), "nodes": len(nodes),
                         "gpus": len(ctl.pool) if ctl else 0, "plan_version": j["plan_version"],
-                        "updated_at": j["updated_at"]})
+                        "updated_at": j["updated_at"], "damaged": self.d.damaged_jobs().get(j["job_id"])})
         return out
 
-    def job(self, args: dict[str, Any]) -> dict[str, Any]:
+    def job(self, args: Any) -> dict[str, Any]:
         j = self._job(args)
         nodes = [{**n, "workers": self.d.worker_states.get((j["job_id"], n["node"]), [])}
                  for n in self.d.store.nodes(j["job_id"])]
-        return {**j, "nodes": nodes, "history": self.d.store.history("job", j["job_id"])}
+        return {**j, "nodes": nodes, "history": self.d.store.history("job", j["job_id"]),
+                "damaged": self.d.damaged_jobs().get(j["job_id"])}
 
-    def job_add(self, args: dict[str, Any]) -> dict[str, Any]:
-        job_id, user = _arg(args, "job"), _arg(args, "user")
-        spec = args.get("spec") or {}
-        if not isinstance(spec, dict):
-            raise AdminError("invalid", "argument 'spec' must be an object")
+    def job_add(self, args: protocol.JobAddArgs) -> dict[str, Any]:
         try:
-            self.d.add_job(job_id=job_id, user=user, spec=spec, slurm_job_id=args.get("slurm_job_id"))
+            self.d.add_job(job_id=args.job, user=args.user, spec=args.spec, slurm_job_id=args.slurm_job_id)
         except NereusError as exc:
             raise AdminError("invalid", str(exc)) from None
-        return {"job": job_id, "state": "pending"}
+        return {"job": args.job, "state": "pending"}
 
-    def job_plan(self, args: dict[str, Any]) -> dict[str, Any]:
+    def job_plan(self, args: Any) -> dict[str, Any]:
         j = self._job(args)
         row = self.d.store.plan(j["job_id"])
         last = self.d.store.measurements(j["job_id"], limit=1)
         measured = last[0] if last else None
         stages = []
-        if row:
+        if row and isinstance(row["plan"], dict):
             pred_stages = (row["prediction"] or {}).get("stage_seconds") or {}
             for s in row["plan"]["stages"]:
                 name = s["model_stage"]
@@ -115,58 +107,52 @@ class AdminOps:
                                "predicted_s": pred_stages.get(name),
                                "measured_s": (measured or {}).get("stage_times", {}).get(name)})
         return {"job": j["job_id"], "plan_version": j["plan_version"], "stages": stages,
-                "predicted_step_s": (row["prediction"] or {}).get("step_latency_s") if row else None,
+                "predicted_step_s": (row["prediction"] or {}).get("step_latency_s") if row and stages else None,
                 "measured_step_s": measured["step_latency_s"] if measured else None,
                 "measured_at_step": measured["step"] if measured else None}
 
-    def decisions(self, args: dict[str, Any]) -> list[dict[str, Any]]:
+    def decisions(self, args: Any) -> list[dict[str, Any]]:
         j = self._job(args)
         return [{**{k: v for k, v in d.items() if k != "inputs"}, "admitted": bool(d["admitted"]),
                  "urgent": bool(d["urgent"])} for d in self.d.store.decisions(j["job_id"])]
 
-    def transitions(self, args: dict[str, Any]) -> list[dict[str, Any]]:
+    def transitions(self, args: Any) -> list[dict[str, Any]]:
         j = self._job(args)
         return [{k: v for k, v in t.items() if k != "dag"} for t in self.d.store.transitions(j["job_id"])]
 
-    def transition(self, args: dict[str, Any]) -> dict[str, Any]:
-        tid = _arg(args, "id", int)
-        t = self.d.store.transition(tid)
+    def transition(self, args: protocol.IdArgs) -> dict[str, Any]:
+        t = self.d.store.transition(args.id)
         if t is None:
-            raise AdminError("not-found", f"no transition {tid}")
-        return {**t, "history": self.d.store.history("transition", str(tid))}
+            raise AdminError("not-found", f"no transition {args.id}")
+        return {**t, "history": self.d.store.history("transition", str(args.id))}
 
-    def explain(self, args: dict[str, Any]) -> dict[str, Any]:
-        did = _arg(args, "id", int)
-        d = self.d.store.decision(did)
+    def explain(self, args: protocol.IdArgs) -> dict[str, Any]:
+        d = self.d.store.decision(args.id)
         if d is None:
-            raise AdminError("not-found", f"no decision {did}")
-        trans = [t["id"] for t in self.d.store.transitions(d["job_id"]) if t["decision_id"] == did]
+            raise AdminError("not-found", f"no decision {args.id}")
+        trans = [t["id"] for t in self.d.store.transitions(d["job_id"]) if t["decision_id"] == args.id]
         return {**d, "admitted": bool(d["admitted"]), "urgent": bool(d["urgent"]), "transitions": trans}
 
-    def alloc(self, args: dict[str, Any]) -> dict[str, Any]:
-        """Show allocations; with ``grow``/``shrink`` ask the allocation source for a change."""
-        job_id = args.get("job")
-        action = args.get("action", "show")
-        if action != "show":
-            if job_id is None or self.d.store.job(str(job_id)) is None:
-                raise AdminError("not-found", f"no job {job_id!r}")
-            if self.d.source is None:
-                raise AdminError("invalid", "the daemon runs without an allocation source")
-            if action == "grow":
-                self.d.source_request("grow", str(job_id), _arg(args, "nodes", int))
-            elif action == "shrink":
-                names = args.get("names")
-                if not isinstance(names, list) or not names:
-                    raise AdminError("invalid", "shrink needs 'names': a non-empty list of node names")
-                self.d.source_request("shrink", str(job_id), [str(n) for n in names])
-            else:
-                raise AdminError("invalid", f"unknown action {action!r} (allowed: show, grow, shrink)")
-        return {"source": self.d.source.name if self.d.source else None, "requested": action != "show",
-                "allocations": self.d.store.allocations(str(job_id) if job_id else None)}
+    def alloc(self, args: protocol.AllocArgs) -> dict[str, Any]:
+        """Show allocations; with ``grow``/``shrink`` ask the allocation source for a change, once the
+        request was checked against what the job holds (a count within its max, nodes it holds)."""
+        if args.action != "show":
+            assert args.job is not None  # AllocArgs requires it for grow/shrink
+            if self.d.store.job(args.job) is None:
+                raise AdminError("not-found", f"no job {args.job!r}")
+            try:
+                if args.action == "grow":
+                    self.d.source_request("grow", args.job, args.nodes)
+                else:
+                    self.d.source_request("shrink", args.job, list(args.names or ()))
+            except AllocationError as exc:
+                raise AdminError("invalid", str(exc)) from None
+        return {"source": self.d.source.name if self.d.source else None, "requested": args.action != "show",
+                "allocations": self.d.store.allocations(args.job)}
 
-    def keys(self, args: dict[str, Any]) -> list[dict[str, Any]]:
+    def keys(self, args: Any) -> list[dict[str, Any]]:
         return [{"name": k.name, "user": k.user, "role": k.role, "public_key": k.public_key,
                  "created_at": k.created_at} for k in self.d.keys.clients()]
 
-    def events(self, args: dict[str, Any]) -> list[dict[str, Any]]:
-        return self.d.store.events(args.get("job"), limit=int(args.get("limit", 200)))
+    def events(self, args: Any) -> list[dict[str, Any]]:
+        return self.d.store.events(args.job, limit=args.limit)

@@ -63,7 +63,13 @@ def ask(args: argparse.Namespace, op: str, **op_args: Any) -> Any:
         bundle = load_bundle(_keys_dir(args))
     except SpecError as exc:
         raise _Fail(EXIT_USAGE, f"{exc}; pass --keys DIR") from None
-    client = CurveClient(_endpoint(args), bundle)
+    import zmq
+
+    endpoint = _endpoint(args)
+    try:
+        client = CurveClient(endpoint, bundle)
+    except zmq.ZMQError as exc:
+        raise _Fail(EXIT_USAGE, f"bad endpoint {endpoint!r} ({exc}): give tcp://HOST:PORT") from None
     try:
         reply = client.request(protocol.AdminRequest(op=op, args=op_args), timeout_s=args.timeout)
     except AuthRefused as exc:
@@ -119,14 +125,22 @@ def _emit(args: argparse.Namespace, data: Any, render) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    return _emit(args, ask(args, "status"), lambda d: kv(d, ["pid", "uptime_s", "jobs", "agents_connected", "nodes",
+    return _emit(args, ask(args, "status"), lambda d: kv(d, ["pid", "uptime_s", "jobs", "jobs_damaged",
+                                                            "agents_connected", "nodes",
                                                             "allocation_source", "planner", "endpoints",
                                                             "state_dir"]))
 
 
 def _jobs(args: argparse.Namespace) -> int:
     cols = ["job", "user", "state", "slurm_job_id", "nodes_alive", "nodes", "gpus", "plan_version", "updated_at"]
-    return _emit(args, ask(args, "jobs"), lambda d: table(d, cols) if d else "no jobs")
+
+    def render(d: list[dict[str, Any]]) -> str:
+        if not d:
+            return "no jobs"
+        rows = [{**r, "state": "DAMAGED" if r.get("damaged") else r["state"]} for r in d]
+        notes = [f"{r['job']}: damaged: {r['damaged']}" for r in d if r.get("damaged")]
+        return "\n".join([table(rows, cols), *notes])
+    return _emit(args, ask(args, "jobs"), render)
 
 
 def _job_plan(args: argparse.Namespace) -> int:
@@ -248,13 +262,25 @@ def job_plan(args: argparse.Namespace) -> int:
     return _run(_job_plan)(args)
 
 
+def _timeout(text: str) -> float:
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(value) or not 0 < value <= 3600:
+        raise argparse.ArgumentTypeError(f"{text!r}: give seconds, more than 0 and at most 3600")
+    return value
+
+
 def add_parsers(sub: Any) -> None:
     def add(name: str, fn, help_: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_)
         p.add_argument("--endpoint", help="admin endpoint, tcp://HOST:PORT (default: endpoints.json)")
         p.add_argument("--state-dir", help="daemon state dir holding endpoints.json (default /var/lib/nereus)")
         p.add_argument("--keys", help="admin key bundle directory (default ~/.config/nereus/admin)")
-        p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon")
+        p.add_argument("--timeout", type=_timeout, default=5.0, help="seconds to wait for the daemon (0-3600)")
         p.add_argument("--json", action="store_true", help="machine-readable output")
         p.set_defaults(handler=_run(fn))
         return p

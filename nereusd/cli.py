@@ -1,12 +1,19 @@
 """The ``nereusd`` console script.
 
-    nereusd serve [--config /etc/nereus/nereusd.toml]
+    nereusd serve [--config /etc/nereus/nereusd.toml] [--new-store]
     nereusd keys init    [--config PATH | --state-dir DIR]
     nereusd keys create NAME --user USER [--role agent|admin] --out DIR [--config PATH | --state-dir DIR]
     nereusd keys list    [--config PATH | --state-dir DIR]
     nereusd keys revoke NAME [--config PATH | --state-dir DIR]
 
-Exit codes: 0 ok, 1 runtime failure, 2 bad configuration or arguments.
+Every error is one line on stderr (no traceback). Exit codes (etc/nereusd.service keeps systemd from
+restarting on 2 and 3, which need a person):
+  0  stopped on SIGTERM/SIGINT
+  1  runtime failure (the authenticator stopped, an unexpected error)
+  2  bad configuration or arguments (the settings key and what is allowed are named)
+  3  the environment refused start-up: state_dir not writable or full, the store missing where one was
+     (``--new-store`` starts empty on purpose), damaged or failing integrity_check, key files with loose
+     permissions, a port in use or a bind host that is not this host's
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from typing import Any
 
 from planner.errors import NereusError, SpecError
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_STARTUP = 0, 1, 2, 3
 
 
 def _settings(args: argparse.Namespace) -> Any:
@@ -29,7 +36,7 @@ def _settings(args: argparse.Namespace) -> Any:
 
     overrides: dict[str, Any] = {}
     if getattr(args, "state_dir", None):
-        overrides["daemon"] = {"state_dir": args.state_dir}
+        overrides["daemon"] = {"state_dir": str(Path(args.state_dir).absolute())}  # explicit: relative to here
     return load_settings(args.config, **overrides)
 
 
@@ -61,7 +68,8 @@ def serve(args: argparse.Namespace) -> int:
     configure_logging(settings.daemon.log_format, settings.daemon.log_level)
     log = get_logger("daemon")
     planner, planner_name = make_planner(log)
-    daemon = Daemon(settings, source=make_source(settings, log), planner=planner, planner_name=planner_name)
+    daemon = Daemon(settings, source=make_source(settings, log), planner=planner, planner_name=planner_name,
+                    new_store=args.new_store)
 
     def stop(signum: int, _frame: Any) -> None:
         log.info("signal", signal=signal.Signals(signum).name)
@@ -73,6 +81,9 @@ def serve(args: argparse.Namespace) -> int:
         daemon.serve()
     finally:
         daemon.close()
+    if daemon.fatal:
+        print(f"nereusd: failed: {daemon.fatal}", file=sys.stderr)
+        return EXIT_FAILED
     return EXIT_OK
 
 
@@ -106,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser("serve", help="run the daemon (systemd: Type=notify)")
     p.add_argument("--config", help="settings TOML (default: $NEREUS_CONFIG or /etc/nereus/nereusd.toml)")
+    p.add_argument("--new-store", action="store_true",
+                   help="start with an empty store although state_dir held one (it was lost or moved aside)")
     p.set_defaults(handler=serve)
     k = sub.add_parser("keys", help="CURVE keys: server keypair and client (agent/admin) keys")
     ksub = k.add_subparsers(dest="keys_command", required=True, metavar="KEYS_COMMAND")
@@ -127,9 +140,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from nereusd.daemon import StartupError
+
     args = build_parser().parse_args(argv)
     try:
         return int(args.handler(args))
+    except StartupError as exc:
+        print(f"nereusd: cannot start: {exc}", file=sys.stderr)
+        return EXIT_STARTUP
     except SpecError as exc:
         print(f"nereusd: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -3,11 +3,16 @@
 Three gates, in order, for every frame:
 1. CURVE (ZAP): the client's public key must be an authorised key of the right role (agent keys on
    the agent socket, admin keys on the admin socket); anyone else never gets a message through.
-   The key's user name becomes the frame's User-Id.
+   The frame's User-Id is ``"<user> <public key>"``: the daemon knows who sent it from the key alone.
 2. ``protocol.decode``: oversized, malformed, wrong-version and invalid messages get an ErrorReply
-   and a log line, and the loop goes on.
+   naming the field, and the loop goes on.
 3. Authorisation: a message about a job is accepted only from that job's (Slurm) user, and a
-   heartbeat/report only from the agent session that registered the node.
+   heartbeat/report only from the connection and key that registered the node.
+
+Routing ids are never trusted as identity: the ROUTER refuses a second connection that claims a
+routing id already in use (no ZMQ handover), so no key can take over another's connection, and a
+session is bound to (routing id, key), never to a name the client picked. Dead connections are
+dropped by ZMTP heartbeats, so an agent that reconnects with its routing id gets it back.
 
 ``ControlServer`` does transport and those gates; what a message *means* is the ``on_message`` hook
 that the daemon supplies (nereusd/daemon.py).
@@ -32,25 +37,49 @@ _DOMAIN_ROLE: dict[str, Role] = {AGENT_DOMAIN: "agent", ADMIN_DOMAIN: "admin"}
 
 
 class _KeyAuthenticator(zmq.auth.thread.ThreadAuthenticator):
-    """ZAP handler: authorised keys by role per domain; the User-Id is the key's user name."""
+    """ZAP handler: authorised keys by role per domain; the User-Id is "<user> <public key>".
+
+    Nothing a client or a key file does may raise here: an exception would end the ZAP thread and
+    leave the daemon deaf to every new connection. A bad key file is skipped and reported by KeyStore;
+    any other failure refuses that one handshake and is logged."""
 
     def __init__(self, context: zmq.Context, keys: KeyStore, log: Any) -> None:
         super().__init__(context)
         self._keys = keys
         self._nlog = log
+        self._reported: tuple[str, ...] = ()
+
+    def _authorised(self) -> dict[bytes, Any]:
+        found = self._keys.authorised()
+        problems = tuple(self._keys.problems)
+        if problems != self._reported:
+            for p in problems:
+                self._nlog.error("key-file-skipped", problem=p)
+            self._reported = problems
+        return found
 
     def callback(self, domain: str, key: bytes) -> bool:
-        client = self._keys.authorised().get(key)
-        ok = client is not None and client.role == _DOMAIN_ROLE.get(domain)
-        if not ok:
-            self._nlog.warning("curve-refused", domain=domain, key=key.decode()[:8] + "...",
-                               reason="unknown key" if client is None else f"role {client.role} on {domain}")
-        return ok
+        try:
+            client = self._authorised().get(key)
+            ok = client is not None and client.role == _DOMAIN_ROLE.get(domain)
+            if not ok:
+                self._nlog.warning("curve-refused", domain=domain, key=key.decode(errors="replace")[:8] + "...",
+                                   reason="unknown key" if client is None else f"role {client.role} on {domain}")
+            return ok
+        except Exception as exc:  # refuse this handshake; the thread must live on
+            self._nlog.error("curve-check-failed", domain=domain, error=repr(exc))
+            return False
 
     def curve_user_id(self, client_public_key: bytes) -> str:
         import zmq.utils.z85 as z85
 
-        return self._keys.authorised()[z85.encode(client_public_key)].user
+        try:
+            z = z85.encode(client_public_key)
+            client = self._authorised().get(z)
+            return f"{client.user} {z.decode()}" if client is not None else ""
+        except Exception as exc:
+            self._nlog.error("curve-user-id-failed", error=repr(exc))
+            return ""
 
 
 def start_authenticator(context: zmq.Context, keys: KeyStore, log: Any) -> _KeyAuthenticator:
@@ -64,7 +93,8 @@ def start_authenticator(context: zmq.Context, keys: KeyStore, log: Any) -> _KeyA
 @dataclass(slots=True)
 class Incoming:
     identity: bytes
-    user: str
+    user: str  # from the CURVE key (ZAP), never from the message
+    key: str  # the client's public key (z85): what a session is bound to
     frame_bytes: int
     encoding: protocol.Encoding
 
@@ -73,24 +103,32 @@ class CurveRouter:
     """A ROUTER socket bound with CURVE on one domain; decodes frames and replies in kind."""
 
     def __init__(self, context: zmq.Context, *, domain: str, server_keys: tuple[bytes, bytes], host: str,
-                 port: int, max_message_bytes: int, log: Any, on_reject: Callable[[str], None]) -> None:
+                 port: int, max_message_bytes: int, log: Any, on_reject: Callable[[str], None],
+                 heartbeat_s: float = 2.0, heartbeat_timeout_s: float = 6.0) -> None:
         self.sock = context.socket(zmq.ROUTER)
         self.sock.curve_server = True
         self.sock.curve_publickey, self.sock.curve_secretkey = server_keys
         self.sock.zap_domain = domain.encode()
         self.sock.linger = 0
         self.sock.router_mandatory = False  # replies to peers that went away are dropped, not raised
-        # An agent keeps its routing id across reconnects; a restarted agent process takes the id over.
-        self.sock.router_handover = True
+        # A routing id in use is never handed to a second connection (another key could take it over);
+        # ZMTP heartbeats drop dead connections, so an agent reconnecting with its routing id gets it back.
+        self.sock.router_handover = False
+        self.sock.heartbeat_ivl = int(heartbeat_s * 1e3)
+        self.sock.heartbeat_timeout = int(heartbeat_timeout_s * 1e3)
         # A hard guard far above the protocol limit: messages between the two get an ErrorReply, only
         # absurd ones make ZeroMQ drop the connection (which must not buffer a gigabyte first).
         self.sock.setsockopt(zmq.MAXMSGSIZE, 16 * max_message_bytes)
         self.sock.sndhwm = 100_000
-        if port == 0:
-            self.port = self.sock.bind_to_random_port(f"tcp://{host}")
-        else:
-            self.sock.bind(f"tcp://{host}:{port}")
-            self.port = port
+        try:
+            if port == 0:
+                self.port = self.sock.bind_to_random_port(f"tcp://{host}")
+            else:
+                self.sock.bind(f"tcp://{host}:{port}")
+                self.port = port
+        except zmq.ZMQError:
+            self.sock.close(linger=0)  # an open socket would keep the context from terminating
+            raise
         self.max_message_bytes = max_message_bytes
         self.log = log
         self.on_reject = on_reject
@@ -103,10 +141,13 @@ class CurveRouter:
         frames = self.sock.recv_multipart(copy=False)
         identity = frames[0].bytes
         body = frames[-1]
-        user = body.get("User-Id")
+        user, _, key = (body.get("User-Id") or "").partition(" ")
         data = body.bytes
         enc = protocol.encoding_of(data)
-        inc = Incoming(identity=identity, user=user, frame_bytes=len(data), encoding=enc)
+        inc = Incoming(identity=identity, user=user, key=key, frame_bytes=len(data), encoding=enc)
+        if not key:
+            self.reject(inc, "forbidden", "this connection's key is no longer authorised (revoked?)")
+            return None
         if len(frames) != 2:
             self.reject(inc, "malformed", f"expected one body frame, got {len(frames) - 1}")
             return None
@@ -130,16 +171,18 @@ class CurveRouter:
 
 @dataclass(slots=True)
 class Session:
-    """An agent connection: which node of which job, for which user; encoding the agent speaks."""
+    """An agent connection: which node of which job, for which user and key; the encoding it speaks."""
 
     job_id: str
     node: str
     user: str
+    key: str  # the CURVE public key that registered the node
     encoding: protocol.Encoding
 
 
 class SessionTable:
-    """Agent identity <-> (job, node). Authorisation of follow-up messages checks against it."""
+    """Agent connection (routing id) <-> (job, node), one node per connection. Authorisation of
+    follow-up messages checks against it."""
 
     def __init__(self) -> None:
         self.by_identity: dict[bytes, Session] = {}
@@ -164,11 +207,11 @@ class SessionTable:
         return len(self.by_identity)
 
 
-def check_session(sessions: SessionTable, identity: bytes, user: str, job_id: str, node: str) -> tuple[str, str] | None:
-    """None when (identity, user) may speak for (job, node); else an (error code, message)."""
+def check_session(sessions: SessionTable, identity: bytes, key: str, job_id: str, node: str) -> tuple[str, str] | None:
+    """None when (connection, key) may speak for (job, node); else an (error code, message)."""
     s = sessions.by_identity.get(identity)
     if s is None:
         return "unknown-session", "this agent is not registered (the daemon restarted?): send register again"
-    if s.user != user or s.job_id != job_id or s.node != node:
+    if s.key != key or s.job_id != job_id or s.node != node:
         return "forbidden", f"this session speaks for {s.job_id}/{s.node}, not {job_id}/{node}"
     return None

@@ -147,6 +147,9 @@ class JobController:
         self._pending_prediction: Any = None  # the candidate's prediction, until its transition is done
         # The L_tran correction is not stored itself: it is a function of the completed transitions, which
         # are, so a restarted daemon replays them (the efficiencies, by contrast, restart from the priors).
+        for t in store.open_transitions(job_id):  # stored by an older daemon that died before ordering it
+            if t["state"] == "planned":
+                store.set_transition_state(t["id"], "cancelled", "the daemon restarted before it was ordered")
         done = [t for t in store.transitions(job_id) if t["state"] == "done"]
         for t in done[-TRANSITIONS_REPLAYED:]:
             self._observe_transition(t)
@@ -183,10 +186,11 @@ class JobController:
 
     def on_node_lost(self, node: str, reason: str) -> None:
         self.pool_dirty = True
-        for t in self.store.transitions(self.job_id):
+        # open transitions and a count only: a mass loss of 1,024 nodes must not parse every row per node
+        for t in self.store.open_transitions(self.job_id):
             if t["state"] == "ordered" and node in t["parts_pending"]:
                 self._finish_transition(t, ok=False, reason=f"node {node} lost mid-transition: {reason}")
-        if not any(n["state"] == "alive" for n in self.store.nodes(self.job_id)):
+        if self.store.count_nodes(self.job_id, "alive") == 0:
             self._set_state("lost", f"every node is lost (last: {node})")
 
     def on_measurement(self, msg: protocol.Measurement) -> None:
@@ -355,9 +359,15 @@ class JobController:
         sketch = sketch or TransitionSketch(predicted_s=0.0, bytes_moved=0, dag={})
         alive = [n["node"] for n in self.store.nodes(self.job_id) if n["state"] == "alive"]
         from_version = self.plan.version if self.plan else 0
-        tid = self.store.add_transition(job_id=self.job_id, decision_id=decision_id, from_version=from_version,
-                                        to_version=new_plan.version, dag=sketch.dag, bytes_moved=sketch.bytes_moved,
-                                        predicted_s=sketch.predicted_s, parts=alive)
+        # Stored as ordered (and the job as transitioning) in one commit *before* any order leaves: a
+        # daemon killed in between comes back knowing the transition its agents may already be running.
+        with self.store.transaction():
+            tid = self.store.add_transition(job_id=self.job_id, decision_id=decision_id, from_version=from_version,
+                                            to_version=new_plan.version, dag=sketch.dag,
+                                            bytes_moved=sketch.bytes_moved, predicted_s=sketch.predicted_s,
+                                            parts=alive)
+            self.store.set_transition_state(tid, "ordered", f"sent to {len(alive)} node(s)")
+            self._set_state("transitioning", f"transition {tid} ordered (v{from_version} -> v{new_plan.version})")
         self.metrics.transition_cost.labels("predicted").observe(sketch.predicted_s)
         self._pending_prediction = prediction
         for node in alive:
@@ -365,8 +375,6 @@ class JobController:
             self.send_order(node, protocol.TransitionOrder(job_id=self.job_id, transition_id=tid,
                                                            from_version=from_version, to_version=new_plan.version,
                                                            part=part))
-        self.store.set_transition_state(tid, "ordered", f"sent to {len(alive)} node(s)")
-        self._set_state("transitioning", f"transition {tid} ordered (v{from_version} -> v{new_plan.version})")
 
     def _finish_transition(self, t: dict[str, Any], *, ok: bool, reason: str) -> None:
         self.store.set_transition_state(t["id"], "done" if ok else "failed", reason)
@@ -385,7 +393,7 @@ class JobController:
         else:
             self.pool_dirty = True  # a lost node changes the pool, which triggers the next replan
         if self.job["state"] == "transitioning":
-            alive = any(n["state"] == "alive" for n in self.store.nodes(self.job_id))
+            alive = self.store.count_nodes(self.job_id, "alive") > 0
             self._set_state("running" if alive else "lost", f"transition {t['id']} {'done' if ok else 'failed'}")
 
     # --- helpers ------------------------------------------------------------------------------------

@@ -8,15 +8,23 @@ tell systemd READY=1 ($NOTIFY_SOCKET, if set).
 
 The allocation source is polled in a worker thread (a slow or failing Slurm command must not stall
 heartbeats); its events and the results of grow/shrink requests come back through a queue.
+
+Nothing from outside may stop the loop: a stored job that cannot be loaded or whose controller fails
+is marked damaged (``nereusctl jobs`` shows the reason) and the others are served; a message whose
+handler fails gets an ``internal`` error reply. Each pass serves the admin socket first and agents
+for at most ``AGENT_BATCH_S``, so admin calls answer promptly under any agent traffic. Start-up
+problems (state dir, store, key permissions, ports) raise ``StartupError``: one line, exit code 3.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
 import resource
 import socket
+import sqlite3
 import threading
 import time
 from collections.abc import Callable
@@ -27,7 +35,15 @@ import zmq
 
 from nereusd import protocol
 from nereusd.admin import AdminError, AdminOps
-from nereusd.allocation import AllocationEvent, AllocationSource, ElasticJob
+from nereusd.allocation import (
+    Allocation,
+    AllocationError,
+    AllocationEvent,
+    AllocationSource,
+    ElasticJob,
+    EventKind,
+    NodeAllocation,
+)
 from nereusd.control import (
     ADMIN_DOMAIN,
     AGENT_DOMAIN,
@@ -44,10 +60,71 @@ from nereusd.metrics import Metrics
 from nereusd.settings import Settings
 from nereusd.store import TERMINAL_JOB_STATES, Store
 from planner import admission
-from planner.errors import NereusError
+from planner.errors import NereusError, SpecError
 
 HEARTBEAT_FLUSH_S = 5.0  # last-heartbeat times reach the store this often (one transaction for all)
 SLOW_HANDLER_S = 0.2
+AGENT_BATCH_S = 0.05  # agent messages served per pass before the admin socket is looked at again
+ADMIN_BATCH = 16
+RESTART_GRACE_S = 5.0  # added to the heartbeat time-out for nodes restored from the store
+LOST_PER_TICK = 64  # silent nodes marked lost per tick; the rest on the next ticks
+STORE_MARKER = "store.json"  # written next to the db when it is created: a missing db is then noticed
+_ADDS = frozenset({EventKind.GRANTED, EventKind.GROWN})
+_REMOVES = frozenset({EventKind.SHRUNK, EventKind.RELEASED, EventKind.NODE_DOWN, EventKind.PREEMPTED,
+                      EventKind.CANCELLED, EventKind.TIME_LIMIT, EventKind.FAILED, EventKind.COMPLETED})
+
+
+TRANSIENT = (sqlite3.OperationalError, OSError)  # a full disk, a locked db: retried, never "damaged"
+
+
+class StartupError(NereusError):
+    """The environment refuses start-up (state dir, store, keys, ports): one line; ``nereusd`` exits 3."""
+
+
+def _open_store(state_dir: Path, *, new_store: bool, log: Any) -> Store:
+    """The store, after the checks that turn a damaged or vanished store into a one-line refusal."""
+    db = state_dir / "nereusd.db"
+    marker = state_dir / STORE_MARKER
+    if db.is_dir():
+        raise StartupError(f"the store path {db} is a directory: move it away (daemon.state_dir holds the db)")
+    try:  # read-only or full: better one line now than a failed first write later
+        probe = state_dir / f".probe-{os.getpid()}"
+        with open(probe, "wb") as f:
+            f.write(b"\0" * 65536)
+            f.flush()
+            os.fsync(f.fileno())
+        probe.unlink()
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            probe.unlink(missing_ok=True)
+        raise StartupError(f"daemon.state_dir {state_dir} is not writable: {exc.strerror}") from None
+    empty = not db.exists() or db.stat().st_size == 0
+    # a daemon served from here before (its marker, or the endpoints.json of a daemon older than the marker)
+    evidence = next((p for p in (marker, state_dir / "endpoints.json") if p.exists()), None)
+    if empty and evidence is not None and not new_store:
+        what = "missing" if not db.exists() else "empty (0 bytes)"
+        raise StartupError(f"the store {db} is {what}, but {state_dir} held one ({evidence.name} says so): restore "
+                           "it from a backup, or start with `nereusd serve --new-store` to begin with no jobs")
+    if empty and evidence is not None:
+        log.warning("new-store", path=str(db), reason="--new-store: the previous store is gone; starting empty")
+    try:
+        store = Store(db)
+        check = store.db.execute("PRAGMA integrity_check").fetchall()
+        verdict = "; ".join(str(next(iter(r.values()))) for r in check[:3])
+        if verdict != "ok":
+            store.close()
+            raise StartupError(f"the store {db} fails integrity_check ({verdict[:200]}): restore it from a "
+                               "backup, or move it aside and start with --new-store")
+    except sqlite3.DatabaseError as exc:
+        raise StartupError(f"the store {db} cannot be opened ({exc}): restore it from a backup, or move it "
+                           "aside and start with --new-store") from None
+    except sqlite3.Error as exc:
+        raise StartupError(f"the store {db} cannot be opened: {exc}") from None
+    except OSError as exc:
+        raise StartupError(f"the store {db} cannot be opened: {exc.strerror or exc}") from None
+    if not marker.exists() or empty:
+        _write_atomic_json(marker, {"db": db.name, "created_at": time.time()})
+    return store
 
 
 def sd_notify(state: str) -> bool:
@@ -57,9 +134,12 @@ def sd_notify(state: str) -> bool:
         return False
     if addr.startswith("@"):
         addr = "\0" + addr[1:]  # abstract namespace
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
-        s.connect(addr)
-        s.sendall(state.encode())
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.connect(addr)
+            s.sendall(state.encode())
+    except OSError:  # the supervisor went away (or never listened): no reason to fail or to stop serving
+        return False
     return True
 
 
@@ -79,6 +159,22 @@ def _write_atomic_json(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
+def replay_allocation(job_id: str, events: list[dict[str, Any]]) -> Allocation | None:
+    """The nodes a job holds after its stored allocation events (None: the source never granted any)."""
+    if not events:
+        return None
+    held: dict[str, NodeAllocation] = {}
+    for data in events:
+        kind = EventKind(data["kind"])
+        for n in data.get("nodes", ()):
+            node = NodeAllocation.from_dict(n)
+            if kind in _ADDS:
+                held[node.node] = node
+            elif kind in _REMOVES:
+                held.pop(node.node, None)
+    return Allocation(job_id=job_id, nodes=tuple(held.values()))
+
+
 class _SourceWorker(threading.Thread):
     """Runs the allocation source off the serve loop: periodic poll() plus queued grow/shrink calls."""
 
@@ -96,7 +192,7 @@ class _SourceWorker(threading.Thread):
                     op, args = self.requests.get_nowait()
                     try:
                         getattr(self.source, op)(*args)
-                    except NereusError as exc:
+                    except Exception as exc:  # a request the checks let through but the source refused
                         self.log.warning("allocation-request-failed", op=op, args=str(args), error=str(exc))
             except queue.Empty:
                 pass
@@ -109,52 +205,61 @@ class _SourceWorker(threading.Thread):
 
 
 class Daemon:
+    agents: CurveRouter
+    admin: CurveRouter
+
     def __init__(self, settings: Settings, *, source: AllocationSource | None = None,
-                 planner: PlannerPort | None = None, planner_name: str = "none") -> None:
+                 planner: PlannerPort | None = None, planner_name: str = "none", new_store: bool = False) -> None:
         t0 = time.monotonic()
         self.settings = settings
         self.log = get_logger("daemon")
         self.state_dir = Path(settings.daemon.state_dir)
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        self.store = Store(self.state_dir / "nereusd.db")
-        self.store.start_checkpointer()
+        try:
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StartupError(f"cannot create daemon.state_dir {self.state_dir}: {exc.strerror}") from None
+        if not self.state_dir.is_dir():
+            raise StartupError(f"daemon.state_dir {self.state_dir} is not a directory")
         self.keys = KeyStore(self.state_dir / "keys")
-        if self.keys.init():
+        try:
+            self.keys.check_permissions()
+            created = self.keys.init()
+        except SpecError as exc:
+            raise StartupError(str(exc)) from None
+        except OSError as exc:
+            raise StartupError(f"cannot set up the keys in {self.keys.root}: {exc.strerror}") from None
+        if created:
             self.log.info("server-keys-created", path=str(self.keys.root))
+        self.store = _open_store(self.state_dir, new_store=new_store, log=self.log)
         self.metrics = Metrics()
         self.source = source
         self.planner = planner
         self.planner_name = planner_name
         self.sessions = SessionTable()
         self.controllers: dict[str, JobController] = {}
+        self.damaged: dict[str, str] = {}  # job -> why it cannot be served (shown by nereusctl)
+        self.restored: set[tuple[str, str]] = set()  # nodes alive in the store at start: given a grace
         self.node_state: dict[tuple[str, str], str] = {}
+        self.nodes_of: dict[str, set[str]] = {}  # job -> its known nodes (the per-job node limit)
         self.last_seen: dict[tuple[str, str], float] = {}  # monotonic time of the last message per node
         self.heartbeats_to_flush: dict[tuple[str, str], float] = {}
         self.worker_states: dict[tuple[str, str], list[dict[str, Any]]] = {}  # as last reported per node
         self.admin_ops = AdminOps(self)
         self.stopping = threading.Event()
+        self.fatal: str | None = None  # set when the daemon must stop with an error (exit 1)
         self.started_at = time.time()
         self.started_monotonic = t0
+        self.ctx: zmq.Context | None = None
+        try:
+            self._bind(settings)
+        except BaseException:
+            self._close_transport()
+            self.store.close()
+            raise
 
-        ctl = settings.control
-        fd_limit = raise_fd_limit()
-        self.ctx = zmq.Context()
-        self.ctx.set(zmq.MAX_SOCKETS, max(1024, fd_limit))
-        self.auth = start_authenticator(self.ctx, self.keys, self.log)
-        server_keys = self.keys.server_keys()
-        self.agents = CurveRouter(self.ctx, domain=AGENT_DOMAIN, server_keys=server_keys, host=ctl.bind_host,
-                                  port=ctl.port, max_message_bytes=ctl.max_message_bytes, log=self.log,
-                                  on_reject=lambda code: self.metrics.rejected.labels(code).inc())
-        self.admin = CurveRouter(self.ctx, domain=ADMIN_DOMAIN, server_keys=server_keys, host=ctl.bind_host,
-                                 port=ctl.admin_port, max_message_bytes=ctl.max_message_bytes, log=self.log,
-                                 on_reject=lambda code: self.metrics.rejected.labels(code).inc())
-        self.endpoints = {"control": f"tcp://{ctl.bind_host}:{self.agents.port}",
-                          "admin": f"tcp://{ctl.bind_host}:{self.admin.port}", "metrics": None}
-        if settings.metrics.enabled:
-            port = self.metrics.serve(ctl.bind_host, settings.metrics.port)
-            self.endpoints["metrics"] = f"http://{ctl.bind_host}:{port}/metrics"
-        _write_atomic_json(self.state_dir / "endpoints.json", {**self.endpoints, "pid": os.getpid()})
-
+        # The serve loop calls the source too (track, jobs, allocation) while its thread polls: the local
+        # source locks itself; the Slurm source's serve-loop calls only read or replace whole values. No
+        # lock is shared with the poll thread, so a slow squeue never stalls the loop.
         self.worker: _SourceWorker | None = None
         if source is not None:
             interval = settings.slurm.poll_interval_s if source.name == "slurm" else 0.2
@@ -162,18 +267,104 @@ class Daemon:
         self._restore()
         self.startup_s = time.monotonic() - t0
 
+    def _bind(self, settings: Settings) -> None:
+        ctl = settings.control
+        fd_limit = raise_fd_limit()
+        self.ctx = zmq.Context()
+        self.ctx.set(zmq.MAX_SOCKETS, max(1024, fd_limit))
+        self.auth = start_authenticator(self.ctx, self.keys, self.log)
+        try:
+            server_keys = self.keys.server_keys()
+        except SpecError as exc:
+            raise StartupError(str(exc)) from None
+        # ZMTP pings drop a dead connection (a crashed host) so its agent can reconnect with its routing id;
+        # no sooner than a node would be marked lost anyway, so a loaded client is never cut off early
+        hb = max(1.0, ctl.heartbeat_interval_s * 2)
+        hb_timeout = max(3 * hb, ctl.heartbeat_timeout_s)
+        for name, port in (("agents", ctl.port), ("admin", ctl.admin_port)):
+            try:
+                router = CurveRouter(self.ctx, domain=AGENT_DOMAIN if name == "agents" else ADMIN_DOMAIN,
+                                     server_keys=server_keys, host=ctl.bind_host, port=port,
+                                     max_message_bytes=ctl.max_message_bytes, log=self.log, heartbeat_s=hb,
+                                     heartbeat_timeout_s=hb_timeout,
+                                     on_reject=lambda code: self.metrics.rejected.labels(code).inc())
+            except zmq.ZMQError as exc:
+                key = "control.port" if name == "agents" else "control.admin_port"
+                raise StartupError(f"cannot bind the {name} socket to tcp://{ctl.bind_host}:{port} ({exc}): "
+                                   f"check control.bind_host (an address of this host) and {key} (a free port)"
+                                   ) from None
+            setattr(self, name, router)
+        self.endpoints = {"control": f"tcp://{ctl.bind_host}:{self.agents.port}",
+                          "admin": f"tcp://{ctl.bind_host}:{self.admin.port}", "metrics": None}
+        if settings.metrics.enabled:
+            try:
+                port = self.metrics.serve(ctl.bind_host, settings.metrics.port)
+            except OSError as exc:
+                raise StartupError(f"cannot serve metrics on {ctl.bind_host}:{settings.metrics.port} "
+                                   f"({exc.strerror or exc}): set metrics.port to a free port, or "
+                                   "metrics.enabled = false") from None
+            self.endpoints["metrics"] = f"http://{ctl.bind_host}:{port}/metrics"
+        try:
+            _write_atomic_json(self.state_dir / "endpoints.json", {**self.endpoints, "pid": os.getpid()})
+        except OSError as exc:
+            raise StartupError(f"cannot write {self.state_dir / 'endpoints.json'}: {exc.strerror}") from None
+
+    def _close_transport(self) -> None:
+        for name in ("agents", "admin"):
+            router = getattr(self, name, None)
+            if router is not None:
+                router.close()
+        if getattr(self, "auth", None) is not None:
+            self.auth.stop()
+        if self.ctx is not None:
+            self.ctx.term()
+            self.ctx = None
+        self.metrics.close()
+
     # --- start-up and shutdown ----------------------------------------------------------------------
     def _restore(self) -> None:
-        now = time.monotonic()
         for job in self.store.jobs(include_terminal=False):
-            self._start_controller(job["job_id"])
-            if self.source is not None and "elastic" in job["spec"]:
-                self.source.track(ElasticJob.from_dict(job["spec"]["elastic"]))
-            for n in self.store.nodes(job["job_id"]):
-                key = (job["job_id"], n["node"])
-                self.node_state[key] = n["state"]
-                if n["state"] == "alive":
-                    self.last_seen[key] = now  # a fresh grace period: the agent may just not have spoken yet
+            try:
+                self._restore_job(job)
+            except Exception as exc:  # one unreadable job must not keep the others from being served
+                self._mark_damaged(job["job_id"], f"cannot be restored: {type(exc).__name__}: {exc}")
+        for job in self.store.jobs():
+            if job.get("damaged") and job["job_id"] not in self.damaged:
+                self._mark_damaged(job["job_id"], str(job["damaged"]))
+
+    def _restore_job(self, job: dict[str, Any]) -> None:
+        job_id = job["job_id"]
+        if job.get("damaged"):
+            raise ValueError(job["damaged"])
+        self._start_controller(job_id)
+        if self.source is not None and "elastic" in job["spec"]:
+            ej = ElasticJob.from_dict(job["spec"]["elastic"])
+            # the stored allocation, so a restart grants nothing again and keeps grown nodes (the local
+            # source); Slurm finds its jobs again itself from the anchor and member ids
+            held = replay_allocation(job_id, self.store.allocation_events(job_id)) \
+                if self.source.name == "local" else None
+            self.source.track(ej, held)
+        now = time.monotonic()
+        for n in self.store.nodes(job_id):
+            key = (job_id, n["node"])
+            self.node_state[key] = n["state"]
+            self.nodes_of.setdefault(job_id, set()).add(n["node"])
+            if n["state"] == "alive":  # a fresh grace period (restarted in serve()): the agent reconnects
+                self.last_seen[key] = now
+                self.restored.add(key)
+
+    def _mark_damaged(self, job_id: str, reason: str) -> None:
+        reason = reason.splitlines()[0][:400] if reason else "unknown"
+        self.damaged[job_id] = reason
+        self.controllers.pop(job_id, None)
+        self.log.error("job-damaged", job=job_id, reason=reason)
+        try:
+            self.store.add_event("job-damaged", {"reason": reason}, job_id=job_id)
+        except Exception as exc:  # the store itself may be what is broken
+            self.log.error("job-damaged-not-recorded", job=job_id, error=repr(exc))
+
+    def damaged_jobs(self) -> dict[str, str]:
+        return dict(self.damaged)
 
     def _start_controller(self, job_id: str) -> JobController:
         p = self.settings.planner
@@ -186,36 +377,72 @@ class Daemon:
         self.controllers[job_id] = ctl
         return ctl
 
-    def add_job(self, *, job_id: str, user: str, spec: dict[str, Any], slurm_job_id: str | None = None) -> None:
-        elastic = spec.get("elastic")
-        if elastic is not None:
-            ej = ElasticJob.from_dict({**elastic, "job_id": job_id, "slurm_user": elastic.get("slurm_user", user)})
-            if ej.slurm_user != user:
-                raise NereusError(f"job user {user!r} differs from its Slurm user {ej.slurm_user!r}")
+    def add_job(self, *, job_id: str, user: str, spec: protocol.JobSpecModel,
+                slurm_job_id: str | None = None) -> None:
+        """Validate the job fully (structure, planner presets, elastic relations, the allocation source)
+        and only then store it; a refusal raises NereusError naming what is wrong."""
+        if self.store.job(job_id) is not None:
+            raise SpecError("job", f"job {job_id!r} exists", "a new job name")
+        stored = spec.stored()
+        check = getattr(self.planner, "check_spec", None)
+        if check is not None and spec.model is not None:
+            check(stored)  # model, algo, device, workload resolve to presets and fit together
+        ej: ElasticJob | None = None
+        if spec.elastic is not None:
+            elastic = stored["elastic"]
+            owner = elastic.get("slurm_user", user)
+            if owner != user:
+                raise SpecError("spec.elastic.slurm_user", f"{owner!r} differs from the job's user {user!r}",
+                                "the job's user (or leave it out)")
+            ej = ElasticJob.from_dict({**elastic, "job_id": job_id, "slurm_user": user})
             slurm_job_id = slurm_job_id or ej.anchor_job_id
-            spec = {**spec, "elastic": ej.to_dict()}
-        self.store.add_job(job_id=job_id, user=user, spec=spec, slurm_job_id=slurm_job_id)
-        self.store.add_event("job-added", {"user": user, "slurm_job_id": slurm_job_id}, job_id=job_id)
+            stored["elastic"] = ej.to_dict()
+            if self.source is not None:
+                self.source.track(ej)
+        try:
+            self.store.add_job(job_id=job_id, user=user, spec=stored, slurm_job_id=slurm_job_id)
+            self.store.add_event("job-added", {"user": user, "slurm_job_id": slurm_job_id}, job_id=job_id)
+        except BaseException:
+            if self.source is not None and ej is not None:
+                self.source.untrack(job_id)
+            raise
         self._start_controller(job_id)
-        if self.source is not None and elastic is not None:
-            self.source.track(ElasticJob.from_dict(spec["elastic"]))
         self.log.info("job-added", job=job_id, user=user, slurm_job_id=slurm_job_id)
 
-    def source_request(self, op: str, *args: Any) -> None:
-        if self.worker is None:
-            raise AdminError("invalid", "the daemon runs without an allocation source")
-        self.worker.requests.put((op, args))
+    def source_request(self, op: str, job_id: str, arg: Any) -> None:
+        """Check a grow/shrink against what the job holds now, then queue it for the source thread."""
+        if self.worker is None or self.source is None:
+            raise AllocationError("the daemon runs without an allocation source")
+        tracked = {j.job_id: j for j in self.source.jobs()}
+        if job_id not in tracked:
+            raise AllocationError(f"job {job_id!r} has no elastic allocation (its spec has no 'elastic')")
+        held = self.source.allocation(job_id).node_names
+        free = getattr(self.source, "free_nodes", None)
+        free_count = len(free()) if free is not None else None
+        if op == "grow":
+            room = tracked[job_id].max_nodes - len(held)
+            if arg > room:
+                raise AllocationError(f"grow {job_id}: {arg} more node(s) would pass max_gpus="
+                                      f"{tracked[job_id].max_gpus} (it holds {len(held)}, room for {room})")
+            if free_count is not None and arg > free_count:
+                raise AllocationError(f"grow {job_id}: {arg} node(s) asked, {free_count} free")
+        else:
+            unknown = [n for n in arg if n not in held]
+            if unknown:
+                raise AllocationError(f"shrink {job_id}: it holds no node {', '.join(map(repr, unknown))} "
+                                      f"(it holds: {', '.join(held) or 'none'})")
+        self.worker.requests.put((op, (job_id, arg)))
 
     def close(self) -> None:
         if self.worker is not None:
             self.worker.stop_event.set()
-            self.worker.join(timeout=5)
-        self._flush_heartbeats()
-        self.agents.close()
-        self.admin.close()
-        self.auth.stop()
-        self.ctx.term()
-        self.metrics.close()
+            if self.worker.is_alive():
+                self.worker.join(timeout=5)
+        try:
+            self._flush_heartbeats()
+        except Exception as exc:  # a full disk at shutdown: the next heartbeats write them again
+            self.log.error("heartbeat-flush-failed", error=repr(exc))
+        self._close_transport()
         self.store.close()
 
     # --- the loop -----------------------------------------------------------------------------------
@@ -235,16 +462,26 @@ class Daemon:
         if ready is not None:
             ready()
         next_tick = next_flush = time.monotonic()
+        # the grace of restored nodes counts from now, plus the agents' reconnect back-off (up to 2 s,
+        # nereusd.client): a daemon down for a while must not mark every node lost on coming back
+        for key in self.restored:
+            if self.last_seen.get(key) is not None:
+                self.last_seen[key] = next_tick + RESTART_GRACE_S
+        self.restored.clear()
         while not self.stopping.is_set():
             timeout_ms = max(0, int((next_tick - time.monotonic()) * 1e3))
-            for sock, _ in poller.poll(timeout_ms):
-                # drain a bounded batch per socket, so the admin socket is never starved by agents
-                for _ in range(256):
-                    if sock is self.agents.sock:
-                        self._guarded(self._agent_message)
-                    else:
-                        self._guarded(self._admin_message)
-                    if not sock.poll(0):
+            ready_socks = dict(poller.poll(timeout_ms))
+            # admin first and bounded agent batches: nereusctl answers promptly under any agent traffic
+            if self.admin.sock in ready_socks:
+                for _ in range(ADMIN_BATCH):
+                    self._guarded(self._admin_message)
+                    if not self.admin.sock.poll(0):
+                        break
+            if self.agents.sock in ready_socks:
+                until = time.monotonic() + AGENT_BATCH_S
+                while True:
+                    self._guarded(self._agent_message)
+                    if time.monotonic() >= until or not self.agents.sock.poll(0):
                         break
             now = time.monotonic()
             if now >= next_tick:
@@ -254,7 +491,7 @@ class Daemon:
                 self._guarded(self._flush_heartbeats)
                 next_flush = now + HEARTBEAT_FLUSH_S
         sd_notify("STOPPING=1")
-        self.log.info("stopping")
+        self.log.info("stopping", error=self.fatal)
 
     def _guarded(self, fn: Callable[[], None]) -> None:
         """A bug in one handler is logged and the daemon keeps serving (never an assert that kills it)."""
@@ -268,6 +505,11 @@ class Daemon:
             self.log.warning("slow-handler", handler=fn.__name__, ms=round(took * 1e3, 1))
 
     def _tick(self) -> None:
+        if not self.auth.is_alive():  # deaf to every new connection: fail loudly, let systemd restart us
+            self.fatal = "the CURVE authenticator thread stopped: no new connection could be accepted"
+            self.log.error("authenticator-died")
+            self.stopping.set()
+            return
         if self.worker is not None:
             while True:
                 try:
@@ -278,36 +520,56 @@ class Daemon:
                 if ctl is None:
                     self.log.warning("allocation-event-for-unknown-job", job=ev.job_id, kind=ev.kind.value)
                     continue
-                ctl.on_allocation(ev)
+                try:
+                    ctl.on_allocation(ev)
+                except (NereusError, *TRANSIENT) as exc:
+                    self.log.error("allocation-event-failed", job=ev.job_id, error=str(exc))
+                except Exception as exc:
+                    self._mark_damaged(ev.job_id, f"allocation event failed: {type(exc).__name__}: {exc}")
+                    continue
                 for n in ev.nodes:
                     key = (ev.job_id, n.node)
                     if key in self.node_state:
-                        self.node_state[key] = next(r["state"] for r in self.store.nodes(ev.job_id)
-                                                    if r["node"] == n.node)
+                        row = self.store.node(ev.job_id, n.node)
+                        if row is not None:
+                            self.node_state[key] = row["state"]
         self._check_heartbeats()
         for job_id, ctl in list(self.controllers.items()):
             try:
                 ctl.step()
-            except NereusError as exc:
+            except (NereusError, *TRANSIENT) as exc:  # the next tick tries again
                 self.log.error("controller-step-failed", job=job_id, error=str(exc))
-            if self.store.job(job_id)["state"] in TERMINAL_JOB_STATES:  # type: ignore[index]
+            except Exception as exc:  # a bug or an unreadable record: this job stops, the others go on
+                self._mark_damaged(job_id, f"controller step failed: {type(exc).__name__}: {exc}")
+                continue
+            row = self.store.job(job_id)
+            if row is None or row["state"] in TERMINAL_JOB_STATES:
                 del self.controllers[job_id]
         self._update_gauges()
 
     def _check_heartbeats(self) -> None:
+        """Mark silent nodes lost, at most LOST_PER_TICK per tick (a mass loss is spread over ticks, so the
+        loop keeps answering while 1,024 nodes go)."""
         timeout = self.settings.control.heartbeat_timeout_s
         now = time.monotonic()
-        for key, seen in list(self.last_seen.items()):
-            if self.node_state.get(key) == "alive" and now - seen > timeout:
-                job_id, node = key
-                reason = f"no heartbeat for {now - seen:.1f} s (> {timeout:g} s)"
+        silent = [key for key, seen in self.last_seen.items()
+                  if self.node_state.get(key) == "alive" and now - seen > timeout]
+        for key in silent[:LOST_PER_TICK]:
+            job_id, node = key
+            reason = f"no heartbeat for {now - self.last_seen[key]:.1f} s (> {timeout:g} s)"
+            with self.store.transaction():
                 self.store.set_node_state(job_id, node, "lost", reason)
-                self.node_state[key] = "lost"
                 self.store.add_event("node-lost", {"node": node, "reason": reason}, job_id=job_id)
-                self.log.warning("node-lost", job=job_id, node=node, reason=reason)
-                ctl = self.controllers.get(job_id)
-                if ctl is not None:
+            self.node_state[key] = "lost"
+            self.log.warning("node-lost", job=job_id, node=node, reason=reason)
+            ctl = self.controllers.get(job_id)
+            if ctl is not None:
+                try:
                     ctl.on_node_lost(node, reason)
+                except TRANSIENT as exc:
+                    self.log.error("node-lost-handling-failed", job=job_id, error=str(exc))
+                except Exception as exc:
+                    self._mark_damaged(job_id, f"node-lost handling failed: {type(exc).__name__}: {exc}")
 
     def _flush_heartbeats(self) -> None:
         if self.heartbeats_to_flush:
@@ -329,7 +591,16 @@ class Daemon:
         if got is None:
             return
         inc, msg = got
-        reply = self._on_agent(inc.identity, inc.user, inc.encoding, msg)
+        try:
+            reply = self._on_agent(inc.identity, inc.user, inc.key, inc.encoding, msg)
+        except TRANSIENT as exc:  # a full disk: not stored, and the sender is told so
+            self.log.error("agent-message-not-stored", type=msg.type, error=str(exc))
+            reply = protocol.ErrorReply(code="internal", message=f"this {msg.type} was not stored ({exc}); "
+                                        "send it again later")
+        except Exception as exc:  # never no reply: the sender learns that this one was not taken
+            self.log.exception("agent-handler-failed", type=msg.type)
+            reply = protocol.ErrorReply(code="internal", message=f"the daemon failed on this {msg.type}: "
+                                        f"{type(exc).__name__} (logged); the daemon keeps serving")
         if isinstance(reply, protocol.ErrorReply):
             self.agents.reject(inc, reply.code, reply.message)
         else:
@@ -337,21 +608,24 @@ class Daemon:
             if reply is not None:
                 self.agents.send(inc.identity, reply, inc.encoding)
 
-    def _on_agent(self, identity: bytes, user: str, enc: protocol.Encoding, msg: Any) -> Any:
+    def _on_agent(self, identity: bytes, user: str, key: str, enc: protocol.Encoding, msg: Any) -> Any:
         if isinstance(msg, protocol.Register):
-            return self._register(identity, user, enc, msg)
+            return self._register(identity, user, key, enc, msg)
         if not isinstance(msg, (protocol.Heartbeat, protocol.Measurement, protocol.TransitionReport)):
             return protocol.ErrorReply(code="invalid", message=f"agents may not send {msg.type!r}")
-        denied = check_session(self.sessions, identity, user, msg.job_id, msg.node)
+        denied = check_session(self.sessions, identity, key, msg.job_id, msg.node)
         if denied is not None:
             return protocol.ErrorReply(code=denied[0], message=denied[1])
-        key = (msg.job_id, msg.node)
-        self.last_seen[key] = time.monotonic()
-        self.heartbeats_to_flush[key] = time.time()
+        if msg.job_id in self.damaged:
+            return protocol.ErrorReply(code="internal", message=f"job {msg.job_id!r} is damaged in the daemon's "
+                                       f"store ({self.damaged[msg.job_id]}); an admin must repair it")
+        node_key = (msg.job_id, msg.node)
+        self.last_seen[node_key] = time.monotonic()
+        self.heartbeats_to_flush[node_key] = time.time()
         ctl = self.controllers.get(msg.job_id)
-        if self.node_state.get(key) == "lost":
+        if self.node_state.get(node_key) == "lost":
             self.store.set_node_state(msg.job_id, msg.node, "alive", "heartbeats resumed")
-            self.node_state[key] = "alive"
+            self.node_state[node_key] = "alive"
             self.store.add_event("node-back", {"node": msg.node}, job_id=msg.job_id)
             if ctl is not None:
                 ctl.on_node_joined(msg.node, "heartbeats resumed")
@@ -359,8 +633,8 @@ class Daemon:
             return protocol.ErrorReply(code="unknown-job", message=f"job {msg.job_id} has ended")
         if isinstance(msg, protocol.Heartbeat):
             workers = [w.model_dump() for w in msg.workers]
-            if self.worker_states.get(key) != workers:  # stored on change only: 1 Hz x 1,024 nodes otherwise
-                self.worker_states[key] = workers
+            if self.worker_states.get(node_key) != workers:  # stored on change only: 1 Hz x 1,024 nodes otherwise
+                self.worker_states[node_key] = workers
                 self.store.add_event("workers", {"node": msg.node, "workers": workers}, job_id=msg.job_id)
             return protocol.Ack(ref="heartbeat", seq=msg.seq)
         if isinstance(msg, protocol.Measurement):
@@ -369,7 +643,16 @@ class Daemon:
         ctl.on_transition_report(msg)
         return protocol.Ack(ref="transition-report", seq=msg.transition_id)
 
-    def _register(self, identity: bytes, user: str, enc: protocol.Encoding, msg: protocol.Register) -> Any:
+    def node_limit(self, job: dict[str, Any]) -> tuple[int, str]:
+        """How many nodes the job may register, and where that bound comes from."""
+        elastic = (job.get("spec") or {}).get("elastic")
+        if isinstance(elastic, dict):
+            per_node = max(1, int(elastic.get("gpus_per_node") or 1))
+            return max(1, int(elastic.get("max_gpus") or 1) // per_node), "elastic.max_gpus / gpus_per_node"
+        return self.settings.control.max_nodes_per_job, "control.max_nodes_per_job"
+
+    def _register(self, identity: bytes, user: str, key: str, enc: protocol.Encoding,
+                  msg: protocol.Register) -> Any:
         job = self.store.job(msg.job_id)
         if job is None:
             return protocol.ErrorReply(code="unknown-job", message=f"no job {msg.job_id!r}: add it first "
@@ -380,23 +663,43 @@ class Daemon:
                                        message=f"user {user!r} may not act on job {msg.job_id!r}")
         if job["state"] in TERMINAL_JOB_STATES:
             return protocol.ErrorReply(code="unknown-job", message=f"job {msg.job_id!r} is {job['state']}")
-        if msg.slurm_job_id is not None and "elastic" in job["spec"]:
+        if msg.job_id in self.damaged:
+            return protocol.ErrorReply(code="internal", message=f"job {msg.job_id!r} is damaged in the daemon's "
+                                       f"store ({self.damaged[msg.job_id]}); an admin must repair it")
+        node_key = (msg.job_id, msg.node)
+        mine = self.sessions.by_identity.get(identity)
+        if mine is not None and (mine.job_id, mine.node) != node_key:
+            return protocol.ErrorReply(code="forbidden", message=f"this connection already speaks for "
+                                       f"{mine.job_id}/{mine.node}: one node per connection")
+        holder = self.sessions.by_node.get(node_key)
+        if holder is not None and holder != identity and self.sessions.by_identity[holder].key != key:
+            return protocol.ErrorReply(code="forbidden", message=f"node {msg.node} of job {msg.job_id!r} is held "
+                                       "by another key's connection")
+        known = self.nodes_of.setdefault(msg.job_id, set())
+        if msg.node not in known:
+            limit, why = self.node_limit(job)
+            if len(known) >= limit:
+                return protocol.ErrorReply(code="forbidden", message=f"job {msg.job_id!r} has {len(known)} nodes, "
+                                           f"its limit ({why}); node {msg.node} is refused")
+        if msg.slurm_job_id is not None and isinstance(job["spec"].get("elastic"), dict):
             held = ElasticJob.from_dict(job["spec"]["elastic"]).slurm_job_ids
-            tracked = {j.job_id: j for j in self.source.jobs()} if self.source is not None else {}
-            if msg.job_id in tracked:
-                held = tracked[msg.job_id].slurm_job_ids
+            if self.source is not None:
+                tracked = {j.job_id: j for j in self.source.jobs()}
+                if msg.job_id in tracked:
+                    held = tracked[msg.job_id].slurm_job_ids
             if msg.slurm_job_id not in held:
                 return protocol.ErrorReply(code="forbidden", message=f"Slurm job {msg.slurm_job_id} is not part "
                                            f"of job {msg.job_id!r} (its Slurm jobs: {', '.join(held)})")
-        how = self.store.register_node(job_id=msg.job_id, node=msg.node,
-                                       devices=[d.model_dump() for d in msg.devices], slurm_job_id=msg.slurm_job_id,
-                                       host=msg.host, incarnation=msg.incarnation)
-        key = (msg.job_id, msg.node)
-        self.sessions.bind(identity, Session(job_id=msg.job_id, node=msg.node, user=user, encoding=enc))
-        self.node_state[key] = "alive"
-        self.last_seen[key] = time.monotonic()
-        self.store.add_event("node-registered", {"node": msg.node, "how": how, "devices": len(msg.devices),
-                                                 "host": msg.host}, job_id=msg.job_id)
+        with self.store.transaction():  # the node and its event: one commit
+            how = self.store.register_node(job_id=msg.job_id, node=msg.node,
+                                           devices=[d.model_dump() for d in msg.devices],
+                                           slurm_job_id=msg.slurm_job_id, host=msg.host, incarnation=msg.incarnation)
+            self.store.add_event("node-registered", {"node": msg.node, "how": how, "devices": len(msg.devices),
+                                                     "host": msg.host}, job_id=msg.job_id)
+        known.add(msg.node)
+        self.sessions.bind(identity, Session(job_id=msg.job_id, node=msg.node, user=user, key=key, encoding=enc))
+        self.node_state[node_key] = "alive"
+        self.last_seen[node_key] = time.monotonic()
         self.log.info("agent-registered", job=msg.job_id, node=msg.node, how=how, devices=len(msg.devices))
         ctl = self.controllers.get(msg.job_id) or self._start_controller(msg.job_id)
         ctl.on_node_joined(msg.node, how)
@@ -428,6 +731,10 @@ class Daemon:
         except AdminError as exc:
             self.metrics.rejected.labels(exc.code).inc()
             reply = protocol.AdminReply(ok=False, code=exc.code, error=str(exc))
+        except Exception as exc:  # never no reply, never a dead loop
+            self.log.exception("admin-op-failed", op=msg.op)
+            reply = protocol.AdminReply(ok=False, code="internal",
+                                        error=f"the daemon failed on {msg.op}: {type(exc).__name__}: {exc}"[:500])
         self.admin.send(inc.identity, reply, inc.encoding)
         if time.monotonic() - t0 > SLOW_HANDLER_S:
             self.log.warning("slow-admin-op", op=msg.op, ms=round((time.monotonic() - t0) * 1e3, 1))

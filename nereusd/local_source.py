@@ -19,11 +19,13 @@ one worker per slot) and each lost node's group is stopped (SIGTERM, then SIGKIL
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -111,6 +113,17 @@ class _Tracked:
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
 
+def _locked(method: Callable[..., Any]) -> Callable[..., Any]:
+    """The daemon calls track/grow/... from its serve loop while its source thread polls."""
+
+    @functools.wraps(method)
+    def call(self: LocalSource, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return call
+
+
 class LocalSource:
     name = "local"
 
@@ -129,34 +142,55 @@ class LocalSource:
         self.started = clock()
         self._jobs: dict[str, _Tracked] = {}
         self._events: list[AllocationEvent] = []
+        self._lock = threading.RLock()
         self.log = get_logger("local-source")
 
     # --- tracking ---------------------------------------------------------------------------------
+    @_locked
     def track(self, job: ElasticJob, allocation: Allocation | None = None) -> None:
+        """Follow ``job``; with no ``allocation`` (a new job) grant its minimum now. A restarted daemon
+        passes the allocation it stored, so nothing is granted twice and grown nodes stay. A job this
+        machine can never hold is refused (AllocationError) before anything is tracked."""
+        if job.job_id in self._jobs:
+            return
         if job.gpus_per_node > self.slots_per_node:
             raise AllocationError(f"job {job.job_id} wants {job.gpus_per_node} devices per node; local nodes "
                                   f"have {self.slots_per_node} slots")
-        if job.job_id in self._jobs:
-            return
+        need = -(-job.min_gpus // job.gpus_per_node)
+        grant = allocation is None and not any(s.job == job.job_id for s in self.schedule)
+        if need > job.max_nodes:
+            raise AllocationError(f"job {job.job_id}: min_gpus={job.min_gpus} needs {need} nodes of "
+                                  f"{job.gpus_per_node}, max_gpus={job.max_gpus} allows {job.max_nodes}")
+        if grant and need > len(self.free_nodes()):
+            raise AllocationError(f"job {job.job_id}: min_gpus={job.min_gpus} needs {need} local nodes, "
+                                  f"{len(self.free_nodes())} of {len(self.nodes)} are free")
+        if allocation is not None:
+            taken = set(allocation.node_names) - set(self.free_nodes())
+            if taken or not set(allocation.node_names) <= set(self.nodes):
+                self.log.warning("restored_allocation_conflict", job_id=job.job_id, nodes=sorted(taken))
+                allocation = allocation.without(sorted(taken | (set(allocation.node_names) - set(self.nodes))))
         self._jobs[job.job_id] = tracked = _Tracked(job=job, allocation=allocation or Allocation(job_id=job.job_id))
-        if allocation is None and not any(s.job == job.job_id for s in self.schedule):
-            need = -(-job.min_gpus // job.gpus_per_node)
+        if grant:
             self._add(tracked, need, EventKind.GRANTED, "granted on track")
         for node in tracked.allocation.nodes:  # restored allocation: make sure its processes run
             self._start_agent(tracked, node)
 
+    @_locked
     def untrack(self, job_id: str) -> None:
         tracked = self._jobs.pop(job_id, None)
         if tracked is not None:
             for node in list(tracked.procs):
                 self._stop_agent(tracked, node)
 
+    @_locked
     def jobs(self) -> tuple[ElasticJob, ...]:
         return tuple(t.job for t in self._jobs.values())
 
+    @_locked
     def allocation(self, job_id: str) -> Allocation:
         return self._get(job_id).allocation
 
+    @_locked
     def free_nodes(self) -> tuple[str, ...]:
         held = {n for t in self._jobs.values() for n in t.allocation.node_names}
         return tuple(n for n in self.nodes if n not in held)
@@ -195,19 +229,23 @@ class LocalSource:
             self._stop_agent(tracked, node.node)
         self._emit(kind, tracked, gone, reason)
 
+    @_locked
     def grow(self, job_id: str, n_nodes: int) -> tuple[str, ...]:
         if n_nodes < 1:
             raise AllocationError(f"grow {job_id}: n_nodes must be >= 1, got {n_nodes}")
         return self._add(self._get(job_id), n_nodes, EventKind.GROWN, "grown on request")
 
+    @_locked
     def shrink(self, job_id: str, nodes: Sequence[str], reason: str = "released by Nereus") -> None:
         self._remove(self._get(job_id), list(nodes), EventKind.SHRUNK, reason)
 
+    @_locked
     def release(self, job_id: str) -> None:
         tracked = self._get(job_id)
         self._remove(tracked, list(tracked.allocation.node_names), EventKind.RELEASED, "job released")
 
     # --- passive sync -----------------------------------------------------------------------------
+    @_locked
     def poll(self) -> list[AllocationEvent]:
         elapsed = self.clock() - self.started
         while self.schedule and self.schedule[0].at_s <= elapsed:
@@ -260,6 +298,7 @@ class LocalSource:
             except subprocess.TimeoutExpired:
                 continue
 
+    @_locked
     def close(self) -> None:
         """Stop every node process this source started."""
         for tracked in self._jobs.values():

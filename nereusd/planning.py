@@ -79,6 +79,17 @@ class PlannerBinding:
 
         return self.efficiency.get(_efficiency_key(spec), PRIORS)
 
+    def check_spec(self, job: dict[str, Any]) -> None:
+        """Refuse (SpecError naming the field) a spec whose presets do not resolve or do not fit together,
+        before the daemon stores it: a stored job must always be plannable."""
+        try:
+            job_spec(job)
+            cluster_for(job, frozenset({0}))
+        except SpecError as exc:
+            raise SpecError(f"spec.{exc.field}", str(exc).removeprefix(f"{exc.field}: ")) from None
+        except (KeyError, TypeError, ValueError) as exc:
+            raise SpecError("spec", f"cannot be planned: {type(exc).__name__}: {exc}") from None
+
     def search(self, job: dict[str, Any], pool: frozenset[int], version: int) -> admission.Candidate:
         from planner.search import search
 

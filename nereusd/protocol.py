@@ -5,6 +5,13 @@ which) with a protocol version ``v`` and a ``type`` that selects one of the pyda
 ``decode`` checks size, encoding, version and schema in that order and raises ``ProtocolError``
 with a stable ``code`` (the receiver turns it into an ``ErrorReply``; it never crashes).
 
+This module is the one validation boundary for everything that comes from outside: every number is
+finite and bounded (no NaN/inf, integers that fit SQLite's 64 bits, sizes and counts in range), every
+name is a ``Name`` (1-64 characters of letters, digits, ``_ . -``, starting with a letter or digit:
+no ``/``, so ``job/node`` keys cannot collide), every string and collection has a maximum length, and
+admin requests carry per-op argument models (``ADMIN_ARGS``). A refused message gets an ErrorReply whose
+message names the field; nothing reaches the store before it passed.
+
 Imported by the daemon and by every agent, so it stays cheap: pydantic and msgpack only, no torch.
 """
 
@@ -14,7 +21,16 @@ import json
 from typing import Annotated, Any, Literal
 
 import msgpack
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    StringConstraints,
+    TypeAdapter,
+    ValidationError,
+    model_validator,
+)
 
 PROTOCOL_VERSION = 1
 Encoding = Literal["json", "msgpack"]
@@ -42,6 +58,28 @@ ERROR_CODES = (
 )
 
 
+# --- bounded field types (the documented alphabet and ranges) ---------------------------------------
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+NAME_RULE = "1-64 characters of letters, digits, '_', '.', '-', starting with a letter or digit"
+MAX_INT = 2**63 - 1  # SQLite INTEGER
+MAX_SECONDS = 1e7  # ~115 days: longer than any step, stage or transition
+MAX_BYTES = 2**56  # 64 PiB: more than any device, node or transition holds
+MAX_TOKENS = 1e7
+MAX_ITEMS = 256  # devices per node, workers per node, entries of a per-stage/per-device map
+
+# Strict: no "5" for 5, no True for 1; floats take ints but never NaN/inf (1e400 parses to inf).
+Name = Annotated[str, Strict(), StringConstraints(pattern=NAME_PATTERN)]
+Key = Annotated[str, Strict(), StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}$")]
+Text = Annotated[str, Strict(), StringConstraints(max_length=4096)]
+Count = Annotated[int, Strict(), Field(ge=0, le=MAX_INT)]
+Id = Annotated[int, Strict(), Field(ge=1, le=MAX_INT)]
+Bytes = Annotated[int, Strict(), Field(ge=0, le=MAX_BYTES)]
+Seconds = Annotated[float, Strict(), Field(ge=0, le=MAX_SECONDS, allow_inf_nan=False)]
+Tokens = Annotated[float, Strict(), Field(ge=0, le=MAX_TOKENS, allow_inf_nan=False)]
+SlurmJobId = Annotated[str, Strict(), StringConstraints(pattern=r"^[0-9][0-9_+]{0,31}$")]
+
+
 class _Msg(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     v: int = PROTOCOL_VERSION
@@ -52,63 +90,63 @@ class _Msg(BaseModel):
 
 class Device(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-    index: int = Field(ge=0)
+    index: int = Field(ge=0, le=1023, strict=True)
     kind: Literal["gpu", "cpu"]
-    name: str
-    memory_bytes: int = Field(ge=0)
+    name: str = Field(max_length=128, strict=True)
+    memory_bytes: Bytes
 
 
 class Register(_Msg):
     type: Literal["register"] = "register"
-    job_id: str = Field(min_length=1, max_length=128)
-    node: str = Field(min_length=1, max_length=256)
-    slurm_job_id: str | None = None  # the Slurm job (anchor or member) this agent runs in
-    host: str = ""
-    pid: int = 0
-    incarnation: str = ""  # random per agent process: tells a reconnect from a restarted agent
-    devices: tuple[Device, ...] = ()
+    job_id: Name
+    node: Name
+    slurm_job_id: SlurmJobId | None = None  # the Slurm job (anchor or member) this agent runs in
+    host: str = Field(default="", max_length=253, strict=True)
+    pid: int = Field(default=0, ge=0, le=2**31 - 1, strict=True)
+    incarnation: str = Field(default="", max_length=64, strict=True)  # random per agent process
+    devices: tuple[Device, ...] = Field(default=(), max_length=MAX_ITEMS)
 
 
 class WorkerState(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-    device: int
-    pid: int
+    device: int = Field(ge=0, le=1023, strict=True)
+    pid: int = Field(ge=0, le=2**31 - 1, strict=True)
     state: Literal["starting", "running", "exited", "failed"]
-    exit_code: int | None = None
-    restarts: int = 0
+    exit_code: int | None = Field(default=None, ge=-255, le=255, strict=True)  # negative: killed by a signal
+    restarts: int = Field(default=0, ge=0, le=1_000_000, strict=True)
 
 
 class Heartbeat(_Msg):
     type: Literal["heartbeat"] = "heartbeat"
-    job_id: str
-    node: str
-    seq: int = Field(ge=0)
-    workers: tuple[WorkerState, ...] = ()
+    job_id: Name
+    node: Name
+    seq: Count
+    workers: tuple[WorkerState, ...] = Field(default=(), max_length=MAX_ITEMS)
 
 
 class Measurement(_Msg):
     """What the job driver measured over one RL step (relayed by the agent of node 0)."""
 
     type: Literal["measurement"] = "measurement"
-    job_id: str
-    node: str
-    step: int = Field(ge=0)
-    plan_version: int = Field(ge=0)
-    step_latency_s: float = Field(ge=0)
-    stage_times_s: dict[str, float] = Field(default_factory=dict)  # model-stage -> seconds
-    peak_memory_bytes: dict[str, int] = Field(default_factory=dict)  # device -> bytes
-    response_tokens: float | None = Field(default=None, ge=0)  # mean generated length this step
+    job_id: Name
+    node: Name
+    step: Count
+    plan_version: Count
+    step_latency_s: Seconds
+    stage_times_s: dict[Key, Seconds] = Field(default_factory=dict, max_length=MAX_ITEMS)  # model-stage -> s
+    peak_memory_bytes: dict[Key, Bytes] = Field(default_factory=dict, max_length=MAX_ITEMS)  # device -> bytes
+    response_tokens: Tokens | None = None  # mean generated length this step
 
 
 class TransitionReport(_Msg):
     type: Literal["transition-report"] = "transition-report"
-    job_id: str
-    node: str
-    transition_id: int
-    ok: bool
-    measured_s: float = Field(ge=0)
-    bytes_moved: int = Field(default=0, ge=0)
-    error: str = ""
+    job_id: Name
+    node: Name
+    transition_id: Id
+    ok: Annotated[bool, Strict()]
+    measured_s: Seconds
+    bytes_moved: Bytes = 0
+    error: Text = ""
 
 
 # --- daemon -> agent ------------------------------------------------------------------------------
@@ -152,7 +190,131 @@ class ErrorReply(_Msg):
 class AdminRequest(_Msg):
     type: Literal["admin"] = "admin"
     op: str = Field(min_length=1, max_length=64)
-    args: dict[str, Any] = Field(default_factory=dict)
+    args: dict[str, Any] = Field(default_factory=dict, max_length=32)  # checked against ADMIN_ARGS[op]
+
+
+class _Args(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class NoArgs(_Args):
+    pass
+
+
+class JobArgs(_Args):
+    job: Name
+
+
+class IdArgs(_Args):
+    id: Id
+
+
+class EventsArgs(_Args):
+    job: Name | None = None
+    limit: int = Field(default=200, ge=1, le=10_000, strict=True)
+
+
+MAX_NODES_PER_REQUEST = 1024
+
+
+class AllocArgs(_Args):
+    job: Name | None = None
+    action: Literal["show", "grow", "shrink"] = "show"
+    nodes: int | None = Field(default=None, ge=1, le=MAX_NODES_PER_REQUEST, strict=True)  # grow: how many
+    names: tuple[Name, ...] | None = Field(default=None, min_length=1, max_length=MAX_NODES_PER_REQUEST)  # shrink
+
+    @model_validator(mode="after")
+    def _fits_action(self) -> AllocArgs:
+        if self.action != "show" and self.job is None:
+            raise ValueError(f"{self.action} needs 'job'")
+        if self.action == "grow" and (self.nodes is None or self.names is not None):
+            raise ValueError("grow takes 'nodes' (a count, 1..1024) and no 'names'")
+        if self.action == "shrink" and (self.names is None or self.nodes is not None):
+            raise ValueError("shrink takes 'names' (1..1024 node names) and no 'nodes'")
+        if self.action == "show" and (self.nodes is not None or self.names is not None):
+            raise ValueError("show takes neither 'nodes' nor 'names'")
+        return self
+
+
+Positive = Annotated[int, Strict(), Field(ge=1, le=1 << 24)]
+
+
+class WorkloadSpec(_Args):
+    """The workload of a job spec (planner.workflow.Workload checks the relations between the fields)."""
+
+    prompts_per_step: Positive
+    samples_per_prompt: Positive = 1
+    prompt_tokens: Positive
+    response_tokens: Positive
+    max_response_tokens: Positive | None = None
+    train_mini_batches_per_step: Positive = 1
+
+
+class ElasticSpec(_Args):
+    """An elastic job's allocation (nereusd.allocation.ElasticJob checks the relations)."""
+
+    job_id: Name | None = None  # the daemon sets it to the job's name
+    anchor_job_id: Annotated[str, Strict(), StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}$")]
+    min_gpus: int = Field(ge=1, le=1 << 20, strict=True)
+    max_gpus: int = Field(ge=1, le=1 << 20, strict=True)
+    gpus_per_node: int = Field(ge=1, le=1024, strict=True)
+    slurm_user: Name | None = None  # defaults to the job's user; must equal it
+    member_job_ids: tuple[SlurmJobId, ...] = Field(default=(), max_length=4096)
+    partition: Name | None = None
+    submitted_at_s: float | None = Field(default=None, ge=0, le=1e11, allow_inf_nan=False)
+    extra: dict[Key, Text] = Field(default_factory=dict, max_length=32)  # folder, endpoint, keys_dir ...
+
+
+class JobSpecModel(_Args):
+    """What ``job-add`` stores. Planned jobs give model, algo and workload (the planner resolves the
+    presets before the job is stored); a job without them is only tracked (tests, agents-only runs)."""
+
+    model: Name | None = None
+    algo: Name | None = None
+    device: Name | None = None
+    gpus_per_node: int | None = Field(default=None, ge=1, le=1024, strict=True)
+    workload: WorkloadSpec | None = None
+    learned_reward: Annotated[bool, Strict()] | None = None
+    elastic: ElasticSpec | None = None
+
+    @model_validator(mode="after")
+    def _all_or_none(self) -> JobSpecModel:
+        given = [k for k in ("model", "algo", "workload") if getattr(self, k) is not None]
+        if given and len(given) != 3:
+            missing = sorted({"model", "algo", "workload"} - set(given))
+            raise ValueError(f"a planned job needs model, algo and workload; missing {', '.join(missing)}")
+        if self.elastic is not None and self.gpus_per_node not in (None, self.elastic.gpus_per_node):
+            raise ValueError(f"gpus_per_node {self.gpus_per_node} differs from elastic.gpus_per_node "
+                             f"{self.elastic.gpus_per_node}")
+        return self
+
+    def stored(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", exclude_none=True)
+
+
+class JobAddArgs(_Args):
+    job: Name
+    user: Name
+    spec: JobSpecModel = JobSpecModel()
+    slurm_job_id: SlurmJobId | None = None
+
+
+ADMIN_ARGS: dict[str, type[_Args]] = {
+    "status": NoArgs, "jobs": NoArgs, "keys": NoArgs, "job": JobArgs, "job-plan": JobArgs, "decisions": JobArgs,
+    "transitions": JobArgs, "transition": IdArgs, "explain": IdArgs, "events": EventsArgs, "alloc": AllocArgs,
+    "job-add": JobAddArgs,
+}
+
+
+def admin_args(op: str, args: dict[str, Any]) -> _Args:
+    """The op's argument model, or ProtocolError('invalid') naming the op, the field and what is allowed."""
+    model = ADMIN_ARGS.get(op)
+    if model is None:
+        raise ProtocolError("invalid", f"unknown op {op[:64]!r} (known: {', '.join(sorted(ADMIN_ARGS))})")
+    try:
+        return model.model_validate(args)
+    except ValidationError as exc:
+        raise ProtocolError("invalid", f"{op}: {describe(exc)}") from None
 
 
 class AdminReply(_Msg):
@@ -197,9 +359,21 @@ def decode(frame: bytes, max_bytes: int) -> Any:
     try:
         return _ADAPTER.validate_python(raw)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise ProtocolError("invalid", f"{where}: {first['msg']}") from None
+        raise ProtocolError("invalid", describe(exc)) from None
+
+
+def describe(exc: ValidationError) -> str:
+    """One line: the first failing field (dotted path), what is wrong, and (shortened) what was sent."""
+    first = exc.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or "message"
+    msg = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "string_pattern_mismatch":
+        pattern = str(first.get("ctx", {}).get("pattern", ""))
+        msg = f"must be {NAME_RULE}" if pattern == NAME_PATTERN else f"must match {pattern}"
+    shown = repr(first.get("input"))
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    more = f" (and {len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
+    return f"{where}: {msg}, got {shown}{more}"
 
 
 def encoding_of(frame: bytes) -> Encoding:

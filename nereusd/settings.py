@@ -1,16 +1,19 @@
 """Daemon settings: a TOML file (default /etc/nereus/nereusd.toml) overlaid by NEREUS_* environment.
 
 Environment variables name nested keys with a double underscore: NEREUS_CONTROL__PORT=7501.
-Unknown keys and bad values are errors that name the key and what is allowed.
+Unknown keys, bad values and unreadable TOML are one-line errors (``SpecError``) that name the key
+and what is allowed. Every number is finite and bounded (``inf``, ``nan`` and absurd values refused),
+and the relations between keys are checked (a heartbeat time-out must exceed the interval).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -20,26 +23,55 @@ from pydantic_settings import (
 
 from planner.errors import SpecError
 
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10 (pydantic-settings brings tomli there)
+    import tomli as tomllib
+
 DEFAULT_CONFIG_PATH = Path("/etc/nereus/nereusd.toml")
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+def _seconds(default: float, *, gt: float = 0, le: float = 86400.0) -> Any:
+    return Field(default, gt=gt, le=le, allow_inf_nan=False)
 
 
 class DaemonSection(_Section):
-    state_dir: Path = Path("/var/lib/nereus")  # SQLite store, keys, checkpoints
+    state_dir: Path = Path("/var/lib/nereus")  # SQLite store, keys, checkpoints; an absolute path
+
+    @field_validator("state_dir", mode="before")
+    @classmethod
+    def _absolute(cls, v: Any) -> Any:
+        if str(v).strip() == "" or not Path(str(v)).is_absolute():
+            raise ValueError("must be an absolute directory path (an empty or relative one would put the store "
+                             "in whatever directory the daemon was started from)")
+        return v
+
     log_format: Literal["auto", "json", "console"] = "auto"  # auto: console on a TTY, JSON otherwise
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
 
 class ControlSection(_Section):
-    bind_host: str = "127.0.0.1"
+    bind_host: str = Field("127.0.0.1", min_length=1, max_length=253)
     port: int = Field(7501, ge=0, le=65535)  # agents (ZeroMQ ROUTER, CURVE); 0: a free port
     admin_port: int = Field(7502, ge=0, le=65535)  # nereusctl; 0: a free port (see endpoints.json)
-    max_message_bytes: int = Field(1 << 20, ge=1024)
-    heartbeat_interval_s: float = Field(1.0, gt=0)
-    heartbeat_timeout_s: float = Field(10.0, gt=0)
+    max_message_bytes: int = Field(1 << 20, ge=1024, le=64 << 20)
+    heartbeat_interval_s: float = _seconds(1.0, le=600.0)
+    heartbeat_timeout_s: float = _seconds(10.0, le=3600.0)
+    # nodes one job may register when its spec has no elastic section (with one: max_gpus / gpus_per_node)
+    max_nodes_per_job: int = Field(1024, ge=1, le=65536)
+
+    @model_validator(mode="after")
+    def _timeout_after_interval(self) -> ControlSection:
+        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
+            raise ValueError(f"heartbeat_timeout_s ({self.heartbeat_timeout_s:g}) must exceed heartbeat_interval_s "
+                             f"({self.heartbeat_interval_s:g}), or every node is marked lost between two beats")
+        if self.port and self.port == self.admin_port:
+            raise ValueError(f"port and admin_port are both {self.port}: give them different ports")
+        return self
 
 
 class MetricsSection(_Section):
@@ -49,18 +81,18 @@ class MetricsSection(_Section):
 
 class SlurmSection(_Section):
     enabled: bool = True
-    poll_interval_s: float = Field(5.0, gt=0)
-    poll_backoff_max_s: float = Field(60.0, gt=0)
-    command_timeout_s: float = Field(20.0, gt=0)
-    max_member_submissions_per_minute: int = Field(30, ge=1)
+    poll_interval_s: float = _seconds(5.0, le=3600.0)
+    poll_backoff_max_s: float = _seconds(60.0)
+    command_timeout_s: float = _seconds(20.0, le=3600.0)
+    max_member_submissions_per_minute: int = Field(30, ge=1, le=100_000)
 
 
 class PlannerSection(_Section):
-    gamma: float = Field(0.5, gt=0)  # payback: admit iff L_tran / dL <= gamma * H_x
-    seq_len_drift_threshold: float = Field(0.30, gt=0)
-    memory_headroom: float = Field(0.10, ge=0, lt=1)
+    gamma: float = Field(0.5, gt=0, le=100, allow_inf_nan=False)  # payback: admit iff L_tran / dL <= gamma * H_x
+    seq_len_drift_threshold: float = Field(0.30, gt=0, le=100, allow_inf_nan=False)
+    memory_headroom: float = Field(0.10, ge=0, lt=1, allow_inf_nan=False)
     # replan only once the GPU pool has not changed for this long (member jobs start in bursts)
-    pool_settle_s: float = Field(2.0, ge=0)
+    pool_settle_s: float = Field(2.0, ge=0, le=3600.0, allow_inf_nan=False)
 
 
 class Settings(BaseSettings):
@@ -104,6 +136,10 @@ def load_settings(path: str | os.PathLike[str] | None = None, **overrides: Any) 
         bound = _Bound(**overrides)
     except ValidationError as exc:
         raise SpecError("config", _describe(exc, path)) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise SpecError("config", f"{path} is not valid TOML: {exc}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecError("config", f"cannot read {path}: {exc}") from None
     return Settings.model_validate(bound.model_dump())
 
 
@@ -113,7 +149,11 @@ def _describe(exc: ValidationError, path: object) -> str:
         key = ".".join(str(p) for p in err["loc"])
         if err["type"] == "extra_forbidden":
             lines.append(f"unknown key {key!r}")
+        elif err["type"] == "value_error" and isinstance(err.get("input"), dict):  # a relation between keys
+            lines.append(f"{key}: {err['msg'].removeprefix('Value error, ')}")
         else:
-            lines.append(f"{key}: {err['msg']} (got {err.get('input')!r})")
+            shown = repr(err.get("input"))
+            shown = shown if len(shown) <= 80 else shown[:77] + "..."
+            lines.append(f"{key}: {err['msg'].removeprefix('Value error, ')} (got {shown})")
     src = f" in {path}" if path else ""
     return f"invalid settings{src}: " + "; ".join(lines)

@@ -118,9 +118,17 @@ _JSON_COLUMNS = frozenset({"spec", "snapshot", "devices", "nodes", "plan", "pred
 
 
 def _row(cur: sqlite3.Cursor, values: tuple[Any, ...]) -> dict[str, Any]:
-    out = {}
+    """A row as a dict, JSON columns parsed. A column that cannot be parsed (a damaged or hand-edited
+    store) reads as None and the row gets ``damaged``: the reason, so callers report it, never crash."""
+    out: dict[str, Any] = {}
     for (name, *_), value in zip(cur.description, values):
-        out[name] = json.loads(value) if name in _JSON_COLUMNS and value is not None else value
+        if name in _JSON_COLUMNS and value is not None:
+            try:
+                value = json.loads(value)
+            except (TypeError, ValueError) as exc:
+                out["damaged"] = f"column {name!r} holds no readable JSON ({type(exc).__name__}: {exc})"[:300]
+                value = None
+        out[name] = value
     return out
 
 
@@ -176,6 +184,10 @@ class Store:
         return version
 
     def _tx(self):
+        return _Transaction(self.db)
+
+    def transaction(self) -> _Transaction:
+        """Several store calls as one commit (re-entrant: the calls' own transactions join it)."""
         return _Transaction(self.db)
 
     def _one(self, sql: str, *args: Any) -> dict[str, Any] | None:
@@ -250,8 +262,15 @@ class Store:
                             (slurm_job_id, host, incarnation, json.dumps(devices), now, job_id, node))
             return kind
 
+    def node(self, job_id: str, node: str) -> dict[str, Any] | None:
+        return self._one("SELECT * FROM nodes WHERE job_id=? AND node=?", job_id, node)
+
     def nodes(self, job_id: str) -> list[dict[str, Any]]:
         return self._all("SELECT * FROM nodes WHERE job_id=? ORDER BY node", job_id)
+
+    def count_nodes(self, job_id: str, state: str) -> int:
+        row = self._one("SELECT COUNT(*) AS n FROM nodes WHERE job_id=? AND state=?", job_id, state)
+        return int(row["n"]) if row else 0
 
     def all_nodes(self) -> list[dict[str, Any]]:
         return self._all("SELECT * FROM nodes ORDER BY job_id, node")
@@ -337,6 +356,11 @@ class Store:
             rows = self._all("SELECT * FROM events WHERE job_id=? ORDER BY id DESC LIMIT ?", job_id, limit)
         return rows[::-1]
 
+    def allocation_events(self, job_id: str) -> list[dict[str, Any]]:
+        """Every allocation event of a job, oldest first (what a restarted daemon replays)."""
+        rows = self._all("SELECT data FROM events WHERE job_id=? AND kind='allocation' ORDER BY id", job_id)
+        return [r["data"] for r in rows if isinstance(r["data"], dict)]
+
     def save_controller_state(self, job_id: str, snapshot: dict[str, Any]) -> None:
         with self._tx():
             self.db.execute("INSERT INTO controller_state VALUES (?,?,?) ON CONFLICT(job_id) DO UPDATE SET "
@@ -386,8 +410,11 @@ class Store:
     def transitions(self, job_id: str) -> list[dict[str, Any]]:
         return self._all("SELECT * FROM transitions WHERE job_id=? ORDER BY id", job_id)
 
-    def open_transitions(self) -> list[dict[str, Any]]:
-        return self._all("SELECT * FROM transitions WHERE state IN ('planned', 'ordered') ORDER BY id")
+    def open_transitions(self, job_id: str | None = None) -> list[dict[str, Any]]:
+        if job_id is None:
+            return self._all("SELECT * FROM transitions WHERE state IN ('planned', 'ordered') ORDER BY id")
+        return self._all("SELECT * FROM transitions WHERE job_id=? AND state IN ('planned', 'ordered') ORDER BY id",
+                         job_id)
 
     def set_transition_state(self, transition_id: int, state: str, reason: str, *,
                              measured_s: float | None = None, parts_pending: list[str] | None = None) -> None:

@@ -28,10 +28,29 @@ ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free port below the kernel's ephemeral range (32768+) and ZeroMQ's random ports (49152+), in a
+    band of its own per xdist worker: a port handed out here is not taken by another test's port-0
+    socket, or by the other worker, before its daemon binds it."""
+    import random
+
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0) % 4
+    low = 20000 + worker * 3000
+    for _ in range(200):
+        port = random.randrange(low, low + 3000)
+        if port in _HANDED_OUT:  # e.g. control and admin port of one config: never the same
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            _HANDED_OUT.add(port)
+            return port
+    raise AssertionError(f"no free port in {low}..{low + 2999}")
 
 
 def wait_for(cond: Callable[[], Any], timeout_s: float = 10.0, what: str = "condition") -> Any:

@@ -57,13 +57,26 @@ def test_heartbeats_keep_a_node_alive_and_silence_marks_it_lost(daemon: DaemonHa
                 a.wait()
 
 
+def _settled(daemon: DaemonHandle) -> bool:
+    """Nothing more to decide: a decision taken after both nodes registered (if the second joined after
+    the initial placement, the pool change's), every transition closed, the job running with a plan.
+    Waiting for plan v1 alone raced a second decision on a loaded machine (node 2 joining late)."""
+    regs = [e["at"] for e in daemon.admin("events", job="j") if e["kind"] == "node-registered"]
+    if len(regs) < 2:
+        return False
+    later = [d for d in daemon.admin("decisions", job="j") if d["at"] > max(regs)]
+    open_ = [t for t in daemon.admin("transitions", job="j") if t["state"] in ("planned", "ordered")]
+    job = daemon.admin("job", job="j")
+    return bool(later) and not open_ and job["state"] == "running" and job["plan_version"] >= 1
+
+
 def test_sigkill_and_restart_loses_nothing_and_agents_reconnect(daemon: DaemonHandle) -> None:
     daemon.start()
     daemon.admin("job-add", job="j", user="alice", spec=SPEC)
     agents = [daemon.agent("alice", "j", f"n{i}", "--ack-orders") for i in (1, 2)]
     try:
         wait_for(lambda: daemon.admin("status")["nodes"]["alive"] == 2, what="two nodes alive")
-        wait_for(lambda: daemon.admin("job", job="j")["plan_version"] == 1, timeout_s=20, what="plan v1 committed")
+        wait_for(lambda: _settled(daemon), timeout_s=30, what="a plan decided after both nodes joined, committed")
         before = {op: daemon.admin(op, job="j") for op in ("decisions", "transitions", "job")}
         events_before = daemon.admin("events", job="j")
         pids = [a.pid for a in agents]
@@ -78,7 +91,7 @@ def test_sigkill_and_restart_loses_nothing_and_agents_reconnect(daemon: DaemonHa
         assert daemon.admin("transitions", job="j") == before["transitions"]
         job = daemon.admin("job", job="j")
         assert job["state"] == before["job"]["state"] == "running"
-        assert job["plan_version"] == 1
+        assert job["plan_version"] == before["job"]["plan_version"] >= 1
         assert job["history"][:len(before["job"]["history"])] == before["job"]["history"]
         assert daemon.admin("events", job="j")[:len(events_before)] == events_before
         # the same agent processes come back on their own: a reconnection, not a new registration

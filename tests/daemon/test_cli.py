@@ -93,9 +93,19 @@ def test_nereusctl_without_a_daemon_says_what_to_do(tmp_path: Path) -> None:
     (tmp_path / "k").mkdir()
     for f in ("client.key", "client.key_secret", "server.key"):
         (tmp_path / "k" / f).write_text("x" * 40)
+    secret = tmp_path / "k" / "client.key_secret"
+    secret.chmod(0o644)  # a secret others can read is refused, with the fix named
+    proc = subprocess.run([str(BIN / "nereusctl"), "jobs", "--state-dir", str(tmp_path), "--keys", str(tmp_path / "k")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and f"chmod 600 {secret}" in proc.stderr and "Traceback" not in proc.stderr
+    secret.chmod(0o600)
     proc = subprocess.run([str(BIN / "nereusctl"), "jobs", "--state-dir", str(tmp_path), "--keys", str(tmp_path / "k")],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 3 and "endpoints.json" in proc.stderr
+    secret.write_text("not a key\n")  # a garbage key: one line, no traceback
+    proc = subprocess.run([str(BIN / "nereusctl"), "jobs", "--endpoint", "tcp://127.0.0.1:9", "--keys",
+                           str(tmp_path / "k")], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "not a CURVE key" in proc.stderr and len(proc.stderr.splitlines()) == 1
 
 
 def test_settings_errors_name_the_key(tmp_path: Path) -> None:

@@ -152,3 +152,26 @@ def test_binding_calibrates_predictions_towards_measured_stage_times() -> None:
     fitted = binding.predict(SPEC, pool, plan)
     assert fitted is not None
     assert fitted.step_latency_s == pytest.approx(1.8 * prior.step_latency_s, rel=0.05)
+
+
+def test_an_order_is_stored_before_it_leaves_and_a_planned_leftover_is_cancelled(tmp_path: Path) -> None:
+    seen: list[tuple[str, str]] = []
+    store = Store(tmp_path / "s.db")
+    store.add_job(job_id="j", user="alice", spec=SPEC)
+
+    def send(node: str, order: protocol.TransitionOrder) -> bool:  # what a daemon killed right now leaves
+        row = store.transition(order.transition_id)
+        seen.append((row["state"], store.job("j")["state"]))  # type: ignore[index]
+        return True
+
+    ctl = JobController(job_id="j", store=store, metrics=Metrics(), planner=PlannerBinding(), gamma=0.5,
+                        thresholds=dict(admission.DEFAULT_THRESHOLDS), log=get_logger("test"), send_order=send)
+    _join(ctl, store, "n1")
+    assert ctl.step() is not None
+    assert seen == [("ordered", "transitioning")]
+    # a transition an older daemon stored but never ordered is cancelled by the next controller
+    tid = store.add_transition(job_id="j", decision_id=None, from_version=1, to_version=9, dag={}, bytes_moved=0,
+                               predicted_s=0.0, parts=["n1"])
+    JobController(job_id="j", store=store, metrics=Metrics(), planner=PlannerBinding(), gamma=0.5,
+                  thresholds=dict(admission.DEFAULT_THRESHOLDS), log=get_logger("test"), send_order=send)
+    assert store.transition(tid)["state"] == "cancelled"  # type: ignore[index]

@@ -114,3 +114,78 @@ def test_arbitrary_bytes_never_escape_as_anything_but_protocol_error(frame: byte
         protocol.decode(frame, 256)
     except protocol.ProtocolError as exc:
         assert exc.code in protocol.ERROR_CODES
+
+
+_ADVERSARIAL = st.one_of(
+    st.none(), st.booleans(), st.floats(allow_nan=True, allow_infinity=True),
+    st.integers(min_value=-(2**70), max_value=2**70), st.text(max_size=80),
+    st.sampled_from(["", "a/b", "x" * 65, "../../etc", "\x00", "ok"]),
+    st.lists(st.integers(), max_size=3), st.dictionaries(st.text(max_size=5), st.floats(), max_size=3))
+_GOOD = {m.type: json.loads(protocol.encode(m, "json")) for m in (
+    protocol.Register(job_id="j", node="n", devices=(protocol.Device(index=0, kind="gpu", name="g", memory_bytes=1),)),
+    protocol.Heartbeat(job_id="j", node="n", seq=1,
+                       workers=(protocol.WorkerState(device=0, pid=1, state="running"),)),
+    protocol.Measurement(job_id="j", node="n", step=1, plan_version=0, step_latency_s=1.0,
+                         stage_times_s={"actor-gen": 0.5}, peak_memory_bytes={"0": 1}, response_tokens=3.0),
+    protocol.TransitionReport(job_id="j", node="n", transition_id=1, ok=True, measured_s=0.1))}
+
+
+def _numbers(value: object) -> list[float]:
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, (int, float)):
+        return [value]
+    if isinstance(value, dict):
+        return [x for v in value.values() for x in _numbers(v)]
+    if isinstance(value, (list, tuple)):
+        return [x for v in value for x in _numbers(v)]
+    return []
+
+
+@settings(max_examples=600, deadline=None)
+@given(st.sampled_from(sorted(_GOOD)), st.data(), _ADVERSARIAL, st.sampled_from(["json", "msgpack"]))
+def test_whatever_a_field_holds_a_message_is_refused_or_fits_the_store(kind: str, data: st.DataObject,
+                                                                        value: object, encoding: str) -> None:
+    good = _GOOD[kind]
+    field = data.draw(st.sampled_from(sorted(k for k in good if k not in ("v", "type"))))
+    raw = {**good, field: value}
+    try:
+        frame = json.dumps(raw).encode() if encoding == "json" else msgpack.packb(raw, use_bin_type=True)
+    except (OverflowError, ValueError, TypeError):
+        return  # not encodable (msgpack has no 2**70): a sender cannot produce it either
+    try:
+        msg = protocol.decode(frame, 1 << 20)
+    except protocol.ProtocolError as exc:
+        assert exc.code in protocol.ERROR_CODES
+        if exc.code == "invalid":
+            assert str(exc).split(": ")[1].split(".")[0] == kind  # the message names the type, then the field
+        return
+    # accepted: every number is finite and fits SQLite; every name has no '/'
+    dumped = msg.model_dump()
+    for x in _numbers(dumped):
+        assert x == x and abs(x) <= 2**63 - 1, (field, x)
+    for name_field in ("job_id", "node"):
+        assert "/" not in dumped[name_field] and 1 <= len(dumped[name_field]) <= 64
+
+
+def test_admin_arguments_name_the_op_and_field() -> None:
+    with pytest.raises(protocol.ProtocolError, match=r"alloc: nodes: .*greater than or equal to 1"):
+        protocol.admin_args("alloc", {"job": "j", "action": "grow", "nodes": -3})
+    with pytest.raises(protocol.ProtocolError, match=r"job-add: spec.workload.prompts_per_step"):
+        protocol.admin_args("job-add", {"job": "j", "user": "u", "spec": {"model": "m", "algo": "a", "workload": {
+            "prompts_per_step": "8", "prompt_tokens": 1, "response_tokens": 1}}})
+    with pytest.raises(protocol.ProtocolError, match="missing workload"):
+        protocol.admin_args("job-add", {"job": "j", "user": "u", "spec": {"model": "m", "algo": "a"}})
+    with pytest.raises(protocol.ProtocolError, match="unknown op"):
+        protocol.admin_args("drop-tables", {})
+    ok = protocol.admin_args("job-add", {"job": "j", "user": "u"})
+    assert isinstance(ok, protocol.JobAddArgs) and ok.spec.stored() == {}
+
+
+def test_an_unreadable_json_column_reads_as_damaged_not_as_a_crash(tmp_path: Path) -> None:
+    s = Store(tmp_path / "s.db")
+    s.add_job(job_id="j", user="alice", spec={"a": 1})
+    s.db.execute("UPDATE jobs SET spec='{broken' WHERE job_id='j'")
+    row = s.job("j")
+    assert row is not None and row["spec"] is None and "spec" in row["damaged"]
+    assert [j["job_id"] for j in s.jobs()] == ["j"]

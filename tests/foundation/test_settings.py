@@ -38,3 +38,30 @@ def test_bad_value_is_named(tmp_path: Path) -> None:
 def test_missing_file_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(SpecError, match="does not exist"):
         load_settings(tmp_path / "nope.toml")
+
+
+@pytest.mark.parametrize(("text", "named"), [
+    ("[control]\nheartbeat_interval_s = inf\n", "control.heartbeat_interval_s: Input should be a finite number"),
+    ("[control]\nheartbeat_timeout_s = nan\n", "control.heartbeat_timeout_s"),
+    ("[control]\nheartbeat_interval_s = 5.0\nheartbeat_timeout_s = 2.0\n", "must exceed heartbeat_interval_s"),
+    ("[control]\nport = 7000\nadmin_port = 7000\n", "give them different ports"),
+    ("[control]\nmax_message_bytes = 10000000000\n", "control.max_message_bytes"),
+    ("[planner]\ngamma = -1\n", "planner.gamma"),
+    ("[slurm]\npoll_interval_s = 1e400\n", "slurm.poll_interval_s"),
+    ('[daemon]\nstate_dir = ""\n', "daemon.state_dir: must be an absolute directory path"),
+    ('[daemon]\nstate_dir = "relative/dir"\n', "daemon.state_dir"),
+    ("[control\nport = 1\n", "is not valid TOML"),
+    ("\xff\xfe", "cannot read"),
+])
+def test_every_bad_value_is_one_line_naming_the_key(tmp_path: Path, text: str, named: str) -> None:
+    cfg = tmp_path / "bad.toml"
+    cfg.write_bytes(text.encode("latin-1"))
+    with pytest.raises(SpecError) as info:
+        load_settings(cfg)
+    assert named in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_bad_environment_value_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NEREUS_CONTROL__HEARTBEAT_INTERVAL_S", "inf")
+    with pytest.raises(SpecError, match="control.heartbeat_interval_s"):
+        load_settings(ROOT / "etc" / "nereusd.toml")

@@ -126,3 +126,29 @@ def test_each_node_is_a_process_group_started_and_stopped() -> None:
         assert src.allocation("demo").num_gpus == 0
     finally:
         src.close()
+
+
+def test_a_job_that_can_never_be_granted_is_refused_before_it_is_tracked() -> None:
+    src = LocalSource(num_nodes=2, slots_per_node=8)
+    wide = ElasticJob(job_id="wide", anchor_job_id="a", min_gpus=16, max_gpus=16, gpus_per_node=16,
+                      slurm_user="alice")
+    with pytest.raises(AllocationError, match="8 slots"):
+        src.track(wide)
+    with pytest.raises(AllocationError, match="2 are free"):
+        src.track(ElasticJob(job_id="big", anchor_job_id="a", min_gpus=24, max_gpus=32, gpus_per_node=8,
+                             slurm_user="alice"))
+    assert src.jobs() == () and src.poll() == [] and len(src.free_nodes()) == 2
+
+
+def test_a_restored_allocation_is_kept_and_nothing_is_granted_again() -> None:
+    first = LocalSource(num_nodes=4, slots_per_node=2)
+    first.track(_job())
+    first.grow("demo", 1)
+    first.poll()
+    held = first.allocation("demo")
+    again = LocalSource(num_nodes=4, slots_per_node=2)  # a restarted daemon's source
+    again.track(_job(), held)
+    assert again.poll() == []  # no second grant
+    assert again.allocation("demo").node_names == ("local0", "local1")
+    again.shrink("demo", ["local1"])  # the grown node is known
+    assert [e.kind for e in again.poll()] == [EventKind.SHRUNK]
