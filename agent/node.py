@@ -44,10 +44,10 @@ from typing import Any
 import psutil
 import zmq
 
-from nereusd import protocol
-from nereusd.client import AuthRefused, CurveClient
-from nereusd.keys import ClientBundle, load_bundle
-from nereusd.logs import configure_logging, get_logger
+from nereusd.wire import protocol
+from nereusd.wire.client import AuthRefused, CurveClient
+from nereusd.wire.keys import ClientBundle, load_bundle
+from nereusd.wire.logs import configure_logging, get_logger
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_REFUSED = 0, 1, 2, 3
 OUTBOX_MAX = 4096  # reports held while unregistered; past this the oldest go (logged)

@@ -33,10 +33,10 @@ if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
 import psutil  # noqa: E402
 import zmq  # noqa: E402
 
-from nereusd import protocol  # noqa: E402
-from nereusd.client import CurveClient  # noqa: E402
 from nereusd.daemon import raise_fd_limit  # noqa: E402
-from nereusd.keys import KeyStore, load_bundle  # noqa: E402
+from nereusd.wire import protocol  # noqa: E402
+from nereusd.wire.client import CurveClient  # noqa: E402
+from nereusd.wire.keys import KeyStore, load_bundle  # noqa: E402
 
 BIN = Path(sys.executable).parent
 

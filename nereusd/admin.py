@@ -4,21 +4,55 @@ Each op's ``args`` are first checked against its model in ``protocol.ADMIN_ARGS`
 counts, a job spec validated field by field); the op then gets the model and returns plain data (the
 CLI renders tables or --json). A bad request raises ``AdminError`` with a protocol error code naming
 the field; the daemon turns it into an ``AdminReply(ok=False)`` and keeps serving.
+
+The ops see the daemon only through ``AdminBackend``: its store and key store (read), a snapshot of
+its runtime, the live per-job figures the store does not hold, and the two requests an admin may
+make (add a job, ask the allocation source for a change). ``nereusd.daemon.Daemon`` implements it.
 """
 
 from __future__ import annotations
 
-import os
-import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from nereusd import protocol
 from nereusd.allocation import AllocationError
+from nereusd.wire import protocol
 from planner.errors import NereusError
 
 if TYPE_CHECKING:
-    from nereusd.daemon import Daemon
+    from nereusd.store import Store
+    from nereusd.wire.keys import KeyStore
+
+
+class AdminBackend(Protocol):
+    """What the admin ops may read from and ask of the daemon (``Daemon`` implements it)."""
+
+    @property
+    def store(self) -> Store: ...
+
+    @property
+    def keys(self) -> KeyStore: ...
+
+    @property
+    def source_name(self) -> str | None: ...
+
+    def runtime(self) -> dict[str, Any]:
+        """pid, uptime_s, started_at, state_dir, endpoints, allocation_source, planner, agents_connected."""
+        ...
+
+    def damaged_jobs(self) -> dict[str, str]: ...
+
+    def pool_gpus(self, job_id: str) -> int:
+        """GPUs the job's controller holds now (0 without a controller)."""
+        ...
+
+    def node_workers(self, job_id: str, node: str) -> list[dict[str, Any]]:
+        """The node's workers as its agent last reported them."""
+        ...
+
+    def add_job(self, *, job_id: str, user: str, spec: protocol.JobSpecModel, slurm_job_id: str | None) -> None: ...
+
+    def source_request(self, op: str, job_id: str, arg: Any) -> None: ...
 
 
 class AdminError(NereusError):
@@ -28,7 +62,7 @@ class AdminError(NereusError):
 
 
 class AdminOps:
-    def __init__(self, daemon: Daemon) -> None:
+    def __init__(self, daemon: AdminBackend) -> None:
         self.d = daemon
         self.ops: dict[str, Callable[[Any], Any]] = {
             "status": self.status, "jobs": self.jobs, "job": self.job, "job-add": self.job_add,
@@ -58,11 +92,7 @@ class AdminOps:
         for j in self.d.store.jobs():
             by_state[j["state"]] = by_state.get(j["state"], 0) + 1
         nodes = self.d.store.all_nodes()
-        return {"pid": os.getpid(), "uptime_s": round(time.monotonic() - self.d.started_monotonic, 3),
-                "started_at": self.d.started_at, "state_dir": str(self.d.state_dir), "endpoints": self.d.endpoints,
-                "allocation_source": self.d.source.name if self.d.source else None,
-                "planner": self.d.planner_name, "jobs": by_state,
-                "agents_connected": len(self.d.sessions), "jobs_damaged": self.d.damaged_jobs(),
+        return {**self.d.runtime(), "jobs": by_state, "jobs_damaged": self.d.damaged_jobs(),
                 "nodes": {s: sum(1 for n in nodes if n["state"] == s) for s in ("alive", "lost", "released")},
                 "store_schema_migrated_from": self.d.store.migrated_from}
 
@@ -70,16 +100,15 @@ class AdminOps:
         out = []
         for j in self.d.store.jobs():
             nodes = self.d.store.nodes(j["job_id"])
-            ctl = self.d.controllers.get(j["job_id"])
             out.append({"job": j["job_id"], "user": j["user"], "state": j["state"], "slurm_job_id": j["slurm_job_id"],
                         "nodes_alive": sum(n["state"] == "alive" for n in nodes), "nodes": len(nodes),
-                        "gpus": len(ctl.pool) if ctl else 0, "plan_version": j["plan_version"],
+                        "gpus": self.d.pool_gpus(j["job_id"]), "plan_version": j["plan_version"],
                         "updated_at": j["updated_at"], "damaged": self.d.damaged_jobs().get(j["job_id"])})
         return out
 
     def job(self, args: Any) -> dict[str, Any]:
         j = self._job(args)
-        nodes = [{**n, "workers": self.d.worker_states.get((j["job_id"], n["node"]), [])}
+        nodes = [{**n, "workers": self.d.node_workers(j["job_id"], n["node"])}
                  for n in self.d.store.nodes(j["job_id"])]
         return {**j, "nodes": nodes, "history": self.d.store.history("job", j["job_id"]),
                 "damaged": self.d.damaged_jobs().get(j["job_id"])}
@@ -147,7 +176,7 @@ class AdminOps:
                     self.d.source_request("shrink", args.job, list(args.names or ()))
             except AllocationError as exc:
                 raise AdminError("invalid", str(exc)) from None
-        return {"source": self.d.source.name if self.d.source else None, "requested": args.action != "show",
+        return {"source": self.d.source_name, "requested": args.action != "show",
                 "allocations": self.d.store.allocations(args.job)}
 
     def keys(self, args: Any) -> list[dict[str, Any]]:

@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from nereusd import protocol
+from nereusd.wire import protocol
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
 
@@ -55,8 +55,8 @@ class _Fail(Exception):
 
 
 def ask(args: argparse.Namespace, op: str, **op_args: Any) -> Any:
-    from nereusd.client import AuthRefused, CurveClient, Unreachable
-    from nereusd.keys import load_bundle
+    from nereusd.wire.client import AuthRefused, CurveClient, Unreachable
+    from nereusd.wire.keys import load_bundle
     from planner.errors import SpecError
 
     try:

@@ -62,7 +62,7 @@ def make_planner(log: Any) -> tuple[Any, str]:
 
 def serve(args: argparse.Namespace) -> int:
     from nereusd.daemon import Daemon
-    from nereusd.logs import configure_logging, get_logger
+    from nereusd.wire.logs import configure_logging, get_logger
 
     settings = _settings(args)
     configure_logging(settings.daemon.log_format, settings.daemon.log_level)
@@ -88,7 +88,7 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def keys(args: argparse.Namespace) -> int:
-    from nereusd.keys import KeyStore
+    from nereusd.wire.keys import KeyStore
 
     store = KeyStore(Path(_settings(args).daemon.state_dir) / "keys")
     if args.keys_command == "init":

@@ -28,8 +28,8 @@ import zmq
 import zmq.auth.thread
 from pydantic import BaseModel
 
-from nereusd import protocol
-from nereusd.keys import KeyStore, Role
+from nereusd.wire import protocol
+from nereusd.wire.keys import KeyStore, Role
 
 AGENT_DOMAIN = "nereus-agent"
 ADMIN_DOMAIN = "nereus-admin"

@@ -17,10 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from nereusd import protocol
 from nereusd.allocation import AllocationEvent, EventKind
 from nereusd.metrics import Metrics
 from nereusd.store import Store
+from nereusd.wire import protocol
 from planner import admission
 from planner.errors import InfeasibleError, NereusError, SpecError
 from planner.plan import GlobalPlan, Layout, StagePlan

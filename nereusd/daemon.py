@@ -33,8 +33,7 @@ from typing import Any
 
 import zmq
 
-from nereusd import protocol
-from nereusd.admin import AdminError, AdminOps
+from nereusd.admin import AdminBackend, AdminError, AdminOps
 from nereusd.allocation import (
     Allocation,
     AllocationError,
@@ -54,11 +53,12 @@ from nereusd.control import (
     start_authenticator,
 )
 from nereusd.controller import JobController, PlannerPort
-from nereusd.keys import KeyStore
-from nereusd.logs import get_logger
 from nereusd.metrics import Metrics
 from nereusd.settings import Settings
 from nereusd.store import TERMINAL_JOB_STATES, Store
+from nereusd.wire import protocol
+from nereusd.wire.keys import KeyStore
+from nereusd.wire.logs import get_logger
 from planner import admission
 from planner.errors import NereusError, SpecError
 
@@ -366,6 +366,24 @@ class Daemon:
     def damaged_jobs(self) -> dict[str, str]:
         return dict(self.damaged)
 
+    # --- what the admin ops see (nereusd.admin.AdminBackend) -----------------------------------------
+    @property
+    def source_name(self) -> str | None:
+        return self.source.name if self.source else None
+
+    def runtime(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), "uptime_s": round(time.monotonic() - self.started_monotonic, 3),
+                "started_at": self.started_at, "state_dir": str(self.state_dir), "endpoints": self.endpoints,
+                "allocation_source": self.source_name, "planner": self.planner_name,
+                "agents_connected": len(self.sessions)}
+
+    def pool_gpus(self, job_id: str) -> int:
+        ctl = self.controllers.get(job_id)
+        return len(ctl.pool) if ctl else 0
+
+    def node_workers(self, job_id: str, node: str) -> list[dict[str, Any]]:
+        return self.worker_states.get((job_id, node), [])
+
     def _start_controller(self, job_id: str) -> JobController:
         p = self.settings.planner
         thresholds = dict(admission.DEFAULT_THRESHOLDS)
@@ -463,7 +481,7 @@ class Daemon:
             ready()
         next_tick = next_flush = time.monotonic()
         # the grace of restored nodes counts from now, plus the agents' reconnect back-off (up to 2 s,
-        # nereusd.client): a daemon down for a while must not mark every node lost on coming back
+        # nereusd.wire.client): a daemon down for a while must not mark every node lost on coming back
         for key in self.restored:
             if self.last_seen.get(key) is not None:
                 self.last_seen[key] = next_tick + RESTART_GRACE_S
@@ -738,3 +756,7 @@ class Daemon:
         self.admin.send(inc.identity, reply, inc.encoding)
         if time.monotonic() - t0 > SLOW_HANDLER_S:
             self.log.warning("slow-admin-op", op=msg.op, ms=round((time.monotonic() - t0) * 1e3, 1))
+
+
+def _admin_backend(d: Daemon) -> AdminBackend:  # checked by mypy: the daemon is what the admin ops need
+    return d

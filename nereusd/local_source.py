@@ -40,7 +40,7 @@ from nereusd.allocation import (
     EventKind,
     NodeAllocation,
 )
-from nereusd.logs import get_logger
+from nereusd.wire.logs import get_logger
 from planner.errors import SpecError
 
 if sys.version_info >= (3, 11):

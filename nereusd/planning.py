@@ -17,8 +17,8 @@ from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
 
-from nereusd import protocol
 from nereusd.controller import TransitionSketch
+from nereusd.wire import protocol
 from planner import admission
 from planner.errors import SpecError
 from planner.hardware import ClusterSpec, cluster_preset

@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nereusd import protocol
 from nereusd.allocation import AllocationEvent, EventKind, NodeAllocation
 from nereusd.controller import JobController
 from nereusd.metrics import Metrics
@@ -42,6 +41,7 @@ from nereusd.planning import PlannerBinding, cluster_for, job_spec
 from nereusd.sim.trace import Trace, TraceRow
 from nereusd.sim.truth import GroundTruth, OutOfMemory, StepWorkload, TransitionTruth, restart_seconds
 from nereusd.store import Store
+from nereusd.wire import protocol
 from planner import admission
 from planner.errors import InfeasibleError, SpecError
 from planner.hardware import ClusterSpec

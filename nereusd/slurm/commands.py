@@ -18,8 +18,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from nereusd.logs import get_logger
 from nereusd.slurm.hostlist import expand, split_top_level
+from nereusd.wire.logs import get_logger
 from planner.errors import SpecError
 
 TIMED_OUT = 124  # returncode reported for a command killed at its timeout (as timeout(1) does)

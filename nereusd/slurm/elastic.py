@@ -28,12 +28,12 @@ from nereusd.allocation import (
     EventKind,
     NodeAllocation,
 )
-from nereusd.logs import get_logger
 from nereusd.slurm.commands import SlurmCommands
 from nereusd.slurm.hostlist import compress
 from nereusd.slurm.poller import SlurmJobInfo, SlurmPoller
 from nereusd.slurm.states import Phase
 from nereusd.slurm.submit import LaunchSpec, SubmitError, SubmititLauncher, SubmittedJob, job_comment
+from nereusd.wire.logs import get_logger
 from planner.errors import SpecError
 
 SubmitMember = Callable[[ElasticJob], SubmittedJob]

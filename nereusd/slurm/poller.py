@@ -21,10 +21,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from nereusd.logs import get_logger
 from nereusd.slurm.commands import SlurmCommands, gres_indices, node_gpu_indices
 from nereusd.slurm.hostlist import expand
 from nereusd.slurm.states import Phase, StateMapping, map_job_state, node_lost
+from nereusd.wire.logs import get_logger
 from planner.errors import SpecError
 
 SUBMIT_TIME_TOLERANCE_S = 1.0

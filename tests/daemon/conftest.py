@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 
-from nereusd import protocol
-from nereusd.client import CurveClient
-from nereusd.keys import KeyStore, load_bundle
+from nereusd.wire import protocol
+from nereusd.wire.client import CurveClient
+from nereusd.wire.keys import KeyStore, load_bundle
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent

@@ -121,7 +121,7 @@ def test_agent_of_another_user_exits_refused(daemon: DaemonHandle) -> None:
 
 WORKER = """
 import os, sys, time, zmq
-from nereusd import protocol
+from nereusd.wire import protocol
 if os.environ["NEREUS_DEVICE"] == "1":
     sys.exit(7)  # a broken worker: restarted once, then reported failed
 sock = zmq.Context.instance().socket(zmq.PUSH)
@@ -164,7 +164,7 @@ def test_agent_supervises_workers_and_relays_their_measurements(daemon: DaemonHa
 EXECUTOR = """
 import os
 from agent.node import AgentLink
-from nereusd import protocol
+from nereusd.wire import protocol
 link = AgentLink.from_env()
 while True:
     order = link.next_order(timeout_s=600)

@@ -21,7 +21,8 @@ SPEC = {"model": "tiny-3m", "algo": "grpo", "device": "cpu", "gpus_per_node": 2,
 @pytest.mark.multiprocess
 def test_nereusctl_against_a_running_daemon(daemon: DaemonHandle) -> None:
     daemon.start()
-    assert daemon.ready_s < 5  # READY=1 arrived (the benchmark measures cold start properly)
+    # READY=1 arrived (start() checks it); how fast is bench/daemon.py's to measure, not a test's
+    assert daemon.proc is not None and daemon.proc.poll() is None
     added = daemon.ctl("job-add", "grpo-tiny", "--user", "alice", "--spec", json.dumps(SPEC))
     assert added.returncode == 0, added.stderr
     agent = daemon.agent("alice", "grpo-tiny", "n1", "--ack-orders")

@@ -8,9 +8,9 @@ import msgpack
 import pytest
 import zmq
 
-from nereusd import protocol
-from nereusd.client import AuthRefused, CurveClient
-from nereusd.keys import ClientBundle, load_bundle
+from nereusd.wire import protocol
+from nereusd.wire.client import AuthRefused, CurveClient
+from nereusd.wire.keys import ClientBundle, load_bundle
 
 from .conftest import DaemonHandle
 

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from nereusd import protocol
 from nereusd.controller import JobController, plan_from_dict, plan_to_dict
-from nereusd.logs import get_logger
 from nereusd.metrics import Metrics
 from nereusd.planning import PlannerBinding, job_spec
 from nereusd.store import Store
+from nereusd.wire import protocol
+from nereusd.wire.logs import get_logger
 from planner import admission
 from planner.errors import SpecError
 

@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nereusd import protocol
+from nereusd.wire import protocol
 
 from .conftest import DaemonHandle, write_config
 
@@ -195,7 +195,7 @@ def test_a_full_disk_is_refused_at_start_and_survived_while_serving(daemon: Daem
         pytest.skip("cannot mount a small tmpfs here (needs root and mount(8)): the full-disk cases need one")
     try:
         state = mnt / "state"
-        from nereusd.keys import KeyStore
+        from nereusd.wire.keys import KeyStore
 
         ks = KeyStore(state / "keys")
         ks.init()
@@ -312,7 +312,7 @@ def test_a_read_only_state_dir_is_refused_in_one_line(daemon: DaemonHandle) -> N
         pytest.skip("cannot mount a small tmpfs here (needs root and mount(8)); chmod does not stop root")
     try:
         state = mnt / "state"
-        from nereusd.keys import KeyStore
+        from nereusd.wire.keys import KeyStore
 
         KeyStore(state / "keys").init()
         write_config(daemon.config, state)

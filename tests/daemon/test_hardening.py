@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 import zmq
 
-from nereusd import protocol
-from nereusd.client import CurveClient
-from nereusd.keys import KeyStore, load_bundle
+from nereusd.wire import protocol
+from nereusd.wire.client import CurveClient
+from nereusd.wire.keys import KeyStore, load_bundle
 
 from .conftest import DaemonHandle, free_port, wait_for, write_config
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from nereusd.keys import KeyStore, load_bundle
+from nereusd.wire.keys import KeyStore, load_bundle
 from planner.errors import SpecError
 
 

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nereusd import protocol
 from nereusd.store import _MIGRATIONS, JOB_EDGES, SCHEMA_VERSION, StateError, Store
+from nereusd.wire import protocol
 from planner.errors import SpecError
 
 

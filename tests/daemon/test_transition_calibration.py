@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 
-from nereusd import protocol
 from nereusd.controller import JobController, TransitionObserver, plan_from_dict
-from nereusd.logs import get_logger
 from nereusd.metrics import Metrics
 from nereusd.planning import PlannerBinding
 from nereusd.store import Store
+from nereusd.wire import protocol
+from nereusd.wire.logs import get_logger
 from planner import admission
 
 SPEC = {"model": "tiny-3m", "algo": "grpo", "device": "cpu", "gpus_per_node": 2,

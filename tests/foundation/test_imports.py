@@ -19,7 +19,7 @@ def _run(code: str, *flags: str, cwd: Path = ROOT, **env: str) -> subprocess.Com
 def test_daemon_and_cli_never_import_torch() -> None:
     proc = _run("""
         import sys
-        import nereusd, nereusd.ctl, nereusd.settings, nereusd.logs, planner.plan, planner.models
+        import nereusd, nereusd.ctl, nereusd.settings, nereusd.wire.logs, planner.plan, planner.models
         nereusd.ctl.build_parser()
         import importlib, pkgutil
         for m in pkgutil.iter_modules(nereusd.__path__):
@@ -68,7 +68,7 @@ PACKAGES = ("planner", "transitions", "agent", "nereusd")
 # transitions: torch only in the data channel, the executor and the checkpoint fallback
 TORCH_IN_TRANSITIONS = ("transitions.channel", "transitions.checkpoint", "transitions.executor")
 # the torch-free wire layer agent/ may use from nereusd (protocol, client, keys, logging)
-WIRE = ("nereusd.protocol", "nereusd.client", "nereusd.keys", "nereusd.logs")
+WIRE = ("nereusd.wire",)
 NO_IO = ("zmq", "sqlite3", "subprocess", "socket", "fsspec", "requests", "urllib")
 
 
@@ -133,7 +133,7 @@ def test_the_direction_check_catches_each_forbidden_import() -> None:
         "transitions.layout": {"torch"},
         "transitions.executor.runner": {"torch", "agent.worker"},
         "nereusd.admin": {"agent.node"},
-        "agent.node": {"nereusd.protocol", "nereusd.store"},
+        "agent.node": {"nereusd.wire.protocol", "nereusd.store"},
     })
     assert len(bad) == 6, bad
-    assert not _violations({"transitions.executor.runner": {"torch"}, "agent.node": {"nereusd.keys"}})
+    assert not _violations({"transitions.executor.runner": {"torch"}, "agent.node": {"nereusd.wire.keys"}})

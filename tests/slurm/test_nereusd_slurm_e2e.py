@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 from lab import SlurmLab, wait_for
 
-from nereusd.keys import KeyStore
 from nereusd.launch import nereusctl_job_add, submit_elastic_job
+from nereusd.wire.keys import KeyStore
 
 pytestmark = [pytest.mark.slurm, pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.xdist_group("slurm")]
 BIN = Path(sys.executable).parent

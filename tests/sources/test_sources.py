@@ -17,10 +17,10 @@ import pytest
 import structlog
 
 from nereusd.allocation import ElasticJob
-from nereusd.keys import KeyStore
 from nereusd.local_source import LocalSource
 from nereusd.settings import load_settings
 from nereusd.sources import launch_spec_for, make_source
+from nereusd.wire.keys import KeyStore
 
 BIN = Path(sys.executable).parent
 

@@ -13,8 +13,8 @@ import zmq
 from pydantic import BaseModel
 from zmq.utils.monitor import parse_monitor_message
 
-from nereusd import protocol
-from nereusd.keys import ClientBundle
+from nereusd.wire import protocol
+from nereusd.wire.keys import ClientBundle
 from planner.errors import NereusError
 
 
