@@ -330,7 +330,8 @@ def pieces(prim: Primitive, gpu: int | None = None) -> list[Transfer]:
         return []
     readers: set[int] = set()
     if gpu is not None:
-        readers = {d for s, d in footprint(prim).pair_bytes if s == gpu}
+        traffic, labels = canonical_footprint(prim, DEFAULT_CACHE, buffers=False)
+        readers = {labels[d] for s, d in traffic.pair_bytes if labels[s] == gpu}
     out: list[Transfer] = []
     for target in prim.targets:
         for g in _target_gpus(prim, target):
@@ -426,7 +427,7 @@ def _canonical(prim: Primitive) -> tuple[Primitive, list[int]]:
     return canon, gpus
 
 
-def _canonical_footprint(prim: Primitive) -> Footprint:
+def _canonical_footprint(prim: Primitive, buffers: bool = True) -> Footprint:
     alloc: dict[int, int] = {}
     free: dict[int, int] = {}
     if not relabels(prim):
@@ -455,7 +456,7 @@ def _canonical_footprint(prim: Primitive) -> Footprint:
                             local[dst] = local.get(dst, 0) + nbytes
                         else:
                             pair[(src, dst)] = pair.get((src, dst), 0) + nbytes
-    buffer = wire_buffers(prim) if pair else {}
+    buffer = wire_buffers(prim) if pair and buffers else {}
     return Footprint(alloc_bytes={g: v for g, v in alloc.items() if v},
                      free_bytes={g: v for g, v in free.items() if v},
                      buffer_bytes=buffer, local_bytes=local, pair_bytes=pair)
@@ -487,18 +488,23 @@ def _shape_key(prim: Primitive) -> tuple[tuple[object, ...], list[int]]:
     return key, gpus
 
 
-def canonical_footprint(prim: Primitive, cache: PlanningCache) -> tuple[Footprint, list[int]]:
+def canonical_footprint(prim: Primitive, cache: PlanningCache, buffers: bool = True) -> tuple[Footprint, list[int]]:
     """``prim``'s footprint over GPU labels 0..k-1 (first appearance: each unit's GPUs, then its
     ``final``'s, units in field order) and the GPU of each label; memoised per relative shape in
     ``cache.footprints``, so every replica of the same shape (transitions.replica_classes) shares one
-    derivation."""
+    derivation. Without ``buffers`` its bucket memory is left out (empty): the traffic alone, which
+    is all a worker deriving its pieces needs, costs no bucketizing."""
     if isinstance(prim, Destroy):
         gpus = list(prim.unit.gpus)
         return Footprint(alloc_bytes={}, free_bytes={r: prim.unit.bytes_on(g) for r, g in enumerate(gpus)},
                          buffer_bytes={}, local_bytes={}, pair_bytes={}), gpus
     key, gpus = _shape_key(prim)
     fp = cache.footprints.get(key)
-    if fp is None:
+    if fp is None and not buffers:
+        fp = cache.footprints.get(("traffic", key))
+        if fp is None:
+            fp = cache.footprints.put(("traffic", key), _canonical_footprint(_canonical(prim)[0], buffers=False))
+    elif fp is None:
         fp = cache.footprints.put(key, _canonical_footprint(_canonical(prim)[0]))
     return fp, gpus
 
