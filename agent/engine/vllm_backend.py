@@ -17,33 +17,16 @@ from typing import Any
 
 import torch
 
+from agent.engine import hf_io
 from agent.engine.rollout import Rollout, SamplingParams, left_pad
 from planner.errors import SpecError
 from planner.models import ModelSpec
 
 
 def hf_config(spec: ModelSpec, max_position_embeddings: int = 4096, dtype: str = "bfloat16") -> dict[str, Any]:
-    """The Hugging Face ``config.json`` of ``spec`` (Llama, or Qwen3 when it normalises q/k)."""
-    qwen = spec.qk_norm
-    return {
-        "architectures": ["Qwen3ForCausalLM" if qwen else "LlamaForCausalLM"],
-        "model_type": "qwen3" if qwen else "llama",
-        "hidden_size": spec.hidden_size,
-        "intermediate_size": spec.ffn_hidden_size,
-        "num_hidden_layers": spec.num_layers,
-        "num_attention_heads": spec.num_attention_heads,
-        "num_key_value_heads": spec.num_kv_heads,
-        "head_dim": spec.head_dim,
-        "vocab_size": spec.vocab_size,
-        "rms_norm_eps": spec.rms_norm_eps,
-        "rope_theta": spec.rope_theta,
-        "tie_word_embeddings": spec.tie_word_embeddings,
-        "max_position_embeddings": max_position_embeddings,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-        "torch_dtype": dtype,
-    }
+    """The Hugging Face ``config.json`` of ``spec`` (Llama, or Qwen3 when it normalises q/k): the
+    engine's one writer of it, ``agent.engine.hf_io.hf_config``, in vLLM's default dtype."""
+    return hf_io.hf_config(spec, dtype=dtype, max_position_embeddings=max_position_embeddings)
 
 
 def write_model_dir(spec: ModelSpec, path: str | Path, weights: dict[str, torch.Tensor] | None = None) -> Path:
