@@ -118,7 +118,8 @@ class DaemonHandle:
         self.clients.append(c)
         return c
 
-    def admin(self, op: str, **args: Any) -> Any:
+    def admin_reply(self, op: str, **args: Any) -> protocol.AdminReply:
+        """The daemon's reply to one admin request, refused or not."""
         c = self.client("admin", "admin")
         try:
             reply = c.request(protocol.AdminRequest(op=op, args=args), timeout_s=10)
@@ -126,6 +127,10 @@ class DaemonHandle:
             c.close()
             self.clients.remove(c)
         assert isinstance(reply, protocol.AdminReply), reply
+        return reply
+
+    def admin(self, op: str, **args: Any) -> Any:
+        reply = self.admin_reply(op, **args)
         assert reply.ok, reply.error
         return reply.data
 

@@ -50,14 +50,7 @@ def _db_rows(daemon: DaemonHandle, sql: str) -> list[tuple[Any, ...]]:
 
 
 def _admin_reply(daemon: DaemonHandle, op: str, **args: Any) -> protocol.AdminReply:
-    c = daemon.client("admin", "admin")
-    try:
-        reply = c.request(protocol.AdminRequest(op=op, args=args), timeout_s=10)
-    finally:
-        c.close()
-        daemon.clients.remove(c)
-    assert isinstance(reply, protocol.AdminReply), reply
-    return reply
+    return daemon.admin_reply(op, **args)
 
 
 # --- values that must be refused, with the field named -------------------------------------------
