@@ -53,6 +53,17 @@ def free_port() -> int:
     raise AssertionError(f"no free port in {low}..{low + 2999}")
 
 
+def store_rows(state_dir: Path, sql: str) -> list[tuple[Any, ...]]:
+    """``sql`` on the daemon's store, opened read-only beside it (what is really on disk)."""
+    import sqlite3
+
+    db = sqlite3.connect(f"file:{state_dir / 'nereusd.db'}?mode=ro", uri=True)
+    try:
+        return db.execute(sql).fetchall()
+    finally:
+        db.close()
+
+
 def wait_for(cond: Callable[[], Any], timeout_s: float = 10.0, what: str = "condition") -> Any:
     """Poll ``cond`` until it returns something truthy; fail after ``timeout_s`` (no bare sleeps)."""
     deadline = time.monotonic() + timeout_s

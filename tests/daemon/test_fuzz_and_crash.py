@@ -10,7 +10,6 @@ import json
 import os
 import random
 import shutil
-import sqlite3
 import subprocess
 import time
 from pathlib import Path
@@ -23,19 +22,11 @@ from hypothesis import strategies as st
 
 from nereusd.wire import protocol
 
-from .conftest import DaemonHandle, write_config
+from .conftest import DaemonHandle, store_rows, write_config
 
 pytestmark = pytest.mark.multiprocess
 
 DEV = (protocol.Device(index=0, kind="cpu", name="cpu", memory_bytes=1 << 30),)
-
-
-def _rows(state_dir: Path, sql: str) -> list[tuple[Any, ...]]:
-    db = sqlite3.connect(f"file:{state_dir / 'nereusd.db'}?mode=ro", uri=True)
-    try:
-        return db.execute(sql).fetchall()
-    finally:
-        db.close()
 
 
 def _good(job: str, node: str) -> dict[str, dict[str, Any]]:
@@ -111,12 +102,12 @@ def test_fuzzed_frames_never_stop_the_daemon_or_lose_an_acknowledged_record(daem
 
     one()
     assert daemon.proc is not None and daemon.proc.poll() is None
-    assert _rows(daemon.state_dir, "PRAGMA integrity_check") == [("ok",)]
-    stored = {s for (s,) in _rows(daemon.state_dir, "SELECT step FROM measurements WHERE job_id='j'")}
+    assert store_rows(daemon.state_dir, "PRAGMA integrity_check") == [("ok",)]
+    stored = {s for (s,) in store_rows(daemon.state_dir, "SELECT step FROM measurements WHERE job_id='j'")}
     assert set(acked) <= stored
     assert daemon.stop() == 0
     daemon.start()
-    stored = {s for (s,) in _rows(daemon.state_dir, "SELECT step FROM measurements WHERE job_id='j'")}
+    stored = {s for (s,) in store_rows(daemon.state_dir, "SELECT step FROM measurements WHERE job_id='j'")}
     assert set(acked) <= stored and len(acked) > 50
     assert daemon.admin("status")["jobs_damaged"] == {}
 
@@ -157,11 +148,11 @@ def test_kill9_during_writes_and_registrations_loses_no_acknowledged_record(daem
             c.close()
             daemon.clients.remove(c)
         daemon.start()
-        stored = {s for (s,) in _rows(daemon.state_dir, "SELECT step FROM measurements")}
+        stored = {s for (s,) in store_rows(daemon.state_dir, "SELECT step FROM measurements")}
         assert acked <= stored, f"round {round_}: acknowledged but lost: {sorted(acked - stored)[:5]}"
-        nodes = {n for (n,) in _rows(daemon.state_dir, "SELECT node FROM nodes")}
+        nodes = {n for (n,) in store_rows(daemon.state_dir, "SELECT node FROM nodes")}
         assert welcomed <= nodes, f"round {round_}: welcomed but lost: {sorted(welcomed - nodes)[:5]}"
-        assert _rows(daemon.state_dir, "PRAGMA integrity_check") == [("ok",)]
+        assert store_rows(daemon.state_dir, "PRAGMA integrity_check") == [("ok",)]
     assert len(acked) >= 12 and daemon.admin("status")["jobs_damaged"] == {}
 
 
@@ -244,9 +235,9 @@ def test_a_full_disk_is_refused_at_start_and_survived_while_serving(daemon: Daem
         assert handle.stop() == 0
         handle.start()
         daemon.proc = handle.proc
-        stored = {s for (s,) in _rows(state, "SELECT step FROM measurements")}
+        stored = {s for (s,) in store_rows(state, "SELECT step FROM measurements")}
         assert set(acked) <= stored
-        assert _rows(state, "PRAGMA integrity_check") == [("ok",)]
+        assert store_rows(state, "PRAGMA integrity_check") == [("ok",)]
         for c in handle.clients:
             c.close()
     finally:
@@ -302,7 +293,7 @@ def test_kill9_during_a_transition_keeps_it_and_it_completes_after_restart(daemo
     assert daemon.admin("transition", id=order.transition_id)["state"] == "done"
     job = daemon.admin("job", job="j")
     assert job["plan_version"] == order.to_version and job["state"] == "running"
-    assert _rows(daemon.state_dir, "PRAGMA integrity_check") == [("ok",)]
+    assert store_rows(daemon.state_dir, "PRAGMA integrity_check") == [("ok",)]
     assert daemon.admin("status")["jobs_damaged"] == {}
 
 

@@ -21,7 +21,7 @@ from nereusd.wire import protocol
 from nereusd.wire.client import CurveClient
 from nereusd.wire.keys import KeyStore, load_bundle
 
-from .conftest import DaemonHandle, free_port, wait_for, write_config
+from .conftest import DaemonHandle, free_port, store_rows, wait_for, write_config
 
 pytestmark = pytest.mark.multiprocess
 
@@ -39,14 +39,6 @@ def _raw(c: CurveClient, data: dict[str, Any]) -> Any:
     reply = c.recv(timeout_s=10)
     assert reply is not None, f"no reply to {str(data)[:120]}"
     return reply
-
-
-def _db_rows(daemon: DaemonHandle, sql: str) -> list[tuple[Any, ...]]:
-    db = sqlite3.connect(f"file:{daemon.state_dir / 'nereusd.db'}?mode=ro", uri=True)
-    try:
-        return db.execute(sql).fetchall()
-    finally:
-        db.close()
 
 
 def _admin_reply(daemon: DaemonHandle, op: str, **args: Any) -> protocol.AdminReply:
@@ -130,9 +122,9 @@ def test_out_of_range_values_are_refused_naming_the_field_and_nothing_is_stored(
         assert reply.code == "invalid" and field in reply.message, (kind, field, reply)
         assert len(reply.message) < 400  # one line, the value shortened
     # nothing of it was stored; the good session still works and the store is sound
-    assert _db_rows(daemon, "SELECT COUNT(*) FROM measurements") == [(0,)]
+    assert store_rows(daemon.state_dir, "SELECT COUNT(*) FROM measurements") == [(0,)]
     assert isinstance(c.request(protocol.Heartbeat(job_id="j", node="n1", seq=2), timeout_s=10), protocol.Ack)
-    assert _db_rows(daemon, "PRAGMA integrity_check") == [("ok",)]
+    assert store_rows(daemon.state_dir, "PRAGMA integrity_check") == [("ok",)]
     assert daemon.stop() == 0
     daemon.start()
     assert [(j["job"], j["damaged"]) for j in daemon.admin("jobs")] == [("j", None)]
@@ -172,13 +164,13 @@ def test_admin_requests_are_validated_before_anything_is_stored(daemon: DaemonHa
     daemon.start()
     elastic = {"anchor_job_id": "local-j", "min_gpus": 2, "max_gpus": 4, "gpus_per_node": 2}
     daemon.admin("job-add", job="j", user="alice", spec={"elastic": elastic})
-    before = _db_rows(daemon, "SELECT job_id, spec FROM jobs")
+    before = store_rows(daemon.state_dir, "SELECT job_id, spec FROM jobs")
     for op, args, named in ADMIN_BAD:
         reply = _admin_reply(daemon, op, **args)
         assert not reply.ok and reply.code == "invalid", (op, args, reply)
         assert named in reply.error, (op, named, reply.error)
         assert "\n" not in reply.error
-    assert _db_rows(daemon, "SELECT job_id, spec FROM jobs") == before
+    assert store_rows(daemon.state_dir, "SELECT job_id, spec FROM jobs") == before
     # the same through nereusctl: exit 2 and one line
     for argv, named in ((("alloc", "j", "--grow", "-3"), "nodes"), (("alloc", "j", "--shrink", "no-such-node"),
                                                                    "no-such-node")):
@@ -227,7 +219,7 @@ def test_another_key_cannot_take_an_agents_routing_id_or_speak_for_its_node(daem
     assert [(n["node"], n["state"]) for n in job["nodes"]] == [("n1", "alive")]
     assert [e["data"]["how"] for e in daemon.admin("events", job="alice-job") if e["kind"] == "node-registered"] \
         == ["new"]
-    assert _db_rows(daemon, "SELECT COUNT(*) FROM measurements") == [(0,)]
+    assert store_rows(daemon.state_dir, "SELECT COUNT(*) FROM measurements") == [(0,)]
 
 
 def test_one_node_per_connection_and_a_node_limit_per_job(daemon: DaemonHandle) -> None:
