@@ -91,6 +91,104 @@ class Coordinator(Protocol):
     def close(self) -> None: ...
 
 
+# --- what every driver shares: generations, DAG runs, checkpoints over ``request`` ----------------
+
+
+class CommandDriver:
+    """The Coordinator methods over one primitive, ``request`` (send each worker its command, wait for
+    every reply, a lost worker answering ok=False): generations, DAG runs with survivor re-forming,
+    dumps, checkpoints, calls. ``LocalCoordinator`` (pipes) and ``agent.hub.HubCoordinator`` (ZeroMQ,
+    workers started by node agents) supply ``request``, ``alive``, ``is_dead`` and the store address."""
+
+    timeout_s: float
+    generation: int
+    spec: GenerationSpec | None
+    store_host: str
+    store_port: int
+    state: dict[int, WorkerState]
+    held: dict[int, tuple[str, ...]]
+
+    @property
+    def alive(self) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def is_dead(self, worker: int) -> bool:
+        raise NotImplementedError
+
+    def request(self, commands: dict[int, Command], timeout_s: float | None = None) -> dict[int, Reply]:
+        raise NotImplementedError
+
+    def request_all(self, cmd: Command, workers: Iterable[int] | None = None,
+                    timeout_s: float | None = None) -> dict[int, Reply]:
+        targets = tuple(workers) if workers is not None else self.alive
+        return self.request({w: cmd for w in targets}, timeout_s)
+
+    def _check(self, replies: dict[int, Reply], what: str) -> dict[int, Reply]:
+        bad = {w: r.error for w, r in replies.items() if not r.ok}
+        if bad:
+            raise WorkerDied(f"{what} failed on workers {sorted(bad)}: {bad}")
+        return replies
+
+    def form_generation(self, members: Iterable[int] | None = None) -> GenerationSpec:
+        members_t = tuple(members) if members is not None else self.alive
+        self.generation += 1
+        spec = GenerationSpec(generation=self.generation, members=members_t, store_host=self.store_host,
+                              store_port=self.store_port, timeout_s=self.timeout_s)
+        self._check(self.request_all(Join(spec=spec), members_t), f"join generation {self.generation}")
+        self.spec = spec
+        return spec
+
+    def init_units(self, units: Iterable[EMU], seed: int) -> None:
+        self._check(self.request_all(InitUnits(units=tuple(units), seed=seed)), "init units")
+
+    def run_dag(self, dag: TransitionDAG, cluster: ClusterSpec, *, max_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                kill_at: dict[int, tuple[str, int]] | None = None,
+                setup_s: float = DEFAULT_COMMUNICATOR_SETUP_S, in_place: bool | None = None,
+                fan_out: bool | None = None) -> TransitionOutcome:
+        """Every worker runs its nodes of ``dag``; on a failure the survivors re-form a generation and
+        the model-stages whose state no surviving unit still covers are reported (checkpoint needed)."""
+        start = time.perf_counter()
+        predicted = tuple(primitive_seconds(fp, cluster, setup_s) for fp in dag.footprints)
+        members = self.spec.members if self.spec is not None else self.alive
+        cmds: dict[int, Command] = {
+            w: RunDag(dag=dag, predicted_s=predicted, max_bucket_bytes=max_bucket_bytes,
+                      kill_at=(kill_at or {}).get(w), in_place=in_place, fan_out=fan_out)
+            for w in members
+        }
+        replies = self.request(cmds)
+        if all(r.ok for r in replies.values()):
+            return TransitionOutcome(committed=True, generation=self.generation, dead_workers=(), errors={},
+                                     reports={w: r.value for w, r in replies.items()}, lost={},
+                                     seconds=time.perf_counter() - start)
+        errors = {w: r.error or "" for w, r in replies.items() if not r.ok}
+        dead = tuple(sorted(w for w in members if self.is_dead(w)))
+        survivors = tuple(w for w in members if w not in dead)
+        self.form_generation(survivors)  # every Join reply says which units its worker still holds
+        held = {w: set(self.held[w]) for w in survivors}
+        return TransitionOutcome(committed=False, generation=self.generation, dead_workers=dead, errors=errors,
+                                 reports={}, lost=uncovered_state(dag, held),
+                                 seconds=time.perf_counter() - start)
+
+    def dump(self, workers: Iterable[int] | None = None) -> dict[int, Any]:
+        replies = self._check(self.request_all(Dump(), workers), "dump")
+        return {w: r.value for w, r in replies.items()}
+
+    def save_checkpoint(self, url: str, tag: str, workers: Iterable[int] | None = None) -> dict[int, Reply]:
+        return self._check(self.request_all(SaveCheckpoint(url=url, tag=tag), workers), "checkpoint save")
+
+    def load_checkpoint(self, url: str, tag: str, units: Iterable[EMU],
+                        workers: Iterable[int] | None = None) -> dict[int, Reply]:
+        """Every worker replaces what it holds by its shares of ``units``, read from the checkpoint."""
+        cmd = LoadCheckpoint(url=url, tag=tag, units=tuple(units))
+        return self._check(self.request_all(cmd, workers), "checkpoint load")
+
+    def call(self, fn: Callable[..., Any], workers: Iterable[int] | None = None,
+             timeout_s: float | None = None, **kwargs: Any) -> dict[int, Any]:
+        replies = self._check(self.request_all(Call(fn=fn, kwargs=kwargs), workers, timeout_s),
+                              f"call {fn.__name__}")
+        return {w: r.value for w, r in replies.items()}
+
+
 # --- the local coordinator -------------------------------------------------------------------------
 
 
@@ -100,7 +198,7 @@ class _Proc:
     conn: mpc.Connection
 
 
-class LocalCoordinator:
+class LocalCoordinator(CommandDriver):
     """Spawns ``num_workers`` worker processes on this machine and drives them over pipes."""
 
     def __init__(self, num_workers: int, *, timeout_s: float = 30.0, device: str = "cpu",
@@ -113,7 +211,7 @@ class LocalCoordinator:
         self.timeout_s = timeout_s
         self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                     timeout=_td(timeout_s))
-        self.store_port = self._store.port
+        self.store_host, self.store_port = "127.0.0.1", self._store.port
         self.generation = -1
         self._seq = 0
         self.spec: GenerationSpec | None = None
@@ -156,6 +254,9 @@ class LocalCoordinator:
     @property
     def alive(self) -> tuple[int, ...]:
         return tuple(w for w, p in self._procs.items() if p.process.is_alive())
+
+    def is_dead(self, worker: int) -> bool:
+        return not self._procs[worker].process.is_alive()
 
     def pid(self, worker: int) -> int:
         return int(self._procs[worker].process.pid)
@@ -212,75 +313,6 @@ class LocalCoordinator:
         return Reply(worker=worker, seq=seq, ok=False, error=error,
                      state=WorkerState.RUNNING if alive else WorkerState.STOPPED,
                      units=self.held.get(worker, ()) if alive else ())
-
-    def request_all(self, cmd: Command, workers: Iterable[int] | None = None,
-                    timeout_s: float | None = None) -> dict[int, Reply]:
-        targets = tuple(workers) if workers is not None else self.alive
-        return self.request({w: cmd for w in targets}, timeout_s)
-
-    def _check(self, replies: dict[int, Reply], what: str) -> dict[int, Reply]:
-        bad = {w: r.error for w, r in replies.items() if not r.ok}
-        if bad:
-            raise WorkerDied(f"{what} failed on workers {sorted(bad)}: {bad}")
-        return replies
-
-    # --- the Coordinator interface ---
-    def form_generation(self, members: Iterable[int] | None = None) -> GenerationSpec:
-        members_t = tuple(members) if members is not None else self.alive
-        self.generation += 1
-        spec = GenerationSpec(generation=self.generation, members=members_t, store_host="127.0.0.1",
-                              store_port=self.store_port, timeout_s=self.timeout_s)
-        self._check(self.request_all(Join(spec=spec), members_t), f"join generation {self.generation}")
-        self.spec = spec
-        return spec
-
-    def init_units(self, units: Iterable[EMU], seed: int) -> None:
-        self._check(self.request_all(InitUnits(units=tuple(units), seed=seed)), "init units")
-
-    def run_dag(self, dag: TransitionDAG, cluster: ClusterSpec, *, max_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                kill_at: dict[int, tuple[str, int]] | None = None,
-                setup_s: float = DEFAULT_COMMUNICATOR_SETUP_S, in_place: bool | None = None,
-                fan_out: bool | None = None) -> TransitionOutcome:
-        """Every worker runs its nodes of ``dag``; on a failure the survivors re-form a generation and
-        the model-stages whose state no surviving unit still covers are reported (checkpoint needed)."""
-        start = time.perf_counter()
-        predicted = tuple(primitive_seconds(fp, cluster, setup_s) for fp in dag.footprints)
-        members = self.spec.members if self.spec is not None else self.alive
-        cmds: dict[int, Command] = {
-            w: RunDag(dag=dag, predicted_s=predicted, max_bucket_bytes=max_bucket_bytes,
-                      kill_at=(kill_at or {}).get(w), in_place=in_place, fan_out=fan_out)
-            for w in members
-        }
-        replies = self.request(cmds)
-        if all(r.ok for r in replies.values()):
-            return TransitionOutcome(committed=True, generation=self.generation, dead_workers=(), errors={},
-                                     reports={w: r.value for w, r in replies.items()}, lost={},
-                                     seconds=time.perf_counter() - start)
-        errors = {w: r.error or "" for w, r in replies.items() if not r.ok}
-        dead = tuple(sorted(w for w in members if not self._procs[w].process.is_alive()))
-        survivors = tuple(w for w in members if w not in dead)
-        self.form_generation(survivors)  # every Join reply says which units its worker still holds
-        held = {w: set(self.held[w]) for w in survivors}
-        return TransitionOutcome(committed=False, generation=self.generation, dead_workers=dead, errors=errors,
-                                 reports={}, lost=uncovered_state(dag, held),
-                                 seconds=time.perf_counter() - start)
-
-    def dump(self, workers: Iterable[int] | None = None) -> dict[int, Any]:
-        replies = self._check(self.request_all(Dump(), workers), "dump")
-        return {w: r.value for w, r in replies.items()}
-
-    def save_checkpoint(self, url: str, tag: str) -> dict[int, Reply]:
-        return self._check(self.request_all(SaveCheckpoint(url=url, tag=tag)), "checkpoint save")
-
-    def load_checkpoint(self, url: str, tag: str, units: Iterable[EMU]) -> dict[int, Reply]:
-        """Every worker replaces what it holds by its shares of ``units``, read from the checkpoint."""
-        cmd = LoadCheckpoint(url=url, tag=tag, units=tuple(units))
-        return self._check(self.request_all(cmd), "checkpoint load")
-
-    def call(self, fn: Callable[..., Any], workers: Iterable[int] | None = None,
-             **kwargs: Any) -> dict[int, Any]:
-        replies = self._check(self.request_all(Call(fn=fn, kwargs=kwargs), workers), f"call {fn.__name__}")
-        return {w: r.value for w, r in replies.items()}
 
     def close(self) -> None:
         """Ask every live worker to exit; terminate (then kill) any that does not within the timeout."""

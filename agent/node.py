@@ -2,7 +2,7 @@
 
     python -m agent.node --endpoint tcp://HEAD:7501 --keys DIR --job JOB [--node NAME]
         [--slurm-job-id ID] [--cpu-slots N] [--worker-cmd 'python -m agent.worker --device {device}']
-        [--ack-orders]
+        [--driver tcp://HOST:PORT] [--driver-cmd 'python -m agent.driver --job-file JOB.toml'] [--ack-orders]
 
 Defaults come from the environment where Slurm or the launcher set it (SLURMD_NODENAME, SLURM_JOB_ID,
 NEREUS_ENDPOINT, NEREUS_KEYS, NEREUS_JOB_ID). Devices: GPUs from NVML when it is present, else CPU
@@ -13,7 +13,10 @@ Relays: the job driver and the workers PUSH Measurement and TransitionReport mes
 agent's local ipc socket ($NEREUS_AGENT_IPC; ``AgentLink`` is their side). Measurements go on to the
 daemon; an order is reported done for the node once every local worker reported it (or failed at the
 first failure). Transition orders from the daemon are PUBlished on $NEREUS_AGENT_ORDERS (workers
-SUBscribe), again every beat until the node reported them. ``--ack-orders`` reports
+SUBscribe), again every beat until the node reported them. ``--driver`` is the job driver's endpoint,
+handed to every worker (NEREUS_DRIVER) so that it dials the driver; ``--driver-cmd`` (the anchor
+node's agent only) also starts the driver itself, as one more child with the workers' environment
+(its relay is this agent: its measurements go out, the daemon's orders come in). ``--ack-orders`` reports
 every order done at once (simulated nodes, tests, benchmarks: no executor attached).
 
 After a daemon restart the agent's connection comes back by itself (same CURVE key, same routing id);
@@ -137,6 +140,9 @@ class AgentConfig:
     worker_cmd: Sequence[str] = ()  # '{device}' is replaced by the device index; empty: no workers
     max_restarts: int = 3
     ack_orders: bool = False
+    driver: str | None = None  # the job driver's endpoint, for the workers
+    driver_cmd: Sequence[str] = ()  # start the job driver here (the anchor node)
+    keys_dir: Path | None = None  # handed to children (NEREUS_KEYS): the hub's CURVE keys
     ipc_dir: Path = field(default_factory=lambda: Path(tempfile.gettempdir()))
     silent_after_s: float = 10.0  # no reply for this long: log that the daemon is silent, keep trying
 
@@ -159,6 +165,8 @@ class NodeAgent:
         self.orders_out.bind(self.ipc_orders)
         self.on_order = on_order
         self.workers = [_Worker(device=d) for d in cfg.devices] if cfg.worker_cmd else []
+        self.driver: subprocess.Popen[bytes] | None = None
+        self.driver_exit: int | None = None
         self.stop = threading.Event()
         self.registered = threading.Event()
         self.welcomes = 0  # how many times the daemon welcomed us (1 + reconnections)
@@ -174,11 +182,22 @@ class NodeAgent:
         self.outbox: deque[protocol.Measurement | protocol.TransitionReport] = deque(maxlen=OUTBOX_MAX)
 
     # --- workers ------------------------------------------------------------------------------------
+    def _child_env(self) -> dict[str, str]:
+        env = {**os.environ, "NEREUS_JOB_ID": self.cfg.job_id, "NEREUS_NODE": self.cfg.node,
+               "NEREUS_AGENT_IPC": self.ipc_in, "NEREUS_AGENT_ORDERS": self.ipc_orders}
+        if self.cfg.driver:
+            env["NEREUS_DRIVER"] = self.cfg.driver
+        if self.cfg.keys_dir is not None:
+            env["NEREUS_KEYS"] = str(self.cfg.keys_dir)
+        return env
+
+    def _spawn_driver(self) -> None:
+        self.driver = subprocess.Popen(list(self.cfg.driver_cmd), env=self._child_env())
+        self.log.info("driver-started", pid=self.driver.pid)
+
     def _spawn(self, w: _Worker) -> None:
         cmd = [a.replace("{device}", str(w.device.index)) for a in self.cfg.worker_cmd]
-        env = {**os.environ, "NEREUS_JOB_ID": self.cfg.job_id, "NEREUS_NODE": self.cfg.node,
-               "NEREUS_DEVICE": str(w.device.index), "NEREUS_AGENT_IPC": self.ipc_in,
-               "NEREUS_AGENT_ORDERS": self.ipc_orders}
+        env = {**self._child_env(), "NEREUS_DEVICE": str(w.device.index)}
         if w.device.kind == "gpu":
             env["CUDA_VISIBLE_DEVICES"] = str(w.device.index)
         w.proc = subprocess.Popen(cmd, env=env)
@@ -186,6 +205,11 @@ class NodeAgent:
         self.log.info("worker-started", device=w.device.index, pid=w.proc.pid)
 
     def _supervise(self) -> None:
+        if self.cfg.driver_cmd and self.driver is None:
+            self._spawn_driver()
+        if self.driver is not None and self.driver_exit is None and (code := self.driver.poll()) is not None:
+            self.driver_exit = code  # not restarted: a driver holds the job's step loop, a new one would not
+            (self.log.info if code == 0 else self.log.error)("driver-exited", exit_code=code)
         for w in self.workers:
             if w.proc is None:
                 self._spawn(w)
@@ -205,16 +229,17 @@ class NodeAgent:
                 self.log.error("worker-failed", device=w.device.index, exit_code=code)
 
     def _stop_workers(self) -> None:
-        for w in self.workers:
-            if w.proc is not None and w.proc.poll() is None:
-                w.proc.terminate()
-        for w in self.workers:
-            if w.proc is not None:
-                try:
-                    w.proc.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    w.proc.kill()
-                    w.proc.wait()
+        procs = [w.proc for w in self.workers if w.proc is not None]
+        procs += [self.driver] if self.driver is not None else []
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
     # --- daemon conversation ------------------------------------------------------------------------
     def _register(self) -> None:
@@ -418,6 +443,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--slurm-job-id", default=env.get("SLURM_JOB_ID"))
     p.add_argument("--cpu-slots", type=int, help="use N CPU worker slots instead of GPUs")
     p.add_argument("--worker-cmd", default="", help="worker command; {device} is the device index")
+    p.add_argument("--driver", default=env.get("NEREUS_DRIVER"), help="the job driver's endpoint (for workers)")
+    p.add_argument("--driver-cmd", default="", help="start the job driver with this command (anchor node)")
     p.add_argument("--max-restarts", type=int, default=3)
     p.add_argument("--ack-orders", action="store_true", help="report every order done (no executor)")
     p.add_argument("--log-format", choices=("auto", "json", "console"), default="auto")
@@ -431,7 +458,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = AgentConfig(endpoint=args.endpoint, bundle=load_bundle(Path(args.keys)), job_id=args.job, node=args.node,
                       slurm_job_id=args.slurm_job_id, devices=discover_devices(args.cpu_slots),
                       worker_cmd=shlex.split(args.worker_cmd), max_restarts=args.max_restarts,
-                      ack_orders=args.ack_orders)
+                      ack_orders=args.ack_orders, driver=args.driver, driver_cmd=shlex.split(args.driver_cmd),
+                      keys_dir=Path(args.keys))
     agent = NodeAgent(cfg)
     signal.signal(signal.SIGTERM, lambda *_: agent.stop.set())
     signal.signal(signal.SIGINT, lambda *_: agent.stop.set())

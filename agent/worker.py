@@ -6,7 +6,12 @@ time, dispatched through ``HANDLERS`` (command type -> handler). Its ``WorkerSta
 every reply: a failure in a command is answered as an error reply and the worker keeps running; a
 failed data channel leaves it BROKEN (RunDag and checkpoints refused) until the next Join.
 
-Started by ``LocalCoordinator`` (spawn) or by the node agent: ``worker_main(worker_id, link, device)``.
+Started by ``LocalCoordinator`` (spawn, over a pipe), or by the node agent as
+
+    python -m agent.worker --device N        # NEREUS_DRIVER, NEREUS_NODE (and NEREUS_KEYS) from the agent
+
+which dials the job's driver (``agent.hub.WorkerLink``), is given its worker id (the global GPU id of
+its device in the daemon's plan) and then obeys the driver's commands exactly as over a pipe.
 """
 
 from __future__ import annotations
@@ -220,3 +225,45 @@ def worker_main(worker_id: int, link: Any, device: str = "cpu", threads: int = 1
     ctx.enter(WorkerState.STOPPED)
     with contextlib.suppress(Exception):  # exiting anyway: a broken group may fail to tear down
         ctx.channel.leave()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of a worker the node agent starts: dial the driver, take the worker id, serve."""
+    import argparse
+    import sys
+    from pathlib import Path
+
+    from agent.hub import WorkerLink
+    from nereusd.wire.keys import load_bundle
+
+    env = os.environ
+    p = argparse.ArgumentParser(prog="python -m agent.worker", description="Nereus worker (one per device)")
+    p.add_argument("--device", type=int, default=int(env.get("NEREUS_DEVICE", "0")))
+    p.add_argument("--driver", default=env.get("NEREUS_DRIVER"), help="the job driver's endpoint")
+    p.add_argument("--keys", default=env.get("NEREUS_KEYS"), help="the job's agent key bundle directory")
+    p.add_argument("--node", default=env.get("NEREUS_NODE"))
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args(argv)
+    missing = [n for n in ("driver", "node") if not getattr(args, n)]
+    if missing:
+        print(f"worker: missing {', '.join('--' + m for m in missing)} (NEREUS_DRIVER/NEREUS_NODE are set by "
+              "the node agent; a worker is not started by hand)", file=sys.stderr)
+        return 2
+    bundle = load_bundle(Path(args.keys)) if args.keys else None
+    link = WorkerLink(args.driver, bundle, node=args.node, device=args.device)
+    try:
+        worker_id = link.wait_assignment()
+    except EOFError as exc:
+        print(f"worker: {exc}", file=sys.stderr)
+        link.close()
+        return 0
+    device = "cuda" if env.get("CUDA_VISIBLE_DEVICES") and torch.cuda.is_available() else "cpu"
+    try:
+        worker_main(worker_id, link, device, threads=args.threads)
+    finally:
+        link.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,356 @@
+"""The job driver: runs one RL job's step loop on the workers the node agents started, under nereusd.
+
+    python -m agent.driver --job-file etc/jobs/live.toml     # started by the anchor node's agent
+
+The anchor node's agent starts it (``--driver-cmd``) with the agent's relay in its environment: the
+driver's measurements go to the daemon through that agent, and the daemon's transition orders come
+back through it. Workers of every node dial the driver (``agent.hub``); the driver hosts the
+generations' rendezvous store and commands them:
+
+1. The first order (initial placement) says the plan and the pool (node -> global GPU ids): the
+   driver gives each (node, device) its worker id, forms a generation of the plan's workers and binds
+   the engine on fresh EMU units (``agent.engine.live.bind``).
+2. Every step is one ``train_step`` on every worker of the plan; the step's per-stage times, peak
+   memory and response lengths go to the daemon as a Measurement (the calibration's input).
+3. At the end of each step (the safe point) the driver looks for an order. An order moves the live
+   state: a generation of the old and new plan's workers runs the TransitionDAG old -> new (Split,
+   Merge, Extend onto joining workers, Destroy), the engine binds on the new plan over the moved
+   buffers, and each worker reports its part (measured time, bytes) to its agent, so the daemon sees
+   the transition done and learns L_tran from it.
+4. A worker that dies (a killed process, a node gone) fails the step: the survivors form a new
+   generation and the driver waits for the daemon's replan, which it runs from the intact replicas
+   (the dead workers' units are lost). Where the last copy of some state is gone, the state comes
+   back from the latest DCP checkpoint (every ``--checkpoint-every`` steps) and the steps after it are
+   run again. A worker that its agent restarted in place (the pool is unchanged, so no order comes)
+   receives its state by an Extend of the current plan onto it after ``--heal-after-s``.
+
+Every wait is bounded (``--assign-timeout-s``, ``--order-wait-s``); a step or transition that
+fails is reported, never left hanging. ``--events FILE`` writes one JSON line per step, transition
+and recovery (what ``python -m nereusd.live`` displays).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from agent.coordinator import WorkerDied
+from agent.hub import HubCoordinator
+from nereusd.wire import protocol
+from nereusd.wire.logs import configure_logging, get_logger
+from planner.errors import NereusError
+from planner.plan import GlobalPlan, Layout, StagePlan
+
+
+def plan_from_part(data: dict[str, Any]) -> GlobalPlan:
+    """The plan of an order's part (nereusd.controller.plan_to_dict's form)."""
+    return GlobalPlan(version=int(data["version"]), stages=tuple(
+        StagePlan(model_stage=s["model_stage"], layout=Layout(int(s["tp"]), int(s["pp"])),
+                  gpu_sets=tuple(tuple(int(g) for g in gs) for gs in s["gpu_sets"]),
+                  micro_batch_size=int(s["micro_batch_size"]), grad_accum=int(s.get("grad_accum", 1)),
+                  recompute=bool(s.get("recompute", False)))
+        for s in data["stages"]))
+
+
+@dataclass(kw_only=True, slots=True)
+class DriverConfig:
+    steps: int
+    checkpoint_url: str
+    checkpoint_every: int = 5
+    events_path: Path | None = None
+    response_schedule: dict[int, int] = field(default_factory=dict)  # step -> max_new_tokens from then on
+    assign_timeout_s: float = 300.0  # workers of a granted node import torch and dial in
+    order_wait_s: float = 600.0  # the longest the driver waits for an order it needs
+    heal_after_s: float = 20.0  # a dead worker, no order: Extend the current plan onto its restart
+    step_timeout_s: float = 900.0
+
+
+@dataclass(slots=True)
+class _Checkpoint:
+    tag: str
+    step: int  # steps done when it was saved: the loop resumes here
+
+
+class JobDriver:
+    def __init__(self, cfg: Any, hub: HubCoordinator, link: Any, dc: DriverConfig, *, job_id: str,
+                 node: str) -> None:
+        self.cfg, self.hub, self.link, self.dc = cfg, hub, link, dc
+        self.job_id, self.node = job_id, node
+        self.log = get_logger("driver", job=job_id)
+        self.plan: GlobalPlan | None = None  # in worker ids (the daemon's GPU ids)
+        self.version = 0
+        self.ids: dict[tuple[str, int], int] = {}  # (node, device) -> worker id, from the latest order
+        self.dead: set[int] = set()  # workers of the plan that died since it was bound
+        self.step = 0
+        self.checkpoint: _Checkpoint | None = None
+        self.last_result: Any = None
+
+    # --- reporting ----------------------------------------------------------------------------------
+    def event(self, kind: str, **data: Any) -> None:
+        self.log.info(kind, **{k: v for k, v in data.items() if not isinstance(v, (dict, list))})
+        if self.dc.events_path is not None:
+            with self.dc.events_path.open("a") as f:
+                f.write(json.dumps({"event": kind, "t": time.time(), **data}, default=str) + "\n")
+
+    def _measure(self, results: dict[int, Any]) -> None:
+        r0 = results[min(results)]
+        stages: dict[str, float] = {}
+        for r in results.values():
+            for name, s in r.stage_seconds.items():
+                stages[name] = max(stages.get(name, 0.0), float(s))
+        msg = protocol.Measurement(
+            job_id=self.job_id, node=self.node, step=self.step, plan_version=self.version,
+            step_latency_s=max(float(r.seconds) for r in results.values()),
+            stage_times_s={k: v for k, v in stages.items() if k != "weight-sync"},
+            peak_memory_bytes={f"worker{w}": int(r.peak_memory_bytes) for w, r in results.items()},
+            response_tokens=float(r0.mean_response_tokens))
+        if self.link is not None:
+            self.link.report(msg)
+        self.event("step", step=self.step, plan_version=self.version, reward=r0.mean_score,
+                   accuracy=r0.mean_accuracy, response_tokens=r0.mean_response_tokens,
+                   seconds=msg.step_latency_s, stage_seconds=stages, workers=sorted(results))
+
+    def _report(self, order: protocol.TransitionOrder, *, ok: bool, measured_s: float,
+                bytes_by_worker: dict[int, int], error: str = "") -> None:
+        """Every worker of the order's pool reports its part to its own agent (the daemon counts nodes)."""
+        from agent.reports import report_transition
+
+        pool = [w for w in self.ids.values() if w in self.hub.alive]
+        for w in pool:
+            try:
+                self.hub.call(report_transition, workers=[w], timeout_s=30.0, transition_id=order.transition_id,
+                              ok=ok, measured_s=measured_s, bytes_moved=bytes_by_worker.get(w, 0), error=error)
+            except WorkerDied as exc:
+                self.log.warning("report-failed", worker=w, error=str(exc))
+        if not ok and self.link is not None:  # at least the anchor's agent fails it, whoever died
+            self.link.report(protocol.TransitionReport(job_id=self.job_id, node=self.node,
+                                                       transition_id=order.transition_id, ok=False,
+                                                       measured_s=measured_s, error=error[:4000]))
+
+    # --- orders -------------------------------------------------------------------------------------
+    def next_order(self, wait_s: float) -> protocol.TransitionOrder | None:
+        if self.link is None:
+            return None
+        deadline = time.monotonic() + wait_s
+        while True:
+            order = self.link.next_order(timeout_s=min(1.0, max(0.0, deadline - time.monotonic())))
+            self.hub.pump(0.0)  # keep the workers' beats read while waiting
+            if order is not None and order.job_id == self.job_id:
+                return order
+            if time.monotonic() >= deadline:
+                return None
+
+    def apply(self, order: protocol.TransitionOrder | None, new: GlobalPlan,
+              pool: dict[str, list[int]] | None = None, per_node: int | None = None) -> None:
+        """Move the live state onto ``new`` (an order's, or the current plan again to heal)."""
+        from agent.engine.live import bind, live_placements, live_units
+        from transitions.errors import CoverageError
+        from transitions.local_dag import LastCopyLostError
+        from transitions.placement_dag import placement_cluster, placement_dag
+
+        if pool is not None and per_node is not None:
+            self.ids = {(node, g % per_node): g for node, gpus in pool.items() for g in gpus}
+        old = self.plan
+        pool_gpus = set(self.ids.values())
+        lost = set(self.dead) | ((set(old.gpus) - pool_gpus) if old is not None else set())
+        needed = set(new.gpus) | ((set(old.gpus) - lost) if old is not None else set())
+        tid = order.transition_id if order is not None else None
+        self.event("transition-start", transition=tid, from_version=self.version,
+                   to_version=new.version, lost=sorted(lost), workers=sorted(needed))
+        try:
+            self.hub.assign({k: w for k, w in self.ids.items() if w in needed}, self.dc.assign_timeout_s)
+            t0 = time.perf_counter()
+            sent: dict[int, int] = {}
+            restored = None
+            if old is None:
+                self.hub.form_generation(sorted(new.gpus))
+            else:
+                self.hub.form_generation(sorted(needed))
+                old_pl, new_pl = live_placements(self.cfg, old), live_placements(self.cfg, new)
+                try:
+                    dag = placement_dag(old_pl, new_pl, old_version=1, lost_workers=lost)
+                except (LastCopyLostError, CoverageError) as exc:
+                    dag, restored = None, str(exc).splitlines()[0]
+                if dag is not None:
+                    outcome = self.hub.run_dag(dag, placement_cluster(old_pl, new_pl))
+                    if not outcome.committed:
+                        self.dead |= set(outcome.dead_workers)
+                        raise WorkerDied(f"transition DAG failed: {outcome.errors}")
+                    sent = {w: sum(r.bytes_sent for r in reps) for w, reps in outcome.reports.items()}
+                members = self.hub.spec.members if self.hub.spec is not None else ()
+                if tuple(sorted(new.gpus)) != members:  # only the new plan's workers step together
+                    self.hub.form_generation(sorted(new.gpus))
+                if restored is not None:
+                    self._restore(new, restored, live_units)
+            self.hub.call(bind, workers=sorted(new.gpus), timeout_s=self.dc.step_timeout_s, cfg=self._cfg_now(),
+                          plan=new)
+            measured = time.perf_counter() - t0
+        except (WorkerDied, NereusError) as exc:
+            self.event("transition-failed", transition=tid, error=str(exc)[:2000])
+            if order is not None:
+                self._report(order, ok=False, measured_s=0.0, bytes_by_worker={}, error=str(exc))
+            self._after_failure()
+            return
+        self.plan, self.dead = new, set()
+        if order is not None:
+            self.version = order.to_version
+            self._report(order, ok=True, measured_s=measured, bytes_by_worker=sent)
+        self.event("transition-done", transition=tid, to_version=self.version, measured_s=measured,
+                   bytes_sent=sum(sent.values()), restored_from=restored and self.checkpoint and self.checkpoint.tag,
+                   workers=sorted(new.gpus))
+
+    def _restore(self, new: GlobalPlan, why: str, live_units: Any) -> None:
+        if self.checkpoint is None:
+            raise WorkerDied(f"the last copy of some state is gone ({why}) and no checkpoint exists yet")
+        self.hub.load_checkpoint(self.dc.checkpoint_url, self.checkpoint.tag, live_units(self.cfg, new),
+                                 workers=sorted(new.gpus))
+        self.event("restored", tag=self.checkpoint.tag, step=self.checkpoint.step, reason=why)
+        self.step = self.checkpoint.step
+
+    def _after_failure(self) -> None:
+        """Survivors leave the broken generation (their units stay); the plan waits for a replan."""
+        members = self.hub.spec.members if self.hub.spec is not None else ()
+        self.dead |= {w for w in members if self.hub.is_dead(w)}
+        self.hub.forget(self.dead)
+        survivors = [w for w in members if w not in self.dead]
+        if survivors:
+            try:
+                self.hub.form_generation(survivors)
+            except WorkerDied as exc:
+                self.log.warning("survivor-generation-failed", error=str(exc))
+
+    def _cfg_now(self) -> Any:
+        lengths = [t for s, t in sorted(self.dc.response_schedule.items()) if s <= self.step]
+        return dataclasses.replace(self.cfg, max_new_tokens=lengths[-1]) if lengths else self.cfg
+
+    # --- the loop -----------------------------------------------------------------------------------
+    def run(self) -> int:
+        from agent.engine.live import bind, train_step
+
+        self.event("driver-started", steps=self.dc.steps, hub=self.hub.endpoint)
+        waiting_since: float | None = None
+        while self.step < self.dc.steps:
+            degraded = self.plan is None or bool(self.dead)
+            order = self.next_order(min(self.dc.heal_after_s, 5.0) if degraded else 0.0)
+            if order is not None:
+                waiting_since = None
+                self.apply(order, plan_from_part(order.part["plan"]), order.part.get("pool") or {},
+                           int(order.part.get("gpus_per_node") or 1))
+                continue
+            if degraded:
+                waiting_since = waiting_since or time.monotonic()
+                waited = time.monotonic() - waiting_since
+                if waited > self.dc.order_wait_s:
+                    self.event("gave-up", reason=f"no usable order within {self.dc.order_wait_s:g} s")
+                    return 1
+                if self.plan is not None and waited > self.dc.heal_after_s and self._restarted_in_place():
+                    self.apply(None, self.plan)  # the pool did not change: Extend the plan onto the restart
+                continue
+            assert self.plan is not None  # not degraded
+            if self.step in self.dc.response_schedule:
+                self.hub.call(bind, workers=sorted(self.plan.gpus), timeout_s=self.dc.step_timeout_s,
+                              cfg=self._cfg_now(), plan=self.plan)
+                self.event("workload", step=self.step, max_new_tokens=self.dc.response_schedule[self.step])
+            try:
+                results = self.hub.call(train_step, workers=sorted(self.plan.gpus),
+                                        timeout_s=self.dc.step_timeout_s, step=self.step)
+            except WorkerDied as exc:
+                self.event("step-failed", step=self.step, error=str(exc)[:2000])
+                self._after_failure()
+                continue
+            self._measure(results)
+            self.step += 1
+            if self.dc.checkpoint_every and self.step % self.dc.checkpoint_every == 0:
+                self._checkpoint()
+        self.event("done", steps=self.step, plan_version=self.version)
+        return 0
+
+    def _restarted_in_place(self) -> bool:
+        """Every dead worker of the plan has a live process on its device again (its agent restarted it)."""
+        self.hub.pump(0.0)
+        by_id = {w: k for k, w in self.ids.items()}
+        for w in self.dead:
+            peer = self.hub.peers.get(by_id.get(w, ("", -1)))
+            if peer is None or peer.worker_id is not None or self.hub._stale(peer):
+                return False
+        return bool(self.dead)
+
+    def _checkpoint(self) -> None:
+        assert self.plan is not None
+        tag = f"step{self.step:06d}"
+        try:
+            t0 = time.perf_counter()
+            self.hub.save_checkpoint(self.dc.checkpoint_url, tag, workers=sorted(self.plan.gpus))
+        except WorkerDied as exc:
+            self.event("checkpoint-failed", tag=tag, error=str(exc)[:2000])
+            self._after_failure()
+            return
+        self.checkpoint = _Checkpoint(tag=tag, step=self.step)
+        self.event("checkpoint", tag=tag, step=self.step, seconds=time.perf_counter() - t0)
+
+
+def _schedule(text: str) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        step, _, tokens = item.partition(":")
+        if not (step.isdigit() and tokens.isdigit() and int(tokens) > 0):
+            raise SystemExit(f"driver: --response-schedule item {item!r} is not STEP:TOKENS")
+        out[int(step)] = int(tokens)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    env = os.environ
+    p = argparse.ArgumentParser(prog="python -m agent.driver", description=__doc__.split("\n\n")[0])
+    p.add_argument("--job-file", required=True, help="the engine job file (etc/jobs/*.toml)")
+    p.add_argument("--bind", default=env.get("NEREUS_DRIVER"), help="tcp://HOST:PORT the workers dial")
+    p.add_argument("--keys", default=env.get("NEREUS_KEYS"), help="the job's agent key bundle (hub CURVE keys)")
+    p.add_argument("--steps", type=int, help="RL steps (default: the job file's)")
+    p.add_argument("--checkpoint-dir", help="DCP checkpoints (default: a folder under the temp dir)")
+    p.add_argument("--checkpoint-every", type=int, default=5, help="steps between checkpoints (0: never)")
+    p.add_argument("--events", type=Path, help="append one JSON line per step/transition here")
+    p.add_argument("--response-schedule", default="", help="STEP:TOKENS,... max_new_tokens from STEP on")
+    p.add_argument("--heal-after-s", type=float, default=20.0)
+    p.add_argument("--log-format", choices=("auto", "json", "console"), default="auto")
+    args = p.parse_args(argv)
+    if not args.bind:
+        print("driver: no --bind (or NEREUS_DRIVER): the endpoint the workers dial", file=sys.stderr)
+        return 2
+    configure_logging(args.log_format)
+    from agent.engine.jobfile import load_job
+    from nereusd.wire.keys import load_bundle
+
+    try:
+        cfg, steps = load_job(args.job_file)
+    except NereusError as exc:
+        print(f"driver: {args.job_file}: {exc}", file=sys.stderr)
+        return 2
+    job_id = env.get("NEREUS_JOB_ID", "local")
+    link = None
+    if "NEREUS_AGENT_IPC" in env:
+        from agent.node import AgentLink
+
+        link = AgentLink.from_env()
+    hub = HubCoordinator(args.bind, load_bundle(Path(args.keys)) if args.keys else None)
+    ckpt = args.checkpoint_dir or str(Path(os.environ.get("TMPDIR", "/tmp")) / f"nereus-ckpt-{job_id}-{os.getpid()}")
+    dc = DriverConfig(steps=args.steps or steps, checkpoint_url=ckpt, checkpoint_every=args.checkpoint_every,
+                      events_path=args.events, response_schedule=_schedule(args.response_schedule),
+                      heal_after_s=args.heal_after_s)
+    driver = JobDriver(cfg, hub, link, dc, job_id=job_id, node=env.get("NEREUS_NODE", "local"))
+    try:
+        return driver.run()
+    finally:
+        hub.close(stop_workers=True)
+        if link is not None:
+            link.close()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

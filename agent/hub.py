@@ -1,0 +1,331 @@
+"""The job driver's link to workers that node agents started: a CURVE-encrypted ZeroMQ hub.
+
+A worker started by its node agent (``python -m agent.worker``, NEREUS_DRIVER in its environment)
+dials the job's driver, says hello with its node and device, and waits to be given its worker id
+(the global GPU id the daemon's plan uses for that device); from then on it obeys the commands of
+``agent.commands`` exactly as a spawned local worker does over its pipe (``agent.worker.worker_main``).
+A second socket of the worker beats every ``BEAT_S``: a worker whose beat stops for ``dead_after_s``
+is dead to the driver (a killed process says nothing, and ZeroMQ hides disconnects).
+
+Security: the hub is a CURVE server whose key pair is the job's agent key bundle, and a ZAP handler
+admits only clients that present that same public key, so only processes holding the user's agent
+secret key can talk to the driver; every frame is encrypted. Commands are pickled (they carry DAGs
+and functions), which is why nobody else may connect.
+
+``HubCoordinator`` is a ``agent.coordinator.CommandDriver``: generations, DAG runs, checkpoints and
+calls are the same code as the local coordinator's; only ``request`` and liveness differ.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+import zmq.auth.thread
+
+from agent.commands import Command, Reply, WorkerState
+from agent.coordinator import CommandDriver, WorkerDied
+from nereusd.wire.keys import ClientBundle
+
+BEAT_S = 0.5
+HELLO, ASSIGN, BEAT, BYE = b"hello", b"assign", b"beat", b"bye"
+
+
+@dataclass(slots=True)
+class Peer:
+    """One worker process as the hub knows it."""
+
+    node: str
+    device: int
+    pid: int
+    identity: bytes  # routing id of its command socket
+    last_beat: float
+    worker_id: int | None = None
+    ready: bool = False  # answered its assignment (its WorkerContext exists)
+
+
+class _Curve:
+    """ZAP: admit exactly the job's agent key."""
+
+    def __init__(self, allowed: bytes) -> None:
+        self.allowed = allowed
+
+    def callback(self, domain: str, key: bytes) -> bool:  # pyzmq hands the client key z85-encoded
+        return bool(key == self.allowed)
+
+
+class HubCoordinator(CommandDriver):
+    """Drives the workers that dialled ``bind`` (``tcp://HOST:PORT``); hosts the generations' TCPStore."""
+
+    def __init__(self, bind: str, bundle: ClientBundle | None, *, timeout_s: float = 60.0,
+                 dead_after_s: float = 4.0, store_host: str | None = None) -> None:
+        import torch.distributed as dist
+
+        self.timeout_s, self.dead_after_s = timeout_s, dead_after_s
+        self.ctx = zmq.Context()
+        self.auth: Any = None
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker may reuse nothing, but be safe
+        if bundle is not None:
+            self.auth = zmq.auth.thread.ThreadAuthenticator(self.ctx)
+            self.auth.start()
+            self.auth.configure_curve_callback(domain="*", credentials_provider=_Curve(bundle.public_key))
+            self.sock.curve_server = True
+            self.sock.curve_publickey = bundle.public_key
+            self.sock.curve_secretkey = bundle.secret_key
+        elif not bind.startswith(("tcp://127.0.0.1:", "ipc://", "inproc://")):
+            raise WorkerDied(f"the driver hub binds {bind} without keys: only loopback may go unencrypted")
+        self.sock.bind(bind)
+        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        host = store_host or bind.split("://", 1)[1].rsplit(":", 1)[0]
+        self.store_host = "127.0.0.1" if host in ("*", "0.0.0.0") else host
+        self._store = dist.TCPStore(self.store_host, 0, is_master=True, wait_for_workers=False,
+                                    timeout=__import__("datetime").timedelta(seconds=timeout_s))
+        self.store_port = self._store.port
+        self.generation = -1
+        self.spec = None
+        self.state: dict[int, WorkerState] = {}
+        self.held: dict[int, tuple[str, ...]] = {}
+        self.peers: dict[tuple[str, int], Peer] = {}  # (node, device) -> the latest process there
+        self._by_identity: dict[bytes, Peer] = {}
+        self._replies: dict[int, Reply] = {}  # worker -> latest reply not yet collected
+        self._seq = 0
+
+    # --- the wire -----------------------------------------------------------------------------------
+    def pump(self, timeout_s: float = 0.0) -> None:
+        """Take every frame waiting (hellos, beats, replies), waiting up to ``timeout_s`` for the first."""
+        wait_ms = int(timeout_s * 1e3)
+        while self.sock.poll(wait_ms):
+            wait_ms = 0
+            frames = self.sock.recv_multipart()
+            if len(frames) != 3:
+                continue
+            ident, kind, body = frames
+            now = time.monotonic()
+            if kind == HELLO:
+                info = pickle.loads(body)
+                key = (str(info["node"]), int(info["device"]))
+                old = self.peers.get(key)
+                if old is not None:
+                    self._by_identity.pop(old.identity, None)
+                new = Peer(node=key[0], device=key[1], pid=int(info["pid"]), identity=ident, last_beat=now)
+                self.peers[key] = new
+                self._by_identity[ident] = new
+            elif kind == BEAT:
+                node, device, pid = pickle.loads(body)
+                beating = self.peers.get((node, device))
+                if beating is not None and beating.pid == pid:
+                    beating.last_beat = now
+            elif kind == b"reply":
+                sender = self._by_identity.get(ident)
+                if sender is None or sender.worker_id is None:
+                    continue
+                sender.last_beat = now
+                reply: Reply = pickle.loads(body)
+                if reply.seq == 0:
+                    sender.ready = True
+                    self.state[sender.worker_id] = reply.state
+                    continue
+                self._replies[sender.worker_id] = reply
+
+    def _send(self, peer: Peer, kind: bytes, body: Any) -> None:
+        self.sock.send_multipart([peer.identity, kind, pickle.dumps(body, protocol=pickle.HIGHEST_PROTOCOL)])
+
+    # --- membership ---------------------------------------------------------------------------------
+    def assign(self, ids: dict[tuple[str, int], int], timeout_s: float) -> dict[int, Peer]:
+        """Give each (node, device) its worker id; wait (bounded) until every one has said hello and
+        answered. Returns worker id -> peer. Raises WorkerDied naming the devices that never came."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.pump(0.0)
+            for key, wid in ids.items():
+                peer = self.peers.get(key)
+                if peer is None or self._stale(peer):
+                    continue
+                if peer.worker_id is None:
+                    peer.worker_id = wid
+                    self._send(peer, ASSIGN, wid)
+                elif peer.worker_id != wid:
+                    raise WorkerDied(f"worker on {key[0]} device {key[1]} is worker {peer.worker_id}, "
+                                     f"the plan calls it {wid}")
+            missing = [k for k in ids if not (p := self.peers.get(k)) or not p.ready or self._stale(p)]
+            if not missing:
+                return {ids[k]: self.peers[k] for k in ids}
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WorkerDied(f"workers {', '.join(f'{n}:{d}' for n, d in missing)} did not come up "
+                                 f"within {timeout_s:g} s")
+            self.pump(min(left, 0.5))
+
+    def _stale(self, peer: Peer) -> bool:
+        return time.monotonic() - peer.last_beat > self.dead_after_s
+
+    def _peer(self, worker: int) -> Peer | None:
+        for p in self.peers.values():
+            if p.worker_id == worker:
+                return p
+        return None
+
+    @property
+    def alive(self) -> tuple[int, ...]:
+        self.pump(0.0)
+        return tuple(sorted(p.worker_id for p in self.peers.values()
+                            if p.worker_id is not None and p.ready and not self._stale(p)))
+
+    def is_dead(self, worker: int) -> bool:
+        """Dead: no beat for ``dead_after_s`` (waits that long for a beat, so a busy worker is not
+        declared dead by a driver that had not read its socket)."""
+        peer = self._peer(worker)
+        if peer is None:
+            return True
+        deadline = time.monotonic() + self.dead_after_s
+        seen = peer.last_beat
+        while time.monotonic() < deadline:
+            self.pump(0.2)
+            current = self._peer(worker)
+            if current is not peer:
+                return True  # replaced by a restarted process
+            if peer.last_beat > seen:
+                return False
+        return True
+
+    # --- request ------------------------------------------------------------------------------------
+    def request(self, commands: dict[int, Command], timeout_s: float | None = None) -> dict[int, Reply]:
+        """Send each worker its command and wait for every reply; a worker whose beat stops, or that
+        does not answer before the deadline, yields ok=False."""
+        deadline = time.monotonic() + (timeout_s or 2 * self.timeout_s + 5.0)
+        self._seq += 1
+        seq = self._seq
+        replies: dict[int, Reply] = {}
+        waiting: dict[int, Peer] = {}
+        for wid, cmd in commands.items():
+            peer = self._peer(wid)
+            if peer is None or self._stale(peer):
+                replies[wid] = self._lost(wid, seq, "worker gone (no beat)")
+                continue
+            self._replies.pop(wid, None)
+            self._send(peer, b"cmd", (seq, cmd))
+            waiting[wid] = peer
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                for wid in waiting:
+                    replies[wid] = self._lost(wid, seq, "no reply before the timeout")
+                break
+            self.pump(min(left, 0.2))
+            for wid, peer in list(waiting.items()):
+                got = self._replies.get(wid)
+                if got is not None and got.seq == seq:
+                    replies[wid] = self._replies.pop(wid)
+                    del waiting[wid]
+                elif self._peer(wid) is not peer or self._stale(peer):
+                    replies[wid] = self._lost(wid, seq, f"worker died (no beat for {self.dead_after_s:g} s)")
+                    del waiting[wid]
+        for wid, reply in replies.items():
+            self.state[wid] = reply.state
+            self.held[wid] = reply.units
+        return replies
+
+    def _lost(self, worker: int, seq: int, error: str) -> Reply:
+        peer = self._peer(worker)
+        gone = peer is None or self._stale(peer)
+        return Reply(worker=worker, seq=seq, ok=False, error=error,
+                     state=WorkerState.STOPPED if gone else WorkerState.RUNNING,
+                     units=() if gone else self.held.get(worker, ()))
+
+    def forget(self, workers: Iterable[int]) -> None:
+        """Drop dead workers (their device may come back as a new process, which says hello again)."""
+        for key, peer in list(self.peers.items()):
+            if peer.worker_id in set(workers):
+                del self.peers[key]
+                self._by_identity.pop(peer.identity, None)
+
+    def close(self, stop_workers: bool = True) -> None:
+        if stop_workers:
+            for peer in self.peers.values():
+                with contextlib.suppress(zmq.ZMQError):
+                    self._send(peer, BYE, None)
+        self.sock.close(linger=500 if stop_workers else 0)
+        if self.auth is not None:
+            self.auth.stop()
+        self.ctx.term()
+
+
+class WorkerLink:
+    """The worker's side: dial the driver, say hello, wait for the worker id, then one command in and
+    one reply out (``send``/``recv`` as ``worker_main`` uses a pipe). A beat thread keeps the driver
+    sure the process lives; ``recv`` raises EOFError on the driver's bye or when the agent (the
+    parent) is gone."""
+
+    def __init__(self, endpoint: str, bundle: ClientBundle | None, *, node: str, device: int) -> None:
+        self.ctx = zmq.Context()
+        self.node, self.device, self.pid = node, device, os.getpid()
+        self.parent = os.getppid()
+        self.sock = self._socket(endpoint, bundle, zmq.DEALER)
+        self.sock.send_multipart([HELLO, pickle.dumps({"node": node, "device": device, "pid": self.pid})])
+        self._stop = threading.Event()
+        self._beat = threading.Thread(target=self._beats, args=(endpoint, bundle), name="nereus-beat", daemon=True)
+        self._beat.start()
+
+    def _socket(self, endpoint: str, bundle: ClientBundle | None, kind: int) -> zmq.Socket[bytes]:
+        sock: zmq.Socket[bytes] = self.ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 1000)
+        if bundle is not None:
+            sock.curve_serverkey = bundle.public_key
+            sock.curve_publickey = bundle.public_key
+            sock.curve_secretkey = bundle.secret_key
+        sock.connect(endpoint)
+        return sock
+
+    def _beats(self, endpoint: str, bundle: ClientBundle | None) -> None:
+        sock = self._socket(endpoint, bundle, zmq.DEALER)
+        body = pickle.dumps((self.node, self.device, self.pid))
+        try:
+            while not self._stop.wait(BEAT_S):
+                sock.send_multipart([BEAT, body])
+        finally:
+            sock.close(linger=0)
+
+    def _orphaned(self) -> bool:
+        return os.getppid() != self.parent
+
+    def wait_assignment(self) -> int:
+        """The worker id the driver gives this device (raises EOFError if the agent goes first)."""
+        while True:
+            if self.sock.poll(1000):
+                kind, body = self.sock.recv_multipart()
+                if kind == ASSIGN:
+                    return int(pickle.loads(body))
+                if kind == BYE:
+                    raise EOFError("the driver said bye before assigning this worker")
+            elif self._orphaned():
+                raise EOFError("the node agent is gone")
+
+    def recv(self) -> tuple[int, Any]:
+        while True:
+            if self.sock.poll(1000):
+                kind, body = self.sock.recv_multipart()
+                if kind == b"cmd":
+                    seq, cmd = pickle.loads(body)
+                    return int(seq), cmd
+                if kind == BYE:
+                    raise EOFError("the driver said bye")
+            elif self._orphaned():
+                raise EOFError("the node agent is gone")
+
+    def send(self, reply: Reply) -> None:
+        self.sock.send_multipart([b"reply", pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._beat.join(2.0)
+        self.sock.close(linger=1000)
+        self.ctx.term()
