@@ -15,12 +15,14 @@ allocation changes at given times, including the ones Slurm would impose:
 
 With ``agent_argv`` set, each granted node starts one process group (the node agent, which starts
 one worker per slot; ``agent_argv`` returning None starts none) and each lost node's group is stopped
-(SIGTERM, then SIGKILL). Its output goes to ``log_dir``/JOB.NODE.log. An ``agent_argv`` with a
-``check(job)`` method is asked before a job is tracked, so a job whose agents cannot start is refused.
+(SIGTERM, then SIGKILL), as all of them are by ``close()`` and at interpreter exit. Their output
+goes to ``log_dir``/JOB.NODE.log. An ``agent_argv`` with a ``check(job)`` method is asked before a
+job is tracked, so a job whose agents cannot start is refused.
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
 import json
 import os
@@ -148,6 +150,8 @@ class LocalSource:
         self._events: list[AllocationEvent] = []
         self._lock = threading.RLock()
         self.log = get_logger("local-source")
+        if agent_argv is not None:  # the daemon's exit (SIGTERM included) takes its node processes with it
+            atexit.register(self.close)
 
     # --- tracking ---------------------------------------------------------------------------------
     @_locked
