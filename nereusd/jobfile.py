@@ -56,7 +56,7 @@ def _get(doc: dict[str, Any], section: str, key: str, kind: type, default: Any, 
     name = f"{section}.{key}" if section else key
     if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
         raise SpecError(f"{where}: {name}", f"must be {kind.__name__}, got {type(value).__name__} {value!r}")
-    if kind is int and value < 1:
+    if isinstance(value, int) and kind is int and value < 1:
         raise SpecError(f"{where}: {name}", f"must be >= 1, got {value}")
     return value
 
