@@ -63,7 +63,15 @@ def test_job_add_from_a_job_file_stores_its_spec(daemon: DaemonHandle, tmp_path:
         assert proc.returncode == 2 and named in proc.stderr and len(proc.stderr.splitlines()) == 1, proc.stderr
     proc = daemon.ctl("job-add", "other", "--user", "alice", "--job-file", str(job_file), "--spec", "{}")
     assert proc.returncode == 2 and "not allowed with" in proc.stderr
+    proc = daemon.ctl("job-add", "other", "--user", "alice", "--agent-keys", str(tmp_path / "alice"))
+    assert proc.returncode == 2 and "--agent-keys goes with --job-file" in proc.stderr
     assert [r[0] for r in store_rows(daemon.state_dir, "SELECT job_id FROM jobs")] == ["live"]
+    # --agent-keys: the bundle the local source starts the job's agents with
+    proc = daemon.ctl("job-add", "keyed", "--user", "alice", "--job-file", str(job_file), "--agent-keys",
+                      str(tmp_path / "alice"))
+    assert proc.returncode == 0, proc.stderr
+    assert _stored(daemon, "keyed")["elastic"]["extra"] == {"job_file": str(job_file.resolve()),
+                                                            "keys_dir": str(tmp_path / "alice")}
 
 
 @pytest.mark.skipif("tiny-byte" not in MODELS, reason="etc/jobs/live.toml needs the planner preset tiny-byte")
