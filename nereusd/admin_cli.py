@@ -6,6 +6,7 @@
     nereusctl transition ID | explain ID                one transition (DAG summary); one decision
     nereusctl alloc [JOB] [--grow N | --shrink NODE..]  allocations; ask the allocation source
     nereusctl job-add JOB --user USER [--spec JSON]     register a job (local source, tests)
+    nereusctl job-add JOB --user USER --job-file PATH   register a live job from its job file (nereusd/jobfile.py)
     nereusctl events [JOB]
 
 Where the daemon is: --endpoint, else $NEREUS_CTL_ENDPOINT, else endpoints.json in --state-dir
@@ -231,10 +232,23 @@ def _keys(args: argparse.Namespace) -> int:
 
 
 def _job_add(args: argparse.Namespace) -> int:
-    try:
-        spec = json.loads(args.spec) if args.spec else {}
-    except ValueError as exc:
-        raise _Fail(EXIT_USAGE, f"--spec is not JSON: {exc}") from None
+    if args.agent_keys and not args.job_file:
+        raise _Fail(EXIT_USAGE, "--agent-keys goes with --job-file")
+    if args.job_file:
+        from nereusd.jobfile import job_spec
+        from planner.errors import SpecError
+
+        try:
+            spec = job_spec(args.job_file, anchor_job_id=args.slurm_job_id or f"local-{args.job}"[:64])
+        except SpecError as exc:
+            raise _Fail(EXIT_USAGE, str(exc)) from None
+        if args.agent_keys:
+            spec["elastic"]["extra"]["keys_dir"] = str(Path(args.agent_keys).resolve())
+    else:
+        try:
+            spec = json.loads(args.spec) if args.spec else {}
+        except ValueError as exc:
+            raise _Fail(EXIT_USAGE, f"--spec is not JSON: {exc}") from None
     op_args: dict[str, Any] = {"job": args.job, "user": args.user, "spec": spec}
     if args.slurm_job_id:
         op_args["slurm_job_id"] = args.slurm_job_id
@@ -302,6 +316,10 @@ def add_parsers(sub: Any) -> None:
     p = add("job-add", _job_add, "register a job with the daemon")
     p.add_argument("job")
     p.add_argument("--user", required=True, help="the job's (Slurm) user: only their agents may act on it")
-    p.add_argument("--spec", help="job spec as JSON (model, algo, device, gpus_per_node, workload, elastic)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--spec", help="job spec as JSON (model, algo, device, gpus_per_node, workload, elastic)")
+    g.add_argument("--job-file", help="the job's TOML job file (etc/jobs/live.toml): the spec and the driver's job")
+    p.add_argument("--agent-keys", metavar="DIR", help="with --job-file: the agent key bundle the local source "
+                   "starts the job's agents with (default <state_dir>/keys/agent-USER)")
     p.add_argument("--slurm-job-id")
     add("events", _events, "the daemon's event log").add_argument("job", nargs="?")

@@ -14,11 +14,15 @@ allocation changes at given times, including the ones Slurm would impose:
     # names = ["local1"]  ... or which ones (shrink, node_down)
 
 With ``agent_argv`` set, each granted node starts one process group (the node agent, which starts
-one worker per slot) and each lost node's group is stopped (SIGTERM, then SIGKILL).
+one worker per slot; ``agent_argv`` returning None starts none) and each lost node's group is stopped
+(SIGTERM, then SIGKILL), as all of them are by ``close()`` and at interpreter exit. Their output
+goes to ``log_dir``/JOB.NODE.log. An ``agent_argv`` with a ``check(job)`` method is asked before a
+job is tracked, so a job whose agents cannot start is refused.
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
 import json
 import os
@@ -51,7 +55,7 @@ else:  # pragma: no cover - Python 3.10 (pydantic-settings brings tomli there)
 ACTIONS = ("grant", "grow", "shrink", "node_down", "preempt", "release")
 _KIND = {"grant": EventKind.GRANTED, "grow": EventKind.GROWN, "shrink": EventKind.SHRUNK,
          "node_down": EventKind.NODE_DOWN, "preempt": EventKind.PREEMPTED, "release": EventKind.RELEASED}
-AgentArgv = Callable[[ElasticJob, NodeAllocation], Sequence[str]]
+AgentArgv = Callable[[ElasticJob, NodeAllocation], Sequence[str] | None]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -129,6 +133,7 @@ class LocalSource:
 
     def __init__(self, *, num_nodes: int = 4, slots_per_node: int = 8,
                  schedule: Sequence[ScheduleStep] = (), agent_argv: AgentArgv | None = None,
+                 log_dir: Path | None = None,
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
         if num_nodes < 1:
             raise SpecError("local.num_nodes", f"must be >= 1, got {num_nodes}")
@@ -138,12 +143,15 @@ class LocalSource:
         self.slots_per_node = slots_per_node
         self.schedule = list(schedule)
         self.agent_argv = agent_argv
+        self.log_dir = log_dir
         self.clock, self.wall = clock, wall
         self.started = clock()
         self._jobs: dict[str, _Tracked] = {}
         self._events: list[AllocationEvent] = []
         self._lock = threading.RLock()
         self.log = get_logger("local-source")
+        if agent_argv is not None:  # the daemon's exit (SIGTERM included) takes its node processes with it
+            atexit.register(self.close)
 
     # --- tracking ---------------------------------------------------------------------------------
     @_locked
@@ -164,16 +172,24 @@ class LocalSource:
         if grant and need > len(self.free_nodes()):
             raise AllocationError(f"job {job.job_id}: min_gpus={job.min_gpus} needs {need} local nodes, "
                                   f"{len(self.free_nodes())} of {len(self.nodes)} are free")
+        check = getattr(self.agent_argv, "check", None)
+        if check is not None:
+            check(job)  # e.g. no agent keys: refused before anything is tracked or started
         if allocation is not None:
             taken = set(allocation.node_names) - set(self.free_nodes())
             if taken or not set(allocation.node_names) <= set(self.nodes):
                 self.log.warning("restored_allocation_conflict", job_id=job.job_id, nodes=sorted(taken))
                 allocation = allocation.without(sorted(taken | (set(allocation.node_names) - set(self.nodes))))
         self._jobs[job.job_id] = tracked = _Tracked(job=job, allocation=allocation or Allocation(job_id=job.job_id))
-        if grant:
-            self._add(tracked, need, EventKind.GRANTED, "granted on track")
-        for node in tracked.allocation.nodes:  # restored allocation: make sure its processes run
-            self._start_agent(tracked, node)
+        try:
+            if grant:
+                self._add(tracked, need, EventKind.GRANTED, "granted on track")
+            for node in tracked.allocation.nodes:  # restored allocation: make sure its processes run
+                self._start_agent(tracked, node)
+        except BaseException:  # an agent that cannot start: nothing of the job stays
+            self.untrack(job.job_id)
+            self._events = [e for e in self._events if e.job_id != job.job_id]
+            raise
 
     @_locked
     def untrack(self, job_id: str) -> None:
@@ -280,8 +296,24 @@ class LocalSource:
     def _start_agent(self, tracked: _Tracked, node: NodeAllocation) -> None:
         if self.agent_argv is None or node.node in tracked.procs:
             return
-        argv = list(self.agent_argv(tracked.job, node))
-        tracked.procs[node.node] = subprocess.Popen(argv, start_new_session=True, stdin=subprocess.DEVNULL)
+        argv = self.agent_argv(tracked.job, node)
+        if not argv:
+            return
+        out: Any = None  # the daemon's own output
+        try:
+            if self.log_dir is not None:
+                self.log_dir.mkdir(parents=True, exist_ok=True)
+                out = open(self.log_dir / f"{tracked.job.job_id}.{node.node}.log", "ab")  # noqa: SIM115
+            proc = subprocess.Popen(list(argv), start_new_session=True, stdin=subprocess.DEVNULL, stdout=out,
+                                    stderr=subprocess.STDOUT if out is not None else None)
+        except OSError as exc:
+            raise AllocationError(f"job {tracked.job.job_id}: cannot start the agent of {node.node} "
+                                  f"({argv[0]}): {exc}") from None
+        finally:
+            if out is not None:
+                out.close()  # the child holds its own copy
+        tracked.procs[node.node] = proc
+        self.log.info("agent_started", job_id=tracked.job.job_id, node=node.node, pid=proc.pid)
 
     def _stop_agent(self, tracked: _Tracked, node: str, timeout_s: float = 5.0) -> None:
         proc = tracked.procs.pop(node, None)

@@ -9,6 +9,7 @@ and the relations between keys are checked (a heartbeat time-out must exceed the
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -95,6 +96,40 @@ class PlannerSection(_Section):
     pool_settle_s: float = Field(2.0, ge=0, le=3600.0, allow_inf_nan=False)
 
 
+class LocalSection(_Section):
+    """The local allocation source (Slurm disabled or absent): virtual nodes of CPU slots on this machine."""
+
+    num_nodes: int = Field(4, ge=1, le=4096)
+    slots_per_node: int = Field(8, ge=1, le=1024)
+    schedule_path: Path | None = None  # a schedule file of allocation changes (nereusd/local_source.py)
+    # start one `python -m agent.node` process group per granted node of a job that names its job file
+    # or agent keys (elastic.extra job_file / keys_dir); false: jobs are only tracked, agents started by hand
+    start_agents: bool = True
+    worker_cmd: str = Field("{python} -m agent.worker", max_length=4096)  # per slot; "" starts no workers
+    agent_args: str = Field("", max_length=4096)  # more `agent.node` arguments, e.g. "--ack-orders"
+    driver_cmd: str = Field("{python} -m agent.driver", min_length=1, max_length=4096)  # on the anchor node
+
+    @field_validator("schedule_path", mode="before")
+    @classmethod
+    def _schedule_file(cls, v: Any) -> Any:
+        if v is None:
+            return v
+        if str(v).strip() == "" or not Path(str(v)).is_absolute():
+            raise ValueError("must be an absolute file path")
+        if not Path(str(v)).is_file():
+            raise ValueError("no such file")
+        return v
+
+    @field_validator("worker_cmd", "agent_args", "driver_cmd")
+    @classmethod
+    def _shell_words(cls, v: str) -> str:
+        try:
+            shlex.split(v)
+        except ValueError as exc:  # an unclosed quote
+            raise ValueError(f"is not a command line ({exc}); quote as in a shell") from None
+        return v
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="NEREUS_", env_nested_delimiter="__", extra="forbid",
                                       frozen=True)
@@ -105,6 +140,7 @@ class Settings(BaseSettings):
     metrics: MetricsSection = MetricsSection()
     slurm: SlurmSection = SlurmSection()
     planner: PlannerSection = PlannerSection()
+    local: LocalSection = LocalSection()
 
     @classmethod
     def settings_customise_sources(

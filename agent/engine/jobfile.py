@@ -51,6 +51,8 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
     "grpo": {"samples_per_prompt": (int,), "clip": (float,), "kl_coef": (float,), "eps": (float,)},
     "remax": {"clip": (float,), "kl_coef": (float,)},
     "export": {"dir": (str,), "every_steps": (int,), "dtype": (str,), "keep": (int,)},
+    # the daemon's (nereusd/jobfile.py): where a live job runs; the engine ignores it
+    "placement": {"device": (str,), "gpus_per_node": (int,), "min_gpus": (int,), "max_gpus": (int,)},
 }
 TASKS: dict[str, type[SortDigits] | type[AddNumbers]] = {"sort_digits": SortDigits, "add_numbers": AddNumbers}
 
