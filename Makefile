@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.nereus-installed
 
-.PHONY: venv run test lint typecheck bench clean
+.PHONY: venv run whatif test lint typecheck bench clean
 
 $(STAMP): pyproject.toml etc/constraints-cpu.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -18,8 +18,12 @@ $(STAMP): pyproject.toml etc/constraints-cpu.txt
 
 venv: $(STAMP)
 
-# The main job on the embedded default (no Slurm, no GPU).
+# The main job on the embedded default (no Slurm, no GPU): the live elastic job under nereusd.
 run: $(STAMP)
+	$(BIN)/python -m nereusd.live
+
+# The planner's what-if table on a drifting 8B PPO job (no processes, a second).
+whatif: $(STAMP)
 	$(BIN)/python -m nereusd.demo
 
 lint: $(STAMP)

@@ -47,6 +47,31 @@ from nereusd.wire import protocol
 from nereusd.wire.logs import configure_logging, get_logger
 from planner.errors import NereusError
 from planner.plan import GlobalPlan, Layout, StagePlan
+from transitions.layout import COUNTERS
+
+
+def logical_digests(dumps: dict[int, Any]) -> dict[str, str]:
+    """sha256 of every logical (model-stage, tensor, kind), assembled from every worker's shards
+    (``agent.commands.Dump`` replies): what a layout holds, independent of the layout."""
+    import hashlib
+
+    import torch
+
+    full: dict[tuple[str, str, str], torch.Tensor] = {}
+    for worker_dump in dumps.values():
+        for stage, shards in worker_dump.items():
+            for s in shards:
+                key = (stage, s["tensor"], s["kind"])
+                if key not in full:
+                    full[key] = torch.zeros(s["global_shape"], dtype=s["data"].dtype)
+                box = tuple(slice(o, o + k) for o, k in zip(s["offsets"], s["lengths"]))
+                full[key][box].copy_(s["data"])
+    out = {}
+    for key, t in sorted(full.items()):
+        if key[1] == COUNTERS:
+            t = t[1:]  # the plan version (counter 0) changes with the plan by design; steps and position stay
+        out["/".join(key)] = hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+    return out
 
 
 def plan_from_part(data: dict[str, Any]) -> GlobalPlan:
@@ -70,6 +95,9 @@ class DriverConfig:
     order_wait_s: float = 600.0  # the longest the driver waits for an order it needs
     heal_after_s: float = 20.0  # a dead worker, no order: Extend the current plan onto its restart
     step_timeout_s: float = 900.0
+    # after every step and transition, hash every logical tensor of the stateful model-stages (weights,
+    # AdamW moments, counters) assembled from all workers' shards, and check that a transition kept them
+    verify: bool = False
 
 
 @dataclass(slots=True)
@@ -90,7 +118,7 @@ class JobDriver:
         self.dead: set[int] = set()  # workers of the plan that died since it was bound
         self.step = 0
         self.checkpoint: _Checkpoint | None = None
-        self.last_result: Any = None
+        self.snapshots: dict[int, dict[str, str]] = {}  # verify: steps done -> logical digests then
 
     # --- reporting ----------------------------------------------------------------------------------
     def event(self, kind: str, **data: Any) -> None:
@@ -168,7 +196,7 @@ class JobDriver:
             self.hub.assign({k: w for k, w in self.ids.items() if w in needed}, self.dc.assign_timeout_s)
             t0 = time.perf_counter()
             sent: dict[int, int] = {}
-            restored = None
+            restored, dag_bytes = None, 0
             if old is None:
                 self.hub.form_generation(sorted(new.gpus))
             else:
@@ -179,6 +207,11 @@ class JobDriver:
                 except (LastCopyLostError, CoverageError) as exc:
                     dag, restored = None, str(exc).splitlines()[0]
                 if dag is not None:
+                    from transitions.dag_pieces import DagMemo
+                    from transitions.executor import IN_PLACE
+                    from transitions.node_steps import dag_messages
+
+                    dag_bytes = sum(m.num_bytes for m in dag_messages(dag, DagMemo(), early=IN_PLACE))
                     outcome = self.hub.run_dag(dag, placement_cluster(old_pl, new_pl))
                     if not outcome.committed:
                         self.dead |= set(outcome.dead_workers)
@@ -192,6 +225,7 @@ class JobDriver:
             self.hub.call(bind, workers=sorted(new.gpus), timeout_s=self.dc.step_timeout_s, cfg=self._cfg_now(),
                           plan=new)
             measured = time.perf_counter() - t0
+            verified = self._verify(new) if old is not None else None
         except (WorkerDied, NereusError) as exc:
             self.event("transition-failed", transition=tid, error=str(exc)[:2000])
             if order is not None:
@@ -203,8 +237,30 @@ class JobDriver:
             self.version = order.to_version
             self._report(order, ok=True, measured_s=measured, bytes_by_worker=sent)
         self.event("transition-done", transition=tid, to_version=self.version, measured_s=measured,
-                   bytes_sent=sum(sent.values()), restored_from=restored and self.checkpoint and self.checkpoint.tag,
-                   workers=sorted(new.gpus))
+                   bytes_sent=sum(sent.values()), dag_bytes=dag_bytes, lost=sorted(lost),
+                   restored_from=self.checkpoint.tag if restored and self.checkpoint else None,
+                   workers=sorted(new.gpus), verified=verified)
+        if self.dc.verify:
+            self._snapshot()
+
+    def _snapshot(self) -> None:
+        """Keep the logical digests of the state now (after a step or transition): the latest, and
+        those of checkpointed steps (a restore is checked against them)."""
+        assert self.plan is not None
+        keep = {self.checkpoint.step} if self.checkpoint is not None else set()
+        self.snapshots = {s: d for s, d in self.snapshots.items() if s in keep}
+        self.snapshots[self.step] = logical_digests(self.hub.dump(sorted(self.plan.gpus)))
+
+    def _verify(self, new: GlobalPlan) -> dict[str, Any] | None:
+        """Every logical tensor after the transition equals what the old layout held at this step."""
+        if not self.dc.verify:
+            return None
+        want = self.snapshots.get(self.step)
+        got = logical_digests(self.hub.dump(sorted(new.gpus)))
+        if want is None:
+            return {"equal": None, "why": f"no snapshot of step {self.step}"}
+        differ = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))
+        return {"equal": not differ, "tensors": len(got), "differ": differ[:8]}
 
     def _restore(self, new: GlobalPlan, why: str, live_units: Any) -> None:
         if self.checkpoint is None:
@@ -269,6 +325,8 @@ class JobDriver:
             self.step += 1
             if self.dc.checkpoint_every and self.step % self.dc.checkpoint_every == 0:
                 self._checkpoint()
+            if self.dc.verify:
+                self._snapshot()
         self.event("done", steps=self.step, plan_version=self.version)
         return 0
 
@@ -318,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--events", type=Path, help="append one JSON line per step/transition here")
     p.add_argument("--response-schedule", default="", help="STEP:TOKENS,... max_new_tokens from STEP on")
     p.add_argument("--heal-after-s", type=float, default=20.0)
+    p.add_argument("--verify", action="store_true",
+                   help="check every transition kept every logical tensor (hashes; costs a dump per step)")
     p.add_argument("--log-format", choices=("auto", "json", "console"), default="auto")
     args = p.parse_args(argv)
     if not args.bind:
@@ -342,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     ckpt = args.checkpoint_dir or str(Path(os.environ.get("TMPDIR", "/tmp")) / f"nereus-ckpt-{job_id}-{os.getpid()}")
     dc = DriverConfig(steps=args.steps or steps, checkpoint_url=ckpt, checkpoint_every=args.checkpoint_every,
                       events_path=args.events, response_schedule=_schedule(args.response_schedule),
-                      heal_after_s=args.heal_after_s)
+                      heal_after_s=args.heal_after_s, verify=args.verify)
     driver = JobDriver(cfg, hub, link, dc, job_id=job_id, node=env.get("NEREUS_NODE", "local"))
     try:
         return driver.run()

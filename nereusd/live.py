@@ -1,0 +1,337 @@
+"""`make run`: the live elastic job on the embedded default (no Slurm, no GPU).
+
+    python -m nereusd.live [--job-file etc/jobs/live.toml] [--steps 26] [--out runs/live-STAMP]
+
+Starts nereusd as a child with the local allocation source (virtual nodes of 2 CPU worker slots),
+registers a GRPO job of the tiny Llama-style model on a synthetic verifiable task, and lets the
+daemon run it: the local source starts one node agent per granted node, the anchor's agent starts
+the job driver, every agent starts its workers, the daemon orders the placement and the workers
+train. While it trains, this script changes the job's world by step count (not by wall time, so a
+loaded machine plays the same story):
+
+    grow to 4 workers -> response-length jump (opportunistic replan) -> graceful shrink (drain)
+    -> grow again -> abrupt loss of that node (SIGKILL of its agent and workers) -> recovery
+
+It shows a line per step (reward, step time, plan, pool, transitions in flight) and ends with a
+summary: reward curve, per-step time, each transition (trigger, dL, L_tran predicted vs measured,
+bytes, verdict), written as report.json and report.png under the output folder. Watch it with
+nereusctl while it runs (the command is printed at start).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+JOB = "live"
+USER = os.environ.get("USER") or "nereus"
+SLOTS_PER_NODE = 2
+
+
+@dataclass(slots=True)
+class Act:
+    """One change of the job's world, played once the driver has done ``at_step`` steps and no
+    transition is in flight."""
+
+    name: str
+    at_step: int
+    run: Callable[[LiveRun], str]
+    done_at: int | None = None
+    note: str = ""
+
+
+@dataclass(slots=True)
+class LiveRun:
+    out: Path
+    job_file: Path
+    steps: int
+    jump_step: int
+    jump_tokens: int
+    daemon: subprocess.Popen[bytes] | None = None
+    endpoints: dict[str, str] = field(default_factory=dict)
+    events_seen: int = 0
+    steps_done: list[dict[str, Any]] = field(default_factory=list)
+    driver_events: list[dict[str, Any]] = field(default_factory=list)
+    t0: float = field(default_factory=time.monotonic)
+
+    @property
+    def state(self) -> Path:
+        return self.out / "state"
+
+    @property
+    def events_path(self) -> Path:
+        return self.out / "driver-events.jsonl"
+
+    # --- set-up -------------------------------------------------------------------------------------
+    def setup(self) -> None:
+        from nereusd.wire.keys import KeyStore
+
+        self.out.mkdir(parents=True, exist_ok=True)
+        ks = KeyStore(self.state / "keys")
+        ks.init()
+        ks.create_client(name="admin", user="root", role="admin", out_dir=self.out / "admin")
+        ks.create_client(name=f"{USER}-agent", user=USER, role="agent", out_dir=self.state / "keys" / f"agent-{USER}")
+        py = sys.executable
+        driver = (f"{py} -m agent.driver --events {self.events_path} --checkpoint-every 4 "
+                  f"--checkpoint-dir {self.out / 'checkpoints'} --response-schedule {self.jump_step}:{self.jump_tokens}"
+                  f" --steps {self.steps} --heal-after-s 15")
+        (self.out / "nereusd.toml").write_text(f"""# written by python -m nereusd.live
+[daemon]
+state_dir = "{self.state}"
+log_format = "json"
+order_timeout_s = 180
+[control]
+port = 0
+admin_port = 0
+heartbeat_interval_s = 0.5
+heartbeat_timeout_s = 4.0
+[metrics]
+enabled = false
+[slurm]
+enabled = false
+[planner]
+pool_settle_s = 1.0
+[local]
+num_nodes = 4
+slots_per_node = {SLOTS_PER_NODE}
+driver_cmd = "{driver}"
+""")
+
+    def start_daemon(self) -> None:
+        log = (self.out / "nereusd.log").open("ab")
+        self.daemon = subprocess.Popen([sys.executable, "-m", "nereusd.cli", "serve", "--config",
+                                        str(self.out / "nereusd.toml")], stdout=log, stderr=subprocess.STDOUT,
+                                       cwd=ROOT, start_new_session=True)
+        deadline = time.monotonic() + 120
+        path = self.state / "endpoints.json"
+        while not path.exists():
+            if self.daemon.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"nereusd did not start (see {self.out / 'nereusd.log'})")
+            time.sleep(0.1)  # polling a file the daemon writes once it is bound; bounded above
+        self.endpoints = json.loads(path.read_text())
+
+    def admin(self, op: str, **args: Any) -> Any:
+        from nereusd.wire import protocol
+        from nereusd.wire.client import CurveClient
+        from nereusd.wire.keys import load_bundle
+
+        c = CurveClient(self.endpoints["admin"], load_bundle(self.out / "admin"))
+        try:
+            reply = c.request(protocol.AdminRequest(op=op, args=args), timeout_s=30)
+        finally:
+            c.close()
+        if not isinstance(reply, protocol.AdminReply) or not reply.ok:
+            raise RuntimeError(f"nereusd refused {op}: {getattr(reply, 'error', reply)}")
+        return reply.data
+
+    def add_job(self) -> None:
+        from nereusd.jobfile import job_spec
+
+        spec = job_spec(self.job_file, anchor_job_id=f"local-{JOB}")
+        self.admin("job-add", job=JOB, user=USER, spec=spec)
+
+    # --- world changes ------------------------------------------------------------------------------
+    def nodes(self, state: str = "alive") -> list[str]:
+        return [n["node"] for n in self.admin("job", job=JOB)["nodes"] if n["state"] == state]
+
+    def grow(self) -> str:
+        self.admin("alloc", action="grow", job=JOB, nodes=1)
+        return "asked the local source for one more node"
+
+    def shrink(self) -> str:
+        node = self.nodes()[-1]
+        self.admin("alloc", action="shrink", job=JOB, names=[node])
+        return f"graceful release of {node} (drained first)"
+
+    def kill_node(self) -> str:
+        import psutil
+
+        node = self.nodes()[-1]
+        killed = 0
+        for p in psutil.process_iter(["pid", "cmdline"]):
+            cmd = p.info["cmdline"] or []
+            if "agent.node" in cmd and "--node" in cmd and cmd[cmd.index("--node") + 1] == node \
+                    and cmd[cmd.index("--job") + 1] == JOB:
+                os.killpg(p.info["pid"], signal.SIGKILL)  # its agent and its workers, no goodbye
+                killed += 1
+        return f"SIGKILL of node {node} ({killed} agent process group)"
+
+    # --- watching -----------------------------------------------------------------------------------
+    def read_events(self) -> list[dict[str, Any]]:
+        if not self.events_path.exists():
+            return []
+        lines = self.events_path.read_text().splitlines()
+        new = [json.loads(x) for x in lines[self.events_seen:] if x.strip()]
+        self.events_seen = len(lines)
+        self.driver_events += new
+        return new
+
+    def in_flight(self) -> int:
+        return sum(1 for t in self.admin("transitions", job=JOB) if t["state"] in ("planned", "ordered"))
+
+    def line(self, ev: dict[str, Any]) -> str:
+        elapsed = time.monotonic() - self.t0
+        if ev["event"] == "step":
+            return (f"[{elapsed:6.1f}s] step {ev['step']:3d}  reward {ev['reward']:+.3f}  "
+                    f"step {ev['seconds']:5.2f} s  resp {ev['response_tokens']:4.1f} tok  plan v{ev['plan_version']}  "
+                    f"workers {ev['workers']}")
+        if ev["event"] in ("transition-done", "transition-failed", "restored", "step-failed", "workload",
+                           "transition-start", "checkpoint", "gave-up"):
+            rest = {k: v for k, v in ev.items() if k not in ("event", "t")}
+            return f"[{elapsed:6.1f}s] {ev['event']}: {json.dumps(rest, default=str)[:160]}"
+        return ""
+
+
+def _plan_text(stages: list[dict[str, Any]]) -> str:
+    return ", ".join(f"{s['model_stage']} {s['dp']}x(TP{s['tp']}PP{s['pp']})" for s in stages)
+
+
+def summarise(run: LiveRun, acts: list[Act], wall_s: float) -> dict[str, Any]:
+    transitions = run.admin("transitions", job=JOB)
+    decisions = {d["id"]: d for d in run.admin("decisions", job=JOB)}
+    done = {e.get("transition"): e for e in run.driver_events if e["event"] == "transition-done"}
+    rows = []
+    for t in transitions:
+        d = decisions.get(t["decision_id"]) or {}
+        rows.append({"id": t["id"], "from_version": t["from_version"], "to_version": t["to_version"],
+                     "trigger": d.get("trigger"), "reason": d.get("reason"), "delta_l_s": d.get("delta_l_s"),
+                     "l_tran_predicted_s": t["predicted_s"], "l_tran_measured_s": t["measured_s"],
+                     "bytes_predicted": t["bytes_moved"],
+                     "bytes_sent": (done.get(t["id"]) or {}).get("bytes_sent"), "state": t["state"],
+                     "verdict": d.get("rule")})
+    rejected = [{"id": d["id"], "trigger": d["trigger"], "rule": d["rule"], "reason": d["reason"],
+                 "delta_l_s": d["delta_l_s"], "l_tran_s": d["l_tran_s"]}
+                for d in decisions.values() if not d["admitted"]]
+    return {"job": JOB, "wall_s": round(wall_s, 1), "steps": run.steps_done, "transitions": rows,
+            "rejected_decisions": rejected, "acts": [{"name": a.name, "at_step": a.done_at, "what": a.note}
+                                                     for a in acts],
+            "plan": run.admin("job-plan", job=JOB), "driver_events": run.driver_events}
+
+
+def plot(report: dict[str, Any], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    steps = report["steps"]
+    xs = [s["step"] for s in steps]
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    ax1.plot(xs, [s["reward"] for s in steps], marker="o", ms=3)
+    ax1.set_ylabel("mean reward")
+    ax2.bar(xs, [s["seconds"] for s in steps], color=[f"C{s['plan_version'] % 10}" for s in steps])
+    ax2.set_ylabel("step time (s), colour = plan")
+    ax2.set_xlabel("RL step")
+    for a in report["acts"]:
+        if a["at_step"] is not None:
+            for ax in (ax1, ax2):
+                ax.axvline(a["at_step"] - 0.5, color="grey", ls="--", lw=0.8)
+            ax1.annotate(a["name"], (a["at_step"] - 0.5, ax1.get_ylim()[1]), fontsize=7, rotation=90, va="top")
+    fig.suptitle(f"nereus live job: {len(steps)} steps, {len(report['transitions'])} transitions, "
+                 f"{report['wall_s']:.0f} s")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def print_summary(report: dict[str, Any], out: Path) -> None:
+    steps = report["steps"]
+    bars = " ▁▂▃▄▅▆▇█"
+    rewards = [s["reward"] for s in steps]
+    lo, hi = (min(rewards), max(rewards)) if rewards else (0.0, 1.0)
+    spark = "".join(bars[int((r - lo) / ((hi - lo) or 1) * 8)] for r in rewards)
+    print("\n=== summary ===")
+    print(f"steps: {len(steps)} in {report['wall_s']:.0f} s; reward {spark} ({rewards[0]:+.3f} -> {rewards[-1]:+.3f})"
+          if steps else "no step ran")
+    print("step time (s): " + " ".join(f"{s['seconds']:.1f}" for s in steps))
+    print(f"\n{'id':>3} {'v':>7} {'trigger':<14} {'dL s/step':>9} {'L_tran pred':>11} {'measured':>9} "
+          f"{'bytes':>10} {'state':<8} verdict")
+    for t in report["transitions"]:
+        dl = f"{t['delta_l_s']:.3f}" if t["delta_l_s"] is not None else "-"
+        meas = f"{t['l_tran_measured_s']:.2f}" if t["l_tran_measured_s"] is not None else "-"
+        sent = t["bytes_sent"] if t["bytes_sent"] is not None else "-"
+        print(f"{t['id']:>3} {t['from_version']:>3}->{t['to_version']:<3} {str(t['trigger']):<14} {dl:>9} "
+              f"{t['l_tran_predicted_s']:>11.3f} {meas:>9} {sent!s:>10} {t['state']:<8} {t['verdict']}")
+    if report["rejected_decisions"]:
+        print("\nnot admitted:")
+        for d in report["rejected_decisions"]:
+            print(f"  decision {d['id']} ({d['trigger']}): {d['rule']}: {d['reason']}")
+    print(f"\nplan now: v{report['plan']['plan_version']}: {_plan_text(report['plan']['stages'])}")
+    print(f"report: {out / 'report.json'}" + (f", plot: {out / 'report.png'}" if (out / "report.png").exists() else ""))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m nereusd.live", description=__doc__.split("\n\n")[0])
+    p.add_argument("--job-file", type=Path, default=ROOT / "etc" / "jobs" / "live.toml")
+    p.add_argument("--steps", type=int, default=26)
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--timeout-s", type=float, default=900.0, help="give up after this long")
+    args = p.parse_args(argv)
+    out = args.out or ROOT / "runs" / time.strftime("live-%Y%m%d-%H%M%S")
+    if out.exists():
+        shutil.rmtree(out)
+    run = LiveRun(out=out.resolve(), job_file=args.job_file.resolve(), steps=args.steps,
+                  jump_step=round(args.steps * 0.35), jump_tokens=16)
+    acts = [Act("grow", 2, LiveRun.grow), Act("shrink", round(args.steps * 0.5), LiveRun.shrink),
+            Act("grow", round(args.steps * 0.6), LiveRun.grow), Act("node loss", round(args.steps * 0.75),
+                                                                    LiveRun.kill_node)]
+    run.setup()
+    run.start_daemon()
+    print(f"nereusd up ({socket.gethostname()}), state in {run.state}")
+    print(f"watch it:  nereusctl --state-dir {run.state} --keys {out / 'admin'} job-plan {JOB}   "
+          f"(also: transitions {JOB}, decisions {JOB}, events)")
+    code = 1
+    try:
+        run.add_job()
+        deadline = time.monotonic() + args.timeout_s
+        pending = list(acts)
+        finished = False
+        while time.monotonic() < deadline and not finished:
+            for ev in run.read_events():
+                text = run.line(ev)
+                if text:
+                    print(text, flush=True)
+                if ev["event"] == "step":
+                    run.steps_done = [s for s in run.steps_done if s["step"] < ev["step"]] + [ev]
+                finished = finished or ev["event"] in ("done", "gave-up")
+                code = 0 if ev["event"] == "done" else code
+            done_steps = len(run.steps_done)
+            if pending and done_steps >= pending[0].at_step and run.in_flight() == 0 \
+                    and not any(e["event"] == "transition-start" for e in run.driver_events[-1:]):
+                act = pending.pop(0)
+                act.done_at, act.note = done_steps, act.run(run)
+                print(f"[{time.monotonic() - run.t0:6.1f}s] >>> {act.name}: {act.note}", flush=True)
+            time.sleep(0.5)  # the display's refresh period: the events file is polled, nothing waits on it
+        if not finished:
+            print(f"gave up after {args.timeout_s:g} s (see {out}/nereusd.log and the driver events)")
+        report = summarise(run, acts, time.monotonic() - run.t0)
+        (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
+        plot(report, out / "report.png")
+        print_summary(report, out)
+    finally:
+        if run.daemon is not None and run.daemon.poll() is None:
+            run.daemon.terminate()  # the local source stops every node's agent and workers with it
+            try:
+                run.daemon.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(run.daemon.pid, signal.SIGKILL)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
