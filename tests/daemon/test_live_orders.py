@@ -1,0 +1,207 @@
+"""The live job's orders against a real daemon (loopback, local allocation source, real planner):
+orders carry the pool map, a graceful shrink drains a node before it is released (and is refused when
+nothing would hold the state), an order nobody finishes fails after daemon.order_timeout_s and the job
+replans, and every refused alloc request lands in the events.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from nereusd.allocation import AllocationError
+from nereusd.daemon import _SourceWorker
+from nereusd.wire import protocol
+from nereusd.wire.logs import get_logger
+
+from .conftest import DaemonHandle, store_rows, wait_for
+
+SPEC = {"model": "tiny-3m", "algo": "grpo", "device": "cpu", "gpus_per_node": 2,
+        "workload": {"prompts_per_step": 8, "prompt_tokens": 32, "response_tokens": 64}}
+ELASTIC = {"anchor_job_id": "local-j", "min_gpus": 2, "max_gpus": 6, "gpus_per_node": 2}
+DEVS = tuple(protocol.Device(index=i, kind="cpu", name="cpu", memory_bytes=8 << 30) for i in range(2))
+WAIT_S = 60.0  # every bound below holds on a loaded 2-core machine
+
+
+def _events(daemon: DaemonHandle, job: str, kind: str) -> list[dict[str, Any]]:
+    return [e for e in daemon.admin("events", job=job) if e["kind"] == kind]
+
+
+def _alloc_kinds(daemon: DaemonHandle, job: str) -> list[str]:
+    return [a["source"] for a in daemon.admin("alloc", job=job)["allocations"]]
+
+
+def _node_states(daemon: DaemonHandle, job: str) -> dict[str, str]:
+    return {n["node"]: n["state"] for n in daemon.admin("job", job=job)["nodes"]}
+
+
+def _plan_gpus(daemon: DaemonHandle, job: str) -> set[int]:
+    return {g for s in daemon.admin("job-plan", job=job)["stages"] for g in s["gpus"]}
+
+
+def _done(daemon: DaemonHandle, job: str) -> list[dict[str, Any]]:
+    return [t for t in daemon.admin("transitions", job=job) if t["state"] == "done"]
+
+
+def _ts_at(daemon: DaemonHandle, kind: str, key: str, state: str) -> float:
+    rows = store_rows(daemon.state_dir, f"SELECT at FROM status_history WHERE kind='{kind}' AND key='{key}' "
+                                        f"AND to_state='{state}' ORDER BY id")
+    assert rows, (kind, key, state)
+    return float(rows[-1][0])
+
+
+@pytest.mark.multiprocess
+def test_orders_carry_the_pool_map(daemon: DaemonHandle) -> None:
+    daemon.start()
+    daemon.admin("job-add", job="j", user="alice", spec=SPEC)
+    agent = daemon.client("alice", identity=b"agent-n1")
+    assert isinstance(agent.request(protocol.Register(job_id="j", node="n1", incarnation="a", devices=DEVS),
+                                    timeout_s=10), protocol.Welcome)
+    order: protocol.TransitionOrder | None = None
+    deadline, seq = time.monotonic() + WAIT_S, 0
+    while order is None:  # heartbeating as an agent does, until the initial placement's order comes
+        assert time.monotonic() < deadline, "timed out waiting for the initial placement's order"
+        seq += 1
+        agent.send(protocol.Heartbeat(job_id="j", node="n1", seq=seq))
+        msg = agent.recv(timeout_s=0.2)
+        order = msg if isinstance(msg, protocol.TransitionOrder) else None
+    part = order.part
+    assert part["pool"] == {"n1": [0, 1]} and part["gpus_per_node"] == 2 and part["draining"] == []
+    assert set(part["gpus"]) <= {0, 1} and part["plan"]["version"] == order.to_version == 1
+    agent.send(protocol.TransitionReport(job_id="j", node="n1", transition_id=order.transition_id, ok=True,
+                                         measured_s=0.01))
+    wait_for(lambda: daemon.admin("job", job="j")["plan_version"] == 1, timeout_s=WAIT_S, what="plan v1 committed")
+
+
+@pytest.mark.multiprocess
+def test_a_shrink_drains_the_node_first_and_a_shrink_that_leaves_nothing_is_refused(daemon: DaemonHandle) -> None:
+    daemon.start()
+    daemon.admin("job-add", job="j", user="alice", spec={**SPEC, "elastic": ELASTIC})
+    wait_for(lambda: _alloc_kinds(daemon, "j") == ["granted"], timeout_s=WAIT_S, what="local0 granted")
+    agents = [daemon.agent("alice", "j", "local0", "--ack-orders")]
+    try:
+        wait_for(lambda: daemon.admin("job", job="j")["plan_version"] >= 1, timeout_s=WAIT_S,
+                 what="the initial placement committed on local0")
+        daemon.admin("alloc", job="j", action="grow", nodes=1)
+        wait_for(lambda: _alloc_kinds(daemon, "j") == ["granted", "grown"], timeout_s=WAIT_S, what="local1 grown")
+        agents.append(daemon.agent("alice", "j", "local1", "--ack-orders"))
+        # local0 registered first: GPUs 0, 1; local1: 2, 3. The replan on four GPUs uses local1.
+        wait_for(lambda: daemon.admin("job", job="j")["state"] == "running" and _plan_gpus(daemon, "j") & {2, 3},
+                 timeout_s=WAIT_S, what="a committed plan using local1's GPUs")
+        before = {t["id"] for t in daemon.admin("transitions", job="j")}
+
+        shrink = daemon.ctl("alloc", "j", "--shrink", "local1")
+        assert shrink.returncode == 0, shrink.stderr
+        drain = wait_for(lambda: _events(daemon, "j", "node-draining"), timeout_s=WAIT_S, what="node-draining")
+        assert drain[0]["data"]["nodes"] == ["local1"]
+        wait_for(lambda: "shrunk" in _alloc_kinds(daemon, "j"), timeout_s=WAIT_S, what="local1 given back")
+        moved = [t for t in _done(daemon, "j") if t["id"] not in before]
+        assert len(moved) == 1, daemon.admin("transitions", job="j")
+        t = moved[0]
+        decision = daemon.admin("explain", id=t["decision_id"])
+        assert decision["urgent"] and "drain local1" in json.dumps(decision["inputs"])
+        plan = daemon.admin("job-plan", job="j")
+        assert plan["plan_version"] == t["to_version"] and _plan_gpus(daemon, "j") <= {0, 1}
+        # ordered to both nodes (local1 sends its state away), and released only after every part was done
+        history = daemon.admin("transition", id=t["id"])["history"]
+        assert any(h["to_state"] == "ordered" and "2 node(s)" in h["reason"] for h in history), history
+        shrunk_at = max(a["at"] for a in daemon.admin("alloc", job="j")["allocations"] if a["source"] == "shrunk")
+        assert _ts_at(daemon, "transition", str(t["id"]), "done") <= shrunk_at
+        drained = _events(daemon, "j", "node-drained")
+        assert drained and drained[0]["data"]["nodes"] == ["local1"]
+        wait_for(lambda: _node_states(daemon, "j").get("local1") == "released", timeout_s=WAIT_S,
+                 what="local1 released in the store")
+        assert daemon.admin("job", job="j")["state"] == "running"
+
+        # the last node holds the only copy of everything: refused, with the exit code and an event
+        refused = daemon.ctl("alloc", "j", "--shrink", "local0")
+        assert refused.returncode == 2 and "no GPU would be left" in refused.stderr, refused
+        event = wait_for(lambda: _events(daemon, "j", "alloc-refused"), timeout_s=WAIT_S, what="alloc-refused")
+        assert event[0]["data"]["op"] == "shrink" and event[0]["data"]["nodes"] == ["local0"]
+        assert "no GPU would be left" in event[0]["data"]["reason"]
+        assert _node_states(daemon, "j")["local0"] == "alive" and _alloc_kinds(daemon, "j").count("shrunk") == 1
+        assert daemon.admin("job", job="j")["state"] == "running" and _plan_gpus(daemon, "j") <= {0, 1}
+    finally:
+        for a in agents:
+            a.kill()
+            a.wait()
+
+
+@pytest.mark.multiprocess
+def test_an_order_nobody_finishes_fails_after_order_timeout_and_the_job_replans(daemon: DaemonHandle) -> None:
+    daemon.config.write_text(daemon.config.read_text().replace('log_level = "debug"',
+                                                               'log_level = "debug"\norder_timeout_s = 2'))
+    daemon.start()
+    daemon.admin("job-add", job="j", user="alice", spec=SPEC)
+    agent = daemon.agent("alice", "j", "n1")  # no --ack-orders and no workers: nothing ever reports
+    try:
+        def failed() -> list[dict[str, Any]]:
+            return [t for t in daemon.admin("transitions", job="j") if t["state"] == "failed"]
+
+        first = wait_for(failed, timeout_s=WAIT_S, what="the initial placement failed by its time-out")[0]
+        reason = daemon.admin("transition", id=first["id"])["history"][-1]["reason"]
+        assert reason == "node(s) n1 did not finish within 2 s", reason
+        took = _ts_at(daemon, "transition", str(first["id"]), "failed") - \
+            _ts_at(daemon, "transition", str(first["id"]), "ordered")
+        assert took >= 2.0
+        # the job is not left transitioning: it went back to running and a new decision ordered again
+        history = daemon.admin("job", job="j")["history"]
+        assert any(h["to_state"] == "running" and f"transition {first['id']} failed" in h["reason"] for h in history)
+        again = wait_for(lambda: [t for t in daemon.admin("transitions", job="j") if t["id"] > first["id"]],
+                         timeout_s=WAIT_S, what="a transition ordered by the replan")
+        decision = daemon.admin("explain", id=again[0]["decision_id"])
+        assert decision["urgent"] and f"transition {first['id']} failed" in json.dumps(decision["inputs"])
+    finally:
+        agent.kill()
+        agent.wait()
+
+
+@pytest.mark.multiprocess
+def test_a_refused_alloc_request_exits_non_zero_and_is_an_event(daemon: DaemonHandle) -> None:
+    daemon.start()
+    daemon.admin("job-add", job="j", user="alice", spec={"elastic": ELASTIC})
+    wait_for(lambda: _alloc_kinds(daemon, "j") == ["granted"], timeout_s=WAIT_S, what="the grant")
+    over = daemon.ctl("alloc", "j", "--grow", "5")
+    assert over.returncode == 2 and "max_gpus" in over.stderr and len(over.stderr.splitlines()) == 1, over
+    event = wait_for(lambda: _events(daemon, "j", "alloc-refused"), timeout_s=WAIT_S, what="alloc-refused")
+    assert event[0]["data"]["op"] == "grow" and event[0]["data"]["nodes"] == 5
+    assert "max_gpus" in event[0]["data"]["reason"]
+    # two grows that each fit alone, asked back to back: the second is refused (at once, or by the source
+    # thread once the first was carried out) and lands in the events either way
+    first = daemon.ctl("alloc", "j", "--grow", "2")
+    assert first.returncode == 0, first.stderr
+    daemon.ctl("alloc", "j", "--grow", "2")
+    wait_for(lambda: len(_events(daemon, "j", "alloc-refused")) == 2, timeout_s=WAIT_S,
+             what="the second grow's refusal in the events")
+    wait_for(lambda: _alloc_kinds(daemon, "j") == ["granted", "grown"], timeout_s=WAIT_S, what="the first grow")
+    assert _alloc_kinds(daemon, "j") == ["granted", "grown"]
+
+
+class _RefusingSource:
+    name = "local"
+
+    def poll(self) -> list[Any]:
+        return []
+
+    def grow(self, job_id: str, n_nodes: int) -> tuple[str, ...]:
+        raise AllocationError(f"grow {job_id}: no node is free")
+
+
+def test_the_source_threads_refusals_come_back_to_the_serve_loop(tmp_path: Path) -> None:
+    worker = _SourceWorker(_RefusingSource(), 0.01, get_logger("test"))  # type: ignore[arg-type]
+    worker.requests.put(("grow", ("j", 2)))
+    worker.start()
+    try:
+        got = worker.refused.get(timeout=WAIT_S)
+    except queue.Empty:
+        raise AssertionError(f"no refusal came back within {WAIT_S} s") from None
+    finally:
+        worker.stop_event.set()
+        worker.join(timeout=WAIT_S)
+    assert got == ("grow", ("j", 2), "grow j: no node is free")
+    assert not worker.is_alive()
