@@ -55,27 +55,46 @@ def _ts_at(daemon: DaemonHandle, kind: str, key: str, state: str) -> float:
     return float(rows[-1][0])
 
 
-@pytest.mark.multiprocess
-def test_orders_carry_the_pool_map(daemon: DaemonHandle) -> None:
-    daemon.start()
-    daemon.admin("job-add", job="j", user="alice", spec=SPEC)
-    agent = daemon.client("alice", identity=b"agent-n1")
-    assert isinstance(agent.request(protocol.Register(job_id="j", node="n1", incarnation="a", devices=DEVS),
-                                    timeout_s=10), protocol.Welcome)
-    order: protocol.TransitionOrder | None = None
+def _register_and_await_order(daemon: DaemonHandle, identity: bytes, incarnation: str) -> protocol.TransitionOrder:
+    """Register n1 of job j as a fresh connection, then heartbeat as an agent does until an order comes."""
+    agent = daemon.client("alice", identity=identity)
+    welcome = agent.request(protocol.Register(job_id="j", node="n1", incarnation=incarnation, devices=DEVS),
+                            timeout_s=WAIT_S)
+    assert isinstance(welcome, protocol.Welcome), welcome
     deadline, seq = time.monotonic() + WAIT_S, 0
-    while order is None:  # heartbeating as an agent does, until the initial placement's order comes
-        assert time.monotonic() < deadline, "timed out waiting for the initial placement's order"
+    while True:
+        assert time.monotonic() < deadline, f"timed out after {WAIT_S} s waiting for an order to {identity!r}"
         seq += 1
         agent.send(protocol.Heartbeat(job_id="j", node="n1", seq=seq))
         msg = agent.recv(timeout_s=0.2)
-        order = msg if isinstance(msg, protocol.TransitionOrder) else None
+        if isinstance(msg, protocol.TransitionOrder):
+            return msg
+
+
+@pytest.mark.multiprocess
+def test_orders_carry_the_pool_map_and_are_sent_again_to_a_node_that_registers_again(daemon: DaemonHandle) -> None:
+    daemon.start()
+    daemon.admin("job-add", job="j", user="alice", spec=SPEC)
+    order = _register_and_await_order(daemon, b"agent-n1", "a")
     part = order.part
     assert part["pool"] == {"n1": [0, 1]} and part["gpus_per_node"] == 2 and part["draining"] == []
     assert set(part["gpus"]) <= {0, 1} and part["plan"]["version"] == order.to_version == 1
-    agent.send(protocol.TransitionReport(job_id="j", node="n1", transition_id=order.transition_id, ok=True,
-                                         measured_s=0.01))
+    # the agent restarts (a new process, a new connection) before it reported: the order comes again
+    again = _register_and_await_order(daemon, b"agent-n1-restarted", "b")
+    assert again == order
+    # so it does after a daemon restart (this daemon never sent it: it builds the order again)
+    assert daemon.stop() == 0
+    for c in daemon.clients:
+        c.close()
+    daemon.clients.clear()
+    daemon.start()
+    rebuilt = _register_and_await_order(daemon, b"agent-n1-after-restart", "b")
+    assert rebuilt == order
+    reporter = daemon.clients[-1]
+    reporter.send(protocol.TransitionReport(job_id="j", node="n1", transition_id=order.transition_id, ok=True,
+                                            measured_s=0.01))
     wait_for(lambda: daemon.admin("job", job="j")["plan_version"] == 1, timeout_s=WAIT_S, what="plan v1 committed")
+    assert [t["state"] for t in daemon.admin("transitions", job="j")] == ["done"]
 
 
 @pytest.mark.multiprocess
