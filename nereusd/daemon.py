@@ -387,6 +387,10 @@ class Daemon:
     def node_workers(self, job_id: str, node: str) -> list[dict[str, Any]]:
         return self.worker_states.get((job_id, node), [])
 
+    def draining_nodes(self, job_id: str) -> dict[str, str]:
+        ctl = self.controllers.get(job_id)
+        return dict(ctl.draining) if ctl else {}
+
     def _start_controller(self, job_id: str) -> JobController:
         p = self.settings.planner
         thresholds = dict(admission.DEFAULT_THRESHOLDS)

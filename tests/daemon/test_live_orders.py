@@ -136,6 +136,8 @@ def test_a_shrink_drains_the_node_first_and_a_shrink_that_leaves_nothing_is_refu
         wait_for(lambda: _node_states(daemon, "j").get("local1") == "released", timeout_s=WAIT_S,
                  what="local1 released in the store")
         assert daemon.admin("job", job="j")["state"] == "running"
+        wait_for(lambda: daemon.admin("alloc", job="j")["draining"] == [], timeout_s=WAIT_S,
+                 what="local1 no longer draining once given back")
 
         # the last node holds the only copy of everything: refused, with the exit code and an event
         refused = daemon.ctl("alloc", "j", "--shrink", "local0")
