@@ -471,20 +471,24 @@ class JobController:
         self.metrics.transition_cost.labels("predicted").observe(sketch.predicted_s)
         self._pending_prediction = prediction
         orders = self._orders[tid] = {}
+        shared = self._order_common(new_plan)
         for node in alive:
-            orders[node] = self._make_order(tid, from_version, new_plan, sketch.parts.get(node, {}))
+            orders[node] = self._make_order(tid, from_version, new_plan, sketch.parts.get(node, {}), shared)
             self.send_order(node, orders[node])
 
-    def _make_order(self, tid: int, from_version: int, new_plan: GlobalPlan,
-                    node_part: dict[str, Any]) -> protocol.TransitionOrder:
-        """One node's order. Its part carries the pool map (node -> global GPU ids of every alive node,
-        draining ones included) and gpus_per_node, so the job's driver maps (node, device index) to the
-        global GPU id that is the worker id."""
+    def _order_common(self, new_plan: GlobalPlan) -> dict[str, Any]:
+        """What every node's part carries: the plan, the pool map (node -> global GPU ids of every alive node,
+        draining ones included), gpus_per_node and the draining nodes. With the map the job's driver turns
+        (node, device index) into the global GPU id, which is the worker id."""
         pool: dict[str, list[int]] = {}
         for gpu, owner in sorted(self.gpu_owner.items()):
             pool.setdefault(owner, []).append(gpu)
-        part = {"plan": plan_to_dict(new_plan), **node_part, "pool": pool, "gpus_per_node": self.gpus_per_node,
+        return {"plan": plan_to_dict(new_plan), "pool": pool, "gpus_per_node": self.gpus_per_node,
                 "draining": sorted(self.draining)}
+
+    def _make_order(self, tid: int, from_version: int, new_plan: GlobalPlan, node_part: dict[str, Any],
+                    shared: dict[str, Any]) -> protocol.TransitionOrder:
+        part = {"plan": shared["plan"], **node_part, **{k: v for k, v in shared.items() if k != "plan"}}
         return protocol.TransitionOrder(job_id=self.job_id, transition_id=tid, from_version=from_version,
                                         to_version=new_plan.version, part=part)
 
@@ -505,7 +509,7 @@ class JobController:
                 node_part = sketch.parts.get(node, {})
             except (InfeasibleError, SpecError) as exc:
                 self.log.warning("order-rebuild-without-dag", transition=t["id"], error=str(exc))
-        return self._make_order(int(t["id"]), int(t["from_version"]), new, node_part)
+        return self._make_order(int(t["id"]), int(t["from_version"]), new, node_part, self._order_common(new))
 
     def _finish_transition(self, t: dict[str, Any], *, ok: bool, reason: str) -> None:
         self.store.set_transition_state(t["id"], "done" if ok else "failed", reason)
