@@ -7,7 +7,11 @@ heartbeat grace, so agents that survived a daemon crash reconnect without being 
 tell systemd READY=1 ($NOTIFY_SOCKET, if set).
 
 The allocation source is polled in a worker thread (a slow or failing Slurm command must not stall
-heartbeats); its events and the results of grow/shrink requests come back through a queue.
+heartbeats); its events, and the grow/shrink requests it refused, come back through queues (a refusal,
+at once or from that thread, is stored as an ``alloc-refused`` event). A shrink is graceful: nodes a
+plan uses are drained first (``JobController.drain``) and released once the transition away from them
+is done. Each tick fails ordered transitions older than ``daemon.order_timeout_s``, and an agent that
+registers again is sent the orders it has not reported.
 
 Nothing from outside may stop the loop: a stored job that cannot be loaded or whose controller fails
 is marked damaged (``nereusctl jobs`` shows the reason) and the others are served; a message whose
