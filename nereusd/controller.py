@@ -346,7 +346,8 @@ class JobController:
             self._refresh_pool()
             if self.pool != before:
                 self.pool_changed_at = self.clock()
-        self._release_drained()
+        self._release_drained()  # nodes no plan uses any more need no replan: they go now
+        self.urgent_reasons = [r for r in self.urgent_reasons if r.removeprefix("drain ") not in self._release_asked]
         if not self.pool or self.clock() - self.pool_changed_at < self.pool_settle_s:
             return None  # no GPUs, or the pool is still moving: one replan after the burst, not one per join
         if self.plan is not None and self.prediction is None and not self._predicted_once:
@@ -381,7 +382,7 @@ class JobController:
             trigger = fired
         did = self._decide(trigger, obs)
         if draining and self.job["state"] != "transitioning":
-            self._refuse_drain(draining, did)
+            self._refuse_drain([n for n in draining if n in self.draining], did)
         return did
 
     def _decide(self, trigger: admission.Trigger, obs: admission.Observation) -> int:
@@ -596,6 +597,8 @@ class JobController:
 
     def _refuse_drain(self, nodes: list[str], decision_id: int) -> None:
         """The drain's replan ordered no transition (nothing fit, or no DAG reaches it): the nodes stay."""
+        if not nodes:
+            return
         d = self.store.decision(decision_id) or {}
         reason = f"decision {decision_id} ordered no transition away from them: {d.get('reason', '?')}"
         for n in nodes:

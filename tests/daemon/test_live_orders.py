@@ -1,7 +1,11 @@
 """The live job's orders against a real daemon (loopback, local allocation source, real planner):
 orders carry the pool map, a graceful shrink drains a node before it is released (and is refused when
 nothing would hold the state), an order nobody finishes fails after daemon.order_timeout_s and the job
-replans, and every refused alloc request lands in the events.
+replans, and every refused alloc request lands in the events. The last test walks the controller
+through the same steps in process, one call at a time.
+
+The daemon runs as ``nereusd serve`` (a console script): from a worktree, set PYTHONPATH to it so the
+daemon runs the code under test.
 """
 
 from __future__ import annotations
@@ -226,3 +230,72 @@ def test_the_source_threads_refusals_come_back_to_the_serve_loop(tmp_path: Path)
         worker.join(timeout=WAIT_S)
     assert got == ("grow", ("j", 2), "grow j: no node is free")
     assert not worker.is_alive()
+
+
+# --- the controller in process (real planner, tiny model): the drain's steps one by one -----------------
+
+def test_the_controller_drains_before_it_releases_and_fails_late_orders(tmp_path: Path) -> None:
+    from nereusd.controller import JobController
+    from nereusd.metrics import Metrics
+    from nereusd.planning import PlannerBinding
+    from nereusd.store import Store
+    from planner import admission
+
+    store = Store(tmp_path / "s.db")
+    store.add_job(job_id="j", user="alice", spec=SPEC)
+    orders: list[tuple[str, protocol.TransitionOrder]] = []
+    released: list[list[str]] = []
+    ctl = JobController(job_id="j", store=store, metrics=Metrics(), planner=PlannerBinding(), gamma=0.5,
+                        thresholds=dict(admission.DEFAULT_THRESHOLDS), log=get_logger("test"),
+                        send_order=lambda node, order: orders.append((node, order)) is None,
+                        release_nodes=released.append)
+    devices = [d.model_dump() for d in DEVS]
+    for node in ("n1", "n2"):
+        store.register_node(job_id="j", node=node, devices=devices, slurm_job_id=None, host="h", incarnation=node)
+        ctl.on_node_joined(node, "new")
+
+    def ack_all() -> None:
+        for node, order in orders:
+            ctl.on_transition_report(protocol.TransitionReport(job_id="j", node=node, ok=True, measured_s=0.1,
+                                                               transition_id=order.transition_id))
+        orders.clear()
+
+    assert ctl.step() is not None
+    assert all(o.part["pool"] == {"n1": [0, 1], "n2": [2, 3]} and o.part["gpus_per_node"] == 2 for _, o in orders)
+    ack_all()
+    assert ctl.plan is not None and ctl.plan.gpus & {2, 3}, "the tiny job's plan on 4 GPUs uses n2"
+
+    assert ctl.drain(["n2"], "test") == []  # n2 holds state: it drains, nothing is released yet
+    assert released == [] and ctl.draining == {"n2": "test"}
+    did = ctl.step()
+    decision = store.decision(did or -1)
+    assert decision is not None and decision["urgent"] and "drain n2" in json.dumps(decision["inputs"])
+    assert {n for n, _ in orders} == {"n1", "n2"}  # the draining node takes part: it sends its state away
+    assert all(o.part["draining"] == ["n2"] and o.part["pool"] == {"n1": [0, 1], "n2": [2, 3]} for _, o in orders)
+    assert {g for s in orders[0][1].part["plan"]["stages"] for gs in s["gpu_sets"] for g in gs} <= {0, 1}
+    assert ctl.step() is None and released == []  # not before every part reported
+    ack_all()
+    assert ctl.step() is None and released == [["n2"]]  # now: no plan uses it
+    assert ctl.plan.gpus <= {0, 1}
+    with pytest.raises(AllocationError, match="no GPU would be left"):
+        ctl.drain(["n1"], "test")  # the last node: refused, and it stays
+    assert ctl.draining == {"n2": "test"} and ctl.pool == frozenset({0, 1})
+
+    # an order nobody reports (another job's initial placement): failed after the bound, and the next pass
+    # replans urgently
+    store.add_job(job_id="k", user="alice", spec=SPEC)
+    k = JobController(job_id="k", store=store, metrics=Metrics(), planner=PlannerBinding(), gamma=0.5,
+                      thresholds=dict(admission.DEFAULT_THRESHOLDS), log=get_logger("test"),
+                      send_order=lambda node, order: orders.append((node, order)) is None)
+    store.register_node(job_id="k", node="m1", devices=devices, slurm_job_id=None, host="h", incarnation="m1")
+    k.on_node_joined("m1", "new")
+    assert k.step() is not None and orders
+    late = store.transitions("k")[-1]
+    k.check_order_timeouts(5.0, now=float(late["created_at"]) + 4.0)
+    assert store.transition(late["id"])["state"] == "ordered"  # type: ignore[index]
+    k.check_order_timeouts(5.0, now=float(late["created_at"]) + 6.0)
+    assert store.transition(late["id"])["state"] == "failed" and store.job("k")["state"] == "running"  # type: ignore[index]
+    assert store.history("transition", str(late["id"]))[-1]["reason"] == "node(s) m1 did not finish within 5 s"
+    again = k.step()
+    assert again is not None and f"transition {late['id']} failed" in json.dumps(store.decision(again)["inputs"])  # type: ignore[index]
+    assert store.transitions("k")[-1]["state"] == "ordered" and store.transitions("k")[-1]["id"] != late["id"]
