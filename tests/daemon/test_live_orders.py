@@ -207,6 +207,18 @@ def test_a_refused_alloc_request_exits_non_zero_and_is_an_event(daemon: DaemonHa
     assert _alloc_kinds(daemon, "j") == ["granted", "grown"]
 
 
+def test_order_timeout_s_is_a_positive_bound(tmp_path: Path) -> None:
+    from nereusd.settings import load_settings
+    from planner.errors import SpecError
+
+    state = {"state_dir": str(tmp_path / "state")}
+    assert load_settings(None, daemon=state).daemon.order_timeout_s == 120.0
+    assert load_settings(None, daemon={**state, "order_timeout_s": 2}).daemon.order_timeout_s == 2.0
+    for bad in (0, -1, float("inf")):
+        with pytest.raises(SpecError, match="daemon.order_timeout_s"):
+            load_settings(None, daemon={**state, "order_timeout_s": bad})
+
+
 class _RefusingSource:
     name = "local"
 
