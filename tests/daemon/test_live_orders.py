@@ -229,7 +229,7 @@ class _RefusingSource:
         raise AllocationError(f"grow {job_id}: no node is free")
 
 
-def test_the_source_threads_refusals_come_back_to_the_serve_loop(tmp_path: Path) -> None:
+def test_the_source_threads_refusals_come_back_to_the_serve_loop() -> None:
     worker = _SourceWorker(_RefusingSource(), 0.01, get_logger("test"))  # type: ignore[arg-type]
     worker.requests.put(("grow", ("j", 2)))
     worker.start()
