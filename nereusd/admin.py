@@ -50,6 +50,10 @@ class AdminBackend(Protocol):
         """The node's workers as its agent last reported them."""
         ...
 
+    def draining_nodes(self, job_id: str) -> dict[str, str]:
+        """Nodes being drained before they are given back (node -> why); empty without a controller."""
+        ...
+
     def add_job(self, *, job_id: str, user: str, spec: protocol.JobSpecModel, slurm_job_id: str | None) -> None: ...
 
     def source_request(self, op: str, job_id: str, arg: Any) -> None: ...
@@ -108,7 +112,8 @@ class AdminOps:
 
     def job(self, args: Any) -> dict[str, Any]:
         j = self._job(args)
-        nodes = [{**n, "workers": self.d.node_workers(j["job_id"], n["node"])}
+        draining = self.d.draining_nodes(j["job_id"])
+        nodes = [{**n, "workers": self.d.node_workers(j["job_id"], n["node"]), "draining": draining.get(n["node"])}
                  for n in self.d.store.nodes(j["job_id"])]
         return {**j, "nodes": nodes, "history": self.d.store.history("job", j["job_id"]),
                 "damaged": self.d.damaged_jobs().get(j["job_id"])}
@@ -164,7 +169,8 @@ class AdminOps:
 
     def alloc(self, args: protocol.AllocArgs) -> dict[str, Any]:
         """Show allocations; with ``grow``/``shrink`` ask the allocation source for a change, once the
-        request was checked against what the job holds (a count within its max, nodes it holds)."""
+        request was checked against what the job holds (a count within its max, nodes it holds). A shrink
+        of nodes a plan uses drains them first: ``draining`` lists the nodes not given back yet."""
         if args.action != "show":
             assert args.job is not None  # AllocArgs requires it for grow/shrink
             if self.d.store.job(args.job) is None:
@@ -177,6 +183,7 @@ class AdminOps:
             except AllocationError as exc:
                 raise AdminError("invalid", str(exc)) from None
         return {"source": self.d.source_name, "requested": args.action != "show",
+                "draining": sorted(self.d.draining_nodes(args.job)) if args.job else [],
                 "allocations": self.d.store.allocations(args.job)}
 
     def keys(self, args: Any) -> list[dict[str, Any]]:

@@ -224,6 +224,8 @@ def _alloc(args: argparse.Namespace) -> int:
     cols = ["id", "job_id", "at", "gpus", "nodes", "source", "reason"]
     return _emit(args, ask(args, "alloc", **op_args),
                  lambda d: (f"source: {d['source']}" + (" (request queued)" if d["requested"] else "") + "\n"
+                            + (f"draining (given back once their state has moved): {', '.join(d['draining'])}\n"
+                               if d.get("draining") else "")
                             + (table(d["allocations"], cols) if d["allocations"] else "no allocations recorded")))
 
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from nereusd.allocation import AllocationEvent, EventKind
+from nereusd.allocation import AllocationError, AllocationEvent, EventKind
 from nereusd.metrics import Metrics
 from nereusd.store import Store
 from nereusd.wire import protocol
@@ -64,6 +64,7 @@ class TransitionObserver(Protocol):
 
 
 TRANSITIONS_REPLAYED = 64  # completed transitions fed back on restart (more than any calibration window)
+_GONE = frozenset({EventKind.NODE_DOWN, EventKind.SHRUNK, EventKind.PREEMPTED})  # these nodes left the job
 
 
 # --- plans as stored data -------------------------------------------------------------------------
@@ -106,12 +107,20 @@ def _latency(prediction: Any) -> float | None:
 
 
 class JobController:
-    """One elastic job. Owns no socket: it orders transitions through ``send_order``."""
+    """One elastic job. Owns no socket: it orders transitions through ``send_order`` and gives drained
+    nodes back through ``release_nodes`` (the allocation source's shrink, run by the daemon).
+
+    A graceful release is a drain (``drain``): the node stays alive and takes part in the transition
+    that moves its state away, but its GPUs leave the pool that plans are made for; once a committed
+    plan no longer uses it, the node is given back. The draining nodes are kept with the monitor state
+    (``save_controller_state``), so a restarted daemon goes on draining them.
+    """
 
     def __init__(self, *, job_id: str, store: Store, metrics: Metrics, planner: PlannerPort | None,
                  gamma: float, thresholds: dict[admission.Signal, float], log: Any,
                  send_order: Callable[[str, protocol.TransitionOrder], bool], clock=time.monotonic,
-                 pool_settle_s: float = 0.0) -> None:
+                 pool_settle_s: float = 0.0,
+                 release_nodes: Callable[[list[str]], None] | None = None) -> None:
         self.job_id = job_id
         self.store = store
         self.metrics = metrics
@@ -120,6 +129,7 @@ class JobController:
         self.thresholds = thresholds
         self.log = log.bind(job=job_id)
         self.send_order = send_order
+        self.release_nodes = release_nodes
         self.clock = clock
         self.pool_settle_s = pool_settle_s
         self.pool_changed_at = -float("inf")
@@ -128,8 +138,13 @@ class JobController:
         self.signals: dict[admission.Signal, float] = {}
         self.pool_dirty = True  # recompute the pool on the next step (membership or allocation changed)
         self.memory_violation = False  # a step of the running plan ran out of memory: replan urgently
-        self.pool: frozenset[int] = frozenset()
-        self.gpu_owner: dict[int, str] = {}
+        self.pool: frozenset[int] = frozenset()  # what plans are made for: alive GPUs minus draining nodes'
+        self.gpu_owner: dict[int, str] = {}  # every alive GPU (draining nodes' too: they send state away)
+        self.gpus_per_node = 1
+        self.draining: dict[str, str] = {}  # node -> why it is being drained (released once no plan uses it)
+        self._release_asked: set[str] = set()  # draining nodes the source was asked to give back
+        self.urgent_reasons: list[str] = []  # replan urgently on the next pass, for these reasons
+        self._orders: dict[int, dict[str, protocol.TransitionOrder]] = {}  # open transition -> node -> order
         workload = (store.job(job_id) or {}).get("spec", {}).get("workload") or {}
         if "prompt_tokens" in workload and "response_tokens" in workload:
             # the length the job was specified for is the reference that drift is measured against
@@ -142,6 +157,7 @@ class JobController:
             self.trigger_state = trigger_state_from_dict(saved["trigger"]) if saved.get("trigger") else None
             self.signals.update({admission.Signal(k): float(v) for k, v in saved.get("signals", {}).items()})
             self.last_step = int(saved.get("last_step", 0))
+            self.draining = {str(k): str(v) for k, v in saved.get("draining", {}).items()}
         self.prediction: Any = None
         self._predicted_once = False
         self._pending_prediction: Any = None  # the candidate's prediction, until its transition is done
@@ -168,10 +184,13 @@ class JobController:
                                   reason=event.reason or event.kind.value)
         self.store.add_event("allocation", event.to_dict(), job_id=self.job_id)
         job = self.job
-        if event.kind in (EventKind.NODE_DOWN, EventKind.SHRUNK, EventKind.PREEMPTED):
+        if event.kind in _GONE:
             for name in names:
                 if any(n["node"] == name for n in self.store.nodes(self.job_id)):
                     self.store.set_node_state(self.job_id, name, "released", f"{event.kind.value}: {event.reason}")
+            if any(self.draining.pop(name, None) is not None for name in names):
+                self._release_asked.difference_update(names)
+                self._save()
         elif event.kind in (EventKind.RELEASED, EventKind.COMPLETED, EventKind.CANCELLED, EventKind.FAILED,
                             EventKind.TIME_LIMIT) and event.slurm_job_id in (None, job["slurm_job_id"]):
             final = {EventKind.COMPLETED: "finished", EventKind.RELEASED: "finished",
@@ -192,6 +211,75 @@ class JobController:
                 self._finish_transition(t, ok=False, reason=f"node {node} lost mid-transition: {reason}")
         if self.store.count_nodes(self.job_id, "alive") == 0:
             self._set_state("lost", f"every node is lost (last: {node})")
+
+    def drain(self, nodes: list[str], reason: str) -> list[str]:
+        """A graceful release of ``nodes``: returns those the source may take at once (no plan, committed or
+        ordered, uses them); the others drain first: an urgent replan on the pool without them, a transition
+        ordered to every alive node (the draining ones send their state away), and the source is asked to
+        release them once that transition is done (``step``). A drain that would leave no GPU, or no plan
+        that fits, is refused with AllocationError and changes nothing."""
+        before = self.pool
+        self._refresh_pool()
+        if self.pool != before:
+            self.pool_changed_at = self.clock()
+        used = self._gpus_in_use()
+        new = [n for n in dict.fromkeys(nodes) if n not in self.draining]
+        now = [n for n in new if not (self._gpus_of(n) & used)]
+        later = [n for n in new if n not in now]
+        if later:
+            what = f"drain {', '.join(later)} of job {self.job_id}"
+            remaining = frozenset(g for g, n in self.gpu_owner.items() if n not in self.draining and n not in new)
+            if not remaining:
+                raise AllocationError(f"{what}: no GPU would be left to hold the job's state; the node(s) stay "
+                                      "(give the job more nodes first, or end the job)")
+            if self.planner is None:
+                raise AllocationError(f"{what}: no planner is bound to the daemon to plan without them")
+            try:
+                self.planner.search(self._spec_now(), remaining, self.store.max_plan_version(self.job_id) + 1)
+            except (InfeasibleError, SpecError) as exc:
+                raise AllocationError(f"{what}: no plan fits on the {len(remaining)} GPU(s) left ("
+                                      f"{str(exc).splitlines()[0]}); the node(s) stay") from None
+        for n in new:
+            self.draining[n] = reason
+        self._release_asked.update(now)
+        if later:
+            self.urgent_reasons.extend(f"drain {n}" for n in later)
+            self.store.add_event("node-draining", {"nodes": later, "reason": reason}, job_id=self.job_id)
+            self.log.info("node-draining", nodes=later, reason=reason)
+        if new:
+            self.pool_dirty = True
+            self._save()
+        return now
+
+    def on_release_refused(self, nodes: list[str], reason: str) -> None:
+        """The source refused to give drained nodes back: they stay in the job and rejoin its pool."""
+        back = [n for n in nodes if self.draining.pop(n, None) is not None]
+        self._release_asked.difference_update(nodes)
+        if back:
+            self.pool_dirty = True
+            self._save()
+
+    def check_order_timeouts(self, timeout_s: float, now: float | None = None) -> None:
+        """Fail every ordered transition older than ``timeout_s`` (wall time, as the store keeps it): the job
+        goes back to running and the next pass replans urgently. No transition stays ordered forever."""
+        now = time.time() if now is None else now
+        for t in self.store.open_transitions(self.job_id):
+            if t["state"] == "ordered" and now - float(t["created_at"]) > timeout_s:
+                late = ", ".join(t["parts_pending"]) or "none"
+                self._finish_transition(t, ok=False, reason=f"node(s) {late} did not finish within {timeout_s:g} s")
+
+    def resend_orders(self, node: str) -> int:
+        """Orders the node has not reported, sent again (its agent registered again: restarted, reconnected,
+        or the daemon restarted); returns how many."""
+        sent = 0
+        for t in self.store.open_transitions(self.job_id):
+            if t["state"] != "ordered" or node not in t["parts_pending"]:
+                continue
+            order = self._orders.get(t["id"], {}).get(node) or self._rebuild_order(t, node)
+            if order is not None and self.send_order(node, order):
+                sent += 1
+                self.log.info("order-resent", transition=t["id"], node=node)
+        return sent
 
     def on_measurement(self, msg: protocol.Measurement) -> None:
         predicted = _latency(self.prediction) if msg.plan_version == self.job["plan_version"] else None
@@ -258,6 +346,8 @@ class JobController:
             self._refresh_pool()
             if self.pool != before:
                 self.pool_changed_at = self.clock()
+        self._release_drained()  # nodes no plan uses any more need no replan: they go now
+        self.urgent_reasons = [r for r in self.urgent_reasons if r.removeprefix("drain ") not in self._release_asked]
         if not self.pool or self.clock() - self.pool_changed_at < self.pool_settle_s:
             return None  # no GPUs, or the pool is still moving: one replan after the burst, not one per join
         if self.plan is not None and self.prediction is None and not self._predicted_once:
@@ -265,24 +355,35 @@ class JobController:
             self.prediction = self._predict(self.plan)
         obs = admission.Observation(step=self.last_step, gpu_pool=self.pool, signals=dict(self.signals),
                                     memory_violation=self.memory_violation)
+        draining = [r.removeprefix("drain ") for r in self.urgent_reasons if r.startswith("drain ")]
         if self.trigger_state is None:
             self.trigger_state = admission.initial_state(obs, self.thresholds)
+            self.urgent_reasons = []
             self._save()
-            if self.plan is not None:  # a store without monitor state: keep the committed plan, re-arm
+            if self.plan is not None and not draining:  # a store without monitor state: keep the plan, re-arm
                 self.prediction = self._predict(self.plan)
                 return None
             trigger = admission.Trigger(kind=admission.TriggerKind.URGENT, step=obs.step,
-                                        reasons=(f"initial placement on {len(self.pool)} GPUs",))
+                                        reasons=(f"initial placement on {len(self.pool)} GPUs",) if self.plan is None
+                                        else tuple(f"drain {n}" for n in draining))
         else:
-            # No plan yet (the initial search failed): only a change of the pool retries, via observe().
+            # No plan yet (the initial search failed): only a change of the pool retries, via observe(), or
+            # an urgent reason (a drain, a failed transition).
             prev_state = self.trigger_state
             self.trigger_state, fired = admission.observe(self.trigger_state, obs)
+            if self.urgent_reasons:
+                reasons = tuple(dict.fromkeys([*self.urgent_reasons, *(fired.reasons if fired else ())]))
+                fired = admission.Trigger(kind=admission.TriggerKind.URGENT, step=obs.step, reasons=reasons)
+                self.urgent_reasons = []
             if fired is None:
                 if self.trigger_state != prev_state:
                     self._save()
                 return None
             trigger = fired
-        return self._decide(trigger, obs)
+        did = self._decide(trigger, obs)
+        if draining and self.job["state"] != "transitioning":
+            self._refuse_drain([n for n in draining if n in self.draining], did)
+        return did
 
     def _decide(self, trigger: admission.Trigger, obs: admission.Observation) -> int:
         self.memory_violation = False  # this replan answers it; a new failure sets it again
@@ -302,7 +403,7 @@ class JobController:
 
         def l_tran(old: Any, new: Any) -> float:
             assert self.planner is not None  # replan() succeeded, so a planner is bound
-            sketch["s"] = self.planner.transition(spec, old, new, self.pool, self._node_of_gpu)
+            sketch["s"] = self.planner.transition(spec, old, new, self._participants(), self._node_of_gpu)
             return sketch["s"].predicted_s
 
         try:
@@ -335,7 +436,7 @@ class JobController:
         if v.admitted and decision.candidate_plan is not None:
             new_plan: GlobalPlan = decision.candidate_plan
             if self.plan is None:  # initial placement: the DAG was not built by admission (nothing to move)
-                sketch["s"] = self.planner.transition(spec, None, new_plan, self.pool, self._node_of_gpu) \
+                sketch["s"] = self.planner.transition(spec, None, new_plan, self._participants(), self._node_of_gpu) \
                     if self.planner else TransitionSketch(predicted_s=0.0, bytes_moved=0, dag={})
             self.store.add_plan(job_id=self.job_id, version=new_plan.version, plan=plan_to_dict(new_plan),
                                 prediction=admission._plain(decision.candidate_prediction))
@@ -370,14 +471,50 @@ class JobController:
             self._set_state("transitioning", f"transition {tid} ordered (v{from_version} -> v{new_plan.version})")
         self.metrics.transition_cost.labels("predicted").observe(sketch.predicted_s)
         self._pending_prediction = prediction
+        orders = self._orders[tid] = {}
+        shared = self._order_common(new_plan)
         for node in alive:
-            part = {"plan": plan_to_dict(new_plan), **sketch.parts.get(node, {})}
-            self.send_order(node, protocol.TransitionOrder(job_id=self.job_id, transition_id=tid,
-                                                           from_version=from_version, to_version=new_plan.version,
-                                                           part=part))
+            orders[node] = self._make_order(tid, from_version, new_plan, sketch.parts.get(node, {}), shared)
+            self.send_order(node, orders[node])
+
+    def _order_common(self, new_plan: GlobalPlan) -> dict[str, Any]:
+        """What every node's part carries: the plan, the pool map (node -> global GPU ids of every alive node,
+        draining ones included), gpus_per_node and the draining nodes. With the map the job's driver turns
+        (node, device index) into the global GPU id, which is the worker id."""
+        pool: dict[str, list[int]] = {}
+        for gpu, owner in sorted(self.gpu_owner.items()):
+            pool.setdefault(owner, []).append(gpu)
+        return {"plan": plan_to_dict(new_plan), "pool": pool, "gpus_per_node": self.gpus_per_node,
+                "draining": sorted(self.draining)}
+
+    def _make_order(self, tid: int, from_version: int, new_plan: GlobalPlan, node_part: dict[str, Any],
+                    shared: dict[str, Any]) -> protocol.TransitionOrder:
+        part = {"plan": shared["plan"], **node_part, **{k: v for k, v in shared.items() if k != "plan"}}
+        return protocol.TransitionOrder(job_id=self.job_id, transition_id=tid, from_version=from_version,
+                                        to_version=new_plan.version, part=part)
+
+    def _rebuild_order(self, t: dict[str, Any], node: str) -> protocol.TransitionOrder | None:
+        """The order of a transition ordered by an earlier daemon (this one kept no copy): the same plan and
+        pool map, and the node's DAG part built again (the build is deterministic)."""
+        row = self.store.plan(self.job_id, t["to_version"])
+        if row is None:
+            return None
+        new = plan_from_dict(row["plan"])
+        old_row = self.store.plan(self.job_id, t["from_version"]) if t["from_version"] else None
+        node_part: dict[str, Any] = {}
+        if self.planner is not None:
+            self._refresh_pool()
+            try:
+                sketch = self.planner.transition(self._spec_now(), plan_from_dict(old_row["plan"]) if old_row else None,
+                                                 new, self._participants(), self._node_of_gpu)
+                node_part = sketch.parts.get(node, {})
+            except (InfeasibleError, SpecError) as exc:
+                self.log.warning("order-rebuild-without-dag", transition=t["id"], error=str(exc))
+        return self._make_order(int(t["id"]), int(t["from_version"]), new, node_part, self._order_common(new))
 
     def _finish_transition(self, t: dict[str, Any], *, ok: bool, reason: str) -> None:
         self.store.set_transition_state(t["id"], "done" if ok else "failed", reason)
+        self._orders.pop(int(t["id"]), None)
         self.metrics.transitions.labels(self.job_id, "done" if ok else "failed").inc()
         if ok:
             self.metrics.transition_cost.labels("measured").observe(float(t["measured_s"] or 0.0))
@@ -391,7 +528,11 @@ class JobController:
                 if self.prediction is not None:
                     self.metrics.step_latency.labels(self.job_id, "predicted").set(_latency(self.prediction) or 0)
         else:
-            self.pool_dirty = True  # a lost node changes the pool, which triggers the next replan
+            self.pool_dirty = True  # a lost node changes the pool, which triggers the next replan ...
+            # ... and a failure with the pool unchanged (a part failed, an order timed out) replans too
+            self.urgent_reasons.append(f"transition {t['id']} failed: {reason}")
+            self.urgent_reasons.extend(f"drain {n}" for n in self.draining if n not in self._release_asked)
+            self.log.warning("transition-failed", transition=t["id"], reason=reason)
         if self.job["state"] == "transitioning":
             alive = self.store.count_nodes(self.job_id, "alive") > 0
             self._set_state("running" if alive else "lost", f"transition {t['id']} {'done' if ok else 'failed'}")
@@ -402,7 +543,8 @@ class JobController:
             self.log.info("job-state", state=state, reason=reason)
 
     def _refresh_pool(self) -> None:
-        """GPU ids: node rank (by registration) * gpus_per_node + device index, for alive nodes only."""
+        """GPU ids: node rank (by registration) * gpus_per_node + device index, for alive nodes only; the
+        pool leaves out draining nodes (gpu_owner keeps them: they take part in the transition)."""
         nodes = sorted(self.store.nodes(self.job_id), key=lambda n: (n["registered_at"], n["node"]))
         per_node = int(self.job["spec"].get("gpus_per_node") or max((len(n["devices"]) for n in nodes), default=1))
         owner: dict[int, str] = {}
@@ -412,14 +554,59 @@ class JobController:
             for d in n["devices"][:per_node]:
                 owner[rank * per_node + int(d["index"]) % per_node] = n["node"]
         self.gpu_owner = owner
-        self.pool = frozenset(owner)
+        self.gpus_per_node = per_node
+        self.pool = frozenset(g for g, n in owner.items() if n not in self.draining)
         self.pool_dirty = False
         self.metrics.gpus_held.labels(self.job_id).set(len(self.pool))
 
     def _save(self) -> None:
         self.store.save_controller_state(self.job_id, {
             "trigger": trigger_state_to_dict(self.trigger_state) if self.trigger_state else None,
-            "signals": {k.value: v for k, v in self.signals.items()}, "last_step": self.last_step})
+            "signals": {k.value: v for k, v in self.signals.items()}, "last_step": self.last_step,
+            "draining": dict(self.draining)})
+
+    def _participants(self) -> frozenset[int]:
+        """Every alive GPU: the pool plus the draining nodes', which a transition still reads state from."""
+        return frozenset(self.gpu_owner) | self.pool
+
+    def _gpus_of(self, node: str) -> set[int]:
+        return {g for g, n in self.gpu_owner.items() if n == node}
+
+    def _gpus_in_use(self) -> set[int]:
+        """GPUs of the committed plan and of the plans of ordered transitions."""
+        used = set(self.plan.gpus) if self.plan is not None else set()
+        for t in self.store.open_transitions(self.job_id):
+            row = self.store.plan(self.job_id, t["to_version"]) if t["state"] == "ordered" else None
+            if row is not None:
+                used |= plan_from_dict(row["plan"]).gpus
+        return used
+
+    def _release_drained(self) -> None:
+        """Ask the source for the draining nodes that no plan uses any more (none while a transition is open)."""
+        waiting = [n for n in self.draining if n not in self._release_asked]
+        if not waiting or self.release_nodes is None or self.store.open_transitions(self.job_id):
+            return
+        used = self._gpus_in_use()
+        ready = [n for n in waiting if not (self._gpus_of(n) & used)]
+        if ready:
+            self._release_asked.update(ready)
+            self.store.add_event("node-drained", {"nodes": ready, "plan_version": self.plan.version if self.plan
+                                                  else None}, job_id=self.job_id)
+            self.log.info("node-drained", nodes=ready)
+            self.release_nodes(ready)
+
+    def _refuse_drain(self, nodes: list[str], decision_id: int) -> None:
+        """The drain's replan ordered no transition (nothing fit, or no DAG reaches it): the nodes stay."""
+        if not nodes:
+            return
+        d = self.store.decision(decision_id) or {}
+        reason = f"decision {decision_id} ordered no transition away from them: {d.get('reason', '?')}"
+        for n in nodes:
+            self.draining.pop(n, None)
+        self.pool_dirty = True
+        self._save()
+        self.store.add_event("alloc-refused", {"op": "shrink", "nodes": nodes, "reason": reason}, job_id=self.job_id)
+        self.log.warning("alloc-refused", op="shrink", nodes=nodes, reason=reason)
 
     def _spec_now(self) -> dict[str, Any]:
         """The job spec with the workload as measured now (the planner plans for today's lengths)."""

@@ -7,7 +7,11 @@ heartbeat grace, so agents that survived a daemon crash reconnect without being 
 tell systemd READY=1 ($NOTIFY_SOCKET, if set).
 
 The allocation source is polled in a worker thread (a slow or failing Slurm command must not stall
-heartbeats); its events and the results of grow/shrink requests come back through a queue.
+heartbeats); its events, and the grow/shrink requests it refused, come back through queues (a refusal,
+at once or from that thread, is stored as an ``alloc-refused`` event). A shrink is graceful: nodes a
+plan uses are drained first (``JobController.drain``) and released once the transition away from them
+is done. Each tick fails ordered transitions older than ``daemon.order_timeout_s``, and an agent that
+registers again is sent the orders it has not reported.
 
 Nothing from outside may stop the loop: a stored job that cannot be loaded or whose controller fails
 is marked damaged (``nereusctl jobs`` shows the reason) and the others are served; a message whose
@@ -183,6 +187,7 @@ class _SourceWorker(threading.Thread):
         self.source, self.interval_s, self.log = source, interval_s, log
         self.requests: queue.Queue[tuple[str, tuple[Any, ...]]] = queue.Queue()
         self.events: queue.Queue[AllocationEvent] = queue.Queue()
+        self.refused: queue.Queue[tuple[str, tuple[Any, ...], str]] = queue.Queue()  # (op, args, why)
         self.stop_event = threading.Event()
 
     def run(self) -> None:
@@ -194,6 +199,7 @@ class _SourceWorker(threading.Thread):
                         getattr(self.source, op)(*args)
                     except Exception as exc:  # a request the checks let through but the source refused
                         self.log.warning("allocation-request-failed", op=op, args=str(args), error=str(exc))
+                        self.refused.put((op, args, str(exc) or type(exc).__name__))
             except queue.Empty:
                 pass
             try:
@@ -244,6 +250,7 @@ class Daemon:
         self.last_seen: dict[tuple[str, str], float] = {}  # monotonic time of the last message per node
         self.heartbeats_to_flush: dict[tuple[str, str], float] = {}
         self.worker_states: dict[tuple[str, str], list[dict[str, Any]]] = {}  # as last reported per node
+        self.resend_to: list[tuple[str, str]] = []  # nodes that registered again: their unreported orders
         self.admin_ops = AdminOps(self)
         self.stopping = threading.Event()
         self.fatal: str | None = None  # set when the daemon must stop with an error (exit 1)
@@ -384,6 +391,10 @@ class Daemon:
     def node_workers(self, job_id: str, node: str) -> list[dict[str, Any]]:
         return self.worker_states.get((job_id, node), [])
 
+    def draining_nodes(self, job_id: str) -> dict[str, str]:
+        ctl = self.controllers.get(job_id)
+        return dict(ctl.draining) if ctl else {}
+
     def _start_controller(self, job_id: str) -> JobController:
         p = self.settings.planner
         thresholds = dict(admission.DEFAULT_THRESHOLDS)
@@ -391,7 +402,8 @@ class Daemon:
         ctl = JobController(job_id=job_id, store=self.store, metrics=self.metrics, planner=self.planner,
                             gamma=p.gamma, thresholds=thresholds, log=self.log,
                             send_order=lambda node, order: self._send_to_node(job_id, node, order),
-                            pool_settle_s=p.pool_settle_s)
+                            pool_settle_s=p.pool_settle_s,
+                            release_nodes=lambda nodes: self._queue_release(job_id, nodes))
         self.controllers[job_id] = ctl
         return ctl
 
@@ -428,7 +440,28 @@ class Daemon:
         self.log.info("job-added", job=job_id, user=user, slurm_job_id=slurm_job_id)
 
     def source_request(self, op: str, job_id: str, arg: Any) -> None:
-        """Check a grow/shrink against what the job holds now, then queue it for the source thread."""
+        """Check a grow/shrink against what the job holds now, then queue it for the source thread. A
+        shrink is graceful: nodes a plan uses are drained first (JobController.drain) and released once the
+        transition away from them is done. A refusal raises AllocationError and is stored as an event."""
+        try:
+            self._source_request(op, job_id, arg)
+        except AllocationError as exc:
+            self._record_refusal(job_id, op, arg, str(exc))
+            raise
+
+    def _record_refusal(self, job_id: str, op: str, arg: Any, reason: str) -> None:
+        nodes = list(arg) if isinstance(arg, (list, tuple)) else arg
+        self.log.warning("alloc-refused", job=job_id, op=op, nodes=nodes, reason=reason)
+        if self.store.job(job_id) is not None:
+            self.store.add_event("alloc-refused", {"op": op, "nodes": nodes, "reason": reason}, job_id=job_id)
+
+    def _queue_release(self, job_id: str, nodes: list[str]) -> None:
+        if self.worker is None:
+            self.log.warning("drained-node-not-released", job=job_id, nodes=nodes, reason="no allocation source")
+            return
+        self.worker.requests.put(("shrink", (job_id, list(nodes))))
+
+    def _source_request(self, op: str, job_id: str, arg: Any) -> None:
         if self.worker is None or self.source is None:
             raise AllocationError("the daemon runs without an allocation source")
         tracked = {j.job_id: j for j in self.source.jobs()}
@@ -449,6 +482,11 @@ class Daemon:
             if unknown:
                 raise AllocationError(f"shrink {job_id}: it holds no node {', '.join(map(repr, unknown))} "
                                       f"(it holds: {', '.join(held) or 'none'})")
+            ctl = self.controllers.get(job_id)
+            if ctl is not None:  # the rest drain first and are released by the controller
+                arg = ctl.drain(list(arg), "alloc --shrink")
+                if not arg:
+                    return
         self.worker.requests.put((op, (job_id, arg)))
 
     def close(self) -> None:
@@ -551,9 +589,11 @@ class Daemon:
                         row = self.store.node(ev.job_id, n.node)
                         if row is not None:
                             self.node_state[key] = row["state"]
+            self._take_refusals(self.worker)
         self._check_heartbeats()
         for job_id, ctl in list(self.controllers.items()):
             try:
+                ctl.check_order_timeouts(self.settings.daemon.order_timeout_s)
                 ctl.step()
             except (NereusError, *TRANSIENT) as exc:  # the next tick tries again
                 self.log.error("controller-step-failed", job=job_id, error=str(exc))
@@ -564,6 +604,22 @@ class Daemon:
             if row is None or row["state"] in TERMINAL_JOB_STATES:
                 del self.controllers[job_id]
         self._update_gauges()
+
+    def _take_refusals(self, worker: _SourceWorker) -> None:
+        """Requests the source refused in its thread: stored as events; refused releases rejoin the pool."""
+        while True:
+            try:
+                op, args, reason = worker.refused.get_nowait()
+            except queue.Empty:
+                return
+            job_id, arg = (args[0], args[1]) if len(args) >= 2 else (str(args[0]) if args else "?", None)
+            try:
+                self._record_refusal(job_id, op, arg, f"the allocation source refused it: {reason}")
+                ctl = self.controllers.get(job_id)
+                if ctl is not None and op == "shrink":
+                    ctl.on_release_refused(list(arg or ()), reason)
+            except TRANSIENT as exc:
+                self.log.error("alloc-refusal-not-recorded", job=job_id, error=str(exc))
 
     def _check_heartbeats(self) -> None:
         """Mark silent nodes lost, at most LOST_PER_TICK per tick (a mass loss is spread over ticks, so the
@@ -625,6 +681,11 @@ class Daemon:
             self.metrics.messages.labels(msg.type).inc()
             if reply is not None:
                 self.agents.send(inc.identity, reply, inc.encoding)
+        while self.resend_to:  # after the welcome: orders the node had not reported, sent again
+            job_id, node = self.resend_to.pop()
+            ctl = self.controllers.get(job_id)
+            if ctl is not None:
+                ctl.resend_orders(node)
 
     def _on_agent(self, identity: bytes, user: str, key: str, enc: protocol.Encoding, msg: Any) -> Any:
         if isinstance(msg, protocol.Register):
@@ -721,6 +782,8 @@ class Daemon:
         self.log.info("agent-registered", job=msg.job_id, node=msg.node, how=how, devices=len(msg.devices))
         ctl = self.controllers.get(msg.job_id) or self._start_controller(msg.job_id)
         ctl.on_node_joined(msg.node, how)
+        if how != "new":
+            self.resend_to.append(node_key)
         job = self.store.job(msg.job_id) or job
         return protocol.Welcome(job_id=msg.job_id, node=msg.node, heartbeat_interval_s=self.settings.control.
                                 heartbeat_interval_s, plan_version=job["plan_version"], reconnected=how != "new")

@@ -53,6 +53,8 @@ class DaemonSection(_Section):
 
     log_format: Literal["auto", "json", "console"] = "auto"  # auto: console on a TTY, JSON otherwise
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # an ordered transition that not every node reported within this bound fails, and the job replans
+    order_timeout_s: float = _seconds(120.0)
 
 
 class ControlSection(_Section):

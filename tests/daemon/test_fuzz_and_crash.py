@@ -289,6 +289,9 @@ def test_kill9_during_a_transition_keeps_it_and_it_completes_after_restart(daemo
     if kill_at == "ordered":  # the order is still open and the job waits for it; the report completes it
         assert t["state"] == "ordered" and daemon.admin("job", job="j")["state"] == "transitioning"
         c = connect()
+        resent = c.recv(timeout_s=10)  # never reported: the restarted daemon sends the order again
+        assert isinstance(resent, protocol.TransitionOrder) and resent.transition_id == order.transition_id
+        assert resent.part == order.part, (resent.part, order.part)
         assert isinstance(c.request(report, timeout_s=10), protocol.Ack)
     assert daemon.admin("transition", id=order.transition_id)["state"] == "done"
     job = daemon.admin("job", job="j")
