@@ -61,6 +61,7 @@ class WorkerContext:
     units: dict[str, RankState] = field(default_factory=dict)
     state: WorkerState = WorkerState.INIT
     memo: DagMemo = field(default_factory=DagMemo)  # what it derived from the DAGs it runs (their lifetime)
+    engine: Any = None  # the RL engine bound to the units (agent.engine.live), once a driver binds one
 
     def enter(self, state: WorkerState) -> None:
         """Change state along an edge of ``TRANSITIONS`` (any other change is a bug here)."""

@@ -170,9 +170,14 @@ TINY_3M = ModelSpec(name="tiny-3m", num_layers=4, hidden_size=256, num_attention
                     rope_theta=10_000.0)
 TINY_25M = ModelSpec(name="tiny-25m", num_layers=8, hidden_size=512, num_attention_heads=8, num_kv_heads=4,
                      head_dim=64, ffn_hidden_size=1536, vocab_size=2048, rope_theta=10_000.0)
+# The RL engine's CPU learning model (agent.engine.loop's default), with a byte-level vocabulary
+# (259 ids, padded to 264 so that it splits over TP = 2 and 4): a preset, so that the daemon plans
+# the very model the engine runs.
+TINY_BYTE = ModelSpec(name="tiny-byte", num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_heads=2,
+                      head_dim=16, ffn_hidden_size=128, vocab_size=264, rope_theta=10_000.0)
 
 MODELS: dict[str, ModelSpec] = {m.name: m for m in (LLAMA_31_8B, QWEN3_14B, QWEN3_32B, LLAMA_33_70B,
-                                                   TINY_3M, TINY_25M)}
+                                                   TINY_3M, TINY_25M, TINY_BYTE)}
 # Published parameter counts (model cards), for the 1% check in the tests.
 PUBLISHED_PARAMS: dict[str, float] = {
     "llama-3.1-8b": 8.03e9,

@@ -44,22 +44,17 @@ from agent.engine.sync import SyncReport, move_training_state, transfer
 from agent.engine.tasks import ByteTokenizer, Problem, SortDigits, Task, accuracy, problems_for_step
 from agent.engine.tokenizer import HFTokenizer, encode_prompt
 from planner.errors import SpecError
-from planner.models import Head, ModelSpec
+from planner.models import TINY_BYTE, Head, ModelSpec
 from planner.plan import GlobalPlan, Layout, StagePlan, batch_splits
 from planner.workflow import Role, StageKind, Workflow, workflow_preset
 from transitions.geometry import unit_shards
-
-# A model small enough for CPU learning tests, with a byte-level vocabulary (259 ids, padded to 264
-# so that it splits over TP = 2 and 4).
-TINY_BYTE = ModelSpec(name="tiny-byte", num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_heads=2,
-                      head_dim=16, ffn_hidden_size=128, vocab_size=264, rope_theta=10_000.0)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RunConfig:
     algo: str = "ppo"
     task: Task = field(default_factory=SortDigits)
-    model: ModelSpec = TINY_BYTE  # actor and reference
+    model: ModelSpec = TINY_BYTE  # actor and reference; the planner's preset "tiny-byte" by default
     critic_model: ModelSpec | None = None  # defaults to ``model``
     reward_model: ModelSpec | None = None  # a learned reward model (reward-inf); None = ``reward``
     # a reward function; None = the synthetic task's rule reward (agent.engine.tasks:rule_scores)
@@ -126,6 +121,16 @@ class RunConfig:
     @property
     def response_tokens(self) -> int:
         return self.max_new_tokens or self.task.max_answer_chars + 1  # EOS
+
+
+def role_model(cfg: RunConfig, role: Role) -> tuple[ModelSpec, Head, int]:
+    """The model, head and initialisation seed of a role's model-stages."""
+    if role is Role.CRITIC:
+        return cfg.critic_model or cfg.model, Head.VALUE, cfg.seed + 1
+    if role is Role.REWARD:
+        assert cfg.reward_model is not None
+        return cfg.reward_model, Head.VALUE, cfg.seed + 2
+    return cfg.model, Head.LM, cfg.seed  # actor and reference start from the same weights
 
 
 def uniform_plan(cfg: RunConfig, layout: Layout, ranks: tuple[int, ...], *, dp: int | None = None,
@@ -228,13 +233,7 @@ class RLLoop:
 
     # --- construction -------------------------------------------------------------------------
     def _model_of(self, role: Role) -> tuple[ModelSpec, Head, int]:
-        c = self.cfg
-        if role is Role.CRITIC:
-            return c.critic_model or c.model, Head.VALUE, c.seed + 1
-        if role is Role.REWARD:
-            assert c.reward_model is not None
-            return c.reward_model, Head.VALUE, c.seed + 2
-        return c.model, Head.LM, c.seed  # actor and reference start from the same weights
+        return role_model(self.cfg, role)
 
     def _build(self, name: str, sp: StagePlan) -> StageEngine:
         ms = self.cfg.workflow.stage(name)
