@@ -325,8 +325,15 @@ class StageEngine:
                 if not self.module.is_first:
                     x_in.requires_grad_(True)
                 x_out.requires_grad_(True)
+            group = self._group("pp")
             stage = PipelineStage(self.module, self.coord.pp_rank, self.plan.layout.pp, torch.device("cpu"),
-                                  input_args=x_in, output_args=x_out, group=self._group("pp"))
+                                  input_args=x_in, output_args=x_out, group=group)
+            # single-stage schedules assume pipeline stage i is group rank i; a group's ranks follow the
+            # world's order, and a replica's GPUs need not (stage 0 on rank 3, stage 1 on rank 1)
+            lay, gpus = self.plan.layout, self.plan.gpu_sets[self.coord.replica]
+            stage.stage_index_to_group_rank = {
+                i: dist.get_group_rank(group, gpus[lay.rank_of(self.coord.tp_rank, i)]) if group is not None else i
+                for i in range(lay.pp)}
             if kind == "train":
                 self._schedules[key] = Schedule1F1B(stage, n_microbatches, loss_fn=self._call_loss,
                                                     scale_grads=False)
