@@ -406,6 +406,11 @@ def main(argv: list[str] | None = None) -> int:
     driver = JobDriver(cfg, hub, link, dc, job_id=job_id, node=env.get("NEREUS_NODE", "local"))
     try:
         return driver.run()
+    except BaseException as exc:
+        import traceback
+
+        driver.event("driver-failed", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc(limit=8))
+        raise
     finally:
         hub.close(stop_workers=True)
         if link is not None:

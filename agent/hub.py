@@ -65,7 +65,7 @@ class HubCoordinator(CommandDriver):
     """Drives the workers that dialled ``bind`` (``tcp://HOST:PORT``); hosts the generations' TCPStore."""
 
     def __init__(self, bind: str, bundle: ClientBundle | None, *, timeout_s: float = 60.0,
-                 dead_after_s: float = 4.0, store_host: str | None = None) -> None:
+                 dead_after_s: float = 10.0, store_host: str | None = None) -> None:
         import torch.distributed as dist
 
         self.timeout_s, self.dead_after_s = timeout_s, dead_after_s

@@ -418,8 +418,9 @@ class AgentLink:
     def next_order(self, timeout_s: float) -> protocol.TransitionOrder | None:
         """The next order not seen before, or None after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
-        while (left := deadline - time.monotonic()) > 0:
-            if not self.sub.poll(int(left * 1e3) + 1):
+        while True:  # polls at least once: a zero timeout takes what is already there
+            left = max(0.0, deadline - time.monotonic())
+            if not self.sub.poll(int(left * 1e3)):
                 return None
             msg = protocol.decode(self.sub.recv(), 64 << 20)
             if isinstance(msg, protocol.TransitionOrder) and msg.transition_id not in self.seen:

@@ -42,14 +42,19 @@ SLOTS_PER_NODE = 2
 
 @dataclass(slots=True)
 class Act:
-    """One change of the job's world, played once the driver has done ``at_step`` steps and no
-    transition is in flight."""
+    """One change of the job's world, played once the driver has done ``at_step`` steps, the previous
+    act has settled (a transition after it finished, or ``SETTLE_S`` passed) and none is in flight."""
 
     name: str
     at_step: int
     run: Callable[[LiveRun], str]
     done_at: int | None = None
     note: str = ""
+    played_at: float = 0.0
+    transitions_before: int = 0
+
+
+SETTLE_S = 90.0  # an act whose change never led to a transition (refused, not worth it) stops waiting
 
 
 @dataclass(slots=True)
@@ -96,7 +101,7 @@ order_timeout_s = 180
 port = 0
 admin_port = 0
 heartbeat_interval_s = 0.5
-heartbeat_timeout_s = 4.0
+heartbeat_timeout_s = 15.0
 [metrics]
 enabled = false
 [slurm]
@@ -178,6 +183,16 @@ driver_cmd = "{driver}"
         self.driver_events += new
         return new
 
+    def transitions_done(self) -> int:
+        return sum(1 for e in self.driver_events if e["event"] in ("transition-done", "transition-failed"))
+
+    def settled(self, played: list[Act]) -> bool:
+        """The last act's change went through (a transition ended after it), or it never will."""
+        if not played:
+            return True
+        last = played[-1]
+        return self.transitions_done() > last.transitions_before or time.monotonic() - last.played_at > SETTLE_S
+
     def in_flight(self) -> int:
         return sum(1 for t in self.admin("transitions", job=JOB) if t["state"] in ("planned", "ordered"))
 
@@ -188,7 +203,7 @@ driver_cmd = "{driver}"
                     f"step {ev['seconds']:5.2f} s  resp {ev['response_tokens']:4.1f} tok  plan v{ev['plan_version']}  "
                     f"workers {ev['workers']}")
         if ev["event"] in ("transition-done", "transition-failed", "restored", "step-failed", "workload",
-                           "transition-start", "checkpoint", "gave-up"):
+                           "transition-start", "checkpoint", "gave-up", "driver-failed"):
             rest = {k: v for k, v in ev.items() if k not in ("event", "t")}
             return f"[{elapsed:6.1f}s] {ev['event']}: {json.dumps(rest, default=str)[:160]}"
         return ""
@@ -278,7 +293,7 @@ def print_summary(report: dict[str, Any], out: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m nereusd.live", description=__doc__.split("\n\n")[0])
     p.add_argument("--job-file", type=Path, default=ROOT / "etc" / "jobs" / "live.toml")
-    p.add_argument("--steps", type=int, default=26)
+    p.add_argument("--steps", type=int, default=120)
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--timeout-s", type=float, default=900.0, help="give up after this long")
     args = p.parse_args(argv)
@@ -286,10 +301,10 @@ def main(argv: list[str] | None = None) -> int:
     if out.exists():
         shutil.rmtree(out)
     run = LiveRun(out=out.resolve(), job_file=args.job_file.resolve(), steps=args.steps,
-                  jump_step=round(args.steps * 0.35), jump_tokens=16)
-    acts = [Act("grow", 2, LiveRun.grow), Act("shrink", round(args.steps * 0.5), LiveRun.shrink),
-            Act("grow", round(args.steps * 0.6), LiveRun.grow), Act("node loss", round(args.steps * 0.75),
-                                                                    LiveRun.kill_node)]
+                  jump_step=round(args.steps * 0.3), jump_tokens=16)
+    n = args.steps
+    acts = [Act("grow", 3, LiveRun.grow), Act("shrink", round(n * 0.45), LiveRun.shrink),
+            Act("grow", round(n * 0.55), LiveRun.grow), Act("node loss", round(n * 0.7), LiveRun.kill_node)]
     run.setup()
     run.start_daemon()
     print(f"nereusd up ({socket.gethostname()}), state in {run.state}")
@@ -300,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         run.add_job()
         deadline = time.monotonic() + args.timeout_s
         pending = list(acts)
+        played: list[Act] = []
         finished = False
         while time.monotonic() < deadline and not finished:
             for ev in run.read_events():
@@ -308,13 +324,17 @@ def main(argv: list[str] | None = None) -> int:
                     print(text, flush=True)
                 if ev["event"] == "step":
                     run.steps_done = [s for s in run.steps_done if s["step"] < ev["step"]] + [ev]
-                finished = finished or ev["event"] in ("done", "gave-up")
+                if ev["event"] == "driver-failed":
+                    print(ev.get("traceback", ""), flush=True)
+                finished = finished or ev["event"] in ("done", "gave-up", "driver-failed")
                 code = 0 if ev["event"] == "done" else code
             done_steps = len(run.steps_done)
-            if pending and done_steps >= pending[0].at_step and run.in_flight() == 0 \
-                    and not any(e["event"] == "transition-start" for e in run.driver_events[-1:]):
+            if pending and done_steps >= pending[0].at_step and run.settled(played) and run.in_flight() == 0:
                 act = pending.pop(0)
+                act.transitions_before = run.transitions_done()
+                act.played_at = time.monotonic()
                 act.done_at, act.note = done_steps, act.run(run)
+                played.append(act)
                 print(f"[{time.monotonic() - run.t0:6.1f}s] >>> {act.name}: {act.note}", flush=True)
             time.sleep(0.5)  # the display's refresh period: the events file is polled, nothing waits on it
         if not finished:
