@@ -54,12 +54,13 @@ from planner.workflow import Role, StageKind
 from transitions.channel import DataChannel
 from transitions.cost import transition_cost
 from transitions.dag_pieces import DagMemo
-from transitions.emu import EMU
+from transitions.emu import EMU, UnitState
 from transitions.executor import RankState, allocate_unit, run_dag
 from transitions.global_dag import TransitionDAG, build_transition
 from transitions.layout import StagePlacement
+from transitions.local_dag import plan_units
 from transitions.node_steps import dag_messages
-from transitions.placement_dag import placement_cluster, placement_plan, placement_units, unit_state
+from transitions.placement_dag import placement_cluster
 
 # unit counters (transitions.layout.COUNTERS): plan version, optimizer steps, RL steps done, spare
 VERSION, OPTIMIZER_STEPS, RL_STEPS = 0, 1, 2
@@ -99,10 +100,32 @@ def fed_placements(cfg: RunConfig, plan: GlobalPlan) -> tuple[tuple[StagePlaceme
     return tuple(out)
 
 
+def stage_states(cfg: RunConfig, placements: tuple[StagePlacement, ...]) -> dict[str, UnitState]:
+    """What every unit of each placed model-stage holds, with the workflow's own role and kind (a
+    reward model is no critic: no transition may rebuild one from the other's replicas)."""
+    out = {}
+    for p in placements:
+        ms = cfg.workflow.stage(p.model_stage)
+        out[p.model_stage] = UnitState(model_stage=p.model_stage, stage_kind=ms.kind, role=ms.role, model=p.model,
+                                       head=p.head, kinds=p.kinds)
+    return out
+
+
+def _units(cfg: RunConfig, placements: tuple[StagePlacement, ...], plan: GlobalPlan,
+           version: int) -> tuple[EMU, ...]:
+    states = stage_states(cfg, placements)
+    return tuple(u for p in placements for u in plan_units(states[p.model_stage], plan.stage(p.model_stage), version))
+
+
+def _subplan(plan: GlobalPlan, placements: tuple[StagePlacement, ...], version: int) -> GlobalPlan:
+    names = {p.model_stage for p in placements}
+    return GlobalPlan(version=version, stages=tuple(sp for sp in plan if sp.model_stage in names))
+
+
 def live_units(cfg: RunConfig, plan: GlobalPlan) -> tuple[EMU, ...]:
     """The units of the live stages under ``plan`` (uids at ``plan.version``): what a worker's
     ``ctx.units`` holds between steps, what a checkpoint of the job saves and loads."""
-    return tuple(placement_units(live_placements(cfg, plan), plan.version))
+    return _units(cfg, live_placements(cfg, plan), plan, plan.version)
 
 
 def live_cluster(cfg: RunConfig, *plans: GlobalPlan) -> ClusterSpec:
@@ -116,9 +139,8 @@ def live_dag(cfg: RunConfig, old: GlobalPlan, new: GlobalPlan, *,
     """The DAG moving every live stage's units from ``old`` to ``new`` (``new.version`` > ``old.version``;
     the units it leaves are ``live_units(cfg, new)``)."""
     before, after = live_placements(cfg, old), live_placements(cfg, new)
-    states = {p.model_stage: unit_state(p) for p in before}
-    return build_transition(states, cluster or placement_cluster(before, after), placement_plan(before, old.version),
-                            placement_plan(after, new.version))
+    return build_transition(stage_states(cfg, before), cluster or placement_cluster(before, after),
+                            _subplan(old, before, old.version), _subplan(new, after, new.version))
 
 
 def rank_plan(plan: GlobalPlan, members: tuple[int, ...]) -> GlobalPlan:
@@ -238,16 +260,14 @@ class LiveLoop(RLLoop):
         fed = fed_placements(self.cfg, self.worker_plan)
         if not fed:
             return None, (), (), 0.0
-        live = {p.model_stage: p for p in live_placements(self.cfg, self.worker_plan)}
-        trainers = [live[name] for name in dict.fromkeys(t for _, t in fed)]
-        targets = [p for p, _ in fed]
-        states = {p.model_stage: unit_state(p) for p in (*trainers, *targets)}
-        version = self.worker_plan.version
-        old = placement_plan(trainers, version)
-        new = placement_plan((*trainers, *targets), version + 1)
-        cluster = placement_cluster(trainers, targets)
-        dag = build_transition(states, cluster, old, new, refresh={p.model_stage: t for p, t in fed})
-        return (dag, tuple(placement_units(trainers, version)), tuple(placement_units(targets, version + 1)),
+        plan, version = self.worker_plan, self.worker_plan.version
+        live = {p.model_stage: p for p in live_placements(self.cfg, plan)}
+        trainers = tuple(live[name] for name in dict.fromkeys(t for _, t in fed))
+        both = (*trainers, *(p for p, _ in fed))
+        cluster = placement_cluster(both)
+        dag = build_transition(stage_states(self.cfg, both), cluster, _subplan(plan, trainers, version),
+                               _subplan(plan, both, version + 1), refresh={p.model_stage: t for p, t in fed})
+        return (dag, _units(self.cfg, trainers, plan, version), _units(self.cfg, both[len(trainers):], plan, version + 1),
                 transition_cost(dag, cluster).seconds)
 
     def _sync_all(self) -> SyncReport | None:
