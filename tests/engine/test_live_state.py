@@ -31,6 +31,7 @@ from agent.engine.live import (
     local_of,
     rank_plan,
     release,
+    stage_states,
     state_digest,
     train_step,
 )
@@ -39,7 +40,7 @@ from agent.engine.tasks import SortDigits
 from planner.errors import SpecError
 from planner.models import TINY_BYTE
 from planner.plan import GlobalPlan, Layout, StagePlan
-from planner.workflow import StageKind
+from planner.workflow import Role, StageKind
 from transitions.geometry import StateKind
 
 MEMBERS = (2, 0, 3, 1)  # generation rank order: worker 2 is rank 0, worker 0 rank 1, ...
@@ -219,7 +220,9 @@ def test_live_placements_units_and_ranks() -> None:
     rm = RunConfig(algo="grpo", reward_model=TINY_BYTE)
     grpo_plan = plan(rm, 1, actor_gen=(1, 1, [[0]]), ref_inf=(1, 1, [[0]]), reward_inf=(1, 1, [[1]]),
                      actor_train=(1, 1, [[1]]))
-    assert [p.model_stage for p in live_placements(rm, grpo_plan)] == ["ref-inf", "reward-inf", "actor-train"]
+    placed = live_placements(rm, grpo_plan)
+    assert [p.model_stage for p in placed] == ["ref-inf", "reward-inf", "actor-train"]
+    assert stage_states(rm, placed)["reward-inf"].role is Role.REWARD  # never rebuilt from a critic
     assert sorted(u.uid for u in live_units(PPO, PLAN_C)) == [
         "actor-train@v3#0", "critic-train@v3#0", "ref-inf@v3#0"]
     dag = live_dag(PPO, PLAN_B, PLAN_C)
