@@ -21,9 +21,11 @@ The driver calls, through the worker's ``Call(fn, kwargs)`` command, on every me
 (the default process group IS the generation, ranks in ``spec.members`` order; plans name WORKER
 ids, the daemon's global GPU ids, translated to ranks for the engine here):
 
-    coordinator.call(bind, cfg=cfg, plan=plan)   # (re)build the engine on plan's units
+    coordinator.call(bind, cfg=cfg, plan=a)      # (re)build the engine on plan a's units
     coordinator.call(train_step, step=s)         # one RL step on every member -> LiveStep
-    coordinator.run_dag(live_dag(cfg, a, b), live_cluster(cfg, a, b)); coordinator.call(bind, ...)
+    coordinator.call(release)                    # drop the views before the executor moves the units
+    coordinator.run_dag(live_dag(cfg, a, b), live_cluster(cfg, a, b))
+    coordinator.call(bind, cfg=cfg, plan=b)
 
 After any DAG run, checkpoint load or new generation the engine must be bound again (``train_step``
 refuses a stale binding). CPU (gloo) only, as the engine.
@@ -32,6 +34,7 @@ refuses a stale binding). CPU (gloo) only, as the engine.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import hashlib
 import time
 from dataclasses import dataclass
@@ -48,13 +51,16 @@ from planner.errors import SpecError
 from planner.hardware import ClusterSpec
 from planner.plan import GlobalPlan
 from planner.workflow import Role, StageKind
+from transitions.channel import DataChannel
 from transitions.cost import transition_cost
 from transitions.dag_pieces import DagMemo
-from transitions.emu import EMU
+from transitions.emu import EMU, UnitState
 from transitions.executor import RankState, allocate_unit, run_dag
 from transitions.global_dag import TransitionDAG, build_transition
 from transitions.layout import StagePlacement
-from transitions.placement_dag import placement_cluster, placement_plan, placement_units, unit_state
+from transitions.local_dag import plan_units
+from transitions.node_steps import dag_messages
+from transitions.placement_dag import placement_cluster
 
 # unit counters (transitions.layout.COUNTERS): plan version, optimizer steps, RL steps done, spare
 VERSION, OPTIMIZER_STEPS, RL_STEPS = 0, 1, 2
@@ -94,10 +100,32 @@ def fed_placements(cfg: RunConfig, plan: GlobalPlan) -> tuple[tuple[StagePlaceme
     return tuple(out)
 
 
+def stage_states(cfg: RunConfig, placements: tuple[StagePlacement, ...]) -> dict[str, UnitState]:
+    """What every unit of each placed model-stage holds, with the workflow's own role and kind (a
+    reward model is no critic: no transition may rebuild one from the other's replicas)."""
+    out = {}
+    for p in placements:
+        ms = cfg.workflow.stage(p.model_stage)
+        out[p.model_stage] = UnitState(model_stage=p.model_stage, stage_kind=ms.kind, role=ms.role, model=p.model,
+                                       head=p.head, kinds=p.kinds)
+    return out
+
+
+def _units(cfg: RunConfig, placements: tuple[StagePlacement, ...], plan: GlobalPlan,
+           version: int) -> tuple[EMU, ...]:
+    states = stage_states(cfg, placements)
+    return tuple(u for p in placements for u in plan_units(states[p.model_stage], plan.stage(p.model_stage), version))
+
+
+def _subplan(plan: GlobalPlan, placements: tuple[StagePlacement, ...], version: int) -> GlobalPlan:
+    names = {p.model_stage for p in placements}
+    return GlobalPlan(version=version, stages=tuple(sp for sp in plan if sp.model_stage in names))
+
+
 def live_units(cfg: RunConfig, plan: GlobalPlan) -> tuple[EMU, ...]:
     """The units of the live stages under ``plan`` (uids at ``plan.version``): what a worker's
     ``ctx.units`` holds between steps, what a checkpoint of the job saves and loads."""
-    return tuple(placement_units(live_placements(cfg, plan), plan.version))
+    return _units(cfg, live_placements(cfg, plan), plan, plan.version)
 
 
 def live_cluster(cfg: RunConfig, *plans: GlobalPlan) -> ClusterSpec:
@@ -111,9 +139,8 @@ def live_dag(cfg: RunConfig, old: GlobalPlan, new: GlobalPlan, *,
     """The DAG moving every live stage's units from ``old`` to ``new`` (``new.version`` > ``old.version``;
     the units it leaves are ``live_units(cfg, new)``)."""
     before, after = live_placements(cfg, old), live_placements(cfg, new)
-    states = {p.model_stage: unit_state(p) for p in before}
-    return build_transition(states, cluster or placement_cluster(before, after), placement_plan(before, old.version),
-                            placement_plan(after, new.version))
+    return build_transition(stage_states(cfg, before), cluster or placement_cluster(before, after),
+                            _subplan(old, before, old.version), _subplan(new, after, new.version))
 
 
 def rank_plan(plan: GlobalPlan, members: tuple[int, ...]) -> GlobalPlan:
@@ -215,29 +242,32 @@ class LiveLoop(RLLoop):
     """``RLLoop`` on a generation's ranks whose weight sync is one refresh DAG over the worker's unit
     buffers (worker ids, ``ctx.channel``), delivering the fed stages' units as their parameters."""
 
-    def __init__(self, cfg: RunConfig, plan: GlobalPlan, ctx: Any) -> None:
-        spec = ctx.channel.spec
-        super().__init__(cfg, rank_plan(plan, spec.members), rank=spec.rank_of(ctx.worker_id))
-        self.ctx, self.worker_plan = ctx, plan
+    def __init__(self, cfg: RunConfig, plan: GlobalPlan, *, worker_id: int, channel: DataChannel,
+                 units: dict[str, RankState]) -> None:
+        spec = channel.spec
+        assert spec is not None
+        super().__init__(cfg, rank_plan(plan, spec.members), rank=spec.rank_of(worker_id))
+        # not the worker's context: no reference cycle, so dropping ``ctx.engine`` frees the views
+        self.worker_id, self.channel, self.units, self.worker_plan = worker_id, channel, units, plan
         self.memo = DagMemo()
         self.fed: dict[str, RankState] = {}  # uid -> state backing a fed stage's parameters
         self._feed_dag, self._sources, self._feed_units, self._feed_predicted_s = self._feed_plan()
+        self._feed_bytes = sum(m.num_bytes for m in dag_messages(self._feed_dag, DagMemo(), early=False)) \
+            if self._feed_dag is not None else 0
 
     def _feed_plan(self) -> tuple[TransitionDAG | None, tuple[EMU, ...], tuple[EMU, ...], float]:
         """The weight-sync DAG (the same every step), the trainer units it reads, the units it makes."""
         fed = fed_placements(self.cfg, self.worker_plan)
         if not fed:
             return None, (), (), 0.0
-        live = {p.model_stage: p for p in live_placements(self.cfg, self.worker_plan)}
-        trainers = [live[name] for name in dict.fromkeys(t for _, t in fed)]
-        targets = [p for p, _ in fed]
-        states = {p.model_stage: unit_state(p) for p in (*trainers, *targets)}
-        version = self.worker_plan.version
-        old = placement_plan(trainers, version)
-        new = placement_plan((*trainers, *targets), version + 1)
-        cluster = placement_cluster(trainers, targets)
-        dag = build_transition(states, cluster, old, new, refresh={p.model_stage: t for p, t in fed})
-        return (dag, tuple(placement_units(trainers, version)), tuple(placement_units(targets, version + 1)),
+        plan, version = self.worker_plan, self.worker_plan.version
+        live = {p.model_stage: p for p in live_placements(self.cfg, plan)}
+        trainers = tuple(live[name] for name in dict.fromkeys(t for _, t in fed))
+        both = (*trainers, *(p for p, _ in fed))
+        cluster = placement_cluster(both)
+        dag = build_transition(stage_states(self.cfg, both), cluster, _subplan(plan, trainers, version),
+                               _subplan(plan, both, version + 1), refresh={p.model_stage: t for p, t in fed})
+        return (dag, _units(self.cfg, trainers, plan, version), _units(self.cfg, both[len(trainers):], plan, version + 1),
                 transition_cost(dag, cluster).seconds)
 
     def _sync_all(self) -> SyncReport | None:
@@ -247,9 +277,9 @@ class LiveLoop(RLLoop):
         if self._feed_dag is None:
             return None
         start = time.perf_counter()
-        wid, ctx = self.ctx.worker_id, self.ctx
-        units = {u.uid: ctx.units[u.uid] for u in self._sources if u.holds(wid)}  # a copy: the DAG renames
-        reports = run_dag(self._feed_dag, wid, units, ctx.channel, timeout_s=SYNC_TIMEOUT_S, in_place=False,
+        wid = self.worker_id
+        units = {u.uid: self.units[u.uid] for u in self._sources if u.holds(wid)}  # a copy: the DAG renames
+        reports = run_dag(self._feed_dag, wid, units, self.channel, timeout_s=SYNC_TIMEOUT_S, in_place=False,
                           fan_out=False, memo=self.memo)
         measured = time.perf_counter() - start
         self.fed = {}
@@ -260,7 +290,7 @@ class LiveLoop(RLLoop):
         return SyncReport(bytes_sent=sum(r.bytes_sent for r in reports),
                           bytes_received=sum(r.bytes_received for r in reports),
                           bytes_copied_locally=sum(r.bytes_copied_locally for r in reports),
-                          plan_bytes=0, predicted_s=self._feed_predicted_s, measured_s=measured,
+                          plan_bytes=self._feed_bytes, predicted_s=self._feed_predicted_s, measured_s=measured,
                           total_s=time.perf_counter() - start)
 
 
@@ -329,7 +359,7 @@ def bind(ctx: Any, *, cfg: RunConfig, plan: GlobalPlan) -> dict[str, Any]:
     if spec is None or not ctx.channel.ready:
         raise SpecError("generation", f"worker {ctx.worker_id} must join a generation before bind")
     start = time.perf_counter()
-    ctx.engine = None  # the old views go with it
+    release(ctx)
     names = [p.model_stage for p in live_placements(cfg, plan)]
     census = _stage_census(ctx, cfg, plan, names)
     fresh_stages = set()
@@ -346,7 +376,7 @@ def bind(ctx: Any, *, cfg: RunConfig, plan: GlobalPlan) -> dict[str, Any]:
     keep = {u.uid for u in mine}
     for uid in [uid for uid in ctx.units if uid not in keep]:
         del ctx.units[uid]
-    loop = LiveLoop(cfg, plan, ctx)
+    loop = LiveLoop(cfg, plan, worker_id=ctx.worker_id, channel=ctx.channel, units=ctx.units)
     fresh = []
     for unit in mine:
         stage = loop.engines[unit.model_stage]
@@ -371,6 +401,17 @@ def bind(ctx: Any, *, cfg: RunConfig, plan: GlobalPlan) -> dict[str, Any]:
             "units": sorted(live.bound), "fresh": fresh, "optimizer_steps": loop.optimizer_steps,
             "rl_steps": live.rl_steps, "sync_sent_bytes": sync.bytes_sent if sync else 0,
             "seconds": time.perf_counter() - start}
+
+
+def release(ctx: Any) -> int:
+    """Drop the bound engine, and with it its references to unit buffers, so that a DAG's Destroy
+    frees a buffer when the DAG's memory plan says (a driver calls it before ``run_dag`` or a
+    checkpoint load; ``bind`` calls it first). Returns the number of units it was bound to."""
+    engine, ctx.engine = ctx.engine, None
+    bound = len(engine.bound) if isinstance(engine, LiveEngine) else 0
+    del engine
+    gc.collect()  # pipeline schedules and meshes may hold cycles
+    return bound
 
 
 def _write_counters(engine: LiveEngine) -> None:

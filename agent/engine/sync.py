@@ -9,6 +9,9 @@ a replan moves one stage's units to a new layout. ``run_dag`` runs it over the e
 ``DataChannel`` bound to the process group already formed), and the new units are unpacked into the
 destination module. A destination unit on the GPUs of a source unit of the same layout is a local
 copy, so only what must move crosses the wire.
+
+This is the engine's own-world path (``RLLoop`` on its ranks). An engine bound to a worker's units
+(``agent.engine.live``) packs nothing: its parameters and moments ARE the unit buffers.
 """
 
 from __future__ import annotations

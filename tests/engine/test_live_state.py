@@ -24,11 +24,14 @@ from agent.engine.grpo import GRPOConfig
 from agent.engine.live import (
     bind,
     in_buffer,
+    live_cluster,
     live_dag,
     live_placements,
     live_units,
     local_of,
     rank_plan,
+    release,
+    stage_states,
     state_digest,
     train_step,
 )
@@ -37,9 +40,8 @@ from agent.engine.tasks import SortDigits
 from planner.errors import SpecError
 from planner.models import TINY_BYTE
 from planner.plan import GlobalPlan, Layout, StagePlan
-from planner.workflow import StageKind
+from planner.workflow import Role, StageKind
 from transitions.geometry import StateKind
-from transitions.placement_dag import placement_cluster
 
 MEMBERS = (2, 0, 3, 1)  # generation rank order: worker 2 is rank 0, worker 0 rank 1, ...
 PPO = RunConfig(algo="ppo", task=SortDigits(num_digits=3), prompts_per_step=4, seed=7)
@@ -218,7 +220,9 @@ def test_live_placements_units_and_ranks() -> None:
     rm = RunConfig(algo="grpo", reward_model=TINY_BYTE)
     grpo_plan = plan(rm, 1, actor_gen=(1, 1, [[0]]), ref_inf=(1, 1, [[0]]), reward_inf=(1, 1, [[1]]),
                      actor_train=(1, 1, [[1]]))
-    assert [p.model_stage for p in live_placements(rm, grpo_plan)] == ["ref-inf", "reward-inf", "actor-train"]
+    placed = live_placements(rm, grpo_plan)
+    assert [p.model_stage for p in placed] == ["ref-inf", "reward-inf", "actor-train"]
+    assert stage_states(rm, placed)["reward-inf"].role is Role.REWARD  # never rebuilt from a critic
     assert sorted(u.uid for u in live_units(PPO, PLAN_C)) == [
         "actor-train@v3#0", "critic-train@v3#0", "ref-inf@v3#0"]
     dag = live_dag(PPO, PLAN_B, PLAN_C)
@@ -264,7 +268,8 @@ def test_live_transitions_match_checkpoint_restart_and_a_fixed_layout(pool: Loca
     one step on each. Live: the executor moves the units (live_dag) and the engine re-binds on them;
     every logical tensor (weights, moments, counters) is exactly what the old layout held. Restart
     twin: the same schedule, each change a DCP save, new worker processes and a load into the new
-    layout; the final state is bit-identical (the same bytes in the same layouts compute the same
+    layout (its first save is the live run's own, at the first change: until then the runs are one
+    run); the final state is bit-identical (the same bytes in the same layouts compute the same
     steps) and so is every rollout. Fixed layout: plan A throughout, same samples (identical rollout
     tokens), final trainer weights and moments within rtol 1e-4 / atol 1e-5 (TP and DP change the
     fp32 reduction order, and Adam amplifies the noise of near-zero gradients, as in test_dp_change;
@@ -282,8 +287,8 @@ def test_live_transitions_match_checkpoint_restart_and_a_fixed_layout(pool: Loca
             if i == 1:  # the twin restarts from here: up to now the two runs are one
                 pool.save_checkpoint(url, "twin-1")
             before = logical(pool.dump())
-            outcome = pool.run_dag(live_dag(PPO, SCHEDULE[i - 1], p),
-                                   placement_cluster(live_placements(PPO, SCHEDULE[i - 1]), live_placements(PPO, p)))
+            assert set(pool.call(release).values()) != {0}  # the engine was bound to units
+            outcome = pool.run_dag(live_dag(PPO, SCHEDULE[i - 1], p), live_cluster(PPO, SCHEDULE[i - 1], p))
             assert outcome.committed, outcome.errors
             assert_bitwise(before, logical(pool.dump()))
             info = pool.call(bind, cfg=PPO, plan=p)
