@@ -114,6 +114,9 @@ class Call:
 
     fn: Callable[..., Any]
     kwargs: dict[str, Any] = field(default_factory=dict)
+    # fn runs collectives over the generation (an engine step, a bind): if it fails here, the worker
+    # breaks the generation at once, so that peers blocked on it fail now instead of at their timeout
+    collective: bool = False
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -183,9 +183,11 @@ class CommandDriver:
         return self._check(self.request_all(cmd, workers), "checkpoint load")
 
     def call(self, fn: Callable[..., Any], workers: Iterable[int] | None = None,
-             timeout_s: float | None = None, **kwargs: Any) -> dict[int, Any]:
-        replies = self._check(self.request_all(Call(fn=fn, kwargs=kwargs), workers, timeout_s),
-                              f"call {fn.__name__}")
+             timeout_s: float | None = None, collective: bool = False, **kwargs: Any) -> dict[int, Any]:
+        """``fn(ctx, **kwargs)`` on ``workers``; ``collective``: it runs collectives, and a failure on one
+        worker breaks the generation on it (see ``agent.commands.Call``)."""
+        cmd = Call(fn=fn, kwargs=kwargs, collective=collective)
+        replies = self._check(self.request_all(cmd, workers, timeout_s), f"call {fn.__name__}")
         return {w: r.value for w, r in replies.items()}
 
 

@@ -116,6 +116,8 @@ class JobDriver:
         self.version = 0
         self.ids: dict[tuple[str, int], int] = {}  # (node, device) -> worker id, from the latest order
         self.dead: set[int] = set()  # workers of the plan that died since it was bound
+        self.incarnations: dict[str, str] = {}  # node -> agent incarnation, from the latest order
+        self.broken = False  # the engine's binding is gone (a failed command re-formed the generation)
         self.step = 0
         self.checkpoint: _Checkpoint | None = None
         self.snapshots: dict[int, dict[str, str]] = {}  # verify: steps done -> logical digests then
@@ -176,15 +178,18 @@ class JobDriver:
                 return None
 
     def apply(self, order: protocol.TransitionOrder | None, new: GlobalPlan,
-              pool: dict[str, list[int]] | None = None, per_node: int | None = None) -> None:
+              pool: dict[str, list[int]] | None = None, per_node: int | None = None,
+              incarnations: dict[str, str] | None = None) -> None:
         """Move the live state onto ``new`` (an order's, or the current plan again to heal)."""
-        from agent.engine.live import bind, live_placements, live_units
+        from agent.engine.live import bind, live_cluster, live_dag, live_units, release
         from transitions.errors import CoverageError
         from transitions.local_dag import LastCopyLostError
-        from transitions.placement_dag import placement_cluster, placement_dag
 
         if pool is not None and per_node is not None:
             self.ids = {(node, g % per_node): g for node, gpus in pool.items() for g in gpus}
+            self.incarnations = dict(incarnations or {})
+            gone = [p.worker_id for k, p in self.hub.peers.items() if k not in self.ids and p.worker_id is not None]
+            self.hub.forget(gone)  # nodes that left the pool: their processes are not ours any more
         old = self.plan
         pool_gpus = set(self.ids.values())
         lost = set(self.dead) | ((set(old.gpus) - pool_gpus) if old is not None else set())
@@ -193,7 +198,8 @@ class JobDriver:
         self.event("transition-start", transition=tid, from_version=self.version,
                    to_version=new.version, lost=sorted(lost), workers=sorted(needed))
         try:
-            self.hub.assign({k: w for k, w in self.ids.items() if w in needed}, self.dc.assign_timeout_s)
+            self.hub.assign({k: w for k, w in self.ids.items() if w in needed}, self.dc.assign_timeout_s,
+                            self.incarnations)
             t0 = time.perf_counter()
             sent: dict[int, int] = {}
             restored, dag_bytes = None, 0
@@ -201,9 +207,9 @@ class JobDriver:
                 self.hub.form_generation(sorted(new.gpus))
             else:
                 self.hub.form_generation(sorted(needed))
-                old_pl, new_pl = live_placements(self.cfg, old), live_placements(self.cfg, new)
+                cluster = live_cluster(self.cfg, old, new)
                 try:
-                    dag = placement_dag(old_pl, new_pl, old_version=1, lost_workers=lost)
+                    dag = live_dag(self.cfg, old, new, cluster=cluster, lost=frozenset(lost))
                 except (LastCopyLostError, CoverageError) as exc:
                     dag, restored = None, str(exc).splitlines()[0]
                 if dag is not None:
@@ -212,7 +218,8 @@ class JobDriver:
                     from transitions.node_steps import dag_messages
 
                     dag_bytes = sum(m.num_bytes for m in dag_messages(dag, DagMemo(), early=IN_PLACE))
-                    outcome = self.hub.run_dag(dag, placement_cluster(old_pl, new_pl))
+                    self.hub.call(release, workers=sorted(needed), timeout_s=60.0)  # the old views go first
+                    outcome = self.hub.run_dag(dag, cluster)
                     if not outcome.committed:
                         self.dead |= set(outcome.dead_workers)
                         raise WorkerDied(f"transition DAG failed: {outcome.errors}")
@@ -222,7 +229,7 @@ class JobDriver:
                     self.hub.form_generation(sorted(new.gpus))
                 if restored is not None:
                     self._restore(new, restored, live_units)
-            self.hub.call(bind, workers=sorted(new.gpus), timeout_s=self.dc.step_timeout_s, cfg=self._cfg_now(),
+            self.hub.call(bind, workers=sorted(new.gpus), timeout_s=self.dc.step_timeout_s, collective=True, cfg=self._cfg_now(),
                           plan=new)
             measured = time.perf_counter() - t0
             verified = self._verify(new) if old is not None else None
@@ -232,7 +239,7 @@ class JobDriver:
                 self._report(order, ok=False, measured_s=0.0, bytes_by_worker={}, error=str(exc))
             self._after_failure()
             return
-        self.plan, self.dead = new, set()
+        self.plan, self.dead, self.broken = new, set(), False
         if order is not None:
             self.version = order.to_version
             self._report(order, ok=True, measured_s=measured, bytes_by_worker=sent)
@@ -272,6 +279,7 @@ class JobDriver:
 
     def _after_failure(self) -> None:
         """Survivors leave the broken generation (their units stay); the plan waits for a replan."""
+        self.broken = True
         members = self.hub.spec.members if self.hub.spec is not None else ()
         self.dead |= {w for w in members if self.hub.is_dead(w)}
         self.hub.forget(self.dead)
@@ -293,12 +301,12 @@ class JobDriver:
         self.event("driver-started", steps=self.dc.steps, hub=self.hub.endpoint)
         waiting_since: float | None = None
         while self.step < self.dc.steps:
-            degraded = self.plan is None or bool(self.dead)
+            degraded = self.plan is None or bool(self.dead) or self.broken
             order = self.next_order(min(self.dc.heal_after_s, 5.0) if degraded else 0.0)
             if order is not None:
                 waiting_since = None
                 self.apply(order, plan_from_part(order.part["plan"]), order.part.get("pool") or {},
-                           int(order.part.get("gpus_per_node") or 1))
+                           int(order.part.get("gpus_per_node") or 1), order.part.get("incarnations"))
                 continue
             if degraded:
                 waiting_since = waiting_since or time.monotonic()
@@ -306,17 +314,19 @@ class JobDriver:
                 if waited > self.dc.order_wait_s:
                     self.event("gave-up", reason=f"no usable order within {self.dc.order_wait_s:g} s")
                     return 1
-                if self.plan is not None and waited > self.dc.heal_after_s and self._restarted_in_place():
+                if self.plan is not None and not self.dead:
+                    self._rebind()  # nobody died (a join or DAG failed): the plan's state is where it was
+                elif self.plan is not None and waited > self.dc.heal_after_s and self._restarted_in_place():
                     self.apply(None, self.plan)  # the pool did not change: Extend the plan onto the restart
                 continue
             assert self.plan is not None  # not degraded
             if self.step in self.dc.response_schedule:
-                self.hub.call(bind, workers=sorted(self.plan.gpus), timeout_s=self.dc.step_timeout_s,
+                self.hub.call(bind, workers=sorted(self.plan.gpus), timeout_s=self.dc.step_timeout_s, collective=True,
                               cfg=self._cfg_now(), plan=self.plan)
                 self.event("workload", step=self.step, max_new_tokens=self.dc.response_schedule[self.step])
             try:
                 results = self.hub.call(train_step, workers=sorted(self.plan.gpus),
-                                        timeout_s=self.dc.step_timeout_s, step=self.step)
+                                        timeout_s=self.dc.step_timeout_s, collective=True, step=self.step)
             except WorkerDied as exc:
                 self.event("step-failed", step=self.step, error=str(exc)[:2000])
                 self._after_failure()
@@ -329,6 +339,32 @@ class JobDriver:
                 self._snapshot()
         self.event("done", steps=self.step, plan_version=self.version)
         return 0
+
+    def _rebind(self) -> None:
+        """Bind the current plan again on its workers after a failure that killed nobody; where a failed
+        DAG had already destroyed some of the plan's units, they come back from the checkpoint."""
+        from agent.engine.live import bind, live_units
+
+        assert self.plan is not None
+        workers = sorted(self.plan.gpus)
+        try:
+            self.hub.form_generation(workers)
+            try:
+                self.hub.call(bind, workers=workers, timeout_s=self.dc.step_timeout_s, collective=True, cfg=self._cfg_now(),
+                              plan=self.plan)
+            except WorkerDied as exc:
+                if "units" not in str(exc):
+                    raise
+                self.hub.form_generation(workers)
+                self._restore(self.plan, "units of the running plan were destroyed by a failed DAG", live_units)
+                self.hub.call(bind, workers=workers, timeout_s=self.dc.step_timeout_s, collective=True, cfg=self._cfg_now(),
+                              plan=self.plan)
+        except (WorkerDied, NereusError) as exc:
+            self.event("rebind-failed", error=str(exc)[:2000])
+            self._after_failure()
+            return
+        self.broken = False
+        self.event("rebound", plan_version=self.version, workers=workers, step=self.step)
 
     def _restarted_in_place(self) -> bool:
         """Every dead worker of the plan has a live process on its device again (its agent restarted it)."""

@@ -47,6 +47,7 @@ class Peer:
     pid: int
     identity: bytes  # routing id of its command socket
     last_beat: float
+    incarnation: str = ""  # of the node agent that started it
     worker_id: int | None = None
     ready: bool = False  # answered its assignment (its WorkerContext exists)
 
@@ -116,7 +117,8 @@ class HubCoordinator(CommandDriver):
                 old = self.peers.get(key)
                 if old is not None:
                     self._by_identity.pop(old.identity, None)
-                new = Peer(node=key[0], device=key[1], pid=int(info["pid"]), identity=ident, last_beat=now)
+                new = Peer(node=key[0], device=key[1], pid=int(info["pid"]), identity=ident, last_beat=now,
+                           incarnation=str(info.get("incarnation", "")))
                 self.peers[key] = new
                 self._by_identity[ident] = new
             elif kind == BEAT:
@@ -140,15 +142,23 @@ class HubCoordinator(CommandDriver):
         self.sock.send_multipart([peer.identity, kind, pickle.dumps(body, protocol=pickle.HIGHEST_PROTOCOL)])
 
     # --- membership ---------------------------------------------------------------------------------
-    def assign(self, ids: dict[tuple[str, int], int], timeout_s: float) -> dict[int, Peer]:
+    def assign(self, ids: dict[tuple[str, int], int], timeout_s: float,
+               incarnations: dict[str, str] | None = None) -> dict[int, Peer]:
         """Give each (node, device) its worker id; wait (bounded) until every one has said hello and
-        answered. Returns worker id -> peer. Raises WorkerDied naming the devices that never came."""
+        answered. ``incarnations``: node -> the agent incarnation whose workers count (others are
+        leftovers of an earlier grant of the node). Returns worker id -> peer. Raises WorkerDied naming
+        the devices that never came."""
         deadline = time.monotonic() + timeout_s
+        want = incarnations or {}
+
+        def usable(p: Peer | None) -> bool:
+            return p is not None and not self._stale(p) and want.get(p.node, p.incarnation) == p.incarnation
+
         while True:
             self.pump(0.0)
             for key, wid in ids.items():
                 peer = self.peers.get(key)
-                if peer is None or self._stale(peer):
+                if peer is None or not usable(peer):
                     continue
                 if peer.worker_id is None:
                     peer.worker_id = wid
@@ -156,7 +166,7 @@ class HubCoordinator(CommandDriver):
                 elif peer.worker_id != wid:
                     raise WorkerDied(f"worker on {key[0]} device {key[1]} is worker {peer.worker_id}, "
                                      f"the plan calls it {wid}")
-            missing = [k for k in ids if not (p := self.peers.get(k)) or not p.ready or self._stale(p)]
+            missing = [k for k in ids if not usable(p := self.peers.get(k)) or not (p and p.ready)]
             if not missing:
                 return {ids[k]: self.peers[k] for k in ids}
             left = deadline - time.monotonic()
@@ -270,7 +280,9 @@ class WorkerLink:
         self.node, self.device, self.pid = node, device, os.getpid()
         self.parent = os.getppid()
         self.sock = self._socket(endpoint, bundle, zmq.DEALER)
-        self.sock.send_multipart([HELLO, pickle.dumps({"node": node, "device": device, "pid": self.pid})])
+        hello = {"node": node, "device": device, "pid": self.pid,
+                 "incarnation": os.environ.get("NEREUS_AGENT_INCARNATION", "")}
+        self.sock.send_multipart([HELLO, pickle.dumps(hello)])
         self._stop = threading.Event()
         self._beat = threading.Thread(target=self._beats, args=(endpoint, bundle), name="nereus-beat", daemon=True)
         self._beat.start()

@@ -184,7 +184,8 @@ class NodeAgent:
     # --- workers ------------------------------------------------------------------------------------
     def _child_env(self) -> dict[str, str]:
         env = {**os.environ, "NEREUS_JOB_ID": self.cfg.job_id, "NEREUS_NODE": self.cfg.node,
-               "NEREUS_AGENT_IPC": self.ipc_in, "NEREUS_AGENT_ORDERS": self.ipc_orders}
+               "NEREUS_AGENT_IPC": self.ipc_in, "NEREUS_AGENT_ORDERS": self.ipc_orders,
+               "NEREUS_AGENT_INCARNATION": self.incarnation}
         if self.cfg.driver:
             env["NEREUS_DRIVER"] = self.cfg.driver
         if self.cfg.keys_dir is not None:

@@ -162,7 +162,12 @@ def _load(ctx: WorkerContext, cmd: LoadCheckpoint) -> list[str]:
 
 
 def _call(ctx: WorkerContext, cmd: Call) -> Any:
-    return cmd.fn(ctx, **cmd.kwargs)
+    try:
+        return cmd.fn(ctx, **cmd.kwargs)
+    except Exception as exc:
+        if cmd.collective and ctx.channel.spec is not None and len(ctx.channel.spec.members) > 1:
+            ctx.channel.break_(f"{getattr(cmd.fn, '__name__', 'call')} failed: {type(exc).__name__}: {exc}")
+        raise
 
 
 HANDLERS: dict[type, Callable[[WorkerContext, Any], Any]] = {

@@ -63,6 +63,7 @@ class TransitionObserver(Protocol):
         """Feed one completed transition (its store row: id, dag, predicted_s, measured_s, bytes_moved)."""
 
 
+RETRY_BASE_S, RETRY_MAX_S = 1.0, 60.0  # replan back-off after the 1st, 2nd, ... failed transition in a row
 TRANSITIONS_REPLAYED = 64  # completed transitions fed back on restart (more than any calibration window)
 _GONE = frozenset({EventKind.NODE_DOWN, EventKind.SHRUNK, EventKind.PREEMPTED})  # these nodes left the job
 
@@ -144,6 +145,10 @@ class JobController:
         self.draining: dict[str, str] = {}  # node -> why it is being drained (released once no plan uses it)
         self._release_asked: set[str] = set()  # draining nodes the source was asked to give back
         self.urgent_reasons: list[str] = []  # replan urgently on the next pass, for these reasons
+        # transitions that failed in a row, and when the next replan may run: a failure that repeats
+        # (the same bug on every try) backs off exponentially instead of ordering one transition a second
+        self.failed_in_row = 0
+        self.retry_at = -float("inf")
         self._orders: dict[int, dict[str, protocol.TransitionOrder]] = {}  # open transition -> node -> order
         workload = (store.job(job_id) or {}).get("spec", {}).get("workload") or {}
         if "prompt_tokens" in workload and "response_tokens" in workload:
@@ -350,6 +355,8 @@ class JobController:
         self.urgent_reasons = [r for r in self.urgent_reasons if r.removeprefix("drain ") not in self._release_asked]
         if not self.pool or self.clock() - self.pool_changed_at < self.pool_settle_s:
             return None  # no GPUs, or the pool is still moving: one replan after the burst, not one per join
+        if self.clock() < self.retry_at:
+            return None  # backing off after failed transitions
         if self.plan is not None and self.prediction is None and not self._predicted_once:
             self._predicted_once = True  # after a restart: the committed plan's prediction, once
             self.prediction = self._predict(self.plan)
@@ -484,8 +491,11 @@ class JobController:
         pool: dict[str, list[int]] = {}
         for gpu, owner in sorted(self.gpu_owner.items()):
             pool.setdefault(owner, []).append(gpu)
+        # each node's agent incarnation: a driver takes only workers that agent started (a node released
+        # and granted again has new workers; the old ones' beats may not have stopped yet)
+        incarnations = {n["node"]: n["incarnation"] for n in self.store.nodes(self.job_id) if n["node"] in pool}
         return {"plan": plan_to_dict(new_plan), "pool": pool, "gpus_per_node": self.gpus_per_node,
-                "draining": sorted(self.draining)}
+                "draining": sorted(self.draining), "incarnations": incarnations}
 
     def _make_order(self, tid: int, from_version: int, new_plan: GlobalPlan, node_part: dict[str, Any],
                     shared: dict[str, Any]) -> protocol.TransitionOrder:
@@ -517,6 +527,7 @@ class JobController:
         self._orders.pop(int(t["id"]), None)
         self.metrics.transitions.labels(self.job_id, "done" if ok else "failed").inc()
         if ok:
+            self.failed_in_row, self.retry_at = 0, -float("inf")
             self.metrics.transition_cost.labels("measured").observe(float(t["measured_s"] or 0.0))
             self.metrics.transition_bytes.labels(self.job_id).inc(int(t["bytes_moved"]))
             self._observe_transition(self.store.transition(t["id"]) or t)
@@ -532,7 +543,11 @@ class JobController:
             # ... and a failure with the pool unchanged (a part failed, an order timed out) replans too
             self.urgent_reasons.append(f"transition {t['id']} failed: {reason}")
             self.urgent_reasons.extend(f"drain {n}" for n in self.draining if n not in self._release_asked)
-            self.log.warning("transition-failed", transition=t["id"], reason=reason)
+            self.failed_in_row += 1
+            backoff = min(RETRY_MAX_S, RETRY_BASE_S * 2 ** (self.failed_in_row - 1))
+            self.retry_at = self.clock() + backoff
+            self.log.warning("transition-failed", transition=t["id"], reason=reason, failed_in_row=self.failed_in_row,
+                             retry_in_s=backoff)
         if self.job["state"] == "transitioning":
             alive = self.store.count_nodes(self.job_id, "alive") > 0
             self._set_state("running" if alive else "lost", f"transition {t['id']} {'done' if ok else 'failed'}")

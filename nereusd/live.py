@@ -64,6 +64,8 @@ class LiveRun:
     steps: int
     jump_step: int
     jump_tokens: int
+    verify: bool = False
+    heartbeat_timeout_s: float = 15.0
     daemon: subprocess.Popen[bytes] | None = None
     endpoints: dict[str, str] = field(default_factory=dict)
     events_seen: int = 0
@@ -91,7 +93,7 @@ class LiveRun:
         py = sys.executable
         driver = (f"{py} -m agent.driver --events {self.events_path} --checkpoint-every 4 "
                   f"--checkpoint-dir {self.out / 'checkpoints'} --response-schedule {self.jump_step}:{self.jump_tokens}"
-                  f" --steps {self.steps} --heal-after-s 15")
+                  f" --steps {self.steps} --heal-after-s 15" + (" --verify" if self.verify else ""))
         (self.out / "nereusd.toml").write_text(f"""# written by python -m nereusd.live
 [daemon]
 state_dir = "{self.state}"
@@ -101,7 +103,7 @@ order_timeout_s = 180
 port = 0
 admin_port = 0
 heartbeat_interval_s = 0.5
-heartbeat_timeout_s = 15.0
+heartbeat_timeout_s = {self.heartbeat_timeout_s}
 [metrics]
 enabled = false
 [slurm]
@@ -203,7 +205,7 @@ driver_cmd = "{driver}"
                     f"step {ev['seconds']:5.2f} s  resp {ev['response_tokens']:4.1f} tok  plan v{ev['plan_version']}  "
                     f"workers {ev['workers']}")
         if ev["event"] in ("transition-done", "transition-failed", "restored", "step-failed", "workload",
-                           "transition-start", "checkpoint", "gave-up", "driver-failed"):
+                           "transition-start", "gave-up", "driver-failed", "rebound", "rebind-failed"):
             rest = {k: v for k, v in ev.items() if k not in ("event", "t")}
             return f"[{elapsed:6.1f}s] {ev['event']}: {json.dumps(rest, default=str)[:160]}"
         return ""
@@ -296,12 +298,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--timeout-s", type=float, default=900.0, help="give up after this long")
+    p.add_argument("--verify", action="store_true", help="hash every logical tensor around each transition")
+    p.add_argument("--heartbeat-timeout-s", type=float, default=15.0, help="a silent node is lost after this")
     args = p.parse_args(argv)
     out = args.out or ROOT / "runs" / time.strftime("live-%Y%m%d-%H%M%S")
     if out.exists():
         shutil.rmtree(out)
     run = LiveRun(out=out.resolve(), job_file=args.job_file.resolve(), steps=args.steps,
-                  jump_step=round(args.steps * 0.3), jump_tokens=16)
+                  jump_step=round(args.steps * 0.3), jump_tokens=16, verify=args.verify,
+                  heartbeat_timeout_s=args.heartbeat_timeout_s)
     n = args.steps
     acts = [Act("grow", 3, LiveRun.grow), Act("shrink", round(n * 0.45), LiveRun.shrink),
             Act("grow", round(n * 0.55), LiveRun.grow), Act("node loss", round(n * 0.7), LiveRun.kill_node)]

@@ -134,13 +134,15 @@ def live_cluster(cfg: RunConfig, *plans: GlobalPlan) -> ClusterSpec:
     return placement_cluster(*(live_placements(cfg, p) for p in plans))
 
 
-def live_dag(cfg: RunConfig, old: GlobalPlan, new: GlobalPlan, *,
-             cluster: ClusterSpec | None = None) -> TransitionDAG:
+def live_dag(cfg: RunConfig, old: GlobalPlan, new: GlobalPlan, *, cluster: ClusterSpec | None = None,
+             lost: frozenset[int] = frozenset()) -> TransitionDAG:
     """The DAG moving every live stage's units from ``old`` to ``new`` (``new.version`` > ``old.version``;
-    the units it leaves are ``live_units(cfg, new)``)."""
+    the units it leaves are ``live_units(cfg, new)``). ``lost``: workers that died since ``old`` (their
+    units are gone; LastCopyLostError when one held the last copy of something)."""
     before, after = live_placements(cfg, old), live_placements(cfg, new)
     return build_transition(stage_states(cfg, before), cluster or placement_cluster(before, after),
-                            _subplan(old, before, old.version), _subplan(new, after, new.version))
+                            _subplan(old, before, old.version), _subplan(new, after, new.version),
+                            lost_gpus=frozenset(lost))
 
 
 def rank_plan(plan: GlobalPlan, members: tuple[int, ...]) -> GlobalPlan:
