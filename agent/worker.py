@@ -223,7 +223,7 @@ def worker_main(worker_id: int, link: Any, device: str = "cpu", threads: int = 1
             reply = Reply(worker=worker_id, seq=seq, ok=True, value=value, **_status(ctx, start))
         except Exception as exc:  # noqa: BLE001 - reported to the coordinator, the worker lives on
             reply = Reply(worker=worker_id, seq=seq, ok=False, **_status(ctx, start),
-                          error=f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}")
+                          error=f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=12)}")
         try:
             link.send(reply)
         except (BrokenPipeError, OSError):

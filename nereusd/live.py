@@ -51,6 +51,7 @@ class Act:
     done_at: int | None = None
     note: str = ""
     played_at: float = 0.0
+    wall_t: float = 0.0  # time.time() when played, to match the driver's events
     transitions_before: int = 0
 
 
@@ -232,8 +233,8 @@ def summarise(run: LiveRun, acts: list[Act], wall_s: float) -> dict[str, Any]:
                  "delta_l_s": d["delta_l_s"], "l_tran_s": d["l_tran_s"]}
                 for d in decisions.values() if not d["admitted"]]
     return {"job": JOB, "wall_s": round(wall_s, 1), "steps": run.steps_done, "transitions": rows,
-            "rejected_decisions": rejected, "acts": [{"name": a.name, "at_step": a.done_at, "what": a.note}
-                                                     for a in acts],
+            "rejected_decisions": rejected,
+            "acts": [{"name": a.name, "at_step": a.done_at, "what": a.note, "t": a.wall_t} for a in acts],
             "plan": run.admin("job-plan", job=JOB), "driver_events": run.driver_events}
 
 
@@ -337,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
             if pending and done_steps >= pending[0].at_step and run.settled(played) and run.in_flight() == 0:
                 act = pending.pop(0)
                 act.transitions_before = run.transitions_done()
-                act.played_at = time.monotonic()
+                act.played_at, act.wall_t = time.monotonic(), time.time()
                 act.done_at, act.note = done_steps, act.run(run)
                 played.append(act)
                 print(f"[{time.monotonic() - run.t0:6.1f}s] >>> {act.name}: {act.note}", flush=True)

@@ -57,6 +57,23 @@ class GenerationSpec:
                             ", ".join(map(str, self.members))) from None
 
 
+def forget_meshes() -> None:
+    """Drop what DTensor cached about device meshes of a world that is gone. A DeviceMesh hashes by
+    its layout, not by its process groups, and the sharding propagation caches its answers (meshes
+    included) by that hash without bound: a mesh of the same layout in the next world would find the
+    old mesh there, and its collectives would name a process group that no longer exists."""
+    from torch.distributed.tensor import DTensor
+
+    native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if native is not None:  # the C++ dispatch fast path's cache, ahead of the Python one
+        native()
+    prop = DTensor._op_dispatcher.sharding_propagator
+    for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
+        cache = getattr(prop, name, None)
+        if cache is not None and hasattr(cache, "cache_clear"):
+            cache.cache_clear()
+
+
 def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
@@ -134,6 +151,7 @@ class DataChannel:
     def leave(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+            forget_meshes()
         self.spec = None
 
     def _require(self) -> GenerationSpec:
