@@ -1,7 +1,14 @@
 """The live job on the real cluster: submitted with etc/submit_elastic.py (through submitit) from a job
-file, it trains under nereusd's Slurm source; a member job grows it and the live state extends onto
-the member's workers; the member is cancelled (scancel) and the job goes on without them; a second
-member's node is set DOWN and the job recovers on what is left, steps continuing.
+file, it trains under nereusd's Slurm source. A member job grows it and the live state extends onto the
+member's workers; the member's node is set DOWN (Slurm ends the member, NODE_FAIL) and the job recovers
+from the replicas left on the anchor, steps continuing; a second member joins on another node, and is
+released: its state leaves first, then the daemon cancels it (scancel), and the job goes on.
+
+Why this order: after the first growth the planner replicates the actor's training state per node
+(DP 2 x TP 2), so losing a node leaves a copy. By the second growth calibration has made it prefer one
+copy across both nodes (TP 2 x PP 2), and the daemon cannot yet recover a lost last copy from a
+checkpoint in the live job (it decides checkpoint-restart and orders nothing; the wait then fails at
+once saying so), so the second member leaves gracefully.
 
 The story is read from the driver's events (``--events``, a JSON line per step and transition, in the
 job folder), the cluster's side from nereusctl. Every wait names what it waits for; the bounds hold on
@@ -10,6 +17,7 @@ a loaded 2-core machine (agents, workers and the driver all import torch on the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -104,6 +112,17 @@ def _grown(d: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def _decisions(d: dict[str, Any]) -> list[dict[str, Any]]:
+    return list(_ctl(d, "decisions", JOB, "--json"))
+
+
+def _refused(d: dict[str, Any], since: int) -> str:
+    """Why the daemon will order no recovery: it found the last copy of some state gone (the plan had no
+    replica off the lost node), which the live job cannot take back from a checkpoint yet."""
+    bad = [x for x in _decisions(d)[since:] if x["rule"] == "checkpoint-restart"]
+    return f"the daemon decided {bad[0]['reason']!r}" if bad else ""
+
+
 class DriverEvents:
     """The driver's JSON lines, read as they grow."""
 
@@ -121,10 +140,12 @@ class DriverEvents:
         return [(i, e) for i, e in enumerate(self.read()) if i > index and e["event"] == kind]
 
     def wait(self, kind: str, what: str, since: int = -1, ok: Callable[[dict[str, Any]], bool] = lambda e: True,
-             timeout_s: float = WAIT_S) -> tuple[int, dict[str, Any]]:
+             timeout_s: float = WAIT_S, stuck: Callable[[], str] = lambda: "") -> tuple[int, dict[str, Any]]:
         def found() -> tuple[int, dict[str, Any]] | None:
             fatal = [e for _, e in self.after(since, "driver-failed") + self.after(since, "gave-up")]
             assert not fatal, f"the driver stopped while waiting for {what}: {fatal}"
+            why = stuck()
+            assert not why, f"no {what} will come: {why}"
             return next(((i, e) for i, e in self.after(since, kind) if ok(e)), None)
 
         try:
@@ -147,13 +168,11 @@ def _kill_leftovers(marker: str) -> None:
     for p in psutil.process_iter(["pid", "cmdline"]):
         cmd = p.info["cmdline"] or []
         if any(marker in a for a in cmd) and p.info["pid"] != os.getpid():
-            try:
+            with contextlib.suppress(psutil.Error):
                 p.kill()
-            except psutil.Error:
-                pass
 
 
-def test_live_job_grows_by_member_survives_cancel_and_node_down(lab: SlurmLab, nereusd: dict[str, Any],
+def test_live_job_grows_by_member_survives_node_down_and_releases_member(lab: SlurmLab, nereusd: dict[str, Any],
                                                                  tmp_path: Path) -> None:
     d = nereusd
     t0 = time.monotonic()
@@ -186,32 +205,39 @@ def test_live_job_grows_by_member_survives_cancel_and_node_down(lab: SlurmLab, n
         i, grew = ev.wait("transition-done", "a live Extend onto the member's workers", since=at,
                           ok=lambda e: bool(set(e["workers"]) - anchor_workers) and e["bytes_sent"] > 0)
         member_workers = set(grew["workers"]) - anchor_workers
-        member = _grown(d)[0]
+        member = wait_for(lambda: _grown(d), 30, "the member in the daemon's events", 0.5)[0]  # type: ignore[index]
         assert member["node"] != lab.job_field(record["anchor_job_id"], "BatchHost")
         at = ev.steps_after(i, 2, "steps on anchor and member")
         assert set(ev.seen[at]["workers"]) == set(grew["workers"])
 
-        # Slurm takes the member (scancel): the job drops its workers and goes on
-        lab.run("scancel", member["slurm_job_id"])
-        i, shrunk = ev.wait("transition-done", "a transition without the cancelled member's workers", since=at,
-                            ok=lambda e: not set(e["workers"]) & member_workers)
-        at = ev.steps_after(i, 2, "steps after the member's cancel")
+        # Slurm takes the member's node (DOWN): the job goes on from the replicas left on the anchor
+        down_decisions = len(_decisions(d))
+        lab.run("scontrol", "update", f"NodeName={member['node']}", "State=DOWN", "Reason=live-down")
+        i, recovered = ev.wait("transition-done", "a recovery transition after the node DOWN", since=at,
+                               ok=lambda e: bool(e["lost"]) and not set(e["workers"]) & member_workers,
+                               stuck=lambda: _refused(d, down_decisions))
+        assert set(recovered["lost"]) == member_workers and recovered["restored_from"] is None, recovered
+        at = ev.steps_after(i, 2, "steps after the recovery")
 
-        # a second member joins; then its node goes DOWN: the job recovers on the anchor's replicas
+        # a second member joins (another node), then is released: its state leaves first, then Slurm
+        # cancels it (the daemon's scancel), and the job goes on without it
         _ctl(d, "alloc", JOB, "--grow", "1")
         i, regrew = ev.wait("transition-done", "a live Extend onto the second member's workers", since=at,
                             ok=lambda e: bool(set(e["workers"]) - anchor_workers) and e["bytes_sent"] > 0)
         second_workers = set(regrew["workers"]) - anchor_workers
+        second = wait_for(lambda: _grown(d)[1:], 30, "the second member in the daemon's events", 0.5)[0]  # type: ignore[index]
+        assert second["node"] != member["node"]
         at = ev.steps_after(i, 1, "a step on anchor and second member")
-        second = wait_for(lambda: _grown(d)[1:], 30, "the second member in the events", 0.5)[0]  # type: ignore[index]
-        lab.run("scontrol", "update", f"NodeName={second['node']}", "State=DOWN", "Reason=live-down")
-        i, recovered = ev.wait("transition-done", "a recovery transition after the node DOWN", since=at,
-                               ok=lambda e: bool(e["lost"]) and not set(e["workers"]) & second_workers)
-        assert set(recovered["lost"]) & second_workers, recovered
-        ev.steps_after(i, 2, "steps after the recovery")
+        _ctl(d, "alloc", JOB, "--shrink", second["node"])
+        i, drained = ev.wait("transition-done", "a transition moving the state off the second member", since=at,
+                             ok=lambda e: not set(e["workers"]) & second_workers)
+        assert not drained["lost"], drained  # graceful: nothing was lost
+        wait_for(lambda: lab.job_field(second["slurm_job_id"], "JobState") in ("CANCELLED", "COMPLETED", None), 60,
+                 "the second member's Slurm job to be cancelled", 0.5)
+        ev.steps_after(i, 2, "steps after the second member's release")
         assert d["proc"].poll() is None  # the daemon kept serving throughout
-        print(f"live on Slurm: {time.monotonic() - t0:.0f} s; extend {grew['bytes_sent']} B; "
-              f"recovery restored_from={recovered.get('restored_from')}; shrink {shrunk}")
+        print(f"live on Slurm: {time.monotonic() - t0:.0f} s; extend {grew['bytes_sent']} B; recovery after DOWN "
+              f"{recovered['bytes_sent']} B; drain {drained['bytes_sent']} B")
     finally:
         lab.cancel_all()
         _kill_leftovers(str(tmp_path))
