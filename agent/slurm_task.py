@@ -34,11 +34,15 @@ EXIT_NO_DRIVER = 4
 
 
 def reachable_address(endpoint: str) -> str:
-    """This host's address on the interface that routes to ``endpoint`` (tcp://HOST:PORT; no packet is sent)."""
+    """This host's address on the interface that routes to ``endpoint`` (tcp://HOST:PORT; no packet is sent);
+    for another kind of endpoint (ipc://), the address this host's name resolves to."""
     host, _, port = endpoint.split("://", 1)[-1].rpartition(":")
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((host.strip("[]"), int(port or 1)))
-        return str(s.getsockname()[0])
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host.strip("[]"), int(port)))
+            return str(s.getsockname()[0])
+    except (ValueError, OSError):
+        return socket.gethostbyname(socket.gethostname())
 
 
 def free_port(address: str) -> int:
