@@ -246,7 +246,6 @@ class Daemon:
         self.damaged: dict[str, str] = {}  # job -> why it cannot be served (shown by nereusctl)
         self.restored: set[tuple[str, str]] = set()  # nodes alive in the store at start: given a grace
         self.node_state: dict[tuple[str, str], str] = {}
-        self.nodes_of: dict[str, set[str]] = {}  # job -> its known nodes (the per-job node limit)
         self.last_seen: dict[tuple[str, str], float] = {}  # monotonic time of the last message per node
         self.heartbeats_to_flush: dict[tuple[str, str], float] = {}
         self.worker_states: dict[tuple[str, str], list[dict[str, Any]]] = {}  # as last reported per node
@@ -355,7 +354,6 @@ class Daemon:
         for n in self.store.nodes(job_id):
             key = (job_id, n["node"])
             self.node_state[key] = n["state"]
-            self.nodes_of.setdefault(job_id, set()).add(n["node"])
             if n["state"] == "alive":  # a fresh grace period (restarted in serve()): the agent reconnects
                 self.last_seen[key] = now
                 self.restored.add(key)
@@ -754,11 +752,11 @@ class Daemon:
         if holder is not None and holder != identity and self.sessions.by_identity[holder].key != key:
             return protocol.ErrorReply(code="forbidden", message=f"node {msg.node} of job {msg.job_id!r} is held "
                                        "by another key's connection")
-        known = self.nodes_of.setdefault(msg.job_id, set())
-        if msg.node not in known:
+        if self.node_state.get(node_key) != "alive":  # nodes lost or released do not count: others replace them
+            alive = sum(1 for (j, _), state in self.node_state.items() if j == msg.job_id and state == "alive")
             limit, why = self.node_limit(job)
-            if len(known) >= limit:
-                return protocol.ErrorReply(code="forbidden", message=f"job {msg.job_id!r} has {len(known)} nodes, "
+            if alive >= limit:
+                return protocol.ErrorReply(code="forbidden", message=f"job {msg.job_id!r} has {alive} nodes alive, "
                                            f"its limit ({why}); node {msg.node} is refused")
         if msg.slurm_job_id is not None and isinstance(job["spec"].get("elastic"), dict):
             held = ElasticJob.from_dict(job["spec"]["elastic"]).slurm_job_ids
@@ -775,7 +773,6 @@ class Daemon:
                                            slurm_job_id=msg.slurm_job_id, host=msg.host, incarnation=msg.incarnation)
             self.store.add_event("node-registered", {"node": msg.node, "how": how, "devices": len(msg.devices),
                                                      "host": msg.host}, job_id=msg.job_id)
-        known.add(msg.node)
         self.sessions.bind(identity, Session(job_id=msg.job_id, node=msg.node, user=user, key=key, encoding=enc))
         self.node_state[node_key] = "alive"
         self.last_seen[node_key] = time.monotonic()

@@ -10,6 +10,13 @@ The anchor is submitted held, registered with nereusd (``register``), then relea
 never reach the daemon before the job exists there. Growth later is the daemon's business: it submits
 member jobs through the same launcher (nereusd.slurm.submit) when its planner wants more GPUs.
 See etc/submit_elastic.py for a command-line example.
+
+A live job (``job_file``: the engine's job file, on a filesystem the nodes share) runs its workers and
+driver too: every agent gets ``--worker-cmd`` and ``--driver tcp://HOST:PORT``, the anchor's first task
+``--driver-cmd '<python> -m agent.driver --job-file FILE <driver_args>'``; the anchor publishes the
+driver's endpoint in the job folder, where members find it (nereusd.slurm.submit says how). What the
+daemon needs to launch members the same way (job file, worker command, driver arguments, exclusive)
+is kept in the record's ``extra``.
 """
 
 from __future__ import annotations
@@ -35,7 +42,9 @@ def submit_elastic_job(*, job_id: str, min_gpus: int, max_gpus: int, gpus_per_no
                        anchor_nodes: int | None = None, members: int = 0, time_limit_min: int | None = None,
                        python: str | None = None, agent_args: Sequence[str] = (),
                        agent_argv: Sequence[str] | None = None, register: Register | None = None,
-                       env: Mapping[str, str] | None = None, user: str | None = None) -> ElasticJob:
+                       env: Mapping[str, str] | None = None, user: str | None = None, job_file: str | None = None,
+                       worker_cmd: str | None = None, driver_args: Sequence[str] = (),
+                       exclusive: bool = False) -> ElasticJob:
     """Submit the anchor (``anchor_nodes``, default enough nodes for ``min_gpus``) and ``members``
     one-node member jobs; returns the ElasticJob record the daemon tracks."""
     if gpus_per_node < 1:
@@ -48,20 +57,24 @@ def submit_elastic_job(*, job_id: str, min_gpus: int, max_gpus: int, gpus_per_no
     spec = LaunchSpec(job_id=job_id, folder=os.path.expanduser(folder), gpus_per_node=gpus_per_node,
                       endpoint=endpoint, keys_dir=os.path.expanduser(keys_dir) if keys_dir else None,
                       partition=partition, time_limit_min=time_limit_min, python=python,
-                      agent_args=tuple(agent_args), agent_argv=tuple(agent_argv) if agent_argv else None)
+                      agent_args=tuple(agent_args), agent_argv=tuple(agent_argv) if agent_argv else None,
+                      job_file=os.path.abspath(os.path.expanduser(job_file)) if job_file else None,
+                      worker_cmd=worker_cmd, driver_args=tuple(driver_args), exclusive=exclusive)
     held = replace(spec, extra_sbatch={"hold": True}) if register is not None else spec
     anchor = SubmititLauncher(held, env=environment).submit("anchor", nodes)
     job = ElasticJob(job_id=job_id, anchor_job_id=anchor.slurm_job_id, min_gpus=min_gpus, max_gpus=max_gpus,
                      gpus_per_node=gpus_per_node, slurm_user=user or getpass.getuser(), partition=partition,
                      extra={k: v for k, v in {"folder": spec.folder, "endpoint": endpoint, "keys_dir": spec.keys_dir,
                                               "python": python, "agent_args": shlex.join(agent_args),
-                                              "comment": job_comment(job_id)}.items() if v})
+                                              "comment": job_comment(job_id), "job_file": spec.job_file,
+                                              "worker_cmd": worker_cmd, "driver_args": shlex.join(driver_args),
+                                              "exclusive": "1" if exclusive else ""}.items() if v})
     if register is not None:
         try:
             register(job)
         finally:  # registered or not, the anchor must not stay held forever; a failed register
             _release(anchor.slurm_job_id, environment)  # leaves its agents to fail fast instead
-    launcher = SubmititLauncher(spec, env=environment)
+    launcher = SubmititLauncher(replace(spec, anchor_job_id=anchor.slurm_job_id), env=environment)
     for _ in range(members):
         job = job.with_member(launcher.submit("member", 1).slurm_job_id)
     return job

@@ -2,9 +2,11 @@
 else the local source (the embedded default). ``nereusd serve`` calls ``make_source``.
 
 Member jobs of an elastic job are launched with what the job was registered with (its spec's
-``elastic.extra``: ``folder``, ``endpoint``, ``keys_dir``, ``python``, ``agent_args``); what is
-missing comes from the daemon: folder <state_dir>/slurm/JOB, endpoint from <state_dir>/endpoints.json
-(read when a member is submitted, so a port chosen at start-up (0) is right).
+``elastic.extra``: ``folder``, ``endpoint``, ``keys_dir``, ``python``, ``agent_args``, and for a live job
+``job_file``, ``worker_cmd``, ``driver_args``, ``exclusive``); what is missing comes from the daemon:
+folder <state_dir>/slurm/JOB, endpoint from <state_dir>/endpoints.json (read when a member is
+submitted, so a port chosen at start-up (0) is right). A live job's member reads its driver's
+endpoint from the file the anchor published in the job folder (nereusd.slurm.submit).
 
 The local source starts, per granted node of a job whose spec names its job file or agent keys
 (``elastic.extra`` ``job_file`` / ``keys_dir``; a job with neither is only tracked), one agent::
@@ -53,7 +55,9 @@ def launch_spec_for(settings: Settings) -> Any:
             folder=extra.get("folder") or str(Path(settings.daemon.state_dir) / "slurm" / job.job_id),
             endpoint=extra.get("endpoint") or _endpoint(settings), keys_dir=extra.get("keys_dir"),
             python=extra.get("python"), agent_args=tuple(shlex.split(extra.get("agent_args", ""))),
-            sbatch_timeout_s=settings.slurm.command_timeout_s,
+            sbatch_timeout_s=settings.slurm.command_timeout_s, job_file=extra.get("job_file") or None,
+            worker_cmd=extra.get("worker_cmd") or None, driver_args=tuple(shlex.split(extra.get("driver_args", ""))),
+            anchor_job_id=job.anchor_job_id, exclusive=bool(extra.get("exclusive")),
         )
 
     return spec

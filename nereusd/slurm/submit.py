@@ -5,6 +5,16 @@ sbatch script + ``submitit.helpers.CommandFunction``). The anchor is started ``-
 survives losing a node; members are one node each, ``--no-requeue`` (the daemon decides whether to
 grow again), and carry the comment ``nereus:JOB`` so a restarted daemon finds them again.
 
+A live job (``job_file`` set) also runs its workers and its driver. Each srun task then runs
+``python -m agent.slurm_task --driver-file F [--anchor-job ANCHOR] [--driver-cmd DRIVER] -- AGENT``
+where AGENT is the agent command plus ``--worker-cmd '<python> -m agent.worker'``: the anchor's task 0
+publishes the driver's endpoint (the address that reaches nereusd, a free port) in F =
+``<folder>/driver-JOB.json`` and gives its agent ``--driver ENDPOINT --driver-cmd '<python> -m
+agent.driver --job-file FILE <driver_args>'``; every other task (the anchor's other nodes, members
+submitted any time later) reads F, written by that anchor, and gives its agent ``--driver ENDPOINT``.
+So ``folder`` must be shared by the nodes (submitit needs that anyway). ``exclusive`` asks for whole
+nodes: the daemon knows one agent per node and job, so two of the job's Slurm jobs must not share one.
+
 sbatch runs through ``timeout`` (a hung slurmctld must not hang the daemon) and with the configured
 SLURM_CONF. Growth never uses Slurm job expansion: it fails for jobs holding GRES in 22.05.
 
@@ -57,6 +67,11 @@ class LaunchSpec:
     agent_argv: tuple[str, ...] | None = None  # default: python -m agent.node --endpoint ADDR --job JOB
     agent_args: tuple[str, ...] = ()  # appended to the default agent command (e.g. --cpu-slots 2)
     setup: tuple[str, ...] = ()  # shell lines run in the batch script before srun
+    job_file: str | None = None  # a live job's engine job file (readable on the nodes): workers and driver run
+    worker_cmd: str | None = None  # a live job's worker command (default: python -m agent.worker)
+    driver_args: tuple[str, ...] = ()  # appended to python -m agent.driver --job-file FILE
+    anchor_job_id: str | None = None  # members of a live job: whose driver file to read
+    exclusive: bool = False  # whole nodes for each Slurm job (--exclusive)
     sbatch_timeout_s: float = 20.0
     extra_sbatch: Mapping[str, Any] = field(default_factory=dict)  # more #SBATCH flags
 
@@ -71,6 +86,8 @@ class LaunchSpec:
             raise SpecError("launch.endpoint", f"got {self.endpoint!r}", "tcp://HOST:PORT where agents reach nereusd")
         if self.sbatch_timeout_s <= 0:
             raise SpecError("launch.sbatch_timeout_s", f"must be > 0, got {self.sbatch_timeout_s}")
+        if self.job_file is not None and not self.job_file.startswith("/"):
+            raise SpecError("launch.job_file", f"got {self.job_file!r}", "an absolute path the nodes can read")
 
     @property
     def interpreter(self) -> str:
@@ -82,6 +99,29 @@ class LaunchSpec:
         keys = ["--keys", self.keys_dir] if self.keys_dir else []
         return [self.interpreter, "-m", "agent.node", "--endpoint", self.endpoint, "--job", self.job_id, *keys,
                 *self.agent_args]
+
+    @property
+    def driver_file(self) -> str:
+        """Where a live job's anchor publishes its driver's endpoint: the job folder (above any %j part)."""
+        parts = self.folder.split("/")
+        base = "/".join(parts[:next((i for i, p in enumerate(parts) if "%" in p), len(parts))]) or "/"
+        return f"{base.rstrip('/')}/driver-{self.job_id}.json"
+
+    def task_command(self, role: Role) -> list[str]:
+        """What each srun task of a ``role`` job runs: the agent, behind agent.slurm_task for a live job."""
+        if self.job_file is None:
+            return self.agent_command()
+        py = self.interpreter
+        agent = [*self.agent_command(), "--worker-cmd", self.worker_cmd or f"{shlex.quote(py)} -m agent.worker"]
+        task = [py, "-m", "agent.slurm_task", "--driver-file", self.driver_file]
+        if role == "anchor":
+            driver = [py, "-m", "agent.driver", "--job-file", self.job_file, *self.driver_args]
+            task += ["--driver-cmd", shlex.join(driver)]
+        elif self.anchor_job_id is None:
+            raise SpecError("launch.anchor_job_id", "a live job's member needs it (to find the anchor's driver)")
+        else:
+            task += ["--anchor-job", self.anchor_job_id]
+        return [*task, "--", *agent]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -108,6 +148,8 @@ class SubmititLauncher:
         extra: dict[str, Any] = {"time": "UNLIMITED"} if spec.time_limit_min is None else {}
         # anchor: survive losing a node; member: one node, never requeued behind the daemon's back
         extra.update({"no-kill": True} if role == "anchor" else {"no-requeue": True})
+        if spec.exclusive:
+            extra["exclusive"] = True
         extra.update(spec.extra_sbatch)
         params: dict[str, Any] = {
             "job_name": slurm_job_name(spec.job_id, role), "comment": job_comment(spec.job_id),
@@ -153,7 +195,7 @@ class SubmititLauncher:
         ex = self.executor(role, nodes)
         t0 = time.time()
         try:
-            job = ex.submit(submitit.helpers.CommandFunction(self.spec.agent_command()))
+            job = ex.submit(submitit.helpers.CommandFunction(self.spec.task_command(role)))
         except Exception as exc:  # submitit wraps sbatch failures in FailedJobError/CalledProcessError
             raise SubmitError(f"sbatch of the {role} of {self.spec.job_id} failed: {exc}") from exc
         return SubmittedJob(slurm_job_id=str(job.job_id), role=role, nodes=nodes, submitted_at_s=t0)

@@ -1,0 +1,243 @@
+"""The live job on the real cluster: submitted with etc/submit_elastic.py (through submitit) from a job
+file, it trains under nereusd's Slurm source. A member job grows it and the live state extends onto the
+member's workers; the member's node is set DOWN (Slurm ends the member, NODE_FAIL) and the job recovers
+from the replicas left on the anchor, steps continuing; a second member joins on another node, and is
+released: its state leaves first, then the daemon cancels it (scancel), and the job goes on.
+
+Why this order: after the first growth the planner replicates the actor's training state per node
+(DP 2 x TP 2), so losing a node leaves a copy. By the second growth calibration has made it prefer one
+copy across both nodes (TP 2 x PP 2), and the daemon cannot yet recover a lost last copy from a
+checkpoint in the live job (it decides checkpoint-restart and orders nothing; the wait then fails at
+once saying so), so the second member leaves gracefully.
+
+The story is read from the driver's events (``--events``, a JSON line per step and transition, in the
+job folder), the cluster's side from nereusctl. Every wait names what it waits for; the bounds hold on
+a loaded 2-core machine (agents, workers and the driver all import torch on the same two cores).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from lab import SlurmLab, wait_for
+
+from nereusd.wire.keys import KeyStore
+
+pytestmark = [pytest.mark.slurm, pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.xdist_group("slurm")]
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+JOB = "live"
+WAIT_S = 180.0  # one act of the story (a member starting, its workers importing torch, a transition)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def nereusd(lab: SlurmLab, tmp_path: Path) -> Iterator[dict[str, Any]]:
+    state = tmp_path / "state"
+    keys = KeyStore(state / "keys")
+    keys.init()
+    keys.create_client(name="admin", user="root", role="admin", out_dir=tmp_path / "admin")
+    keys.create_client(name="root-agent", user="root", role="agent", out_dir=tmp_path / "agent")
+    cfg = tmp_path / "nereusd.toml"
+    cfg.write_text(f"""
+[daemon]
+state_dir = "{state}"
+log_format = "json"
+order_timeout_s = 180
+[control]
+port = {_free_port()}
+admin_port = {_free_port()}
+heartbeat_interval_s = 0.5
+heartbeat_timeout_s = 15.0
+[metrics]
+enabled = false
+[planner]
+pool_settle_s = 1.0
+[slurm]
+poll_interval_s = 0.5
+poll_backoff_max_s = 2.0
+command_timeout_s = 10.0
+""")
+    log = open(tmp_path / "nereusd.log", "ab")  # noqa: SIM115 (closed below)
+    proc = subprocess.Popen([str(BIN / "nereusd"), "serve", "--config", str(cfg)], stdout=log,
+                            stderr=subprocess.STDOUT, env=lab.env)
+    try:
+        wait_for(lambda: (state / "endpoints.json").exists() or proc.poll() is not None, 30, "nereusd to start")
+        assert proc.poll() is None, (tmp_path / "nereusd.log").read_text()
+        endpoints = json.loads((state / "endpoints.json").read_text())
+        yield {"state": state, "tmp": tmp_path, "endpoints": endpoints, "proc": proc}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+        log.close()
+
+
+def _ctl(d: dict[str, Any], *argv: str) -> Any:
+    proc = subprocess.run([str(BIN / "nereusctl"), *argv, "--state-dir", str(d["state"]), "--keys",
+                           str(d["tmp"] / "admin")], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, f"nereusctl {argv} exited {proc.returncode}: {proc.stderr}"
+    return json.loads(proc.stdout) if "--json" in argv else proc.stdout
+
+
+def _grown(d: dict[str, Any]) -> list[dict[str, Any]]:
+    """The job's member jobs that started, in order: {"slurm_job_id", "node"}."""
+    out = []
+    for row in _ctl(d, "events", JOB, "--json"):
+        data = row["data"] if isinstance(row["data"], dict) else json.loads(row["data"])
+        if row["kind"] == "allocation" and data["kind"] == "grown":
+            nodes = data["nodes"]
+            out.append({"slurm_job_id": data["slurm_job_id"], "node": nodes[0]["node"] if isinstance(nodes[0], dict)
+                        else nodes[0]})
+    return out
+
+
+def _decisions(d: dict[str, Any]) -> list[dict[str, Any]]:
+    return list(_ctl(d, "decisions", JOB, "--json"))
+
+
+def _refused(d: dict[str, Any], since: int) -> str:
+    """Why the daemon will order no recovery: it found the last copy of some state gone (the plan had no
+    replica off the lost node), which the live job cannot take back from a checkpoint yet."""
+    bad = [x for x in _decisions(d)[since:] if x["rule"] == "checkpoint-restart"]
+    return f"the daemon decided {bad[0]['reason']!r}" if bad else ""
+
+
+class DriverEvents:
+    """The driver's JSON lines, read as they grow."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.seen: list[dict[str, Any]] = []
+
+    def read(self) -> list[dict[str, Any]]:
+        if self.path.exists():
+            lines = [x for x in self.path.read_text().splitlines() if x.strip()]
+            self.seen = [json.loads(x) for x in lines if x.endswith("}")]  # a line being written is skipped
+        return self.seen
+
+    def after(self, index: int, kind: str) -> list[tuple[int, dict[str, Any]]]:
+        return [(i, e) for i, e in enumerate(self.read()) if i > index and e["event"] == kind]
+
+    def wait(self, kind: str, what: str, since: int = -1, ok: Callable[[dict[str, Any]], bool] = lambda e: True,
+             timeout_s: float = WAIT_S, stuck: Callable[[], str] = lambda: "") -> tuple[int, dict[str, Any]]:
+        def found() -> tuple[int, dict[str, Any]] | None:
+            fatal = [e for _, e in self.after(since, "driver-failed") + self.after(since, "gave-up")]
+            assert not fatal, f"the driver stopped while waiting for {what}: {fatal}"
+            why = stuck()
+            assert not why, f"no {what} will come: {why}"
+            return next(((i, e) for i, e in self.after(since, kind) if ok(e)), None)
+
+        try:
+            return wait_for(found, timeout_s, what, 0.5)  # type: ignore[return-value]
+        except TimeoutError:
+            tail = [{k: v for k, v in e.items() if k not in ("traceback", "stage_seconds")} for e in self.read()[-12:]]
+            raise TimeoutError(f"no {what} within {timeout_s:.0f} s; the driver's last events: {tail}") from None
+
+    def steps_after(self, index: int, count: int, what: str) -> int:
+        """Wait for ``count`` steps after event ``index``; returns the index of the last of them."""
+        i, _ = self.wait("step", f"{what} (step 1 of {count})", since=index)
+        for n in range(1, count):
+            i, _ = self.wait("step", f"{what} (step {n + 1} of {count})", since=i)
+        return i
+
+
+def _kill_leftovers(marker: str) -> None:
+    """Agents, workers and drivers of this test that outlived their Slurm job (a DOWN node's processes are
+    not cleaned up by a slurmd that never heard of the failure): found by this test's own tmp path."""
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if any(marker in a for a in cmd) and p.info["pid"] != os.getpid():
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+
+
+def test_live_job_grows_by_member_survives_node_down_and_releases_member(lab: SlurmLab, nereusd: dict[str, Any],
+                                                                 tmp_path: Path) -> None:
+    d = nereusd
+    t0 = time.monotonic()
+    folder = tmp_path / "submitit"
+    events_path = folder / "driver-events.jsonl"
+    job_file = tmp_path / "live.toml"
+    job_file.write_text((ROOT / "etc" / "jobs" / "live.toml").read_text().replace("steps = 20", "steps = 400"))
+    driver_args = f"--events {events_path} --checkpoint-every 4 --checkpoint-dir {tmp_path / 'ckpt'} --heal-after-s 15"
+    submit = subprocess.run(
+        [sys.executable, str(ROOT / "etc" / "submit_elastic.py"), JOB, "--job-file", str(job_file),
+         "--endpoint", d["endpoints"]["control"], "--folder", str(folder), "--keys", str(tmp_path / "agent"),
+         "--partition", lab.partition, "--exclusive", "--agent-args", "--cpu-slots 2 --log-format json",
+         "--driver-args", driver_args, "--ctl-keys", str(tmp_path / "admin"), "--ctl-args",
+         f"--state-dir {d['state']}"], capture_output=True, text=True, timeout=120, env=lab.env, cwd=ROOT)
+    assert submit.returncode == 0, f"submit_elastic.py exited {submit.returncode}: {submit.stderr}"
+    record = json.loads(submit.stdout)
+    assert record["extra"]["job_file"] == str(job_file) and record["max_gpus"] == 4
+    ev = DriverEvents(events_path)
+    try:
+        # the anchor starts: its agent runs the driver, the initial placement is done, steps run
+        first, placed = ev.wait("transition-done", "the initial placement on the anchor's workers")
+        anchor_workers = set(placed["workers"])
+        assert anchor_workers and not placed["lost"]
+        published = json.loads((folder / f"driver-{JOB}.json").read_text())
+        assert published["anchor_job_id"] == record["anchor_job_id"], published
+        at = ev.steps_after(first, 2, "steps on the anchor")
+
+        # growth: a member job starts, its agent finds the driver and joins; the state extends onto it
+        assert "request queued" in _ctl(d, "alloc", JOB, "--grow", "1")
+        i, grew = ev.wait("transition-done", "a live Extend onto the member's workers", since=at,
+                          ok=lambda e: bool(set(e["workers"]) - anchor_workers) and e["bytes_sent"] > 0)
+        member_workers = set(grew["workers"]) - anchor_workers
+        member = wait_for(lambda: _grown(d), 30, "the member in the daemon's events", 0.5)[0]  # type: ignore[index]
+        assert member["node"] != lab.job_field(record["anchor_job_id"], "BatchHost")
+        at = ev.steps_after(i, 2, "steps on anchor and member")
+        assert set(ev.seen[at]["workers"]) == set(grew["workers"])
+
+        # Slurm takes the member's node (DOWN): the job goes on from the replicas left on the anchor
+        down_decisions = len(_decisions(d))
+        lab.run("scontrol", "update", f"NodeName={member['node']}", "State=DOWN", "Reason=live-down")
+        i, recovered = ev.wait("transition-done", "a recovery transition after the node DOWN", since=at,
+                               ok=lambda e: bool(e["lost"]) and not set(e["workers"]) & member_workers,
+                               stuck=lambda: _refused(d, down_decisions))
+        assert set(recovered["lost"]) == member_workers and recovered["restored_from"] is None, recovered
+        at = ev.steps_after(i, 2, "steps after the recovery")
+
+        # a second member joins (another node), then is released: its state leaves first, then Slurm
+        # cancels it (the daemon's scancel), and the job goes on without it
+        _ctl(d, "alloc", JOB, "--grow", "1")
+        i, regrew = ev.wait("transition-done", "a live Extend onto the second member's workers", since=at,
+                            ok=lambda e: bool(set(e["workers"]) - anchor_workers) and e["bytes_sent"] > 0)
+        second_workers = set(regrew["workers"]) - anchor_workers
+        second = wait_for(lambda: _grown(d)[1:], 30, "the second member in the daemon's events", 0.5)[0]  # type: ignore[index]
+        assert second["node"] != member["node"]
+        at = ev.steps_after(i, 1, "a step on anchor and second member")
+        _ctl(d, "alloc", JOB, "--shrink", second["node"])
+        i, drained = ev.wait("transition-done", "a transition moving the state off the second member", since=at,
+                             ok=lambda e: not set(e["workers"]) & second_workers)
+        assert not drained["lost"], drained  # graceful: nothing was lost
+        wait_for(lambda: lab.job_field(second["slurm_job_id"], "JobState") in ("CANCELLED", "COMPLETED", None), 60,
+                 "the second member's Slurm job to be cancelled", 0.5)
+        ev.steps_after(i, 2, "steps after the second member's release")
+        assert d["proc"].poll() is None  # the daemon kept serving throughout
+        print(f"live on Slurm: {time.monotonic() - t0:.0f} s; extend {grew['bytes_sent']} B; recovery after DOWN "
+              f"{recovered['bytes_sent']} B; drain {drained['bytes_sent']} B")
+    finally:
+        lab.cancel_all()
+        _kill_leftovers(str(tmp_path))
