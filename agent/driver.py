@@ -118,6 +118,7 @@ class JobDriver:
         self.dead: set[int] = set()  # workers of the plan that died since it was bound
         self.incarnations: dict[str, str] = {}  # node -> agent incarnation, from the latest order
         self.broken = False  # the engine's binding is gone (a failed command re-formed the generation)
+        self.torn = False  # a step failed mid-update: the state in memory is not a step's; restore it
         self.step = 0
         self.checkpoint: _Checkpoint | None = None
         self.snapshots: dict[int, dict[str, str]] = {}  # verify: steps done -> logical digests then
@@ -212,6 +213,8 @@ class JobDriver:
                     dag = live_dag(self.cfg, old, new, cluster=cluster, lost=frozenset(lost))
                 except (LastCopyLostError, CoverageError) as exc:
                     dag, restored = None, str(exc).splitlines()[0]
+                if self.torn:
+                    dag, restored = None, "a step failed after its optimizer updates began (torn state)"
                 if dag is not None:
                     from transitions.dag_pieces import DagMemo
                     from transitions.executor import IN_PLACE
@@ -240,6 +243,7 @@ class JobDriver:
             self._after_failure()
             return
         self.plan, self.dead, self.broken = new, set(), False
+        self.torn = self.torn and restored is None
         if order is not None:
             self.version = order.to_version
             self._report(order, ok=True, measured_s=measured, bytes_by_worker=sent)
@@ -295,9 +299,34 @@ class JobDriver:
         return dataclasses.replace(self.cfg, max_new_tokens=lengths[-1]) if lengths else self.cfg
 
     # --- the loop -----------------------------------------------------------------------------------
-    def run(self) -> int:
+    def step_once(self) -> bool:
+        """One RL step on the bound plan (its measurement out, a checkpoint when due); False when it
+        failed (the survivors are then in a new generation and the plan waits for a replan)."""
         from agent.engine.live import bind, train_step
 
+        assert self.plan is not None
+        workers = sorted(self.plan.gpus)
+        try:
+            if self.step in self.dc.response_schedule:
+                self.hub.call(bind, workers=workers, timeout_s=self.dc.step_timeout_s, collective=True,
+                              cfg=self._cfg_now(), plan=self.plan)
+                self.event("workload", step=self.step, max_new_tokens=self.dc.response_schedule[self.step])
+            results = self.hub.call(train_step, workers=workers, timeout_s=self.dc.step_timeout_s, collective=True,
+                                    step=self.step)
+        except WorkerDied as exc:
+            self.event("step-failed", step=self.step, error=str(exc)[:2000])
+            self._check_torn()
+            self._after_failure()
+            return False
+        self._measure(results)
+        self.step += 1
+        if self.dc.checkpoint_every and self.step % self.dc.checkpoint_every == 0:
+            self._checkpoint()
+        if self.dc.verify:
+            self._snapshot()
+        return True
+
+    def run(self) -> int:
         self.event("driver-started", steps=self.dc.steps, hub=self.hub.endpoint)
         waiting_since: float | None = None
         while self.step < self.dc.steps:
@@ -319,26 +348,24 @@ class JobDriver:
                 elif self.plan is not None and waited > self.dc.heal_after_s and self._restarted_in_place():
                     self.apply(None, self.plan)  # the pool did not change: Extend the plan onto the restart
                 continue
-            assert self.plan is not None  # not degraded
-            if self.step in self.dc.response_schedule:
-                self.hub.call(bind, workers=sorted(self.plan.gpus), timeout_s=self.dc.step_timeout_s, collective=True,
-                              cfg=self._cfg_now(), plan=self.plan)
-                self.event("workload", step=self.step, max_new_tokens=self.dc.response_schedule[self.step])
-            try:
-                results = self.hub.call(train_step, workers=sorted(self.plan.gpus),
-                                        timeout_s=self.dc.step_timeout_s, collective=True, step=self.step)
-            except WorkerDied as exc:
-                self.event("step-failed", step=self.step, error=str(exc)[:2000])
-                self._after_failure()
-                continue
-            self._measure(results)
-            self.step += 1
-            if self.dc.checkpoint_every and self.step % self.dc.checkpoint_every == 0:
-                self._checkpoint()
-            if self.dc.verify:
-                self._snapshot()
+            self.step_once()
         self.event("done", steps=self.step, plan_version=self.version)
         return 0
+
+    def _check_torn(self) -> None:
+        """After a failed step: did the survivors begin the step's optimizer updates? Then what they
+        hold is part of a step, and the next plan is loaded from the checkpoint instead of moved."""
+        from agent.engine.live import torn
+
+        assert self.plan is not None
+        alive = [w for w in sorted(self.plan.gpus) if w in self.hub.alive]
+        try:
+            answers = self.hub.call(torn, workers=alive, timeout_s=60.0)
+        except WorkerDied:
+            answers = {0: True}  # cannot tell: assume the worst
+        if any(answers.values()):
+            self.torn = True
+            self.event("torn", step=self.step, workers=sorted(w for w, t in answers.items() if t))
 
     def _rebind(self) -> None:
         """Bind the current plan again on its workers after a failure that killed nobody; where a failed
@@ -350,6 +377,8 @@ class JobDriver:
         try:
             self.hub.form_generation(workers)
             try:
+                if self.torn:
+                    raise WorkerDied("units: a step failed after its optimizer updates began (torn state)")
                 self.hub.call(bind, workers=workers, timeout_s=self.dc.step_timeout_s, collective=True, cfg=self._cfg_now(),
                               plan=self.plan)
             except WorkerDied as exc:
@@ -363,7 +392,7 @@ class JobDriver:
             self.event("rebind-failed", error=str(exc)[:2000])
             self._after_failure()
             return
-        self.broken = False
+        self.broken = self.torn = False
         self.event("rebound", plan_version=self.version, workers=workers, step=self.step)
 
     def _restarted_in_place(self) -> bool:

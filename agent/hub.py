@@ -4,8 +4,9 @@ A worker started by its node agent (``python -m agent.worker``, NEREUS_DRIVER in
 dials the job's driver, says hello with its node and device, and waits to be given its worker id
 (the global GPU id the daemon's plan uses for that device); from then on it obeys the commands of
 ``agent.commands`` exactly as a spawned local worker does over its pipe (``agent.worker.worker_main``).
-A second socket of the worker beats every ``BEAT_S``: a worker whose beat stops for ``dead_after_s``
-is dead to the driver (a killed process says nothing, and ZeroMQ hides disconnects).
+A small process beside the worker (``agent.beat``) beats every ``agent.beat.BEAT_S`` while the worker lives: a
+worker whose beat stops for ``dead_after_s`` is dead to the driver (a killed process says nothing, and
+ZeroMQ hides disconnects).
 
 Security: the hub is a CURVE server whose key pair is the job's agent key bundle, and a ZAP handler
 admits only clients that present that same public key, so only processes holding the user's agent
@@ -21,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
-import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -34,7 +34,6 @@ from agent.commands import Command, Reply, WorkerState
 from agent.coordinator import CommandDriver, WorkerDied
 from nereusd.wire.keys import ClientBundle
 
-BEAT_S = 0.5
 HELLO, ASSIGN, BEAT, BYE = b"hello", b"assign", b"beat", b"bye"
 
 
@@ -283,9 +282,17 @@ class WorkerLink:
         hello = {"node": node, "device": device, "pid": self.pid,
                  "incarnation": os.environ.get("NEREUS_AGENT_INCARNATION", "")}
         self.sock.send_multipart([HELLO, pickle.dumps(hello)])
-        self._stop = threading.Event()
-        self._beat = threading.Thread(target=self._beats, args=(endpoint, bundle), name="nereus-beat", daemon=True)
-        self._beat.start()
+        # the beats come from a process of their own (agent.beat): a thread here would fall silent
+        # whenever torch holds the GIL in a long blocking call, and a busy worker would look dead
+        import subprocess
+        import sys
+
+        self._beat = subprocess.Popen([sys.executable, "-m", "agent.beat", endpoint, node, str(device), str(self.pid)],
+                                      stdin=subprocess.PIPE)
+        keys = b"\n".join((bundle.public_key, bundle.public_key, bundle.secret_key)) if bundle is not None else b""
+        assert self._beat.stdin is not None
+        self._beat.stdin.write(keys + b"\n")
+        self._beat.stdin.close()
 
     def _socket(self, endpoint: str, bundle: ClientBundle | None, kind: int) -> zmq.Socket[bytes]:
         sock: zmq.Socket[bytes] = self.ctx.socket(kind)
@@ -296,15 +303,6 @@ class WorkerLink:
             sock.curve_secretkey = bundle.secret_key
         sock.connect(endpoint)
         return sock
-
-    def _beats(self, endpoint: str, bundle: ClientBundle | None) -> None:
-        sock = self._socket(endpoint, bundle, zmq.DEALER)
-        body = pickle.dumps((self.node, self.device, self.pid))
-        try:
-            while not self._stop.wait(BEAT_S):
-                sock.send_multipart([BEAT, body])
-        finally:
-            sock.close(linger=0)
 
     def _orphaned(self) -> bool:
         return os.getppid() != self.parent
@@ -337,7 +335,10 @@ class WorkerLink:
         self.sock.send_multipart([b"reply", pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)])
 
     def close(self) -> None:
-        self._stop.set()
-        self._beat.join(2.0)
+        self._beat.terminate()
+        try:
+            self._beat.wait(5)
+        except Exception:  # noqa: BLE001 - it exits with this process anyway
+            self._beat.kill()
         self.sock.close(linger=1000)
         self.ctx.term()

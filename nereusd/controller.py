@@ -121,8 +121,12 @@ class JobController:
                  gamma: float, thresholds: dict[admission.Signal, float], log: Any,
                  send_order: Callable[[str, protocol.TransitionOrder], bool], clock=time.monotonic,
                  pool_settle_s: float = 0.0,
-                 release_nodes: Callable[[list[str]], None] | None = None) -> None:
+                 release_nodes: Callable[[list[str]], None] | None = None, restore_by_order: bool = False) -> None:
         self.job_id = job_id
+        # where no transition reaches the new plan (the last copy of some state died): order the plan
+        # anyway as a restore, which the job's driver runs from its latest checkpoint (the live job); off,
+        # the decision only records the checkpoint/restart fallback (the simulator plays the restart)
+        self.restore_by_order = restore_by_order
         self.store = store
         self.metrics = metrics
         self.planner = planner
@@ -400,11 +404,14 @@ class JobController:
         t0 = time.perf_counter()
         sketch: dict[str, TransitionSketch] = {}
 
+        found: dict[str, admission.Candidate] = {}
+
         def replan() -> admission.Candidate:
             if self.planner is None:
                 raise InfeasibleError("no planner is bound to the daemon (planner.search missing)")
             try:
-                return self.planner.search(spec, self.pool, version)
+                found["c"] = self.planner.search(spec, self.pool, version)
+                return found["c"]
             except SpecError as exc:  # recorded as a decision like any other reason not to move
                 raise InfeasibleError(f"the job spec cannot be planned: {exc}") from None
 
@@ -419,7 +426,11 @@ class JobController:
         except InfeasibleError as exc:  # replan() is caught inside decide(): this is the DAG (last copy lost)
             self.trigger_state = admission.after_replan(self.trigger_state or admission.initial_state(obs), obs)
             self._save()
-            return self._record_unbuildable(trigger, exc, time.perf_counter() - t0)
+            restore = found.get("c") if self.restore_by_order else None
+            did = self._record_unbuildable(trigger, exc, time.perf_counter() - t0, restore)
+            if restore is not None:
+                self._order_restore(did, restore, exc)
+            return did
         decision_s = time.perf_counter() - t0
         self.trigger_state = admission.after_replan(self.trigger_state or admission.initial_state(obs), obs)
         self._save()
@@ -450,18 +461,37 @@ class JobController:
             self._order(did, new_plan, decision.candidate_prediction, sketch.get("s"))
         return did
 
-    def _record_unbuildable(self, trigger: admission.Trigger, exc: InfeasibleError, decision_s: float) -> int:
-        reason = ("no transition can reach the new plan: fall back to checkpoint/restart ("
-                  + str(exc).splitlines()[0] + ")")
+    def _record_unbuildable(self, trigger: admission.Trigger, exc: InfeasibleError, decision_s: float,
+                            restore: admission.Candidate | None = None) -> int:
+        if restore is None:
+            reason = ("no transition can reach the new plan: fall back to checkpoint/restart ("
+                      + str(exc).splitlines()[0] + ")")
+        else:
+            reason = (f"no transition can reach the new plan ({str(exc).splitlines()[0]}): restore plan "
+                      f"v{restore.plan.version} from the job's latest checkpoint")
         did = self.store.add_decision(
             job_id=self.job_id, trigger=trigger.kind.value, urgent=trigger.kind is admission.TriggerKind.URGENT,
-            admitted=False, rule=admission.Rule.CHECKPOINT_RESTART.value, reason=reason,
-            from_version=self.plan.version if self.plan else None, to_version=None, delta_l_s=None, l_tran_s=None,
+            admitted=restore is not None, rule=admission.Rule.CHECKPOINT_RESTART.value, reason=reason,
+            from_version=self.plan.version if self.plan else None,
+            to_version=restore.plan.version if restore is not None else None, delta_l_s=None, l_tran_s=None,
             h_x=trigger.h_steps, gamma=self.gamma, decision_ms=decision_s * 1e3,
             inputs={"trigger": admission._plain(trigger), "infeasible_reasons": list(exc.reasons) or [str(exc)]})
-        self.metrics.decisions.labels(self.job_id, "false").inc()
-        self.log.warning("decision", id=did, admitted=False, rule="checkpoint-restart", reason=reason)
+        self.metrics.decisions.labels(self.job_id, str(restore is not None).lower()).inc()
+        self.log.warning("decision", id=did, admitted=restore is not None, rule="checkpoint-restart", reason=reason)
         return did
+
+    def _order_restore(self, decision_id: int, restore: admission.Candidate, exc: InfeasibleError) -> None:
+        """Order ``restore``'s plan with no DAG: the driver finds the last copy gone too and loads the
+        plan's units from its checkpoint. Its time is not a transition's (L_tran learns nothing from it)."""
+        parts: dict[str, dict[str, Any]] = {}
+        for gpu in sorted(restore.plan.gpus):
+            parts.setdefault(self._node_of_gpu(gpu), {"gpus": []})["gpus"].append(gpu)
+        dag = {"kind": "restore", "new_version": restore.plan.version,
+               "reasons": list(exc.reasons) or [str(exc).splitlines()[0]]}
+        self.store.add_plan(job_id=self.job_id, version=restore.plan.version, plan=plan_to_dict(restore.plan),
+                            prediction=admission._plain(restore.prediction))
+        self._order(decision_id, restore.plan, restore.prediction,
+                    TransitionSketch(predicted_s=0.0, bytes_moved=0, dag=dag, parts=parts))
 
     def _order(self, decision_id: int, new_plan: GlobalPlan, prediction: Any, sketch: TransitionSketch | None) -> None:
         sketch = sketch or TransitionSketch(predicted_s=0.0, bytes_moved=0, dag={})
@@ -637,6 +667,8 @@ class JobController:
     def _observe_transition(self, t: dict[str, Any]) -> None:
         if not isinstance(self.planner, TransitionObserver):
             return
+        if (t.get("dag") or {}).get("kind") == "restore":
+            return  # no DAG ran: a checkpoint load says nothing about L_tran
         try:
             self.planner.observe_transition(self._spec_now(), t)
         except NereusError as exc:  # a malformed row must not stop the daemon; the correction stays as it was

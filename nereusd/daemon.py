@@ -401,7 +401,7 @@ class Daemon:
                             gamma=p.gamma, thresholds=thresholds, log=self.log,
                             send_order=lambda node, order: self._send_to_node(job_id, node, order),
                             pool_settle_s=p.pool_settle_s,
-                            release_nodes=lambda nodes: self._queue_release(job_id, nodes))
+                            release_nodes=lambda nodes: self._queue_release(job_id, nodes), restore_by_order=True)
         self.controllers[job_id] = ctl
         return ctl
 

@@ -240,6 +240,14 @@ class LiveStep:
     sync_sent_bytes: int  # this worker's share of the weight sync, bytes sent point-to-point
 
 
+def torn(ctx: Any) -> bool:
+    """Whether this worker's training state may be torn: its last step failed after the members began
+    the optimizer updates (so the units hold some of that step's updates, not all). The driver asks the
+    survivors after a failed step; torn state is restored from the checkpoint instead of moved."""
+    engine = ctx.engine
+    return bool(isinstance(engine, LiveEngine) and engine.loop.updating)
+
+
 class LiveLoop(RLLoop):
     """``RLLoop`` on a generation's ranks whose weight sync is one refresh DAG over the worker's unit
     buffers (worker ids, ``ctx.channel``), delivering the fed stages' units as their parameters."""
@@ -251,6 +259,9 @@ class LiveLoop(RLLoop):
         super().__init__(cfg, rank_plan(plan, spec.members), rank=spec.rank_of(worker_id))
         # not the worker's context: no reference cycle, so dropping ``ctx.engine`` frees the views
         self.worker_id, self.channel, self.units, self.worker_plan = worker_id, channel, units, plan
+        # set once every member finished the step's rollout and inference, cleared when the step is done:
+        # a step that fails while it is set may have applied some optimizer updates (torn state)
+        self.updating = False
         self.memo = DagMemo()
         self.fed: dict[str, RankState] = {}  # uid -> state backing a fed stage's parameters
         self._feed_dag, self._sources, self._feed_units, self._feed_predicted_s = self._feed_plan()
@@ -271,6 +282,13 @@ class LiveLoop(RLLoop):
                                _subplan(plan, both, version + 1), refresh={p.model_stage: t for p, t in fed})
         return (dag, _units(self.cfg, trainers, plan, version), _units(self.cfg, both[len(trainers):], plan, version + 1),
                 transition_cost(dag, cluster).seconds)
+
+    def _before_training(self) -> None:
+        """Every member has finished the rollout phase before any updates its state: a member lost before
+        this point leaves the training state untouched on all survivors; after it, ``updating`` says so."""
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(torch.zeros(1))  # bounded by the generation's timeout, as every collective
+        self.updating = True
 
     def _sync_all(self) -> SyncReport | None:
         """The fed stages' parameters refreshed from the trainers' unit buffers, in one DAG (collective
@@ -456,6 +474,7 @@ def train_step(ctx: Any, *, step: int) -> LiveStep:
                 p.grad = None
     engine.rl_steps = step + 1
     _write_counters(engine)
+    loop.updating = False  # the step's updates are all in, and the counters say so
     if cuda:
         peak = int(torch.cuda.max_memory_allocated(ctx.device))
     else:

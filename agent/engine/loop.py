@@ -416,6 +416,7 @@ class RLLoop:
             actor_loss = ActorLoss(clip=c.remax.clip, kl_coef=c.remax.kl_coef, temperature=temp)
         if self.vllm is not None:
             self.vllm.release()  # colocated: hand the engine's memory to training
+        self._before_training()
         n_mb = c.train_mini_batches_per_step
         rows_per_mb = roll.tokens.shape[0] // n_mb
         losses = []
@@ -457,6 +458,10 @@ class RLLoop:
                           sync_sent_bytes=sync.bytes_sent if sync else 0,
                           sync_predicted_s=sync.predicted_s if sync else 0.0,
                           sync_measured_s=sync.measured_s if sync else 0.0)
+
+    def _before_training(self) -> None:
+        """Called once per step between the rollout/inference phase and the first optimizer update
+        (``agent.engine.live`` marks there whether a failed step may have changed the training state)."""
 
     def measurements(self, step: int) -> dict[str, StageMeasurement]:
         return self.timer.of_step(step)

@@ -311,3 +311,56 @@ def test_the_controller_drains_before_it_releases_and_fails_late_orders(tmp_path
     again = k.step()
     assert again is not None and f"transition {late['id']} failed" in json.dumps(store.decision(again)["inputs"])  # type: ignore[index]
     assert store.transitions("k")[-1]["state"] == "ordered" and store.transitions("k")[-1]["id"] != late["id"]
+
+
+def test_a_lost_last_copy_is_ordered_as_a_restore_from_the_checkpoint(tmp_path: Path) -> None:
+    """No DAG can reach the new plan (the last copy of some state died with a node): the daemon does not
+    stop at a checkpoint/restart decision, it orders the plan as a restore (the driver loads it from
+    its checkpoint), admitted, and L_tran learns nothing from it."""
+    from nereusd.controller import JobController
+    from nereusd.metrics import Metrics
+    from nereusd.planning import PlannerBinding
+    from nereusd.store import Store
+    from planner import admission
+    from transitions.local_dag import LastCopyLostError
+
+    class LosesLastCopy(PlannerBinding):
+        def transition(self, job, old, new, pool, node_of_gpu):  # type: ignore[no-untyped-def]
+            if old is not None:
+                raise LastCopyLostError(("actor-train",), (2, 3))
+            return super().transition(job, old, new, pool, node_of_gpu)
+
+        def observe_transition(self, job, transition):  # type: ignore[no-untyped-def]
+            observed.append(transition["id"])
+
+    observed: list[int] = []
+    store = Store(tmp_path / "s.db")
+    store.add_job(job_id="j", user="alice", spec=SPEC)
+    orders: list[tuple[str, protocol.TransitionOrder]] = []
+    ctl = JobController(job_id="j", store=store, metrics=Metrics(), planner=LosesLastCopy(), gamma=0.5,
+                        thresholds=dict(admission.DEFAULT_THRESHOLDS), log=get_logger("test"),
+                        send_order=lambda node, order: orders.append((node, order)) is None, restore_by_order=True)
+    for node in ("n1", "n2"):
+        store.register_node(job_id="j", node=node, devices=[d.model_dump() for d in DEVS], slurm_job_id=None,
+                            host="h", incarnation=node)
+        ctl.on_node_joined(node, "new")
+    assert ctl.step() is not None
+    for node, order in list(orders):
+        ctl.on_transition_report(protocol.TransitionReport(job_id="j", node=node, ok=True, measured_s=0.1,
+                                                           transition_id=order.transition_id))
+    first = orders[-1][1].to_version
+    orders.clear()
+    store.set_node_state("j", "n2", "lost", "no heartbeat")
+    ctl.on_node_lost("n2", "no heartbeat")
+    did = ctl.step()
+    decision = store.decision(did)  # type: ignore[arg-type]
+    assert decision["admitted"] and decision["rule"] == "checkpoint-restart", decision
+    assert "restore plan" in decision["reason"] and "checkpoint" in decision["reason"]
+    assert [n for n, _ in orders] == ["n1"] and orders[0][1].to_version > first
+    t = store.transitions("j")[-1]
+    assert t["state"] == "ordered" and t["dag"]["kind"] == "restore"
+    ctl.on_transition_report(protocol.TransitionReport(job_id="j", node="n1", ok=True, measured_s=2.5,
+                                                       transition_id=t["id"]))
+    assert store.transition(t["id"])["state"] == "done"  # type: ignore[index]
+    assert t["id"] not in observed  # a checkpoint load is no sample of L_tran
+    assert store.job("j")["plan_version"] == orders[0][1].to_version  # type: ignore[index]
