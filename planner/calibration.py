@@ -275,7 +275,8 @@ def fit_from_stage_times(job: JobSpec, plan: GlobalPlan, stage_times_s: Mapping[
     base = previous if previous is not None else PRIORS
     if cluster is None:
         return base
-    fit = previous.stage_fit if isinstance(previous, CalibratedEfficiencies) else StageFit(window=window)
+    fit = previous.stage_fit if isinstance(previous, CalibratedEfficiencies) \
+        else StageFit(window=window, half_life_steps=HALF_LIFE_STEPS)
     pred = predict(job, cluster, plan, base)
     observed = [stage_observation(pred.terms[name], seconds, fit.steps, source=name)
                 for name, seconds in stage_times_s.items()
