@@ -143,6 +143,8 @@ STAGE_WINDOW = 64  # stage observations kept (about 20 RL steps of a 3-stage wor
 HALF_LIFE_STEPS = 4.0  # an observation's weight halves every 4 steps: the fit follows drifting load
 PRIOR_WEIGHT = 1e-3  # pull toward the prior per class, in squared log-efficiency, against sum of weights
 FIT_ITERATIONS = 40
+# Huber threshold in noise scales: near a median (stage times on shared CPUs swing by 30% step to step)
+STAGE_HUBER_K = 0.3
 MIN_EFFICIENCY = 1e-6
 
 
@@ -230,7 +232,7 @@ def _gauss_newton(a: np.ndarray, fixed: np.ndarray, measured: np.ndarray, decay:
         r = np.log(pred / measured)
         scale = max(1.4826 * float(np.median(np.abs(r - np.median(r)))), 0.02)
         u = np.abs(r) / scale
-        w = decay * np.where(u <= HUBER_K, 1.0, HUBER_K / np.maximum(u, 1e-12))
+        w = decay * np.where(u <= STAGE_HUBER_K, 1.0, STAGE_HUBER_K / np.maximum(u, 1e-12))
         jac = a * x[None, :] / pred[:, None]  # d r_i / d z_c
         grad = jac.T @ (w * r) + lam * (z - z0)
         hess = jac.T @ (jac * w[:, None]) + lam * np.eye(len(z))
