@@ -141,7 +141,9 @@ def measurements_from_stage(terms: Sequence[OpTerm], eff: Mapping[OpClass, float
 # The joint fit of stage times (StageFit).
 STAGE_WINDOW = 64  # stage observations kept (about 20 RL steps of a 3-stage workflow)
 HALF_LIFE_STEPS = 4.0  # an observation's weight halves every 4 steps: the fit follows drifting load
-PRIOR_WEIGHT = 1e-3  # pull toward the prior per class, in squared log-efficiency, against sum of weights
+# pull toward the prior per class, in squared log-efficiency per unit of observation weight: it only
+# settles what the observations leave open (stronger, it biases identified classes too)
+PRIOR_WEIGHT = 1e-5
 FIT_ITERATIONS = 40
 # Huber threshold in noise scales: near a median (stage times on shared CPUs swing by 30% step to step)
 STAGE_HUBER_K = 0.3
