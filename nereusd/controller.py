@@ -63,8 +63,9 @@ class TransitionObserver(Protocol):
         """Feed one completed transition (its store row: id, dag, predicted_s, measured_s, bytes_moved)."""
 
 
-# the running plan is re-predicted with the calibrated efficiencies after every measurement this many
-# steps apart (one predict of one plan: well under a millisecond at 32 GPUs, a few ms at 1,024)
+# the running plan is re-predicted with the calibrated efficiencies after measurements this many steps
+# apart: one predict of one plan, ~5 ms at 32 GPUs and ~7 ms at 1,024 (as much as the calibration step
+# itself), against RL steps of seconds to minutes
 REPREDICT_EVERY_STEPS = 1
 RETRY_BASE_S, RETRY_MAX_S = 1.0, 60.0  # replan back-off after the 1st, 2nd, ... failed transition in a row
 TRANSITIONS_REPLAYED = 64  # completed transitions fed back on restart (more than any calibration window)
