@@ -12,6 +12,7 @@ make (add a job, ask the allocation source for a change). ``nereusd.daemon.Daemo
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -126,23 +127,42 @@ class AdminOps:
         return {"job": args.job, "state": "pending"}
 
     def job_plan(self, args: Any) -> dict[str, Any]:
+        """Per model-stage: the layout; ``predicted_s``, the running plan predicted with the efficiencies
+        calibrated so far (re-predicted after each measurement; the plan's own prediction, ``planned_s``,
+        until the first); ``measured_s``, the latest step's time; ``measured_median_s``, the median of
+        the last 5 steps of this plan (one step on shared CPUs is noisy)."""
+        recent_steps = 5
         j = self._job(args)
         row = self.d.store.plan(j["job_id"])
+        recent = [m for m in self.d.store.measurements(j["job_id"], limit=recent_steps)
+                  if m["plan_version"] == j["plan_version"]]
         last = self.d.store.measurements(j["job_id"], limit=1)
         measured = last[0] if last else None
+        planned = (row["prediction"] or {}) if row else {}
+        # the daemon's controller holds the calibrated re-prediction (a backend without controllers: none)
+        ctl = getattr(self.d, "controllers", {}).get(j["job_id"])
+        current = ctl.current_prediction() if ctl is not None else None
+        pred_stages = dict(current[0].stage_seconds) if current else planned.get("stage_seconds") or {}
         stages = []
         if row and isinstance(row["plan"], dict):
-            pred_stages = (row["prediction"] or {}).get("stage_seconds") or {}
             for s in row["plan"]["stages"]:
                 name = s["model_stage"]
+                times = [m["stage_times"][name] for m in recent if name in (m.get("stage_times") or {})]
                 stages.append({"model_stage": name, "tp": s["tp"], "pp": s["pp"], "dp": len(s["gpu_sets"]),
                                "gpus": sorted(g for gs in s["gpu_sets"] for g in gs),
                                "micro_batch_size": s["micro_batch_size"], "grad_accum": s["grad_accum"],
                                "predicted_s": pred_stages.get(name),
-                               "measured_s": (measured or {}).get("stage_times", {}).get(name)})
+                               "planned_s": (planned.get("stage_seconds") or {}).get(name),
+                               "measured_s": (measured or {}).get("stage_times", {}).get(name),
+                               "measured_median_s": statistics.median(times) if times else None})
+        step_times = [m["step_latency_s"] for m in recent]
         return {"job": j["job_id"], "plan_version": j["plan_version"], "stages": stages,
-                "predicted_step_s": (row["prediction"] or {}).get("step_latency_s") if row and stages else None,
+                "predicted_step_s": (float(current[0].step_latency_s) if current else planned.get("step_latency_s"))
+                if row and stages else None,
+                "planned_step_s": planned.get("step_latency_s") if row and stages else None,
+                "calibrated_at_step": current[1] if current else None,
                 "measured_step_s": measured["step_latency_s"] if measured else None,
+                "measured_median_step_s": statistics.median(step_times) if step_times else None,
                 "measured_at_step": measured["step"] if measured else None}
 
     def decisions(self, args: Any) -> list[dict[str, Any]]:

@@ -6,6 +6,16 @@ ran on, and the time it took. Each record implies an efficiency work / (peak x (
 a :class:`Calibrator` keeps the last ``window`` of them per class and fits one value per class with a
 Huber M-estimator on their logarithms (robust to stragglers and one-off stalls). Efficiencies are per
 class, not per operator or model, so a new model reuses what an earlier one taught.
+
+Where only whole model-stages are timed (what the live engine reports), ``fit_from_stage_times`` fits
+the classes to the stage times jointly (:class:`StageFit`): a stage's predicted time is linear in the
+inverse efficiencies, t = sum_c A_c / e_c + fixed (A_c: the stage's class-c seconds at efficiency 1),
+so the efficiencies are the robust least-squares solution over a window of stage observations (log
+residuals, Huber weights, recent steps weighted more), anchored weakly to the priors so that classes
+the observations cannot tell apart stay where they were. Splitting each stage's time among its classes
+in proportion to their predicted seconds (``measurements_from_stage``) cannot do this: every class of
+a stage moves by the stage's ratio, and a class shared by stages settles on a compromise that leaves
+each stage 30-60% off (the live job on CPU workers, before the fit was joint).
 Pure: frozen state in, new state out.
 """
 
@@ -128,33 +138,152 @@ def measurements_from_stage(terms: Sequence[OpTerm], eff: Mapping[OpClass, float
     return out
 
 
+# The joint fit of stage times (StageFit).
+STAGE_WINDOW = 64  # stage observations kept (about 20 RL steps of a 3-stage workflow)
+HALF_LIFE_STEPS = 4.0  # an observation's weight halves every 4 steps: the fit follows drifting load
+# pull toward the prior per class, in squared log-efficiency per unit of observation weight: it only
+# settles what the observations leave open (stronger, it biases identified classes too)
+PRIOR_WEIGHT = 1e-5
+FIT_ITERATIONS = 40
+# Huber threshold in noise scales: near a median (stage times on shared CPUs swing by 30% step to step)
+STAGE_HUBER_K = 0.3
+MIN_EFFICIENCY = 1e-6
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StageObservation:
+    """One measured model-stage: its predicted seconds per class at efficiency 1, the latency part no
+    efficiency scales, and the measured time."""
+
+    ideal_s: Mapping[OpClass, float]  # class -> work / peak summed over the stage's terms
+    fixed_s: float
+    measured_s: float
+    step: int  # calibration step (one per fit_from_stage_times call) it was measured at
+    source: str = ""
+
+
+def stage_observation(terms: Sequence[OpTerm], measured_s: float, step: int, source: str = "") -> StageObservation:
+    ideal: dict[OpClass, float] = {}
+    for t in terms:
+        ideal[t.op_class] = ideal.get(t.op_class, 0.0) + t.repeat * t.work / t.peak_per_s
+    return StageObservation(ideal_s=MappingProxyType(ideal), fixed_s=sum(t.repeat * t.messages * t.latency_s
+                                                                          for t in terms),
+                            measured_s=measured_s, step=step, source=source)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StageFit:
+    """A window of stage observations; ``efficiencies`` fits every observed class to all of them."""
+
+    window: int = STAGE_WINDOW
+    half_life_steps: float = HALF_LIFE_STEPS
+    observations: tuple[StageObservation, ...] = ()
+    steps: int = 0  # calibration steps seen
+
+    def __post_init__(self) -> None:
+        if self.window < 1:
+            raise SpecError("stage_fit.window", f"must be >= 1, got {self.window}")
+        if not self.half_life_steps > 0:
+            raise SpecError("stage_fit.half_life_steps", f"must be > 0, got {self.half_life_steps}")
+
+    def observe(self, observations: Iterable[StageObservation]) -> StageFit:
+        """The next calibration step's observations (their ``step`` is this fit's ``steps``)."""
+        kept = (*self.observations, *observations)[-self.window:]
+        return StageFit(window=self.window, half_life_steps=self.half_life_steps, observations=kept,
+                        steps=self.steps + 1)
+
+    def efficiencies(self, base: Efficiencies = PRIORS) -> Efficiencies:
+        """Observed classes fitted (Gauss-Newton on log efficiencies, Huber-reweighted); others keep ``base``."""
+        obs = [o for o in self.observations if o.measured_s > o.fixed_s]
+        classes = sorted({c for o in obs for c, a in o.ideal_s.items() if a > 0}, key=lambda c: c.value)
+        if not classes:
+            return base
+        a = np.array([[o.ideal_s.get(c, 0.0) for c in classes] for o in obs])
+        fixed = np.array([o.fixed_s for o in obs])
+        measured = np.array([o.measured_s for o in obs])
+        latest = max(o.step for o in obs)
+        decay = 0.5 ** ((latest - np.array([o.step for o in obs], dtype=float)) / self.half_life_steps)
+        z0 = np.array([-math.log(base[c]) for c in classes])  # z = log(1 / efficiency)
+        z = _gauss_newton(a, fixed, measured, decay, z0)
+        return base.updated({c: float(min(1.5, max(MIN_EFFICIENCY, math.exp(-v)))) for c, v in zip(classes, z)})
+
+    def counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for o in self.observations:
+            for c in o.ideal_s:
+                out[c.value] = out.get(c.value, 0) + 1
+        return out
+
+
+def _gauss_newton(a: np.ndarray, fixed: np.ndarray, measured: np.ndarray, decay: np.ndarray,
+                  z0: np.ndarray) -> np.ndarray:
+    """argmin_z sum_i w_i rho(log(pred_i / measured_i)) + PRIOR_WEIGHT * sum_w * |z - z0|^2, with
+    pred_i = a_i . exp(z) + fixed_i; rho Huber (IRLS weights w_i = decay_i * huber_i). Levenberg damped."""
+    z = z0.copy()
+    lam = PRIOR_WEIGHT * float(decay.sum())
+    damping = 1e-3
+    z_lo, z_hi = -math.log(1.5), -math.log(MIN_EFFICIENCY)
+
+    def objective(zz: np.ndarray, w: np.ndarray) -> float:
+        r = np.log((a @ np.exp(zz) + fixed) / measured)
+        return float(np.sum(w * r * r) + lam * np.sum((zz - z0) ** 2))
+
+    for _ in range(FIT_ITERATIONS):
+        x = np.exp(z)
+        pred = a @ x + fixed
+        r = np.log(pred / measured)
+        scale = max(1.4826 * float(np.median(np.abs(r - np.median(r)))), 0.02)
+        u = np.abs(r) / scale
+        w = decay * np.where(u <= STAGE_HUBER_K, 1.0, STAGE_HUBER_K / np.maximum(u, 1e-12))
+        jac = a * x[None, :] / pred[:, None]  # d r_i / d z_c
+        grad = jac.T @ (w * r) + lam * (z - z0)
+        hess = jac.T @ (jac * w[:, None]) + lam * np.eye(len(z))
+        before = objective(z, w)
+        while True:
+            step = np.linalg.solve(hess + damping * np.diag(np.diag(hess) + 1e-12), -grad)
+            cand = np.clip(z + step, z_lo, z_hi)
+            if objective(cand, w) <= before or damping > 1e6:
+                break
+            damping *= 10
+        damping = max(damping / 10, 1e-6)
+        moved = float(np.max(np.abs(cand - z)))
+        z = cand
+        if moved < 1e-6:
+            break
+    return z
+
+
 class CalibratedEfficiencies(Efficiencies):
-    """Efficiencies that carry the Calibrator they were fitted with, so the next fit continues it."""
+    """Efficiencies that carry the fit state they came from, so the next calibration step continues it."""
 
-    __slots__ = ("calibrator",)
+    __slots__ = ("calibrator", "stage_fit")
 
-    def __init__(self, learned: Mapping[OpClass, float], calibrator: Calibrator) -> None:
+    def __init__(self, learned: Mapping[OpClass, float], calibrator: Calibrator | None = None,
+                 stage_fit: StageFit | None = None) -> None:
         super().__init__(learned)
-        self.calibrator = calibrator
+        self.calibrator = calibrator if calibrator is not None else Calibrator()
+        self.stage_fit = stage_fit if stage_fit is not None else StageFit()
 
 
 def fit_from_stage_times(job: JobSpec, plan: GlobalPlan, stage_times_s: Mapping[str, float],
                          previous: Efficiencies | None = None, cluster: ClusterSpec | None = None,
-                         window: int = 64) -> Efficiencies:
+                         window: int = STAGE_WINDOW) -> Efficiencies:
     """One calibration step from a step's measured model-stage times (what agents report).
 
-    Predicts the plan under ``previous`` (priors at first), turns each measured stage time into
-    per-class records (measurements_from_stage) and refits. ``cluster`` is needed to rebuild the
-    predicted terms; without it nothing is learned and ``previous`` (or the priors) is returned.
+    Predicts the plan's terms (the class mix of each model-stage on its slowest replica), adds one
+    StageObservation per measured model-stage to the window and refits every observed class jointly
+    (StageFit). Observations of earlier plans stay in the window: stages of other shapes are what tell
+    classes apart. ``cluster`` is needed to rebuild the terms; without it nothing is learned and
+    ``previous`` (or the priors) is returned.
     """
     base = previous if previous is not None else PRIORS
     if cluster is None:
         return base
-    cal = previous.calibrator if isinstance(previous, CalibratedEfficiencies) else Calibrator(window=window)
+    fit = previous.stage_fit if isinstance(previous, CalibratedEfficiencies) \
+        else StageFit(window=window, half_life_steps=HALF_LIFE_STEPS)
     pred = predict(job, cluster, plan, base)
-    records: list[OpMeasurement] = []
-    for name, seconds in stage_times_s.items():
-        if name in pred.terms and math.isfinite(seconds) and seconds > 0:
-            records += measurements_from_stage(pred.terms[name], base, seconds, source=name)
-    cal = cal.observe(records)
-    return CalibratedEfficiencies(cal.efficiencies(PRIORS).learned, cal)
+    observed = [stage_observation(pred.terms[name], seconds, fit.steps, source=name)
+                for name, seconds in stage_times_s.items()
+                if name in pred.terms and math.isfinite(seconds) and seconds > 0]
+    fit = fit.observe(observed)
+    return CalibratedEfficiencies(fit.efficiencies(PRIORS).learned, stage_fit=fit)

@@ -7,6 +7,16 @@ efficiency, learned by planner.calibration and reused across models; unseen clas
 priors. A micro-batch's terms are repeated (m + p - 1) times under 1F1B, so the pipeline bubble is
 (p-1)/(m+p-1) of the pipelined time; training adds the DP gradient all-reduce and the optimizer step
 once per mini-batch.
+
+Where the device runs operators eagerly from the host (the CPU preset: one gloo worker per core, no
+kernel queue to hide behind), every operator also costs a fixed dispatch time that no FLOP or byte
+count sees: the launch classes, whose work is the number of operator launches (per layer per pass, per
+decode step's sampling, per parameter tensor of the optimizer step) at the device's launch rate
+(LAUNCH_OVERHEAD_S), one class per path that issues them (forward passes, the decode loop, autograd's
+backward with the optimizer step: their per-launch costs differ by 2-3x on CPU). For a small model
+they are most of the time, and they scale with micro-batches and decode steps, not with FLOPs: without
+them one GEMM efficiency had to explain launch-bound decode, inference and training at once and missed
+each by 30-60%. GPU presets launch asynchronously (CUDA graphs in decode), so they have no launch terms.
 """
 
 from __future__ import annotations
@@ -43,6 +53,26 @@ class OpClass(str, Enum):
     PP_SEND_INTER = "pp_send_inter"
     DP_ALLREDUCE_INTRA = "dp_allreduce_intra"
     DP_ALLREDUCE_INTER = "dp_allreduce_inter"
+    # operator launches at the device's launch rate (eager host dispatch), by the path that issues them:
+    LAUNCH_FORWARD = "launch_forward"  # forward passes (inference, training's forward, recompute)
+    LAUNCH_DECODE = "launch_decode"  # decode steps: a one-token forward plus sampling, from a Python loop
+    LAUNCH_BACKWARD = "launch_backward"  # autograd's backward (its C++ engine) and the optimizer step
+
+
+# Host time per operator launch that the device's own work does not hide, by device preset name:
+# eager PyTorch on a CPU core: ~2 us per dispatched op at best (the prior efficiency, 0.2, makes it 10 us). GPU presets
+# queue kernels asynchronously (and decode runs as CUDA graphs), so they have none.
+LAUNCH_OVERHEAD_S: Mapping[str, float] = MappingProxyType({"cpu": 2e-6})
+# Operator launches of the engine's decoder (agent/engine/model.py), counted once from its forward:
+# per layer (2 RMSNorms, q/k/v/o, RoPE on q and k, GQA repeat, attention, SwiGLU, residuals), per
+# forward pass outside the layers (embedding, positions, RoPE tables, mask, final norm, head, the
+# stage's output function), per decode step's sampling (softmax, top-p sort/cumsum/search, masks), and
+# per parameter tensor of an optimizer step (non-foreach AdamW, grad-norm clipping, zeroing, the DP
+# bucket's copies). Backward launches about twice the forward's, like its FLOPs.
+LAUNCHES_PER_LAYER = 48
+LAUNCHES_PER_PASS = 30
+LAUNCHES_PER_SAMPLE = 15
+LAUNCHES_PER_PARAM_TENSOR = 16
 
 
 # Conservative priors (below what well-tuned kernels reach), so an uncalibrated plan is not optimistic.
@@ -57,6 +87,9 @@ PRIOR_EFFICIENCY: Mapping[OpClass, float] = MappingProxyType({
     OpClass.PP_SEND_INTER: 0.5,
     OpClass.DP_ALLREDUCE_INTRA: 0.6,
     OpClass.DP_ALLREDUCE_INTER: 0.5,
+    OpClass.LAUNCH_FORWARD: 0.2,
+    OpClass.LAUNCH_DECODE: 0.2,
+    OpClass.LAUNCH_BACKWARD: 0.2,
 })
 
 
@@ -209,6 +242,8 @@ def microbatch_raw(model: ModelSpec, ms: ModelStage, layout: Layout, workload: W
             terms.append(tp_allreduces(2 * layers * r, b))
         if pp > 1:
             terms.append(pp_sends(1 + r, b * (p + r)))  # the prompt once, then one token per step
+        # r forward passes (the prefill's yields the first token), each followed by sampling
+        terms += _launch(cluster, OpClass.LAUNCH_DECODE, r * (_pass_launches(layers) + LAUNCHES_PER_SAMPLE))
         return terms
     s = workload.tokens_per_sequence
     passes = 1 if ms.kind is StageKind.INFERENCE else (4 if recompute else 3)  # fwd (+ bwd 2x, + refwd)
@@ -219,7 +254,27 @@ def microbatch_raw(model: ModelSpec, ms: ModelStage, layout: Layout, workload: W
     if pp > 1:
         n_sends = 1 if passes == 1 else 2  # activations forward, gradients backward
         terms.append(pp_sends(n_sends, n_sends * b * s))
+    forward = 1 if passes == 1 else passes - 2  # training: fwd (+ refwd); backward launches ~2x the forward's
+    terms += _launch(cluster, OpClass.LAUNCH_FORWARD, forward * _pass_launches(layers))
+    if passes > 1:
+        terms += _launch(cluster, OpClass.LAUNCH_BACKWARD, 2 * _pass_launches(layers))
     return terms
+
+
+def _pass_launches(layers: int) -> float:
+    return float(layers * LAUNCHES_PER_LAYER + LAUNCHES_PER_PASS)
+
+
+def _launch(cluster: ClusterSpec, cls: OpClass, launches: float) -> list[RawTerm]:
+    """The launch term of ``launches`` operator launches; none on a device that hides them."""
+    overhead = LAUNCH_OVERHEAD_S.get(cluster.device.name, 0.0)
+    return [(cls, launches, 1.0 / overhead, 0.0, 0.0)] if overhead > 0 else []
+
+
+def _param_tensors(model: ModelSpec, layout: Layout) -> int:
+    """Parameter tensors on the most loaded PP rank: its layers' plus embedding, final norm and head."""
+    per_layer = sum(1 for t in model.tensors() if t.layer == 0)
+    return stage_layer_counts(model.num_layers, layout.pp)[0] * per_layer + 3
 
 
 def sync_terms(model: ModelSpec, ms: ModelStage, layout: Layout, dp: int, cluster: ClusterSpec,
@@ -237,7 +292,8 @@ def sync_raw(model: ModelSpec, ms: ModelStage, layout: Layout, dp: int, cluster:
     n = params_per_gpu(model, ms.role.head, layout)
     terms: list[RawTerm] = [(OpClass.MEMORY_BOUND, 2.0 * n * TRAINING_BYTES_PER_PARAM,
                              cluster.device.hbm_bytes_per_s, 0.0, 0.0)]
-    if dp > 1:
+    terms += _launch(cluster, OpClass.LAUNCH_BACKWARD, float(_param_tensors(model, layout) * LAUNCHES_PER_PARAM_TENSOR))
+    if dp > 1:  # last: the option tables read the DP all-reduce as sync_raw(...)[-1]
         link = cluster.intra_node_link if links.dp_intra else cluster.inter_node_link
         cls = OpClass.DP_ALLREDUCE_INTRA if links.dp_intra else OpClass.DP_ALLREDUCE_INTER
         terms.append((cls, n * BYTES_BF16 * _ring(dp), link.bytes_per_s, _hops(dp), link.latency_s))
