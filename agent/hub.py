@@ -51,6 +51,14 @@ class Peer:
     ready: bool = False  # answered its assignment (its WorkerContext exists)
 
 
+@dataclass(frozen=True, slots=True)
+class Undecodable:
+    """A command this worker could not unpickle (a function it cannot import): it is answered as an
+    error reply naming why, instead of ending the worker."""
+
+    why: str
+
+
 class _Curve:
     """ZAP: admit exactly the job's agent key."""
 
@@ -221,7 +229,8 @@ class HubCoordinator(CommandDriver):
                 replies[wid] = self._lost(wid, seq, "worker gone (no beat)")
                 continue
             self._replies.pop(wid, None)
-            self._send(peer, b"cmd", (seq, cmd))
+            self.sock.send_multipart([peer.identity, b"cmd", str(seq).encode(),
+                                      pickle.dumps(cmd, protocol=pickle.HIGHEST_PROTOCOL)])
             waiting[wid] = peer
         while waiting:
             left = deadline - time.monotonic()
@@ -322,10 +331,13 @@ class WorkerLink:
     def recv(self) -> tuple[int, Any]:
         while True:
             if self.sock.poll(1000):
-                kind, body = self.sock.recv_multipart()
-                if kind == b"cmd":
-                    seq, cmd = pickle.loads(body)
-                    return int(seq), cmd
+                kind, *rest = self.sock.recv_multipart()
+                if kind == b"cmd" and len(rest) == 2:
+                    seq = int(rest[0])
+                    try:
+                        return seq, pickle.loads(rest[1])
+                    except Exception as exc:  # noqa: BLE001 - answered as an error; the worker lives on
+                        return seq, Undecodable(f"{type(exc).__name__}: {exc}")
                 if kind == BYE:
                     raise EOFError("the driver said bye")
             elif self._orphaned():

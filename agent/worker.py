@@ -180,6 +180,9 @@ def handle(ctx: WorkerContext, cmd: Any) -> Any:
     """Execute one command from ``ctx.state`` (READY, INIT or BROKEN); its return value is the reply's
     value. Leaves ``ctx.state`` where the data channel says, whether the command succeeded or not."""
     handler = HANDLERS.get(type(cmd))
+    why = getattr(cmd, "why", None)
+    if handler is None and why is not None:
+        raise TypeError(f"the command could not be decoded here: {why}")
     if handler is None:
         raise TypeError(f"unknown command {type(cmd).__name__}")
     if isinstance(cmd, NEEDS_GENERATION) and ctx.state is not WorkerState.READY:

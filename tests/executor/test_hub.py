@@ -17,6 +17,7 @@ from executor_helpers import assert_same_state, init_placements, logical_state, 
 
 from agent.coordinator import WorkerDied
 from agent.hub import HubCoordinator, WorkerLink
+from agent.worker import held_units
 from nereusd.wire.keys import KeyStore, load_bundle
 
 pytestmark = [pytest.mark.multiprocess]
@@ -103,3 +104,16 @@ def test_only_the_jobs_key_is_admitted(keys: dict[str, Path]) -> None:
 def test_an_unencrypted_hub_binds_only_loopback() -> None:
     with pytest.raises(WorkerDied, match="only loopback"):
         HubCoordinator("tcp://0.0.0.0:0", None)
+
+
+def not_importable_there(ctx: object) -> None:  # pickled by reference: the worker cannot import this module
+    raise AssertionError("never runs")
+
+
+def test_a_command_the_worker_cannot_decode_is_an_error_reply(hub: tuple[HubCoordinator, list]) -> None:
+    coord, procs = hub
+    coord.assign(IDS, timeout_s=180)
+    with pytest.raises(WorkerDied, match="could not be decoded here"):
+        coord.call(not_importable_there, workers=[0])
+    assert coord.call(held_units, workers=[0]) == {0: []}  # and it lives on
+    assert procs[0].poll() is None

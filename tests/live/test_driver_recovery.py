@@ -67,7 +67,7 @@ def driver(tmp_path: Path) -> Iterator[tuple[JobDriver, dict[int, subprocess.Pop
     for node, gpus in POOL.items():
         for gpu in gpus:
             env = {**os.environ, "NEREUS_DRIVER": hub.endpoint, "NEREUS_KEYS": str(tmp_path / "alice"),
-                   "NEREUS_NODE": node}
+                   "NEREUS_NODE": node, "PYTHONPATH": str(Path(__file__).parent)}  # mark_updating, by name
             procs[gpu] = subprocess.Popen([sys.executable, "-m", "agent.worker", "--device", str(gpu % 2)],
                                           cwd=ROOT, env=env)
     cfg, _ = load_job(ROOT / "etc" / "jobs" / "live.toml")
