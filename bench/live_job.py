@@ -77,7 +77,7 @@ CHAIN = (
     ("(reset)", "dp2'", "dp2"),
 )
 REPORTED = tuple(name for name, *_ in CHAIN if not name.startswith("("))
-QUICK_CASES = REPORTED[:1]  # --quick: the growth, one sample
+QUICK_CHAIN = CHAIN[2:4]  # --quick: the TP merge (and the split before it) on 2 workers, one sample
 
 
 def make_plan(cfg: RunConfig, version: int, layout: str) -> GlobalPlan:
@@ -182,18 +182,20 @@ def restart(cfg: RunConfig, old: GlobalPlan, new: GlobalPlan, tag: str) -> dict[
             "load_s": t4 - t3, "bind_s": t5 - t4}
 
 
-def transitions(cfg: RunConfig, samples: int, cases: tuple[str, ...]) -> list[dict[str, Any]]:
+def transitions(cfg: RunConfig, samples: int, chain: tuple[tuple[str, str, str], ...]) -> list[dict[str, Any]]:
     """``samples`` rounds; each runs the chain live on one pool (a train step after each change, so
-    every change starts from a state that trained), then each case's restart twin."""
-    raw: dict[str, list[dict[str, Any]]] = {name: [] for name, *_ in CHAIN if name in cases}
+    every change starts from a state that trained), then each reported case's restart twin."""
+    assert chain[-1][2] == chain[0][1], "a chain ends where it starts: the next round runs it again"
+    raw: dict[str, list[dict[str, Any]]] = {name: [] for name, *_ in chain if name in REPORTED}
     version = 1
     step = 0
-    with LocalCoordinator(4, timeout_s=TIMEOUT_S) as pool:
-        plan = make_plan(cfg, version, CHAIN[0][1])
+    workers = sorted(set().union(*(make_plan(cfg, 0, old).gpus for _, old, _ in chain)))
+    with LocalCoordinator(len(workers), worker_ids=workers, timeout_s=TIMEOUT_S) as pool:
+        plan = make_plan(cfg, version, chain[0][1])
         pool.form_generation(sorted(plan.gpus))
         pool.call(bind, workers=sorted(plan.gpus), timeout_s=TIMEOUT_S, collective=True, cfg=cfg, plan=plan)
         for rnd in range(samples):
-            for name, _, new_layout in CHAIN:
+            for name, _, new_layout in chain:
                 version += 1
                 new = make_plan(cfg, version, new_layout)
                 fig = live_transition(pool, cfg, plan, new)
@@ -269,7 +271,9 @@ def under_driver(cfg: RunConfig, plan: GlobalPlan, steps: int) -> tuple[list[flo
     from nereusd.controller import plan_to_dict
     from nereusd.wire import protocol
     from nereusd.wire.keys import KeyStore, load_bundle
+    from nereusd.wire.logs import configure_logging
 
+    configure_logging("auto")  # as agent.driver's main: its log lines on stderr (JSON when not a tty)
     tmp = Path(tempfile.mkdtemp(prefix="nl-"))  # short: ipc paths are limited to ~100 characters
     ctx = zmq.Context()
     procs: list[subprocess.Popen[bytes]] = []
@@ -374,18 +378,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="RL steps per overhead run (the first is not timed)")
     parser.add_argument("--runs", type=int, default=3, help="overhead runs per path, alternating")
     parser.add_argument("--quick", action="store_true",
-                        help="1 sample of the growth only, 1 run of 4 steps per path (the test's mode)")
+                        help="1 sample of the TP change only, 1 run of 4 steps per path (the test's mode)")
     args = parser.parse_args()
-    cases = REPORTED
+    chain: tuple[tuple[str, str, str], ...] = CHAIN
     if args.quick:
-        args.samples, args.steps, args.runs, cases = 1, 4, 1, QUICK_CASES
+        args.samples, args.steps, args.runs, chain = 1, 4, 1, QUICK_CHAIN
     cfg, _ = load_job(str(JOB_FILE))
     torch.set_num_threads(1)
     started = time.perf_counter()
     machine = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
                "cpus": os.cpu_count(), "backend": "gloo", "workers_threads": 1,
                "load_average_at_start": os.getloadavg()[0]}
-    cases_out = transitions(cfg, args.samples, cases)
+    cases_out = transitions(cfg, args.samples, chain)
     over = overhead(cfg, args.steps, args.runs)
     machine["load_average_at_end"] = os.getloadavg()[0]
     ratios: dict[str, Any] = {}
@@ -401,7 +405,7 @@ def main() -> None:
         "bench_seconds": time.perf_counter() - started,
         "notes": [
             f"transitions: medians of {args.samples} samples per kind; each sample round runs the chain "
-            f"{' -> '.join(c[1] for c in CHAIN)} -> {CHAIN[-1][2]} live on one pool of 4 spawned workers "
+            f"{' -> '.join(c[1] for c in chain)} -> {chain[-1][2]} live on one pool of spawned workers "
             "(one train_step after every change, so each starts from a state that trained), then every "
             "kind's restart twin, round by round. Not reported: the local splits dp2'->tp2 and dp2'->pp2 "
             "(no bytes move; they set up the TP and PP merges) and the reset to the round's start.",
