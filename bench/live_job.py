@@ -184,7 +184,8 @@ def restart(cfg: RunConfig, old: GlobalPlan, new: GlobalPlan, tag: str) -> dict[
 
 def transitions(cfg: RunConfig, samples: int, chain: tuple[tuple[str, str, str], ...]) -> list[dict[str, Any]]:
     """``samples`` rounds; each runs the chain live on one pool (a train step after each change, so
-    every change starts from a state that trained), then each reported case's restart twin."""
+    every change starts from a state that trained), then each reported case's restart twin: live and
+    restart samples interleave round by round."""
     assert chain[-1][2] == chain[0][1], "a chain ends where it starts: the next round runs it again"
     raw: dict[str, list[dict[str, Any]]] = {name: [] for name, *_ in chain if name in REPORTED}
     version = 1
@@ -208,11 +209,10 @@ def transitions(cfg: RunConfig, samples: int, chain: tuple[tuple[str, str, str],
                     raw[name].append(fig)
                     log(f"round {rnd + 1}/{samples} live {name}: {fig['live_s']:.3f} s, {fig['bytes_moved']} B")
                 plan = new
-    for rnd in range(samples):  # interleaved over the cases, round by round
-        for name, figs in raw.items():
-            fig = figs[rnd]
-            fig["restart"] = restart(cfg, fig["old_plan"], fig["new_plan"], f"r{rnd}")
-            log(f"round {rnd + 1}/{samples} restart {name}: {fig['restart']['restart_s']:.2f} s")
+            for name, figs in raw.items():  # the round's restart twins (the live pool idles meanwhile)
+                fig = figs[rnd]
+                fig["restart"] = restart(cfg, fig["old_plan"], fig["new_plan"], f"r{rnd}")
+                log(f"round {rnd + 1}/{samples} restart {name}: {fig['restart']['restart_s']:.2f} s")
     out = []
     for name, figs in raw.items():
         live_s = [f["live_s"] for f in figs]
@@ -407,7 +407,7 @@ def main() -> None:
             f"transitions: medians of {args.samples} samples per kind; each sample round runs the chain "
             f"{' -> '.join(c[1] for c in chain)} -> {chain[-1][2]} live on one pool of spawned workers "
             "(one train_step after every change, so each starts from a state that trained), then every "
-            "kind's restart twin, round by round. Not reported: the local splits dp2'->tp2 and dp2'->pp2 "
+            "kind's restart twin, round by round (the live pool idles during the restarts). Not reported: the local splits dp2'->tp2 and dp2'->pp2 "
             "(no bytes move; they set up the TP and PP merges) and the reset to the round's start.",
             "live_s: what JobDriver.apply pays from after the workers are assigned: generation(s), live_dag "
             "build, release, run_dag, bind (the engine re-bound on the moved buffers, with its weight sync). "
