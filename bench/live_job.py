@@ -14,7 +14,7 @@
    step: (a) between consecutive returns of the step call, (b) between consecutive 'step' events' "t"
    in the driver's events file (the loop with its reporting, order polling and event writing).
 
-Run: ``.venv/bin/python bench/live_job.py [--samples 3] [--steps 30] [--runs 3] [--quick]`` (CPU, gloo).
+Run: ``.venv/bin/python bench/live_job.py [--samples 3] [--steps 30] [--runs 2] [--quick]`` (CPU, gloo).
 Progress goes to stderr, the JSON to stdout.
 """
 
@@ -245,24 +245,56 @@ def _plan_text(plan: GlobalPlan) -> str:
 # --- 2. step-time overhead --------------------------------------------------------------------------
 
 
-def engine_alone(cfg: RunConfig, plan: GlobalPlan, steps: int) -> tuple[list[float], list[float]]:
-    """Wall time per step of the engine driven directly (LocalCoordinator workers, one call a step),
-    and the workers' own step time (the slowest worker's LiveStep.seconds, as the driver reports it)."""
-    with LocalCoordinator(len(plan.gpus), worker_ids=sorted(plan.gpus), timeout_s=TIMEOUT_S) as pool:
-        pool.form_generation(sorted(plan.gpus))
-        pool.call(bind, timeout_s=TIMEOUT_S, collective=True, cfg=cfg, plan=plan)
-        stamps, inside = [time.time()], []
-        for s in range(steps):
-            out = pool.call(train_step, workers=sorted(plan.gpus), timeout_s=TIMEOUT_S, collective=True, step=s)
-            stamps.append(time.time())
-            inside.append(max(float(r.seconds) for r in out.values()))
-    return [b - a for a, b in zip(stamps, stamps[1:])], inside
+class Alone:
+    """The engine alone: LocalCoordinator workers bound on the plan, one ``train_step`` call a step."""
+
+    def __init__(self, cfg: RunConfig, plan: GlobalPlan) -> None:
+        self.workers = sorted(plan.gpus)
+        self.pool = LocalCoordinator(len(self.workers), worker_ids=self.workers, timeout_s=TIMEOUT_S)
+        self.pool.form_generation(self.workers)
+        self.pool.call(bind, timeout_s=TIMEOUT_S, collective=True, cfg=cfg, plan=plan)
+        self.wall: list[float] = []  # per step, the loop's wall time (the call; nothing else is in it)
+        self.inside: list[float] = []  # per step, the slowest worker's own LiveStep.seconds
+
+    def step(self) -> None:
+        t0 = time.perf_counter()
+        out = self.pool.call(train_step, workers=self.workers, timeout_s=TIMEOUT_S, collective=True,
+                             step=len(self.wall))
+        self.wall.append(time.perf_counter() - t0)
+        self.inside.append(max(float(r.seconds) for r in out.values()))
 
 
-def under_driver(cfg: RunConfig, plan: GlobalPlan, steps: int) -> tuple[list[float], list[float]]:
-    """Wall time per step of the daemon's path: JobDriver over a CURVE-keyed hub, dialled workers,
-    orders in and Measurements out through a real AgentLink (the node agent's ipc relay, played here
-    by two sockets); from consecutive events' "t" (the first step's from the initial bind's end)."""
+class PacedLink:
+    """The driver's AgentLink, unchanged, except that at each of the driver's safe points once it is
+    bound (its order poll between steps) the engine-alone twin takes its step first: the two paths
+    alternate step by step and see the same machine load. The time spent in the twin's step is
+    recorded and taken out of the driver's step intervals."""
+
+    def __init__(self, link: Any, alone: Alone) -> None:
+        self.link, self.alone = link, alone
+        self.driver: Any = None
+        self.twin_s: list[float] = []  # per driver step: the twin's step run at the safe point before it
+
+    def next_order(self, timeout_s: float) -> Any:
+        if self.driver is not None and self.driver.plan is not None:
+            t0 = time.perf_counter()
+            self.alone.step()
+            self.twin_s.append(time.perf_counter() - t0)
+        return self.link.next_order(timeout_s)
+
+    def report(self, msg: Any) -> None:
+        self.link.report(msg)
+
+    def close(self) -> None:
+        self.link.close()
+
+
+def paired_run(cfg: RunConfig, plan: GlobalPlan, steps: int) -> dict[str, list[float]]:
+    """One run of both paths, alternating step by step: the engine alone (``Alone``) and the daemon's
+    path (JobDriver over a CURVE-keyed hub, dialled ``python -m agent.worker`` processes, orders in and
+    Measurements out through a real AgentLink: the node agent's ipc relay, played here by two
+    sockets). The driver's wall time per step: between consecutive 'step' events' "t", less the
+    twin's step run at the safe point in between."""
     import zmq
 
     from agent.driver import DriverConfig, JobDriver
@@ -278,6 +310,7 @@ def under_driver(cfg: RunConfig, plan: GlobalPlan, steps: int) -> tuple[list[flo
     ctx = zmq.Context()
     procs: list[subprocess.Popen[bytes]] = []
     stop = threading.Event()
+    alone = Alone(cfg, plan)
     try:
         ks = KeyStore(tmp / "state")
         ks.init()
@@ -286,7 +319,8 @@ def under_driver(cfg: RunConfig, plan: GlobalPlan, steps: int) -> tuple[list[flo
         pull, pub = ctx.socket(zmq.PULL), ctx.socket(zmq.PUB)
         pull.bind(f"ipc://{tmp}/in")
         pub.bind(f"ipc://{tmp}/orders")
-        link = AgentLink(ipc_in=f"ipc://{tmp}/in", ipc_orders=f"ipc://{tmp}/orders", job_id="bench", node="n0")
+        real = AgentLink(ipc_in=f"ipc://{tmp}/in", ipc_orders=f"ipc://{tmp}/orders", job_id="bench", node="n0")
+        link = PacedLink(real, alone)
         env = {**os.environ, "NEREUS_DRIVER": hub.endpoint, "NEREUS_KEYS": str(tmp / "keys"), "NEREUS_NODE": "n0",
                "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         procs = [subprocess.Popen([sys.executable, "-m", "agent.worker", "--device", str(g)], cwd=ROOT, env=env)
@@ -298,7 +332,7 @@ def under_driver(cfg: RunConfig, plan: GlobalPlan, steps: int) -> tuple[list[flo
 
         def agent() -> None:  # the node agent's side: the order until taken (SUB joins late), reports drained
             while not stop.is_set():
-                if not link.seen:
+                if not real.seen:
                     pub.send(protocol.encode(order))
                 while pull.poll(0):
                     measurements.append(protocol.decode(pull.recv(), 64 << 20))
@@ -310,8 +344,12 @@ def under_driver(cfg: RunConfig, plan: GlobalPlan, steps: int) -> tuple[list[flo
         dc = DriverConfig(steps=steps, checkpoint_url=str(tmp / "ckpt"), checkpoint_every=0, events_path=events,
                           assign_timeout_s=TIMEOUT_S, step_timeout_s=TIMEOUT_S)
         driver = JobDriver(cfg, hub, link, dc, job_id="bench", node="n0")
+        link.driver = driver
         try:
             rc = driver.run()
+            deadline = time.monotonic() + 5.0  # the last step's Measurement is on its way to the relay
+            while len(measurements) < steps and time.monotonic() < deadline:
+                time.sleep(0.05)
         finally:
             stop.set()
             relay.join(5)
@@ -324,12 +362,17 @@ def under_driver(cfg: RunConfig, plan: GlobalPlan, steps: int) -> tuple[list[flo
         rows = [json.loads(line) for line in events.read_text().splitlines()]
         stamps = [r["t"] for r in rows if r["event"] == "transition-done"][:1] + [r["t"] for r in rows
                                                                                   if r["event"] == "step"]
-        if len(stamps) != steps + 1:
-            raise RuntimeError(f"{len(stamps) - 1} step events of {steps}: {[r['event'] for r in rows]}")
-        inside = [float(r["seconds"]) for r in rows if r["event"] == "step"]
-        return [b - a for a, b in zip(stamps, stamps[1:])], inside
+        if len(stamps) != steps + 1 or len(link.twin_s) != steps:
+            raise RuntimeError(f"{len(stamps) - 1} step events, {len(link.twin_s)} twin steps of {steps}")
+        if len(measurements) < steps:
+            log(f"only {len(measurements)} of {steps} Measurements reached the relay")
+        # the first from the initial bind's end (timed by no figure: it carries the warm-up)
+        driven = [b - a - t for a, b, t in zip(stamps, stamps[1:], link.twin_s)]
+        return {"engine_alone": alone.wall, "under_driver": driven, "engine_alone_workers": alone.inside,
+                "under_driver_workers": [float(r["seconds"]) for r in rows if r["event"] == "step"]}
     finally:
         stop.set()
+        alone.pool.close()
         for p in procs:
             try:
                 p.wait(30)  # the hub's bye ends them
@@ -341,44 +384,41 @@ def under_driver(cfg: RunConfig, plan: GlobalPlan, steps: int) -> tuple[list[flo
 
 
 def overhead(cfg: RunConfig, steps: int, runs: int) -> dict[str, Any]:
-    """Alternating runs of both paths (the order swapped each run); per run the median wall time of
-    the steps after the first (the first carries the allocator's and pipeline set-up's warm-up)."""
+    """``runs`` paired runs (fresh processes each); per path the median wall time per step over the
+    steps after each run's first (which carries the allocator's and pipeline set-up's warm-up)."""
     plan = make_plan(cfg, 1, "dp2")
-    paths = {"engine_alone": engine_alone, "under_driver": under_driver}
-    wall: dict[str, list[list[float]]] = {p: [] for p in paths}
-    inside: dict[str, list[list[float]]] = {p: [] for p in paths}
+    per: list[dict[str, list[float]]] = []
     for r in range(runs):
-        for path in (list(paths) if r % 2 == 0 else list(paths)[::-1]):
-            w, i = paths[path](cfg, plan, steps)
-            wall[path].append(w)
-            inside[path].append(i)
-            log(f"run {r + 1}/{runs} {path}: wall per step {[round(x, 3) for x in w]}")
+        per.append(paired_run(cfg, plan, steps))
+        log(f"run {r + 1}/{runs}: per step alone {[round(x, 3) for x in per[-1]['engine_alone']]}, "
+            f"driver {[round(x, 3) for x in per[-1]['under_driver']]}")
 
-    def timed(runs_: list[list[float]]) -> list[float]:
-        return [x for run in runs_ for x in run[1:]]
+    def timed(key: str) -> list[float]:
+        return [x for run in per for x in run[key][1:]]
 
-    med = {p: statistics.median(timed(wall[p])) for p in paths}
-    med_in = {p: statistics.median(timed(inside[p])) for p in paths}
-    loop = {p: statistics.median(a - b for a, b in zip(timed(wall[p]), timed(inside[p]))) for p in paths}
-    a, d = med["engine_alone"], med["under_driver"]
-    return {"plan": _plan_text(plan), "steps_per_run": steps, "runs_per_path": runs,
-            "steps_timed_per_path": len(timed(wall["engine_alone"])),
+    a, d = statistics.median(timed("engine_alone")), statistics.median(timed("under_driver"))
+    pair = statistics.median(y / x for x, y in zip(timed("engine_alone"), timed("under_driver")))
+    beyond = {p: statistics.median(w - i for w, i in zip(timed(p), timed(f"{p}_workers")))
+              for p in ("engine_alone", "under_driver")}
+    return {"plan": _plan_text(plan), "steps_per_run": steps, "runs": runs,
+            "steps_timed_per_path": len(timed("engine_alone")),
             "engine_alone_step_s_median": a, "under_driver_step_s_median": d,
             "overhead_ratio": d / a, "overhead_pct": (d / a - 1) * 100, "meets_3pct": d / a <= 1.03,
-            "overhead_ratio_of_means": statistics.fmean(timed(wall["under_driver"]))
-            / statistics.fmean(timed(wall["engine_alone"])),
+            "overhead_ratio_median_of_pairs": pair,
+            "overhead_ratio_of_means": statistics.fmean(timed("under_driver")) / statistics.fmean(timed("engine_alone")),
             # where the difference is: the workers' own step (LiveStep.seconds) vs the rest of the loop
-            "workers_step_s_median": med_in, "loop_s_beyond_workers_step_median": loop,
-            "samples_wall_s": wall, "samples_workers_step_s": inside}
+            "workers_step_s_median": {p: statistics.median(timed(f"{p}_workers")) for p in ("engine_alone", "under_driver")},
+            "loop_s_beyond_workers_step_median": beyond,
+            "samples_s": per}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=3, help="interleaved samples per transition kind")
     parser.add_argument("--steps", type=int, default=30, help="RL steps per overhead run (the first is not timed)")
-    parser.add_argument("--runs", type=int, default=3, help="overhead runs per path, alternating")
+    parser.add_argument("--runs", type=int, default=2, help="overhead runs (both paths, step by step, each)")
     parser.add_argument("--quick", action="store_true",
-                        help="1 sample of the TP change only, 1 run of 4 steps per path (the test's mode)")
+                        help="1 sample of the TP change only, 1 overhead run of 4 steps (the test's mode)")
     args = parser.parse_args()
     chain: tuple[tuple[str, str, str], ...] = CHAIN
     if args.quick:
@@ -425,15 +465,17 @@ def main() -> None:
             "processes (their state freshly bound on the old plan: same sizes, untrained), the processes exit, "
             "new processes for the new plan's worker ids start (torch import included) and join, DCP load of "
             "live_units(cfg, new), bind. New processes: nothing cached.",
-            "step_overhead: the same plan (dp2, 2 workers) and steps; engine_alone = LocalCoordinator + one "
-            "train_step call per step, stamps at each return; under_driver = JobDriver with a CURVE-keyed "
-            "HubCoordinator, workers started as `python -m agent.worker`, orders and Measurements over a real "
-            "AgentLink (ipc; the node agent and nereusd themselves are not in the loop), the driver's "
-            "checkpoints off (checkpoint_every=0; engine_alone has none), per-step wall time from consecutive "
-            "'step' events' t. The first step of every run is not timed; medians over the rest of all runs; "
-            f"{args.runs} run(s) per path, alternating which path goes first.",
-            "2 shared CPU cores: differences of a few percent are within this machine's run-to-run noise; "
-            "compare the per-run samples.",
+            "step_overhead: the same plan (dp2, 2 workers) and steps on both paths, alternating step by step "
+            "in one run (both sets of processes up, one stepping at a time), so both see the same machine load: "
+            "engine_alone = LocalCoordinator + one train_step call per step (its wall time); under_driver = "
+            "JobDriver with a CURVE-keyed HubCoordinator, workers started as `python -m agent.worker`, orders "
+            "and Measurements over a real AgentLink (ipc; the node agent and nereusd themselves are not in the "
+            "loop), the driver's checkpoints off (checkpoint_every=0; engine_alone has none). The driver's "
+            "wall time per step = consecutive 'step' events' t, less the engine-alone step run at the safe "
+            "point between them (the twin always steps first within a pair). The first step of every run is "
+            f"not timed; medians over the rest of all {args.runs} run(s) (fresh processes each).",
+            "2 shared CPU cores, loaded by other sessions (see load averages): differences of a few percent "
+            "are within run-to-run noise; the paired median and the per-step samples show the spread.",
         ]}
     json.dump(result, sys.stdout, indent=1)
     print()
