@@ -10,9 +10,10 @@
 2. Step-time overhead of the daemon's path vs the engine alone, the same plan and steps: (a)
    LocalCoordinator workers and one ``train_step`` call per step; (b) ``JobDriver`` with its CURVE-keyed
    ``HubCoordinator``, workers started as ``python -m agent.worker`` that dial it (as node agents start
-   them) and a real ``AgentLink`` relay (ZeroMQ ipc) carrying its orders and Measurements. Wall time per
-   step: (a) between consecutive returns of the step call, (b) between consecutive 'step' events' "t"
-   in the driver's events file (the loop with its reporting, order polling and event writing).
+   them) and a real ``AgentLink`` relay (ZeroMQ ipc) carrying its orders and Measurements. Both run in
+   one run, alternating step by step (so both see the same load). Wall time per step: (a) the step
+   call, (b) between consecutive 'step' events' "t" in the driver's events file (the loop with its
+   reporting, order polling and event writing), less the (a) step run at the safe point in between.
 
 Run: ``.venv/bin/python bench/live_job.py [--samples 3] [--steps 30] [--runs 3] [--quick]`` (CPU, gloo).
 Progress goes to stderr, the JSON to stdout.
