@@ -44,6 +44,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/rl_step.py > runs/bench/rl_step.json
 	$(BIN)/python bench/daemon.py --seconds 15 > runs/bench/daemon.json
 	$(BIN)/python bench/slurm_poll.py > runs/bench/slurm_poll.json
+	$(BIN)/python bench/live_job.py > runs/bench/live_job.json
 	@echo "JSON in runs/bench/"
 
 clean:
