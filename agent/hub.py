@@ -34,6 +34,7 @@ from agent.commands import Command, Reply, WorkerState
 from agent.coordinator import CommandDriver, WorkerDied
 from nereusd.wire.keys import ClientBundle
 
+PUMP_MAX_FRAMES = 10_000
 HELLO, ASSIGN, BEAT, BYE = b"hello", b"assign", b"beat", b"bye"
 
 
@@ -111,7 +112,9 @@ class HubCoordinator(CommandDriver):
     def pump(self, timeout_s: float = 0.0) -> None:
         """Take every frame waiting (hellos, beats, replies), waiting up to ``timeout_s`` for the first."""
         wait_ms = int(timeout_s * 1e3)
-        while self.sock.poll(wait_ms):
+        for _ in range(PUMP_MAX_FRAMES):  # bounded: a flood of frames cannot keep the driver here
+            if not self.sock.poll(wait_ms):
+                break
             wait_ms = 0
             frames = self.sock.recv_multipart()
             if len(frames) != 3:
