@@ -289,6 +289,11 @@ class JobController:
             if t["state"] != "ordered" or node not in t["parts_pending"]:
                 continue
             order = self._orders.get(t["id"], {}).get(node) or self._rebuild_order(t, node)
+            if order is not None and "incarnations" in order.part:
+                # the agents of now (one just registered again): its workers are the ones to take
+                now = {n["node"]: n["incarnation"] for n in self.store.nodes(self.job_id)
+                       if n["node"] in order.part["incarnations"]}
+                order = order.model_copy(update={"part": {**order.part, "incarnations": now}})
             if order is not None and self.send_order(node, order):
                 sent += 1
                 self.log.info("order-resent", transition=t["id"], node=node)

@@ -171,7 +171,8 @@ driver_cmd = "{driver}"
         for p in psutil.process_iter(["pid", "cmdline"]):
             cmd = p.info["cmdline"] or []
             if "agent.node" in cmd and "--node" in cmd and cmd[cmd.index("--node") + 1] == node \
-                    and cmd[cmd.index("--job") + 1] == JOB:
+                    and "--endpoint" in cmd and cmd[cmd.index("--endpoint") + 1] == self.endpoints["control"]:
+                # this daemon's agent of that node (another run's agents have another endpoint)
                 os.killpg(p.info["pid"], signal.SIGKILL)  # its agent and its workers, no goodbye
                 killed += 1
         return f"SIGKILL of node {node} ({killed} agent process group)"

@@ -85,7 +85,12 @@ def test_orders_carry_the_pool_map_and_are_sent_again_to_a_node_that_registers_a
     assert set(part["gpus"]) <= {0, 1} and part["plan"]["version"] == order.to_version == 1
     # the agent restarts (a new process, a new connection) before it reported: the order comes again
     again = _register_and_await_order(daemon, b"agent-n1-restarted", "b")
-    assert again == order
+    assert order.part["incarnations"] == {"n1": "a"} and again.part["incarnations"] == {"n1": "b"}
+
+    def same(o: protocol.TransitionOrder) -> dict[str, Any]:  # but for whose workers to take
+        return {**o.model_dump(), "part": {k: v for k, v in o.part.items() if k != "incarnations"}}
+
+    assert same(again) == same(order)
     # so it does after a daemon restart (this daemon never sent it: it builds the order again)
     assert daemon.stop() == 0
     for c in daemon.clients:
@@ -93,7 +98,7 @@ def test_orders_carry_the_pool_map_and_are_sent_again_to_a_node_that_registers_a
     daemon.clients.clear()
     daemon.start()
     rebuilt = _register_and_await_order(daemon, b"agent-n1-after-restart", "b")
-    assert rebuilt == order
+    assert same(rebuilt) == same(order) and rebuilt.part["incarnations"] == {"n1": "b"}
     reporter = daemon.clients[-1]
     reporter.send(protocol.TransitionReport(job_id="j", node="n1", transition_id=order.transition_id, ok=True,
                                             measured_s=0.01))
@@ -296,9 +301,10 @@ def test_the_controller_drains_before_it_releases_and_fails_late_orders(tmp_path
     # an order nobody reports (another job's initial placement): failed after the bound, and the next pass
     # replans urgently
     store.add_job(job_id="k", user="alice", spec=SPEC)
+    clock = [1000.0]
     k = JobController(job_id="k", store=store, metrics=Metrics(), planner=PlannerBinding(), gamma=0.5,
                       thresholds=dict(admission.DEFAULT_THRESHOLDS), log=get_logger("test"),
-                      send_order=lambda node, order: orders.append((node, order)) is None)
+                      send_order=lambda node, order: orders.append((node, order)) is None, clock=lambda: clock[0])
     store.register_node(job_id="k", node="m1", devices=devices, slurm_job_id=None, host="h", incarnation="m1")
     k.on_node_joined("m1", "new")
     assert k.step() is not None and orders
@@ -308,6 +314,8 @@ def test_the_controller_drains_before_it_releases_and_fails_late_orders(tmp_path
     k.check_order_timeouts(5.0, now=float(late["created_at"]) + 6.0)
     assert store.transition(late["id"])["state"] == "failed" and store.job("k")["state"] == "running"  # type: ignore[index]
     assert store.history("transition", str(late["id"]))[-1]["reason"] == "node(s) m1 did not finish within 5 s"
+    assert k.step() is None  # backing off after a failed transition (1 s after the first)
+    clock[0] += 1.5
     again = k.step()
     assert again is not None and f"transition {late['id']} failed" in json.dumps(store.decision(again)["inputs"])  # type: ignore[index]
     assert store.transitions("k")[-1]["state"] == "ordered" and store.transitions("k")[-1]["id"] != late["id"]

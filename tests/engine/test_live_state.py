@@ -43,6 +43,7 @@ from planner.plan import GlobalPlan, Layout, StagePlan
 from planner.workflow import Role, StageKind
 from transitions.geometry import StateKind
 
+pytestmark = [pytest.mark.multiprocess, pytest.mark.xdist_group("live-state")]  # one pool of 4 workers
 MEMBERS = (2, 0, 3, 1)  # generation rank order: worker 2 is rank 0, worker 0 rank 1, ...
 PPO = RunConfig(algo="ppo", task=SortDigits(num_digits=3), prompts_per_step=4, seed=7)
 GRPO = RunConfig(algo="grpo", task=SortDigits(num_digits=3), prompts_per_step=2,

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(900)]
+# one run for the whole module: its tests go to one xdist worker (a second would play its own run)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.xdist_group("live-job")]
 ROOT = Path(__file__).resolve().parents[2]
 
 
