@@ -755,21 +755,22 @@ class Daemon:
                 self._record_refusal(msg.job_id, "leave", [msg.node], f"{exc}; it goes at its grace end")
                 free_now = []
             if msg.node in free_now or (self.leaving[key] == "draining" and msg.node not in ctl.draining):
-                self._let_go(ctl, msg.node, reason)  # no plan uses it (or it was released already)
+                self._let_go(ctl, msg.node, reason, tell=False)  # no plan uses it: this reply says so
         elif self.leaving[key] == "draining" and msg.node not in ctl.draining:
             self.leaving[key] = "refused"  # the drain's replan ordered no transition (the controller's event)
         if self.leaving[key] == "released":
             return protocol.Release(job_id=msg.job_id, node=msg.node, reason=reason)
         return protocol.Ack(ref="leaving", seq=0)
 
-    def _let_go(self, ctl: JobController, node: str, reason: str) -> None:
+    def _let_go(self, ctl: JobController, node: str, reason: str, *, tell: bool = True) -> None:
         key = (ctl.job_id, node)
         self.leaving[key] = "released"
         ctl.on_node_left(node, f"left: {reason}")
         self.node_state[key] = "released"
         self.store.add_event("node-left", {"node": node, "reason": reason}, job_id=ctl.job_id)
         self.log.info("node-left", job=ctl.job_id, node=node, reason=reason)
-        self._send_to_node(ctl.job_id, node, protocol.Release(job_id=ctl.job_id, node=node, reason=reason))
+        if tell:  # at once; the agent's next Leaving is answered Release as well (a lost frame costs a beat)
+            self._send_to_node(ctl.job_id, node, protocol.Release(job_id=ctl.job_id, node=node, reason=reason))
 
     def node_limit(self, job: dict[str, Any]) -> tuple[int, str]:
         """How many nodes the job may register, and where that bound comes from."""

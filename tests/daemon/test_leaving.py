@@ -176,6 +176,12 @@ def test_a_leaving_for_another_job_or_node_is_refused(daemon: DaemonHandle) -> N
                           timeout_s=WAIT_S)
     assert isinstance(reply, protocol.Release) and reply.node == "n1" and reply.reason == "time limit", reply
     assert [e["data"]["reason"] for e in _events(daemon, "j", "node-leaving")] == ["time limit"]
+    again = alice.request(protocol.Leaving(job_id="j", node="n1", reason="time-limit", grace_s=9.0),
+                          timeout_s=WAIT_S)  # the agent repeats it every beat: answered alike, recorded once
+    assert isinstance(again, protocol.Release), again
+    assert alice.recv(timeout_s=0.5) is None, "one reply per Leaving"
+    assert len(_events(daemon, "j", "node-leaving")) == 1 and len(_events(daemon, "j", "node-left")) == 1
+    assert {n["node"]: n["state"] for n in daemon.admin("job", job="j")["nodes"]} == {"n1": "released"}
 
 
 def test_leaving_is_checked_at_the_protocol_boundary() -> None:
