@@ -15,6 +15,7 @@ import json
 import math
 import signal
 import subprocess
+import sys
 import time
 from typing import Any
 
@@ -207,3 +208,56 @@ def test_the_reason_comes_from_slurms_end_time() -> None:
     assert leave_reason({"SLURM_JOB_ID": "7"}, now) == "preempt"
     assert leave_reason({"SLURM_JOB_ID": "7", "SLURM_JOB_END_TIME": str(int(now) + 30)}, now) == "time-limit"
     assert leave_reason({"SLURM_JOB_ID": "7", "SLURM_JOB_END_TIME": str(int(now) + 86400)}, now) == "preempt"
+
+
+_NOTICED = """
+import pathlib, signal, sys, time
+seen = []
+def on_term(*_):
+    seen.append(1)
+    if sys.argv[1] == "leaves" or len(seen) > 1:
+        sys.exit(0)
+signal.signal(signal.SIGTERM, on_term)
+pathlib.Path(sys.argv[2]).write_text("ready")
+while True:
+    time.sleep(0.05)
+"""
+
+
+@pytest.mark.multiprocess
+def test_the_local_sources_preempt_gives_notice_like_slurm(tmp_path: Any) -> None:
+    """``preempt`` SIGTERMs the node's agent and takes the node once the agent left, or after KillWait."""
+    from nereusd.allocation import ElasticJob, EventKind
+    from nereusd.local_source import LocalSource, ScheduleStep
+
+    how = {"local1": "leaves", "local2": "stays"}
+
+    def argv(job: ElasticJob, node: Any) -> list[str]:
+        return [sys.executable, "-c", _NOTICED, how.get(node.node, "stays"), str(tmp_path / f"{node.node}.ready")]
+
+    now = [0.0]
+    steps = (ScheduleStep(at_s=0, job="demo", action="grant", nodes=3),
+             ScheduleStep(at_s=1, job="demo", action="preempt", nodes=2))
+    src = LocalSource(num_nodes=3, slots_per_node=2, schedule=steps, agent_argv=argv, kill_wait_s=10.0,
+                      clock=lambda: now[0])
+    try:
+        src.track(ElasticJob(job_id="demo", anchor_job_id="a", min_gpus=2, max_gpus=6, gpus_per_node=2,
+                             slurm_user="alice"))
+        assert [e.kind for e in src.poll()] == [EventKind.GRANTED]
+        wait_for(lambda: all((tmp_path / f"local{i}.ready").exists() for i in range(3)), timeout_s=WAIT_S,
+                 what="the three node processes ready for SIGTERM")
+        now[0] = 1.0
+        assert src.poll() == []  # a notice, not a loss: the nodes are still held
+        assert src.allocation("demo").node_names == ("local0", "local1", "local2")
+        procs = {n: p for t in src._jobs.values() for n, p in t.procs.items()}  # noqa: SLF001
+        _exit_within(procs["local1"], WAIT_S, "local1's process to leave on the notice")
+        (left,) = src.poll()
+        assert left.kind is EventKind.PREEMPTED and [n.node for n in left.nodes] == ["local1"]
+        assert "agent left (exit 0)" in left.reason and procs["local2"].poll() is None
+        now[0] = 11.0
+        (taken,) = src.poll()
+        assert taken.kind is EventKind.PREEMPTED and [n.node for n in taken.nodes] == ["local2"]
+        assert "KillWait 10 s over" in taken.reason and procs["local2"].returncode is not None
+        assert src.allocation("demo").node_names == ("local0",)
+    finally:
+        src.close()
