@@ -272,6 +272,10 @@ class JobController:
             self.pool_dirty = True
             self._save()
 
+    def drained(self, node: str) -> bool:
+        """The node was drained and its release asked of the source: no plan uses it any more."""
+        return node in self._release_asked
+
     def on_node_left(self, node: str, reason: str) -> None:
         """A drained node that goes by itself (Slurm takes it: a preemption, a time limit): released in the
         store without asking the source, and no longer draining."""

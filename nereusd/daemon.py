@@ -748,6 +748,9 @@ class Daemon:
                                  job_id=msg.job_id)
             self.log.info("node-leaving", job=msg.job_id, node=msg.node, reason=reason, grace_s=msg.grace_s)
             self.leaving[key] = "draining"
+            if ctl.drained(msg.node) or self.node_state.get(key) == "released":  # a shrink took it already
+                self._let_go(ctl, msg.node, reason, tell=False)
+                return protocol.Release(job_id=msg.job_id, node=msg.node, reason=reason)
             try:
                 free_now = ctl.drain([msg.node], reason)
             except AllocationError as exc:

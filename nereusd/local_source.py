@@ -351,16 +351,21 @@ class LocalSource:
         self.log.info("agent_started", job_id=tracked.job.job_id, node=node.node, pid=proc.pid)
 
     def _stop_agent(self, tracked: _Tracked, node: str, timeout_s: float = 5.0) -> None:
+        """The node goes now: SIGTERM to its process group, a second SIGTERM to the agent (its first one
+        would start a graceful leave, the second stops it at once), SIGKILL after ``timeout_s``."""
         proc = tracked.procs.pop(node, None)
         if proc is None or proc.poll() is not None:
             return
-        for sig in (signal.SIGTERM, signal.SIGKILL):
+        for sig, wait_s in ((signal.SIGTERM, 0.5), (None, timeout_s), (signal.SIGKILL, timeout_s)):
             try:
-                os.killpg(proc.pid, sig)  # the agent and the workers it started
+                if sig is None:
+                    os.kill(proc.pid, signal.SIGTERM)
+                else:
+                    os.killpg(proc.pid, sig)  # the agent and the workers it started
             except ProcessLookupError:
                 return
             try:
-                proc.wait(timeout=timeout_s)
+                proc.wait(timeout=wait_s)
                 return
             except subprocess.TimeoutExpired:
                 continue
