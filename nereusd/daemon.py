@@ -12,8 +12,9 @@ at once or from that thread, is stored as an ``alloc-refused`` event). A shrink 
 plan uses are drained first (``JobController.drain``) and released once the transition away from them
 is done. A node that leaves by itself (``Leaving``: Slurm's SIGTERM ahead of a preemption or a time
 limit) drains the same way, but is never released through the source (Slurm takes it anyway): once
-no plan uses it the daemon answers its agent ``Release`` and marks it released. Each tick fails ordered transitions older than ``daemon.order_timeout_s``, and an agent that
-registers again is sent the orders it has not reported.
+no plan uses it the daemon answers its agent ``Release`` and marks it released. Each tick fails
+ordered transitions older than ``daemon.order_timeout_s``, and an agent that registers again is sent
+the orders it has not reported.
 
 Nothing from outside may stop the loop: a stored job that cannot be loaded or whose controller fails
 is marked damaged (``nereusctl jobs`` shows the reason) and the others are served; a message whose
