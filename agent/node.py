@@ -3,6 +3,7 @@
     python -m agent.node --endpoint tcp://HEAD:7501 --keys DIR --job JOB [--node NAME]
         [--slurm-job-id ID] [--cpu-slots N] [--worker-cmd 'python -m agent.worker --device {device}']
         [--driver tcp://HOST:PORT] [--driver-cmd 'python -m agent.driver --job-file JOB.toml'] [--ack-orders]
+        [--leave-grace-s 25]
 
 Defaults come from the environment where Slurm or the launcher set it (SLURMD_NODENAME, SLURM_JOB_ID,
 NEREUS_ENDPOINT, NEREUS_KEYS, NEREUS_JOB_ID). Devices: GPUs from NVML when it is present, else CPU
@@ -18,6 +19,12 @@ handed to every worker (NEREUS_DRIVER) so that it dials the driver; ``--driver-c
 node's agent only) also starts the driver itself, as one more child with the workers' environment
 (its relay is this agent: its measurements go out, the daemon's orders come in). ``--ack-orders`` reports
 every order done at once (simulated nodes, tests, benchmarks: no executor attached).
+
+SIGTERM (Slurm's notice ahead of a preemption, GraceTime, or a time limit, KillWait: 30 s by default)
+does not stop the agent at once: it tells the daemon ``Leaving`` (again every beat) and keeps beating,
+relaying orders and supervising its workers while the daemon moves the node's state away, until the
+daemon answers ``Release`` or ``--leave-grace-s`` passes (0: stop at once); then it stops as before,
+exit 0. A second SIGTERM, or SIGINT, stops it at once.
 
 After a daemon restart the agent's connection comes back by itself (same CURVE key, same routing id);
 the daemon answers the first heartbeat with ``unknown-session`` and the agent registers again,
@@ -39,7 +46,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -145,6 +152,22 @@ class AgentConfig:
     keys_dir: Path | None = None  # handed to children (NEREUS_KEYS): the hub's CURVE keys
     ipc_dir: Path = field(default_factory=lambda: Path(tempfile.gettempdir()))
     silent_after_s: float = 10.0  # no reply for this long: log that the daemon is silent, keep trying
+    leave_grace_s: float = 25.0  # after SIGTERM: at most this long until the daemon releases the node
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.leave_grace_s <= protocol.MAX_GRACE_S:
+            raise ValueError(f"leave_grace_s must be 0..{protocol.MAX_GRACE_S:g} s, got {self.leave_grace_s}")
+
+
+def leave_reason(env: Mapping[str, str] = os.environ, now: float | None = None,
+                 grace_s: float = 25.0) -> protocol.LeaveReason:
+    """Why a SIGTERM came: a time limit when Slurm's job end time ($SLURM_JOB_END_TIME) is near, a
+    preemption under Slurm otherwise, else a plain shutdown."""
+    end = env.get("SLURM_JOB_END_TIME", "")
+    now = time.time() if now is None else now
+    if end.isdigit() and int(end) - now <= 2 * grace_s + 60:
+        return "time-limit"
+    return "preempt" if env.get("SLURM_JOB_ID") else "shutdown"
 
 
 class NodeAgent:
@@ -168,6 +191,11 @@ class NodeAgent:
         self.driver: subprocess.Popen[bytes] | None = None
         self.driver_exit: int | None = None
         self.stop = threading.Event()
+        self.leave_asked = threading.Event()  # the first SIGTERM: leave gracefully (see on_signal)
+        self.leave_deadline: float | None = None  # monotonic; set once the leave began
+        self.leave_signal_at = float("inf")
+        self.leave_why: protocol.LeaveReason = "shutdown"
+        self.released = False  # the daemon answered Release: the node may go
         self.registered = threading.Event()
         self.welcomes = 0  # how many times the daemon welcomed us (1 + reconnections)
         self.plan_version = 0
@@ -264,6 +292,10 @@ class NodeAgent:
             self.registered.set()
             self.log.info("registered", reconnected=msg.reconnected, plan_version=msg.plan_version)
             self._flush_outbox()
+        elif isinstance(msg, protocol.Release):
+            if not self.released:
+                self.log.info("released", reason=msg.reason)
+            self.released = True
         elif isinstance(msg, protocol.ErrorReply):
             if msg.code == "unknown-session":
                 self.registered.clear()
@@ -316,6 +348,30 @@ class NodeAgent:
         while self.outbox and self.registered.is_set():
             self.client.send(self.outbox.popleft())
 
+    def on_signal(self, signum: int, _frame: Any = None) -> None:
+        """The first SIGTERM asks for a graceful leave (none with a zero grace); anything more stops now."""
+        if signum == signal.SIGTERM and not self.leave_asked.is_set() and self.cfg.leave_grace_s > 0:
+            self.leave_signal_at = time.monotonic()  # the grace counts from the signal, not the next beat
+            self.leave_asked.set()
+        else:
+            self.stop.set()
+
+    def _leave_step(self, now: float) -> bool:
+        """While leaving: tell the daemon (every beat, once registered); True once the node may go."""
+        if self.leave_deadline is None:
+            self.leave_deadline = min(now, self.leave_signal_at) + self.cfg.leave_grace_s
+            self.leave_why = leave_reason(grace_s=self.cfg.leave_grace_s)
+            self.log.info("leaving", reason=self.leave_why, grace_s=self.cfg.leave_grace_s)
+        if self.released:
+            return True
+        if now >= self.leave_deadline:
+            self.log.warning("leave-grace-over", grace_s=self.cfg.leave_grace_s)
+            return True
+        if self.registered.is_set():
+            self.client.send(protocol.Leaving(job_id=self.cfg.job_id, node=self.cfg.node, reason=self.leave_why,
+                                              grace_s=round(self.leave_deadline - now, 3)))
+        return False
+
     def report(self, msg: protocol.Measurement | protocol.TransitionReport) -> None:
         """Send a report from this process (the driver on node 0 may run inside the agent)."""
         self._send_report(msg)
@@ -333,6 +389,11 @@ class NodeAgent:
         try:
             while not self.stop.is_set():
                 now = time.monotonic()
+                if self.released or (self.leave_deadline is not None and now >= self.leave_deadline):
+                    self._leave_step(now)  # logs why
+                    break
+                if self.leave_asked.is_set() and self.leave_deadline is None:
+                    next_beat = now  # the first Leaving goes out now, not at the next beat
                 if now >= next_beat:
                     if self.registered.is_set():
                         self._heartbeat()
@@ -340,13 +401,16 @@ class NodeAgent:
                             self.orders_out.send(protocol.encode(order))
                     else:
                         self._register()
+                    if self.leave_asked.is_set() and self._leave_step(now):
+                        break
                     self._supervise()
                     # until welcomed, retry soon: the first register may go out before the connection is up
                     next_beat = now + (self.interval_s if self.registered.is_set() else min(0.2, self.interval_s))
                     if now - last_reply > self.cfg.silent_after_s and not silent_logged:
                         self.log.warning("daemon-silent", seconds=round(now - last_reply, 1))
                         silent_logged = True
-                ready = dict(poller.poll(max(1, int((next_beat - time.monotonic()) * 1e3))))
+                wake = next_beat if self.leave_deadline is None else min(next_beat, self.leave_deadline)
+                ready = dict(poller.poll(max(1, int((wake - time.monotonic()) * 1e3))))
                 if self.client.monitor is not None and self.client.monitor in ready:
                     self.client._drain_monitor()
                     if self.client.auth_failed:
@@ -449,6 +513,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--driver-cmd", default="", help="start the job driver with this command (anchor node)")
     p.add_argument("--max-restarts", type=int, default=3)
     p.add_argument("--ack-orders", action="store_true", help="report every order done (no executor)")
+    p.add_argument("--leave-grace-s", type=float, default=25.0,
+                   help="after SIGTERM, wait at most this long for the daemon to move state off the node (0: stop "
+                        "at once); keep it under Slurm's KillWait/GraceTime minus the workers' stop time (5 s)")
     p.add_argument("--log-format", choices=("auto", "json", "console"), default="auto")
     args = p.parse_args(argv)
     missing = [n for n in ("endpoint", "keys", "job") if not getattr(args, n)]
@@ -461,10 +528,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                       slurm_job_id=args.slurm_job_id, devices=discover_devices(args.cpu_slots),
                       worker_cmd=shlex.split(args.worker_cmd), max_restarts=args.max_restarts,
                       ack_orders=args.ack_orders, driver=args.driver, driver_cmd=shlex.split(args.driver_cmd),
-                      keys_dir=Path(args.keys))
+                      keys_dir=Path(args.keys), leave_grace_s=args.leave_grace_s)
     agent = NodeAgent(cfg)
-    signal.signal(signal.SIGTERM, lambda *_: agent.stop.set())
-    signal.signal(signal.SIGINT, lambda *_: agent.stop.set())
+    signal.signal(signal.SIGTERM, agent.on_signal)
+    signal.signal(signal.SIGINT, agent.on_signal)
     return agent.run()
 
 

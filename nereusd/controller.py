@@ -272,6 +272,19 @@ class JobController:
             self.pool_dirty = True
             self._save()
 
+    def drained(self, node: str) -> bool:
+        """The node was drained and its release asked of the source: no plan uses it any more."""
+        return node in self._release_asked
+
+    def on_node_left(self, node: str, reason: str) -> None:
+        """A drained node that goes by itself (Slurm takes it: a preemption, a time limit): released in the
+        store without asking the source, and no longer draining."""
+        self.store.set_node_state(self.job_id, node, "released", reason)
+        self._release_asked.discard(node)
+        if self.draining.pop(node, None) is not None:
+            self._save()
+        self.pool_dirty = True
+
     def check_order_timeouts(self, timeout_s: float, now: float | None = None) -> None:
         """Fail every ordered transition older than ``timeout_s`` (wall time, as the store keeps it): the job
         goes back to running and the next pass replans urgently. No transition stays ordered forever."""

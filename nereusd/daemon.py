@@ -10,8 +10,11 @@ The allocation source is polled in a worker thread (a slow or failing Slurm comm
 heartbeats); its events, and the grow/shrink requests it refused, come back through queues (a refusal,
 at once or from that thread, is stored as an ``alloc-refused`` event). A shrink is graceful: nodes a
 plan uses are drained first (``JobController.drain``) and released once the transition away from them
-is done. Each tick fails ordered transitions older than ``daemon.order_timeout_s``, and an agent that
-registers again is sent the orders it has not reported.
+is done. A node that leaves by itself (``Leaving``: Slurm's SIGTERM ahead of a preemption or a time
+limit) drains the same way, but is never released through the source (Slurm takes it anyway): once
+no plan uses it the daemon answers its agent ``Release`` and marks it released. Each tick fails
+ordered transitions older than ``daemon.order_timeout_s``, and an agent that registers again is sent
+the orders it has not reported.
 
 Nothing from outside may stop the loop: a stored job that cannot be loaded or whose controller fails
 is marked damaged (``nereusctl jobs`` shows the reason) and the others are served; a message whose
@@ -72,6 +75,7 @@ AGENT_BATCH_S = 0.05  # agent messages served per pass before the admin socket i
 ADMIN_BATCH = 16
 RESTART_GRACE_S = 5.0  # added to the heartbeat time-out for nodes restored from the store
 LOST_PER_TICK = 64  # silent nodes marked lost per tick; the rest on the next ticks
+LEAVE_REASONS = {"preempt": "preemption notice", "time-limit": "time limit", "shutdown": "agent shutdown"}
 STORE_MARKER = "store.json"  # written next to the db when it is created: a missing db is then noticed
 _ADDS = frozenset({EventKind.GRANTED, EventKind.GROWN})
 _REMOVES = frozenset({EventKind.SHRUNK, EventKind.RELEASED, EventKind.NODE_DOWN, EventKind.PREEMPTED,
@@ -250,6 +254,9 @@ class Daemon:
         self.heartbeats_to_flush: dict[tuple[str, str], float] = {}
         self.worker_states: dict[tuple[str, str], list[dict[str, Any]]] = {}  # as last reported per node
         self.resend_to: list[tuple[str, str]] = []  # nodes that registered again: their unreported orders
+        # nodes whose agent sent Leaving: "draining" (state moving away), "refused" (no plan fits without
+        # it: it goes at its grace end, abruptly), "released" (it may go; the agent is told Release)
+        self.leaving: dict[tuple[str, str], str] = {}
         self.admin_ops = AdminOps(self)
         self.stopping = threading.Event()
         self.fatal: str | None = None  # set when the daemon must stop with an error (exit 1)
@@ -454,6 +461,14 @@ class Daemon:
             self.store.add_event("alloc-refused", {"op": op, "nodes": nodes, "reason": reason}, job_id=job_id)
 
     def _queue_release(self, job_id: str, nodes: list[str]) -> None:
+        """Drained nodes go back to the source, except leaving ones: Slurm takes those itself."""
+        ctl = self.controllers.get(job_id)
+        for n in [n for n in nodes if self.leaving.get((job_id, n)) == "draining"]:
+            if ctl is not None:
+                self._let_go(ctl, n, ctl.draining.get(n, "leaving"))
+        nodes = [n for n in nodes if self.leaving.get((job_id, n)) != "released"]
+        if not nodes:
+            return
         if self.worker is None:
             self.log.warning("drained-node-not-released", job=job_id, nodes=nodes, reason="no allocation source")
             return
@@ -688,7 +703,8 @@ class Daemon:
     def _on_agent(self, identity: bytes, user: str, key: str, enc: protocol.Encoding, msg: Any) -> Any:
         if isinstance(msg, protocol.Register):
             return self._register(identity, user, key, enc, msg)
-        if not isinstance(msg, (protocol.Heartbeat, protocol.Measurement, protocol.TransitionReport)):
+        if not isinstance(msg, (protocol.Heartbeat, protocol.Measurement, protocol.TransitionReport,
+                                protocol.Leaving)):
             return protocol.ErrorReply(code="invalid", message=f"agents may not send {msg.type!r}")
         denied = check_session(self.sessions, identity, key, msg.job_id, msg.node)
         if denied is not None:
@@ -714,11 +730,51 @@ class Daemon:
                 self.worker_states[node_key] = workers
                 self.store.add_event("workers", {"node": msg.node, "workers": workers}, job_id=msg.job_id)
             return protocol.Ack(ref="heartbeat", seq=msg.seq)
+        if isinstance(msg, protocol.Leaving):
+            return self._on_leaving(ctl, msg)
         if isinstance(msg, protocol.Measurement):
             ctl.on_measurement(msg)
             return protocol.Ack(ref="measurement", seq=msg.step)
         ctl.on_transition_report(msg)
         return protocol.Ack(ref="transition-report", seq=msg.transition_id)
+
+    def _on_leaving(self, ctl: JobController, msg: protocol.Leaving) -> Any:
+        """The first Leaving drains the node (state moves off it; the controller never drops a last copy);
+        every Leaving (the agent repeats it each beat) is answered Release once no plan uses the node, else
+        Ack. A drain the controller refuses is an ``alloc-refused`` event: the node goes at its grace end."""
+        key = (msg.job_id, msg.node)
+        reason = LEAVE_REASONS[msg.reason]
+        if key not in self.leaving:
+            self.store.add_event("node-leaving", {"node": msg.node, "reason": reason, "grace_s": msg.grace_s},
+                                 job_id=msg.job_id)
+            self.log.info("node-leaving", job=msg.job_id, node=msg.node, reason=reason, grace_s=msg.grace_s)
+            self.leaving[key] = "draining"
+            if ctl.drained(msg.node) or self.node_state.get(key) == "released":  # a shrink took it already
+                self._let_go(ctl, msg.node, reason, tell=False)
+                return protocol.Release(job_id=msg.job_id, node=msg.node, reason=reason)
+            try:
+                free_now = ctl.drain([msg.node], reason)
+            except AllocationError as exc:
+                self.leaving[key] = "refused"
+                self._record_refusal(msg.job_id, "leave", [msg.node], f"{exc}; it goes at its grace end")
+                free_now = []
+            if msg.node in free_now or (self.leaving[key] == "draining" and msg.node not in ctl.draining):
+                self._let_go(ctl, msg.node, reason, tell=False)  # no plan uses it: this reply says so
+        elif self.leaving[key] == "draining" and msg.node not in ctl.draining:
+            self.leaving[key] = "refused"  # the drain's replan ordered no transition (the controller's event)
+        if self.leaving[key] == "released":
+            return protocol.Release(job_id=msg.job_id, node=msg.node, reason=reason)
+        return protocol.Ack(ref="leaving", seq=0)
+
+    def _let_go(self, ctl: JobController, node: str, reason: str, *, tell: bool = True) -> None:
+        key = (ctl.job_id, node)
+        self.leaving[key] = "released"
+        ctl.on_node_left(node, f"left: {reason}")
+        self.node_state[key] = "released"
+        self.store.add_event("node-left", {"node": node, "reason": reason}, job_id=ctl.job_id)
+        self.log.info("node-left", job=ctl.job_id, node=node, reason=reason)
+        if tell:  # at once; the agent's next Leaving is answered Release as well (a lost frame costs a beat)
+            self._send_to_node(ctl.job_id, node, protocol.Release(job_id=ctl.job_id, node=node, reason=reason))
 
     def node_limit(self, job: dict[str, Any]) -> tuple[int, str]:
         """How many nodes the job may register, and where that bound comes from."""
@@ -773,6 +829,8 @@ class Daemon:
                                            slurm_job_id=msg.slurm_job_id, host=msg.host, incarnation=msg.incarnation)
             self.store.add_event("node-registered", {"node": msg.node, "how": how, "devices": len(msg.devices),
                                                      "host": msg.host}, job_id=msg.job_id)
+        if self.node_state.get(node_key) == "released":
+            self.leaving.pop(node_key, None)  # a node given back and granted again: a new agent, a new leave
         self.sessions.bind(identity, Session(job_id=msg.job_id, node=msg.node, user=user, key=key, encoding=enc))
         self.node_state[node_key] = "alive"
         self.last_seen[node_key] = time.monotonic()

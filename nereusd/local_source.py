@@ -15,7 +15,10 @@ allocation changes at given times, including the ones Slurm would impose:
 
 With ``agent_argv`` set, each granted node starts one process group (the node agent, which starts
 one worker per slot; ``agent_argv`` returning None starts none) and each lost node's group is stopped
-(SIGTERM, then SIGKILL), as all of them are by ``close()`` and at interpreter exit. Their output
+(SIGTERM, then SIGKILL), as all of them are by ``close()`` and at interpreter exit. A ``preempt`` of
+a node whose agent runs here plays Slurm's notice: SIGTERM to the agent (it drains its node and
+exits), and the node is taken (PREEMPTED, its process group stopped) once the agent exited or
+``kill_wait_s`` (Slurm's KillWait) passed, whichever comes first. Their output
 goes to ``log_dir``/JOB.NODE.log. An ``agent_argv`` with a ``check(job)`` method is asked before a
 job is tracked, so a job whose agents cannot start is refused.
 """
@@ -115,6 +118,7 @@ class _Tracked:
     job: ElasticJob
     allocation: Allocation
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    preempting: dict[str, tuple[float, str]] = field(default_factory=dict)  # node -> (taken at, reason)
 
 
 def _locked(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -133,7 +137,7 @@ class LocalSource:
 
     def __init__(self, *, num_nodes: int = 4, slots_per_node: int = 8,
                  schedule: Sequence[ScheduleStep] = (), agent_argv: AgentArgv | None = None,
-                 log_dir: Path | None = None,
+                 log_dir: Path | None = None, kill_wait_s: float = 30.0,
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
         if num_nodes < 1:
             raise SpecError("local.num_nodes", f"must be >= 1, got {num_nodes}")
@@ -144,6 +148,7 @@ class LocalSource:
         self.schedule = list(schedule)
         self.agent_argv = agent_argv
         self.log_dir = log_dir
+        self.kill_wait_s = kill_wait_s
         self.clock, self.wall = clock, wall
         self.started = clock()
         self._jobs: dict[str, _Tracked] = {}
@@ -241,6 +246,8 @@ class LocalSource:
     def _remove(self, tracked: _Tracked, names: Sequence[str], kind: EventKind, reason: str) -> None:
         gone = [tracked.allocation.node(n) for n in names]  # raises for a node not held
         tracked.allocation = tracked.allocation.without(names)
+        for n in names:
+            tracked.preempting.pop(n, None)
         for node in gone:
             self._stop_agent(tracked, node.node)
         self._emit(kind, tracked, gone, reason)
@@ -267,10 +274,18 @@ class LocalSource:
         while self.schedule and self.schedule[0].at_s <= elapsed:
             self._play(self.schedule.pop(0))
         for tracked in self._jobs.values():  # an agent that died took its node with it
+            for node, (taken_at, why) in list(tracked.preempting.items()):
+                if self.clock() >= taken_at:
+                    self._remove(tracked, [node], EventKind.PREEMPTED, f"{why}: KillWait {self.kill_wait_s:g} s over")
             for node, proc in list(tracked.procs.items()):
                 if proc.poll() is not None and node in tracked.allocation.node_names:
                     tracked.procs.pop(node)
-                    self._remove(tracked, [node], EventKind.NODE_DOWN, f"agent on {node} exited {proc.returncode}")
+                    if node in tracked.preempting:  # it left after the notice, as asked
+                        self._remove(tracked, [node], EventKind.PREEMPTED,
+                                     f"{tracked.preempting[node][1]}: agent left (exit {proc.returncode})")
+                    else:
+                        self._remove(tracked, [node], EventKind.NODE_DOWN,
+                                     f"agent on {node} exited {proc.returncode}")
         events, self._events = self._events, []
         return events
 
@@ -284,13 +299,33 @@ class LocalSource:
         try:
             if step.action in ("grant", "grow"):
                 self._add(tracked, step.nodes or 0, kind, reason)
+            elif step.action == "preempt":
+                self._preempt(tracked, list(step.names) or list(tracked.allocation.node_names[-(step.nodes or 0):]),
+                              reason)
             elif step.action == "release":
                 self._remove(tracked, list(tracked.allocation.node_names), kind, reason)
-            else:  # shrink, node_down, preempt: named nodes, or the last ``nodes`` nodes
+            else:  # shrink, node_down: named nodes, or the last ``nodes`` nodes
                 names = list(step.names) or list(tracked.allocation.node_names[-(step.nodes or 0):])
                 self._remove(tracked, names, kind, reason)
         except AllocationError as exc:
             self._emit(EventKind.REQUEST_FAILED, tracked, (), f"{reason}: {exc}")
+
+    def _preempt(self, tracked: _Tracked, names: Sequence[str], reason: str) -> None:
+        """Slurm's way: SIGTERM to the agents now (the agent only: it stops its workers once its node is
+        drained), the nodes taken when their agent exited or after ``kill_wait_s``."""
+        for n in names:
+            tracked.allocation.node(n)  # raises for a node not held
+        noticed = [n for n in names if (p := tracked.procs.get(n)) is not None and p.poll() is None]
+        for n in noticed:
+            try:
+                os.kill(tracked.procs[n].pid, signal.SIGTERM)
+            except ProcessLookupError:
+                continue
+            tracked.preempting[n] = (self.clock() + self.kill_wait_s, reason)
+            self.log.info("preemption_notice", job_id=tracked.job.job_id, node=n, kill_wait_s=self.kill_wait_s)
+        rest = [n for n in names if n not in tracked.preempting]
+        if rest:
+            self._remove(tracked, rest, EventKind.PREEMPTED, reason)
 
     # --- node processes ---------------------------------------------------------------------------
     def _start_agent(self, tracked: _Tracked, node: NodeAllocation) -> None:
@@ -316,16 +351,21 @@ class LocalSource:
         self.log.info("agent_started", job_id=tracked.job.job_id, node=node.node, pid=proc.pid)
 
     def _stop_agent(self, tracked: _Tracked, node: str, timeout_s: float = 5.0) -> None:
+        """The node goes now: SIGTERM to its process group, a second SIGTERM to the agent (its first one
+        would start a graceful leave, the second stops it at once), SIGKILL after ``timeout_s``."""
         proc = tracked.procs.pop(node, None)
         if proc is None or proc.poll() is not None:
             return
-        for sig in (signal.SIGTERM, signal.SIGKILL):
+        for sig, wait_s in ((signal.SIGTERM, 0.5), (None, timeout_s), (signal.SIGKILL, timeout_s)):
             try:
-                os.killpg(proc.pid, sig)  # the agent and the workers it started
+                if sig is None:
+                    os.kill(proc.pid, signal.SIGTERM)
+                else:
+                    os.killpg(proc.pid, sig)  # the agent and the workers it started
             except ProcessLookupError:
                 return
             try:
-                proc.wait(timeout=timeout_s)
+                proc.wait(timeout=wait_s)
                 return
             except subprocess.TimeoutExpired:
                 continue

@@ -149,6 +149,22 @@ class TransitionReport(_Msg):
     error: Text = ""
 
 
+LeaveReason = Literal["preempt", "time-limit", "shutdown"]
+MAX_GRACE_S = 3600.0  # Slurm's GraceTime/KillWait are seconds to minutes
+
+
+class Leaving(_Msg):
+    """The node is about to go (a preemption notice, a time limit ahead: Slurm's SIGTERM before SIGKILL).
+    The agent sends it every beat until the daemon answers ``Release`` (its state moved off the node) or
+    ``grace_s`` runs out; the daemon answers ``Ack(ref="leaving")`` while the drain is under way."""
+
+    type: Literal["leaving"] = "leaving"
+    job_id: Name
+    node: Name
+    reason: LeaveReason
+    grace_s: Annotated[float, Strict(), Field(ge=0, le=MAX_GRACE_S, allow_inf_nan=False)]  # left when sent
+
+
 # --- daemon -> agent ------------------------------------------------------------------------------
 
 
@@ -176,6 +192,15 @@ class TransitionOrder(_Msg):
     from_version: int
     to_version: int
     part: dict[str, Any] = Field(default_factory=dict)
+
+
+class Release(_Msg):
+    """A leaving node may go: no plan uses it any more (its state moved away), or none ever did."""
+
+    type: Literal["release"] = "release"
+    job_id: str
+    node: str
+    reason: str
 
 
 class ErrorReply(_Msg):
@@ -326,8 +351,8 @@ class AdminReply(_Msg):
 
 
 Message = Annotated[
-    Register | Heartbeat | Measurement | TransitionReport | Welcome | Ack | TransitionOrder | ErrorReply
-    | AdminRequest | AdminReply,
+    Register | Heartbeat | Measurement | TransitionReport | Leaving | Welcome | Ack | TransitionOrder | Release
+    | ErrorReply | AdminRequest | AdminReply,
     Field(discriminator="type"),
 ]
 _ADAPTER: TypeAdapter[Any] = TypeAdapter(Message)

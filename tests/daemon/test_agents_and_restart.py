@@ -157,8 +157,8 @@ def test_agent_supervises_workers_and_relays_their_measurements(daemon: DaemonHa
         assert m == 1.25
         assert daemon.admin("job-plan", job="j")["measured_at_step"] == 3
     finally:
-        agent.terminate()
-        assert agent.wait(20) == 0  # SIGTERM: workers stopped, clean exit
+        agent.send_signal(signal.SIGINT)  # SIGTERM would leave gracefully (test_leaving.py); SIGINT stops now
+        assert agent.wait(20) == 0  # workers stopped, clean exit
 
 
 EXECUTOR = """
@@ -194,5 +194,5 @@ def test_orders_reach_a_worker_and_its_report_commits_the_plan(daemon: DaemonHan
         assert [h["to_state"] for h in daemon.admin("transition", id=t["id"])["history"]] == ["planned", "ordered",
                                                                                             "done"]
     finally:
-        agent.terminate()
+        agent.send_signal(signal.SIGINT)
         agent.wait(20)

@@ -36,6 +36,7 @@ def _good(job: str, node: str) -> dict[str, dict[str, Any]]:
             protocol.Measurement(job_id=job, node=node, step=1, plan_version=0, step_latency_s=1.0,
                                  stage_times_s={"actor-gen": 0.5}, peak_memory_bytes={"0": 1}, response_tokens=3.0),
             protocol.TransitionReport(job_id=job, node=node, transition_id=1, ok=False, measured_s=0.1),
+            protocol.Leaving(job_id=job, node=node, reason="preempt", grace_s=25.0),
             protocol.AdminRequest(op="status")]
     return {m.type: json.loads(protocol.encode(m, "json")) for m in msgs}
 
