@@ -95,6 +95,10 @@ class DriverConfig:
     order_wait_s: float = 600.0  # the longest the driver waits for an order it needs
     heal_after_s: float = 20.0  # a dead worker, no order: Extend the current plan onto its restart
     step_timeout_s: float = 900.0
+    # a JSON file ({"max_new_tokens": N, "steps": S}) read at every safe point: the workload changes from the
+    # next step on, the run ends at S (how `make run` plays a response-length jump when it wants one, and ends
+    # once its story is told)
+    workload_path: Path | None = None
     # after every step and transition, hash every logical tensor of the stateful model-stages (weights,
     # AdamW moments, counters) assembled from all workers' shards, and check that a transition kept them
     verify: bool = False
@@ -122,6 +126,7 @@ class JobDriver:
         self.step = 0
         self.checkpoint: _Checkpoint | None = None
         self.snapshots: dict[int, dict[str, str]] = {}  # verify: steps done -> logical digests then
+        self._workload_seen: float | None = None  # mtime of the workload file last applied
 
     # --- reporting ----------------------------------------------------------------------------------
     def event(self, kind: str, **data: Any) -> None:
@@ -298,6 +303,32 @@ class JobDriver:
         lengths = [t for s, t in sorted(self.dc.response_schedule.items()) if s <= self.step]
         return dataclasses.replace(self.cfg, max_new_tokens=lengths[-1]) if lengths else self.cfg
 
+    def _workload_changed(self) -> int | None:
+        """The workload file's max_new_tokens (taken into the schedule from this step on, if new) and
+        steps (where the run ends)."""
+        path = self.dc.workload_path
+        if path is None or not path.exists() or path.stat().st_mtime == self._workload_seen:
+            return None
+        self._workload_seen = path.stat().st_mtime
+        try:
+            data = json.loads(path.read_text())
+            tokens = int(data.get("max_new_tokens") or 0) or None
+            steps = int(data["steps"]) if "steps" in data else None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            self.event("workload-refused", path=str(path), error=str(exc)[:500])
+            return None
+        if (tokens is not None and tokens < 1) or (steps is not None and steps < self.step):
+            self.event("workload-refused", path=str(path), error=f"max_new_tokens {tokens} < 1 or steps {steps} "
+                       f"< the {self.step} done")
+            return None
+        if steps is not None:
+            self.dc.steps = steps  # the run ends there (the orchestrator's story is over)
+        if tokens is None or self.dc.response_schedule.get(max(self.dc.response_schedule, default=-1)) == tokens:
+            return None
+        self.dc.response_schedule = {s: t for s, t in self.dc.response_schedule.items() if s < self.step}
+        self.dc.response_schedule[self.step] = tokens
+        return tokens
+
     # --- the loop -----------------------------------------------------------------------------------
     def step_once(self) -> bool:
         """One RL step on the bound plan (its measurement out, a checkpoint when due); False when it
@@ -306,6 +337,7 @@ class JobDriver:
 
         assert self.plan is not None
         workers = sorted(self.plan.gpus)
+        self._workload_changed()
         try:
             if self.step in self.dc.response_schedule:
                 self.hub.call(bind, workers=workers, timeout_s=self.dc.step_timeout_s, collective=True,
@@ -440,6 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint-every", type=int, default=5, help="steps between checkpoints (0: never)")
     p.add_argument("--events", type=Path, help="append one JSON line per step/transition here")
     p.add_argument("--response-schedule", default="", help="STEP:TOKENS,... max_new_tokens from STEP on")
+    p.add_argument("--workload-file", type=Path, help='JSON {"max_new_tokens": N}, read at each safe point')
     p.add_argument("--heal-after-s", type=float, default=20.0)
     p.add_argument("--verify", action="store_true",
                    help="check every transition kept every logical tensor (hashes; costs a dump per step)")
@@ -460,6 +493,10 @@ def main(argv: list[str] | None = None) -> int:
     job_id = env.get("NEREUS_JOB_ID", "local")
     link = None
     if "NEREUS_AGENT_IPC" in env:
+        import signal
+
+        # as the workers (agent.worker.main): the anchor's agent stops the driver when its node may go
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         from agent.node import AgentLink
 
         link = AgentLink.from_env()
@@ -467,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
     ckpt = args.checkpoint_dir or str(Path(os.environ.get("TMPDIR", "/tmp")) / f"nereus-ckpt-{job_id}-{os.getpid()}")
     dc = DriverConfig(steps=args.steps or steps, checkpoint_url=ckpt, checkpoint_every=args.checkpoint_every,
                       events_path=args.events, response_schedule=_schedule(args.response_schedule),
-                      heal_after_s=args.heal_after_s, verify=args.verify)
+                      heal_after_s=args.heal_after_s, verify=args.verify, workload_path=args.workload_file)
     driver = JobDriver(cfg, hub, link, dc, job_id=job_id, node=env.get("NEREUS_NODE", "local"))
     try:
         return driver.run()

@@ -262,7 +262,9 @@ class NodeAgent:
         procs += [self.driver] if self.driver is not None else []
         for proc in procs:
             if proc.poll() is None:
-                proc.terminate()
+                # SIGINT, not SIGTERM: the agent's children ignore SIGTERM (Slurm sends it to every process
+                # of the step at a preemption or time limit, and the node's state must first move away)
+                proc.send_signal(signal.SIGINT)
         for proc in procs:
             try:
                 proc.wait(timeout=5)

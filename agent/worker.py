@@ -258,6 +258,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"worker: missing {', '.join('--' + m for m in missing)} (NEREUS_DRIVER/NEREUS_NODE are set by "
               "the node agent; a worker is not started by hand)", file=sys.stderr)
         return 2
+    if "NEREUS_AGENT_IPC" in env:
+        # under a node agent: Slurm's SIGTERM (preemption, time limit) reaches every process of the step,
+        # but the node's state must first move away; the agent stops its workers (SIGINT) when the daemon
+        # lets the node go, and a worker whose agent is gone ends by itself (WorkerLink sees the orphan)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     bundle = load_bundle(Path(args.keys)) if args.keys else None
     link = WorkerLink(args.driver, bundle, node=args.node, device=args.device)
     try:

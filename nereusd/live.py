@@ -10,6 +10,7 @@ train. While it trains, this script changes the job's world by step count (not b
 loaded machine plays the same story):
 
     grow to 4 workers -> response-length jump (opportunistic replan) -> graceful shrink (drain)
+    -> grow again -> preemption notice (SIGTERM, as Slurm sends it: drained, then gone)
     -> grow again -> abrupt loss of that node (SIGKILL of its agent and workers) -> recovery
 
 It shows a line per step (reward, step time, plan, pool, transitions in flight) and ends with a
@@ -40,22 +41,25 @@ USER = os.environ.get("USER") or "nereus"
 SLOTS_PER_NODE = 2
 
 
+TAIL_STEPS = 8  # steps run after the last change settled, before the run ends
+
+
 @dataclass(slots=True)
 class Act:
     """One change of the job's world, played once the driver has done ``at_step`` steps, the previous
-    act has settled (a transition after it finished, or ``SETTLE_S`` passed) and none is in flight."""
+    act has settled (a transition after it finished, or its ``settle_s`` passed) and none is in flight."""
 
     name: str
     at_step: int
     run: Callable[[LiveRun], str]
     done_at: int | None = None
     note: str = ""
+    settle_s: float = 90.0  # longest wait for a transition after it (an act may lead to none: not worth it)
     played_at: float = 0.0
     wall_t: float = 0.0  # time.time() when played, to match the driver's events
     transitions_before: int = 0
 
 
-SETTLE_S = 90.0  # an act whose change never led to a transition (refused, not worth it) stops waiting
 
 
 @dataclass(slots=True)
@@ -63,7 +67,6 @@ class LiveRun:
     out: Path
     job_file: Path
     steps: int
-    jump_step: int
     jump_tokens: int
     verify: bool = False
     heartbeat_timeout_s: float = 15.0
@@ -93,8 +96,8 @@ class LiveRun:
         ks.create_client(name=f"{USER}-agent", user=USER, role="agent", out_dir=self.state / "keys" / f"agent-{USER}")
         py = sys.executable
         driver = (f"{py} -m agent.driver --events {self.events_path} --checkpoint-every 4 "
-                  f"--checkpoint-dir {self.out / 'checkpoints'} --response-schedule {self.jump_step}:{self.jump_tokens}"
-                  f" --steps {self.steps} --heal-after-s 15" + (" --verify" if self.verify else ""))
+                  f"--checkpoint-dir {self.out / 'checkpoints'} --workload-file {self.out / 'workload.json'}"
+                  f" --steps {10 * self.steps + 1000} --heal-after-s 15" + (" --verify" if self.verify else ""))
         (self.out / "nereusd.toml").write_text(f"""# written by python -m nereusd.live
 [daemon]
 state_dir = "{self.state}"
@@ -155,27 +158,61 @@ driver_cmd = "{driver}"
         return [n["node"] for n in self.admin("job", job=JOB)["nodes"] if n["state"] == state]
 
     def grow(self) -> str:
-        self.admin("alloc", action="grow", job=JOB, nodes=1)
-        return "asked the local source for one more node"
+        # a node that just left (preempted) is given back to the source when its agent is seen gone: until
+        # then the job still holds it and a grow would pass max_gpus; ask again for a bounded while
+        deadline = time.monotonic() + 60.0
+        while True:
+            try:
+                self.admin("alloc", action="grow", job=JOB, nodes=1)
+                return "asked the local source for one more node"
+            except RuntimeError as exc:
+                if "would pass max_gpus" not in str(exc) or time.monotonic() > deadline:
+                    raise
+            time.sleep(1.0)  # the source's poll period: it notices an exited agent on its next poll
 
     def shrink(self) -> str:
         node = self.nodes()[-1]
         self.admin("alloc", action="shrink", job=JOB, names=[node])
         return f"graceful release of {node} (drained first)"
 
-    def kill_node(self) -> str:
+    def workload(self, **data: int) -> None:
+        """Tell the driver (it reads the file at its next safe point); written whole, then renamed."""
+        path = self.out / "workload.json"
+        old = json.loads(path.read_text()) if path.exists() else {}
+        tmp = self.out / "workload.json.tmp"
+        tmp.write_text(json.dumps({**old, **data}))
+        tmp.replace(path)
+
+    def response_jump(self) -> str:
+        """The responses grow (as RL's do): the driver takes the new length at its next safe point."""
+        self.workload(max_new_tokens=self.jump_tokens)
+        return f"responses may now run to {self.jump_tokens} tokens (opportunistic replan if it pays)"
+
+    def preempt(self) -> str:
+        """What Slurm does at a preemption or a time limit: SIGTERM to every process of the node's step.
+        The agent tells the daemon it is leaving, the daemon drains the node, then lets it go."""
+        node = self.nodes()[-1]
+        for pid in self._agents(node):
+            os.killpg(pid, signal.SIGTERM)
+        return f"SIGTERM to node {node} (a preemption notice: drained, then it goes)"
+
+    def _agents(self, node: str) -> list[int]:
         import psutil
 
-        node = self.nodes()[-1]
-        killed = 0
+        out = []
         for p in psutil.process_iter(["pid", "cmdline"]):
             cmd = p.info["cmdline"] or []
             if "agent.node" in cmd and "--node" in cmd and cmd[cmd.index("--node") + 1] == node \
                     and "--endpoint" in cmd and cmd[cmd.index("--endpoint") + 1] == self.endpoints["control"]:
-                # this daemon's agent of that node (another run's agents have another endpoint)
-                os.killpg(p.info["pid"], signal.SIGKILL)  # its agent and its workers, no goodbye
-                killed += 1
-        return f"SIGKILL of node {node} ({killed} agent process group)"
+                out.append(p.info["pid"])  # this daemon's agent of that node (another run's have another endpoint)
+        return out
+
+    def kill_node(self) -> str:
+        node = self.nodes()[-1]
+        agents = self._agents(node)
+        for pid in agents:
+            os.killpg(pid, signal.SIGKILL)  # its agent and its workers, no goodbye
+        return f"SIGKILL of node {node} ({len(agents)} agent process group)"
 
     # --- watching -----------------------------------------------------------------------------------
     def read_events(self) -> list[dict[str, Any]]:
@@ -195,7 +232,7 @@ driver_cmd = "{driver}"
         if not played:
             return True
         last = played[-1]
-        return self.transitions_done() > last.transitions_before or time.monotonic() - last.played_at > SETTLE_S
+        return self.transitions_done() > last.transitions_before or time.monotonic() - last.played_at > last.settle_s
 
     def in_flight(self) -> int:
         return sum(1 for t in self.admin("transitions", job=JOB) if t["state"] in ("planned", "ordered"))
@@ -307,11 +344,13 @@ def main(argv: list[str] | None = None) -> int:
     if out.exists():
         shutil.rmtree(out)
     run = LiveRun(out=out.resolve(), job_file=args.job_file.resolve(), steps=args.steps,
-                  jump_step=round(args.steps * 0.3), jump_tokens=16, verify=args.verify,
+                  jump_tokens=16, verify=args.verify,
                   heartbeat_timeout_s=args.heartbeat_timeout_s)
     n = args.steps
-    acts = [Act("grow", 3, LiveRun.grow), Act("shrink", round(n * 0.45), LiveRun.shrink),
-            Act("grow", round(n * 0.55), LiveRun.grow), Act("node loss", round(n * 0.7), LiveRun.kill_node)]
+    acts = [Act("grow", 3, LiveRun.grow), Act("response jump", round(n * 0.25), LiveRun.response_jump, settle_s=25.0),
+            Act("shrink", round(n * 0.35), LiveRun.shrink),
+            Act("grow", round(n * 0.45), LiveRun.grow), Act("preempt", round(n * 0.55), LiveRun.preempt),
+            Act("grow", round(n * 0.65), LiveRun.grow), Act("node loss", round(n * 0.8), LiveRun.kill_node)]
     run.setup()
     run.start_daemon()
     print(f"nereusd up ({socket.gethostname()}), state in {run.state}")
@@ -323,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         deadline = time.monotonic() + args.timeout_s
         pending = list(acts)
         played: list[Act] = []
+        ending: int | None = None
         finished = False
         while time.monotonic() < deadline and not finished:
             for ev in run.read_events():
@@ -336,6 +376,11 @@ def main(argv: list[str] | None = None) -> int:
                 finished = finished or ev["event"] in ("done", "gave-up", "driver-failed")
                 code = 0 if ev["event"] == "done" else code
             done_steps = len(run.steps_done)
+            if not pending and not ending and run.settled(played) and run.in_flight() == 0:
+                ending = max(run.steps, done_steps + TAIL_STEPS)  # the story is told: a few steps more, then end
+                run.workload(steps=ending)
+                print(f"[{time.monotonic() - run.t0:6.1f}s] >>> every change played: the run ends at step {ending}",
+                      flush=True)
             if pending and done_steps >= pending[0].at_step and run.settled(played) and run.in_flight() == 0:
                 act = pending.pop(0)
                 act.transitions_before = run.transitions_done()

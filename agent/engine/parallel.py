@@ -335,8 +335,10 @@ class StageEngine:
                 i: dist.get_group_rank(group, gpus[lay.rank_of(self.coord.tp_rank, i)]) if group is not None else i
                 for i in range(lay.pp)}
             if kind == "train":
-                self._schedules[key] = Schedule1F1B(stage, n_microbatches, loss_fn=self._call_loss,
-                                                    scale_grads=False)
+                # 1F1B needs at least one micro-batch per stage; a plan may give fewer (a small batch on a
+                # deep pipeline, which the planner prices as bubbles): GPipe runs any number
+                sched_cls = Schedule1F1B if n_microbatches >= lay.pp else ScheduleGPipe
+                self._schedules[key] = sched_cls(stage, n_microbatches, loss_fn=self._call_loss, scale_grads=False)
             else:
                 self._schedules[key] = ScheduleGPipe(stage, n_microbatches)
         return self._schedules[key]

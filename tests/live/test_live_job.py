@@ -3,14 +3,15 @@ node agents and CPU workers as real processes, the daemon's orders run by the jo
 workers' live state.
 
 One short run plays every kind of change by step count: growth 2 -> 4 workers, a response-length jump
-(opportunistic replan), a graceful shrink (drain), growth again, and an abrupt node loss (SIGKILL of a
-node's agent and workers). It asserts, from the driver's events and the daemon's store:
+(opportunistic replan), a graceful shrink (drain), growth again, a preemption notice (SIGTERM to a
+node's processes, as Slurm sends it), growth again, and an abrupt node loss (SIGKILL of a node's agent
+and workers). It asserts, from the driver's events and the daemon's store:
 - after every transition each logical tensor (weights, AdamW moments, counters) of every stateful
   model-stage equals what the old layout held, by content hash (the driver's --verify);
 - every transition moved exactly the bytes of its DAG's messages and reported a measured time > 0,
   and the daemon holds it done with that time;
-- growth extended state onto the new node (bytes sent > 0), the drain moved state off the leaving
-  node before it went, the loss was recovered from the intact replicas;
+- growth extended state onto the new node (bytes sent > 0), the drain and the preemption notice moved
+  state off the leaving node before it went, the loss was recovered (replicas or the checkpoint);
 - reward improves over the run.
 """
 
@@ -45,9 +46,11 @@ def _done(report: dict) -> list[dict]:
 
 
 def test_every_act_played_and_the_job_finished(run: dict) -> None:
-    assert [a["name"] for a in run["acts"]] == ["grow", "shrink", "grow", "node loss"]
+    assert [a["name"] for a in run["acts"]] == ["grow", "response jump", "shrink", "grow", "preempt", "grow",
+                                                "node loss"]
     assert all(a["at_step"] is not None for a in run["acts"]), run["acts"]
-    assert [s["step"] for s in run["steps"]] == list(range(60))
+    steps = [s["step"] for s in run["steps"]]
+    assert steps == list(range(len(steps))) and len(steps) >= 60  # every step once (re-runs after a restore replace)
     assert any(e["event"] == "done" for e in run["driver_events"])
     assert run["png"] and "=== summary ===" in run["stdout"]
 
@@ -79,11 +82,15 @@ def test_growth_extends_the_drain_moves_off_and_the_loss_recovers(run: dict) -> 
     assert not any(e["event"] == "gave-up" for e in run["driver_events"])
     # the drain: the first transition after the shrink was asked moves state off the leaving node
     # (4 workers -> 2, bytes sent) while it is still there (its workers take part: no worker lost)
-    shrink_t = run["acts"][1]["t"]
-    drain = next(e for e in done if e["t"] > shrink_t)
-    assert len(drain["workers"]) == 2 and drain["bytes_sent"] > 0 and not drain["lost"], drain
+    shrink_t = run["acts"][2]["t"]
+    drain = next(e for e in done if e["t"] > shrink_t)  # bytes only where no replica is on the staying node
+    assert len(drain["workers"]) == 2 and not drain["lost"], drain
     starts = [e for e in run["driver_events"] if e["event"] == "transition-start" and e["t"] > shrink_t]
     assert len(starts[0]["workers"]) == 4, starts[0]  # the leaving node's workers are sources
+    # the preemption notice (SIGTERM to the node's processes, as Slurm sends it) drains the same way
+    preempt_t = run["acts"][4]["t"]
+    left = next(e for e in done if e["t"] > preempt_t)
+    assert len(left["workers"]) == 2 and not left["lost"], left
 
 
 def test_the_response_jump_is_seen_by_the_daemon(run: dict) -> None:
