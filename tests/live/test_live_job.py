@@ -68,7 +68,13 @@ def test_transitions_move_exactly_the_dags_bytes_and_are_measured(run: dict) -> 
         assert e["bytes_sent"] == e["dag_bytes"], e
         assert e["measured_s"] > 0, e
     done = [t for t in run["transitions"] if t["state"] == "done"]
-    assert len(done) == len(_done(run))
+    driver_done = {e["transition"] for e in _done(run)}
+    assert {t["id"] for t in done} <= driver_done  # the daemon holds done only what the driver ran
+    for t in run["transitions"]:
+        if t["id"] in driver_done and t["state"] != "done":
+            # the driver ran it late (a step blocked on a dead peer outlasted daemon.order_timeout_s): the
+            # daemon failed it at its bound, and a later transition (the replan) was done
+            assert t["state"] == "failed" and any(d["id"] > t["id"] for d in done), t
     for t in done:
         assert t["l_tran_measured_s"] and t["l_tran_measured_s"] > 0, t
 
