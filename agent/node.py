@@ -115,11 +115,38 @@ def _nvml() -> list[protocol.Device]:
         pynvml.nvmlShutdown()
 
 
-def discover_devices(cpu_slots: int | None = None) -> tuple[protocol.Device, ...]:
-    """GPUs through NVML (bindings, else nvidia-smi), limited to CUDA_VISIBLE_DEVICES; else (or with
-    ``cpu_slots``) CPU worker slots from psutil."""
+def _indices(text: str | None) -> list[int] | None:
+    """"0,1,3" or "0-3,5" as indices; None when unset or not indices (UUIDs, "N/A")."""
+    if not text or not text.strip():
+        return None
+    out: list[int] = []
+    for part in text.split(","):
+        lo, _, hi = part.strip().partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()):
+            return None
+        out.extend(range(int(lo), int(hi or lo) + 1))
+    return sorted(set(out))
+
+
+def allocated_gpus(env: Mapping[str, str] = os.environ) -> tuple[protocol.Device, ...]:
+    """The GPUs the allocation grants this node, without NVML (none there, or fake GPUs): the indices of
+    CUDA_VISIBLE_DEVICES, else SLURM_STEP_GPUS / SLURM_JOB_GPUS, else SLURM_GPUS_ON_NODE of them."""
+    found = _indices(env.get("CUDA_VISIBLE_DEVICES"))
+    for var in ("SLURM_STEP_GPUS", "SLURM_JOB_GPUS"):
+        found = found if found is not None else _indices(env.get(var))
+    count = env.get("SLURM_GPUS_ON_NODE", "")
+    if found is None and count.isdigit():
+        found = list(range(int(count)))
+    return tuple(protocol.Device(index=i, kind="gpu", name="gpu (Slurm GRES, no NVML)", memory_bytes=0)
+                 for i in found or ())
+
+
+def discover_devices(cpu_slots: int | None = None, env: Mapping[str, str] | None = None) -> tuple[protocol.Device, ...]:
+    """GPUs through NVML (bindings, else nvidia-smi), limited to CUDA_VISIBLE_DEVICES; else the GPUs the
+    allocation grants (``allocated_gpus``: Slurm's GRES without NVML); else (or with ``cpu_slots``) CPU
+    worker slots from psutil."""
     if cpu_slots is None:
-        gpus = _visible(_nvml() or _nvidia_smi())
+        gpus = _visible(_nvml() or _nvidia_smi()) or list(allocated_gpus(os.environ if env is None else env))
         if gpus:
             return tuple(gpus)
     slots = cpu_slots or psutil.cpu_count(logical=False) or 1
