@@ -34,6 +34,7 @@ without restarting anything. ``forbidden`` or ``unknown-job`` on register is fat
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
 import shutil
@@ -154,6 +155,27 @@ def discover_devices(cpu_slots: int | None = None, env: Mapping[str, str] | None
     return tuple(protocol.Device(index=i, kind="cpu", name="cpu", memory_bytes=mem) for i in range(slots))
 
 
+def _pid_running(pid: int) -> bool:
+    """A process that exists and is not a zombie (PID 1 may reap late: kill -0 says alive then)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[:1] != ["Z"]
+
+
+def clean_stale_ipc(ipc_dir: Path) -> list[Path]:
+    """Remove the ipc socket files of agents that died without closing (SIGKILL): their pid is in the name."""
+    removed = []
+    for path in Path(ipc_dir).glob("nereus-agent-*-*.*"):
+        pid = path.name.removeprefix("nereus-agent-").split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _pid_running(int(pid)):
+            with contextlib.suppress(OSError):
+                path.unlink()
+                removed.append(path)
+    return removed
+
+
 @dataclass(slots=True)
 class _Worker:
     device: protocol.Device
@@ -206,6 +228,7 @@ class NodeAgent:
         # a random routing id, kept across reconnects: a name others can guess could be squatted
         self.client = CurveClient(cfg.endpoint, cfg.bundle, identity=f"agent-{uuid.uuid4().hex}".encode(),
                                   context=self.ctx, immediate=True)
+        clean_stale_ipc(cfg.ipc_dir)
         tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.ipc_in = f"ipc://{cfg.ipc_dir}/nereus-agent-{tag}.in"
         self.ipc_orders = f"ipc://{cfg.ipc_dir}/nereus-agent-{tag}.orders"
@@ -478,6 +501,9 @@ class NodeAgent:
         self.relay_in.close(linger=0)
         self.orders_out.close(linger=0)
         self.ctx.term()
+        for endpoint in (self.ipc_in, self.ipc_orders):  # zmq leaves ipc socket files behind
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(endpoint.removeprefix("ipc://"))
 
 
 class AgentLink:
