@@ -108,7 +108,8 @@ class AdminOps:
             out.append({"job": j["job_id"], "user": j["user"], "state": j["state"], "slurm_job_id": j["slurm_job_id"],
                         "nodes_alive": sum(n["state"] == "alive" for n in nodes), "nodes": len(nodes),
                         "gpus": self.d.pool_gpus(j["job_id"]), "plan_version": j["plan_version"],
-                        "updated_at": j["updated_at"], "damaged": self.d.damaged_jobs().get(j["job_id"])})
+                        "updated_at": j["updated_at"], "damaged": self.d.damaged_jobs().get(j["job_id"]),
+                        "members_pending": len(getattr(self.d, "pending_members", lambda _: [])(j["job_id"]))})
         return out
 
     def job(self, args: Any) -> dict[str, Any]:

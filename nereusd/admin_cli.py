@@ -133,7 +133,8 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _jobs(args: argparse.Namespace) -> int:
-    cols = ["job", "user", "state", "slurm_job_id", "nodes_alive", "nodes", "gpus", "plan_version", "updated_at"]
+    cols = ["job", "user", "state", "slurm_job_id", "nodes_alive", "nodes", "gpus", "members_pending", "plan_version",
+            "updated_at"]
 
     def render(d: list[dict[str, Any]]) -> str:
         if not d:

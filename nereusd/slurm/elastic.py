@@ -258,6 +258,34 @@ class SlurmSource:
         tracked.pending_grow_nodes += n_nodes
         return self._submit_pending(tracked)
 
+    def pending_members(self, job_id: str) -> tuple[str, ...]:
+        """Member jobs asked for that do not hold nodes yet: submitted and PENDING in Slurm (or not yet
+        seen there), plus one placeholder per request the throttle holds back."""
+        tracked = self._jobs.get(job_id)
+        if tracked is None:
+            return ()
+        out = [m for m in tracked.job.member_job_ids if m not in tracked.cancelling and
+               ((info := self.poller.info(m)) is None or info.mapping.phase is Phase.PENDING)]
+        return (*out, *(f"(queued {i + 1})" for i in range(tracked.pending_grow_nodes)))
+
+    def idle_nodes(self) -> tuple[str, ...]:
+        """Nodes sinfo last said are idle (room for a one-node member job)."""
+        return self.poller.idle_nodes()
+
+    def cancel_pending(self, job_id: str, members: Sequence[str]) -> None:
+        """Cancel member jobs that never ran (no longer wanted): scancel, and no failed-request event."""
+        tracked = self._get(job_id)
+        queued = [m for m in members if m.startswith("(queued")]
+        tracked.pending_grow_nodes = max(0, tracked.pending_grow_nodes - len(queued))
+        ids = [m for m in members if m in tracked.job.member_job_ids and m not in tracked.started]
+        if not ids:
+            return
+        tracked.cancelling.update(ids)
+        result = self.commands.scancel(ids)
+        if not result.ok:
+            self._emit(EventKind.REQUEST_FAILED, tracked, None, (), f"cancel of pending members failed: {result.error}")
+        self.poller.poll_soon()
+
     def _throttle_room(self) -> int:
         now = self.clock()
         while self._submissions and now - self._submissions[0] >= 60.0:

@@ -257,6 +257,11 @@ class SlurmPoller:
         """Jobs of the last squeue carrying this comment (finds member jobs after a daemon restart)."""
         return tuple(i for i in self._all_jobs.values() if i.comment == comment)
 
+    def idle_nodes(self) -> tuple[str, ...]:
+        """Nodes in the last sinfo whose state is idle (no job on them)."""
+        return tuple(n for n, (state, _, _) in self._node_states.items()
+                     if state.strip().lower().split("+", 1)[0].rstrip("*~#!%$@^-") == "idle")
+
     def node_lost(self, node: str) -> tuple[bool, str]:
         """(lost, why) for a node, from the last sinfo; unknown nodes are not lost."""
         state, flags, reason = self._node_states.get(node, ("", (), ""))

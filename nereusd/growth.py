@@ -1,0 +1,134 @@
+"""The daemon's growth policy: a Slurm job grows toward its ``max_gpus`` by itself, one member job at a time.
+
+Every ``interval_s`` per job (the throttle), for a job that runs a committed plan with nothing in flight
+(no open transition, no drain), holding fewer nodes than ``max_gpus / gpus_per_node``:
+
+- one node more is priced on the planner: the best plan on the pool plus one node's GPUs against the
+  running plan's calibrated prediction, and the transition onto it (L_tran from the planner's DAG);
+- the payback rule decides (``admission.admit``, opportunistic: L_tran / dL <= gamma * H, with H the
+  steps the grown pool is expected to serve, ``horizon_steps``); the member's start costs the job
+  nothing (it trains on while the member waits in Slurm's queue);
+- the cluster must have room: an idle node (sinfo) for the member; else it waits, said once;
+- admitted: one member job is asked for (``source.grow``); it shows in ``nereusctl jobs`` (PENDING
+  column) and ``job-plan`` until it runs and its agent joins, and the next one waits for that.
+
+A pending member no longer wanted is cancelled (``source.cancel_pending``): the job stopped running,
+started draining (a shrink or a leaving node), passed its maximum, or the gain went away on the
+re-priced pool. Each verdict lands in events (``growth-requested``, ``growth-declined``,
+``growth-waiting``, ``growth-cancelled``), a repeated one only when its reason changes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from nereusd.controller import JobController
+from planner import admission
+from planner.errors import InfeasibleError, SpecError
+
+DEFAULT_INTERVAL_S = 5.0
+DEFAULT_HORIZON_STEPS = 50.0  # steps a grown pool is expected to serve (no end is known to the daemon)
+PENDING_NODE = "(member pending)"
+
+
+class GrowingSource(Protocol):
+    name: str
+
+    def jobs(self) -> tuple[Any, ...]: ...
+    def allocation(self, job_id: str) -> Any: ...
+    def pending_members(self, job_id: str) -> tuple[str, ...]: ...
+    def idle_nodes(self) -> tuple[str, ...]: ...
+
+
+class GrowthPolicy:
+    def __init__(self, *, source: GrowingSource, controllers: dict[str, JobController],
+                 request: Callable[[str, str, Any], None], add_event: Callable[[str, str, dict[str, Any]], None],
+                 interval_s: float = DEFAULT_INTERVAL_S, horizon_steps: float = DEFAULT_HORIZON_STEPS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.source, self.controllers = source, controllers
+        self.request, self.add_event = request, add_event  # request(op, job, arg): queued for the source thread
+        self.interval_s, self.horizon_steps, self.clock = interval_s, horizon_steps, clock
+        self._next_at: dict[str, float] = {}
+        self._said: dict[str, str] = {}  # job -> the last verdict's reason told (no flood of repeats)
+        self._cancelling: set[str] = set()
+
+    def tick(self) -> None:
+        now = self.clock()
+        for ej in self.source.jobs():
+            if now >= self._next_at.get(ej.job_id, 0.0):
+                self._next_at[ej.job_id] = now + self.interval_s
+                self.consider(ej)
+
+    def consider(self, ej: Any) -> str:
+        """One look at one job; returns what it did (for tests and logs)."""
+        ctl = self.controllers.get(ej.job_id)
+        pending = [m for m in self.source.pending_members(ej.job_id) if m not in self._cancelling]
+        held = len(self.source.allocation(ej.job_id).nodes)
+        if ctl is None or ctl.job["state"] not in ("running", "transitioning"):
+            return self._cancel(ej.job_id, pending, "the job is not running")
+        if ctl.draining:
+            return self._cancel(ej.job_id, pending, f"the job is draining {', '.join(sorted(ctl.draining))}")
+        if held + len(pending) > ej.max_nodes:
+            return self._cancel(ej.job_id, pending[ej.max_nodes - held:], f"past max_gpus={ej.max_gpus}")
+        if held >= ej.max_nodes:
+            return self._say(ej.job_id, "growth-declined", f"at max_gpus={ej.max_gpus}", {"nodes": held})
+        if ctl.job["state"] != "running" or ctl.plan is None or ctl.prediction is None or \
+                ctl.store.open_transitions(ej.job_id) or len(ctl.pool) < held * ctl.gpus_per_node:
+            return "busy"  # a transition in flight, no plan yet, or a granted node not joined: look later
+        verdict = self._price(ctl)
+        if pending:
+            if verdict is not None and not verdict.admitted:
+                return self._cancel(ej.job_id, pending, f"no gain any more: {verdict.reason}")
+            return "pending"
+        if verdict is None:
+            return "unpriced"
+        data = {"gpus": len(ctl.pool), "gpus_after": len(ctl.pool) + ctl.gpus_per_node, "rule": verdict.rule.value,
+                "saving_s_per_step": verdict.saving_s_per_step, "l_tran_s": verdict.transition_s,
+                "h_steps": verdict.h_steps}
+        if not verdict.admitted:
+            return self._say(ej.job_id, "growth-declined", verdict.reason, data)
+        idle = self.source.idle_nodes()
+        if not idle:
+            return self._say(ej.job_id, "growth-waiting", "no idle node in the cluster for a member job", data)
+        self.request("grow", ej.job_id, 1)
+        self._said.pop(ej.job_id, None)
+        self.add_event(ej.job_id, "growth-requested", {**data, "reason": verdict.reason, "idle_nodes": len(idle)})
+        return "requested"
+
+    def _price(self, ctl: JobController) -> admission.Verdict | None:
+        """The payback verdict on the pool plus one node; None when the planner cannot say."""
+        if ctl.planner is None or ctl.plan is None or ctl.prediction is None:
+            return None
+        first = (max(ctl.gpu_owner, default=-1) // ctl.gpus_per_node + 1) * ctl.gpus_per_node
+        extra = frozenset(range(first, first + ctl.gpus_per_node))
+        spec = ctl._spec_now()
+        try:
+            cand = ctl.planner.search(spec, ctl.pool | extra, ctl.store.max_plan_version(ctl.job_id) + 1)
+            sketch = ctl.planner.transition(spec, ctl.plan, cand.plan, ctl._participants() | extra,
+                                            lambda g: PENDING_NODE if g in extra else ctl._node_of_gpu(g))
+        except (InfeasibleError, SpecError, KeyError, ValueError) as exc:
+            self._say(ctl.job_id, "growth-declined", f"cannot price a larger pool: {str(exc).splitlines()[0]}", {})
+            return None
+        trigger = admission.Trigger(kind=admission.TriggerKind.OPPORTUNISTIC, step=ctl.last_step,
+                                    reasons=(f"growth to {len(ctl.pool | extra)} GPUs",), h_steps=self.horizon_steps)
+        return admission.admit(trigger=trigger, current_step_s=float(ctl.prediction.step_latency_s),
+                               candidate_step_s=float(cand.prediction.step_latency_s),
+                               transition_s=float(sketch.predicted_s), same_plan=cand.plan == ctl.plan,
+                               gamma=ctl.gamma)
+
+    def _cancel(self, job_id: str, members: list[str], why: str) -> str:
+        if not members:
+            return "idle"
+        self._cancelling.update(members)
+        self.request("cancel_pending", job_id, list(members))
+        self.add_event(job_id, "growth-cancelled", {"members": members, "reason": why})
+        return "cancelled"
+
+    def _say(self, job_id: str, kind: str, reason: str, data: dict[str, Any]) -> str:
+        key = f"{kind}: {reason.split(' = ')[0]}"  # a payback line's figures move every step: keyed by its rule
+        if self._said.get(job_id) != key:
+            self._said[job_id] = key
+            self.add_event(job_id, kind, {**data, "reason": reason})
+        return kind.removeprefix("growth-")
