@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from nereusd.allocation import (
     Allocation,
@@ -80,7 +80,13 @@ class SlurmSource:
             if launch_spec is None:
                 raise SpecError("slurm_source.launch_spec", "needed to submit member jobs (or pass submit_member)")
             spec_of = launch_spec
-            submit_member = lambda job: SubmititLauncher(spec_of(job), env=commands.env).submit("member", 1)  # noqa: E731
+
+            def submit_member(job: ElasticJob) -> SubmittedJob:
+                spec = spec_of(job)
+                held = [n.node for n in self._jobs[job.job_id].allocation.nodes] if job.job_id in self._jobs else []
+                if held:  # one agent per node and job: a member never lands on a node the job holds
+                    spec = replace(spec, extra_sbatch={**spec.extra_sbatch, "exclude": compress(held)})
+                return SubmititLauncher(spec, env=commands.env).submit("member", 1)
         self._submit_member = submit_member
         self._jobs: dict[str, _Tracked] = {}
         self._events: list[AllocationEvent] = []

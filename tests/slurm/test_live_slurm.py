@@ -240,3 +240,45 @@ def test_live_job_grows_by_member_survives_node_down_and_releases_member(lab: Sl
     finally:
         lab.cancel_all()
         _kill_leftovers(str(tmp_path))
+
+
+def _readme_submit_command() -> str:
+    lines = [x.strip() for x in (ROOT / "README.md").read_text().splitlines() if "etc/submit_elastic.py" in x]
+    commands = [x for x in lines if x.startswith("python3 etc/submit_elastic.py")]
+    assert len(commands) == 1, f"the README's Slurm section shows one submit command: {lines}"
+    return commands[0]
+
+
+def test_readme_submit_command_verbatim_from_a_clean_environment(lab: SlurmLab, nereusd: dict[str, Any],
+                                                                 tmp_path: Path) -> None:
+    """The README's submit command, as written, under the system python with nothing set but HOME, PATH,
+    the cluster's SLURM_CONF and the daemon's state dir: keys and endpoints from the documented defaults;
+    the job trains, on the GPUs Slurm granted (fake ones: no NVML, counted from GRES)."""
+    d = nereusd
+    home = tmp_path / "home"
+    keys = KeyStore(d["state"] / "keys")
+    keys.create_client(name="readme-admin", user="root", role="admin", out_dir=home / ".config" / "nereus" / "admin")
+    keys.create_client(name="readme-agent", user="root", role="agent", out_dir=home / ".config" / "nereus" / "agent")
+    env = {"HOME": str(home), "PATH": "/usr/bin:/bin", "SLURM_CONF": lab.env["SLURM_CONF"],
+           "NEREUS_STATE_DIR": str(d["state"])}
+    if not (ROOT / ".venv" / "bin" / "python").exists():  # a worktree without its own venv: name the project's
+        env["NEREUS_PYTHON"] = sys.executable
+    t0 = time.monotonic()
+    submit = subprocess.run(["/bin/sh", "-c", _readme_submit_command()], capture_output=True, text=True, timeout=120,
+                            env=env, cwd=ROOT)
+    assert submit.returncode == 0, f"the README's command exited {submit.returncode}: {submit.stderr}"
+    record = json.loads(submit.stdout)
+    try:
+        plan = wait_for(lambda: (p := _ctl(d, "job-plan", "live", "--json"))["measured_step_s"] and p, WAIT_S,
+                        "the README job's first step measured by the daemon", 1.0)
+        first_step_s = time.monotonic() - t0
+        job = next(j for j in _ctl(d, "jobs", "--json") if j["job"] == "live")
+        granted = lab.job_field(record["anchor_job_id"], "TresPerNode")
+        assert granted == "gres:gpu:2" and job["gpus"] == 2, (granted, job)  # what Slurm granted, not CPU slots
+        devices = _ctl(d, "job", "live", "--json")["nodes"][0]["devices"]
+        assert [x["kind"] for x in devices] == ["gpu", "gpu"], devices
+        assert plan["measured_at_step"] is not None
+        print(f"README submit: submission to first step {first_step_s:.1f} s")
+    finally:
+        lab.cancel_all()
+        _kill_leftovers(str(tmp_path))
