@@ -176,7 +176,8 @@ def make_growth(d: Daemon) -> Any:
     worker = d.worker
     return GrowthPolicy(source=d.source, controllers=d.controllers,  # type: ignore[arg-type]
                         request=lambda op, job, arg: worker.requests.put((op, (job, arg))),
-                        add_event=lambda job, kind, data: d.store.add_event(kind, data, job_id=job))
+                        add_event=lambda job, kind, data: d.store.add_event(kind, data, job_id=job),
+                        shrink=lambda job, nodes, why: d.source_request("shrink", job, nodes))
 
 
 def replay_allocation(job_id: str, events: list[dict[str, Any]]) -> Allocation | None:
@@ -365,11 +366,9 @@ class Daemon:
         self._start_controller(job_id)
         if self.source is not None and "elastic" in job["spec"]:
             ej = ElasticJob.from_dict(job["spec"]["elastic"])
-            # the stored allocation, so a restart grants nothing again and keeps grown nodes (the local
-            # source); Slurm finds its jobs again itself from the anchor and member ids
-            held = replay_allocation(job_id, self.store.allocation_events(job_id)) \
-                if self.source.name == "local" else None
-            self.source.track(ej, held)
+            # the stored allocation, so a restart grants nothing again and keeps grown nodes; Slurm's source
+            # then reports only what changed while the daemon was away (a member that ended, a node DOWN)
+            self.source.track(ej, replay_allocation(job_id, self.store.allocation_events(job_id)))
         now = time.monotonic()
         for n in self.store.nodes(job_id):
             key = (job_id, n["node"])

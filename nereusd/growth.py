@@ -14,7 +14,8 @@ Every ``interval_s`` per job (the throttle), for a job that runs a committed pla
 
 A pending member no longer wanted is cancelled (``source.cancel_pending``): the job stopped running,
 started draining (a shrink or a leaving node), passed its maximum, or the gain went away on the
-re-priced pool. Each verdict lands in events (``growth-requested``, ``growth-declined``,
+re-priced pool. A member whose Slurm end time (its time limit) is within ``time_limit_lead_s`` is
+drained and released ahead of Slurm's SIGTERM (``time-limit-ahead``). Each verdict lands in events (``growth-requested``, ``growth-declined``,
 ``growth-waiting``, ``growth-cancelled``), a repeated one only when its reason changes.
 """
 
@@ -30,6 +31,7 @@ from planner.errors import InfeasibleError, SpecError
 
 DEFAULT_INTERVAL_S = 5.0
 DEFAULT_HORIZON_STEPS = 50.0  # steps a grown pool is expected to serve (no end is known to the daemon)
+DEFAULT_TIME_LIMIT_LEAD_S = 120.0  # a member this close to its Slurm end time is drained and released first
 PENDING_NODE = "(member pending)"
 
 
@@ -46,8 +48,12 @@ class GrowthPolicy:
     def __init__(self, *, source: GrowingSource, controllers: dict[str, JobController],
                  request: Callable[[str, str, Any], None], add_event: Callable[[str, str, dict[str, Any]], None],
                  interval_s: float = DEFAULT_INTERVAL_S, horizon_steps: float = DEFAULT_HORIZON_STEPS,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 shrink: Callable[[str, list[str], str], None] | None = None,
+                 time_limit_lead_s: float = DEFAULT_TIME_LIMIT_LEAD_S,
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
         self.source, self.controllers = source, controllers
+        self.shrink, self.time_limit_lead_s, self.wall = shrink, time_limit_lead_s, wall
+        self._shrunk_ahead: set[tuple[str, str]] = set()
         self.request, self.add_event = request, add_event  # request(op, job, arg): queued for the source thread
         self.interval_s, self.horizon_steps, self.clock = interval_s, horizon_steps, clock
         self._next_at: dict[str, float] = {}
@@ -59,7 +65,26 @@ class GrowthPolicy:
         for ej in self.source.jobs():
             if now >= self._next_at.get(ej.job_id, 0.0):
                 self._next_at[ej.job_id] = now + self.interval_s
+                self.ahead_of_time_limits(ej.job_id)
                 self.consider(ej)
+
+    def ahead_of_time_limits(self, job_id: str) -> list[str]:
+        """Members whose Slurm end time is within ``time_limit_lead_s``: drained, then released (the
+        daemon's graceful shrink), before Slurm's SIGTERM; each once. Returns the nodes asked to go."""
+        ends = getattr(self.source, "member_end_times", None)
+        if ends is None or self.shrink is None:
+            return []
+        wall = self.wall()
+        due = [node for node, end_s in ends(job_id).items()
+               if 0 < end_s - wall <= self.time_limit_lead_s and (job_id, node) not in self._shrunk_ahead]
+        for node in due:
+            self._shrunk_ahead.add((job_id, node))
+            self.add_event(job_id, "time-limit-ahead", {"node": node, "ends_in_s": round(ends(job_id)[node] - wall, 1)})
+            try:
+                self.shrink(job_id, [node], "time limit ahead")
+            except Exception as exc:  # refused (its state has nowhere to go): Slurm's SIGTERM path remains
+                self.add_event(job_id, "time-limit-ahead-refused", {"node": node, "reason": str(exc)})
+        return due
 
     def consider(self, ej: Any) -> str:
         """One look at one job; returns what it did (for tests and logs)."""

@@ -97,7 +97,11 @@ class SlurmSource:
     def track(self, job: ElasticJob, allocation: Allocation | None = None) -> None:
         tracked = self._jobs.get(job.job_id)
         if tracked is None:
-            tracked = _Tracked(job=job, allocation=allocation or Allocation(job_id=job.job_id))
+            for holder in dict.fromkeys(n.holder_job_id for n in (allocation.nodes if allocation else ())):
+                if holder and holder not in job.slurm_job_ids:  # a member the daemon grew (stored, not in the spec)
+                    job = job.with_member(holder)
+            tracked = _Tracked(job=job, allocation=allocation or Allocation(job_id=job.job_id),
+                               started=set(n.holder_job_id for n in allocation.nodes) if allocation else set())
             self._jobs[job.job_id] = tracked
         else:  # idempotent: keep what we know, add members we did not
             merged = tracked.job
@@ -273,6 +277,19 @@ class SlurmSource:
         out = [m for m in tracked.job.member_job_ids if m not in tracked.cancelling and
                ((info := self.poller.info(m)) is None or info.mapping.phase is Phase.PENDING)]
         return (*out, *(f"(queued {i + 1})" for i in range(tracked.pending_grow_nodes)))
+
+    def member_end_times(self, job_id: str) -> dict[str, float]:
+        """node -> the Unix time its running member job ends (Slurm's end time: start + time limit)."""
+        tracked = self._jobs.get(job_id)
+        if tracked is None:
+            return {}
+        out: dict[str, float] = {}
+        for node in tracked.allocation.nodes:
+            info = self.poller.info(node.holder_job_id)
+            if node.holder_job_id != tracked.job.anchor_job_id and info is not None and \
+                    info.mapping.holds_usable_nodes and info.end_time_s > 0:
+                out[node.node] = info.end_time_s
+        return out
 
     def idle_nodes(self) -> tuple[str, ...]:
         """Nodes sinfo last said are idle (room for a one-node member job)."""

@@ -102,3 +102,20 @@ def test_waits_for_room_stops_at_the_maximum_and_cancels_when_the_job_ends() -> 
     ended = _ctl(planner, state="cancelled")
     policy2, asked2, _ = _policy(source, ended)
     assert policy2.consider(source.job) == "cancelled" and asked2 == [("cancel_pending", "j", ["10"])]
+
+
+def test_a_member_near_its_time_limit_is_shrunk_gracefully_ahead_of_it() -> None:
+    source = Source(held=2)
+    ends = {"node1": 1000.0 + 90, "node0": 1000.0 + 3600}  # node1's member ends in 90 s, inside the lead
+    source.member_end_times = lambda job_id: ends  # type: ignore[attr-defined]
+    shrunk: list[tuple[str, list[str], str]] = []
+    events: list[tuple[str, Any]] = []
+    planner = Planner(step_s=lambda n: 10.0 / n, l_tran_s=1.0)
+    policy = GrowthPolicy(source=source, controllers={"j": _ctl(planner, gpus=4)}, request=lambda *a: None,
+                          add_event=lambda j, kind, data: events.append((kind, data)),
+                          shrink=lambda j, nodes, why: shrunk.append((j, nodes, why)), time_limit_lead_s=120,
+                          wall=lambda: 1000.0)
+    assert policy.ahead_of_time_limits("j") == ["node1"]
+    assert shrunk == [("j", ["node1"], "time limit ahead")] and events[0] == ("time-limit-ahead",
+                                                                               {"node": "node1", "ends_in_s": 90.0})
+    assert policy.ahead_of_time_limits("j") == []  # once
