@@ -6,7 +6,8 @@ Every ``interval_s`` per job (the throttle), for a job that runs a committed pla
 - one node more is priced on the planner: the best plan on the pool plus one node's GPUs against the
   running plan's calibrated prediction, and the transition onto it (L_tran from the planner's DAG);
 - the payback rule decides (``admission.admit``, opportunistic: L_tran / dL <= gamma * H, with H the
-  steps the grown pool is expected to serve, ``horizon_steps``); the member's start costs the job
+  steps the grown pool is expected to serve: the rest of the run where the job file gives ``steps``,
+  else ``horizon_steps``); the member's start costs the job
   nothing (it trains on while the member waits in Slurm's queue);
 - the cluster must have room: an idle node (sinfo) for the member; else it waits, said once;
 - admitted: one member job is asked for (``source.grow``); it shows in ``nereusctl jobs`` (PENDING
@@ -23,7 +24,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Protocol
+
+import tomllib
 
 from nereusd.controller import JobController
 from planner import admission
@@ -59,6 +63,7 @@ class GrowthPolicy:
         self._next_at: dict[str, float] = {}
         self._said: dict[str, str] = {}  # job -> the last verdict's reason told (no flood of repeats)
         self._cancelling: set[str] = set()
+        self._steps: dict[str, int | None] = {}  # job -> its run's length in steps (job file), if known
 
     def tick(self) -> None:
         now = self.clock()
@@ -137,11 +142,24 @@ class GrowthPolicy:
             self._say(ctl.job_id, "growth-declined", f"cannot price a larger pool: {str(exc).splitlines()[0]}", {})
             return None
         trigger = admission.Trigger(kind=admission.TriggerKind.OPPORTUNISTIC, step=ctl.last_step,
-                                    reasons=(f"growth to {len(ctl.pool | extra)} GPUs",), h_steps=self.horizon_steps)
+                                    reasons=(f"growth to {len(ctl.pool | extra)} GPUs",), h_steps=self._horizon(ctl))
         return admission.admit(trigger=trigger, current_step_s=float(ctl.prediction.step_latency_s),
                                candidate_step_s=float(cand.prediction.step_latency_s),
                                transition_s=float(sketch.predicted_s), same_plan=cand.plan == ctl.plan,
                                gamma=ctl.gamma)
+
+    def _horizon(self, ctl: JobController) -> float:
+        """Steps the grown pool serves: the rest of the run where the job file says how long it is
+        (``steps``), else ``horizon_steps``."""
+        if ctl.job_id not in self._steps:
+            extra = ((ctl.job.get("spec") or {}).get("elastic") or {}).get("extra") or {}
+            try:
+                steps = tomllib.loads(Path(str(extra["job_file"])).read_text()).get("steps")
+            except (KeyError, OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+                steps = None
+            self._steps[ctl.job_id] = int(steps) if isinstance(steps, int) and steps > 0 else None
+        total = self._steps[ctl.job_id]
+        return float(max(1, total - ctl.last_step)) if total is not None else self.horizon_steps
 
     def _cancel(self, job_id: str, members: list[str], why: str) -> str:
         if not members:
