@@ -6,12 +6,12 @@
         [--leave-grace-s 25]
 
 Defaults come from the environment where Slurm or the launcher set it (SLURMD_NODENAME, SLURM_JOB_ID,
-NEREUS_ENDPOINT, NEREUS_KEYS, NEREUS_JOB_ID). Devices: GPUs from NVML when it is present, else CPU
-worker slots (psutil). One worker process per device; the agent restarts a worker that fails (up to
-``max_restarts``) and reports worker states in every heartbeat.
+NEREUS_ENDPOINT, NEREUS_KEYS, NEREUS_JOB_ID). Devices (agent/devices.py): GPUs from NVML, else those
+the allocation grants (Slurm's GRES), else CPU worker slots. One worker process per device; the agent
+restarts a worker that fails (up to ``max_restarts``) and reports worker states in every heartbeat.
 
 Relays: the job driver and the workers PUSH Measurement and TransitionReport messages to the
-agent's local ipc socket ($NEREUS_AGENT_IPC; ``AgentLink`` is their side). Measurements go on to the
+agent's local ipc socket ($NEREUS_AGENT_IPC; ``AgentLink``, agent/link.py, is their side). Measurements go on to the
 daemon; an order is reported done for the node once every local worker reported it (or failed at the
 first failure). Transition orders from the daemon are PUBlished on $NEREUS_AGENT_ORDERS (workers
 SUBscribe), again every beat until the node reported them. ``--driver`` is the job driver's endpoint,
@@ -37,7 +37,6 @@ import argparse
 import contextlib
 import os
 import shlex
-import shutil
 import signal
 import socket
 import subprocess
@@ -52,9 +51,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import psutil
 import zmq
 
+from agent.devices import allocated_gpus, discover_devices  # noqa: F401  (re-exported: agent.node's API)
+from agent.link import AgentLink  # noqa: F401  (re-exported: workers and the driver import it from here)
 from nereusd.wire import protocol
 from nereusd.wire.client import AuthRefused, CurveClient
 from nereusd.wire.keys import ClientBundle, load_bundle
@@ -66,93 +66,6 @@ OUTBOX_MAX = 4096  # reports held while unregistered; past this the oldest go (l
 
 class AgentRefused(Exception):
     """The daemon refused this agent for good (forbidden, unknown job, key refused)."""
-
-
-def _visible(devices: list[protocol.Device]) -> list[protocol.Device]:
-    """Only the GPUs Slurm gave this job (CUDA_VISIBLE_DEVICES as indices), when it says."""
-    env = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if env is None or not all(x.strip().isdigit() for x in env.split(",") if x.strip()):
-        return devices  # unset, or UUIDs: NVML's view stands
-    allowed = {int(x) for x in env.split(",") if x.strip()}
-    return [d for d in devices if d.index in allowed]
-
-
-def _nvidia_smi() -> list[protocol.Device]:
-    """GPUs from `nvidia-smi` (the NVML command line) where the Python bindings are not installed."""
-    exe = shutil.which("nvidia-smi")
-    if exe is None:
-        return []
-    try:
-        out = subprocess.run([exe, "--query-gpu=index,name,memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=20, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return []
-    devices = []
-    for line in out.splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) == 3 and parts[0].isdigit() and parts[2].isdigit():
-            devices.append(protocol.Device(index=int(parts[0]), kind="gpu", name=parts[1],
-                                           memory_bytes=int(parts[2]) << 20))  # MiB
-    return devices
-
-
-def _nvml() -> list[protocol.Device]:
-    """GPUs through the NVML Python bindings (nvidia-ml-py), when installed and a driver answers."""
-    try:
-        import pynvml  # type: ignore[import-not-found]
-
-        pynvml.nvmlInit()
-    except Exception:  # no bindings, no driver, no GPU
-        return []
-    try:
-        out = []
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            name = pynvml.nvmlDeviceGetName(h)
-            out.append(protocol.Device(index=i, kind="gpu", name=name.decode() if isinstance(name, bytes) else str(name),
-                                       memory_bytes=int(pynvml.nvmlDeviceGetMemoryInfo(h).total)))
-        return out
-    finally:
-        pynvml.nvmlShutdown()
-
-
-def _indices(text: str | None) -> list[int] | None:
-    """"0,1,3" or "0-3,5" as indices; None when unset or not indices (UUIDs, "N/A")."""
-    if not text or not text.strip():
-        return None
-    out: list[int] = []
-    for part in text.split(","):
-        lo, _, hi = part.strip().partition("-")
-        if not lo.isdigit() or (hi and not hi.isdigit()):
-            return None
-        out.extend(range(int(lo), int(hi or lo) + 1))
-    return sorted(set(out))
-
-
-def allocated_gpus(env: Mapping[str, str] = os.environ) -> tuple[protocol.Device, ...]:
-    """The GPUs the allocation grants this node, without NVML (none there, or fake GPUs): the indices of
-    CUDA_VISIBLE_DEVICES, else SLURM_STEP_GPUS / SLURM_JOB_GPUS, else SLURM_GPUS_ON_NODE of them."""
-    found = _indices(env.get("CUDA_VISIBLE_DEVICES"))
-    for var in ("SLURM_STEP_GPUS", "SLURM_JOB_GPUS"):
-        found = found if found is not None else _indices(env.get(var))
-    count = env.get("SLURM_GPUS_ON_NODE", "")
-    if found is None and count.isdigit():
-        found = list(range(int(count)))
-    return tuple(protocol.Device(index=i, kind="gpu", name="gpu (Slurm GRES, no NVML)", memory_bytes=0)
-                 for i in found or ())
-
-
-def discover_devices(cpu_slots: int | None = None, env: Mapping[str, str] | None = None) -> tuple[protocol.Device, ...]:
-    """GPUs through NVML (bindings, else nvidia-smi), limited to CUDA_VISIBLE_DEVICES; else the GPUs the
-    allocation grants (``allocated_gpus``: Slurm's GRES without NVML); else (or with ``cpu_slots``) CPU
-    worker slots from psutil."""
-    if cpu_slots is None:
-        gpus = _visible(_nvml() or _nvidia_smi()) or list(allocated_gpus(os.environ if env is None else env))
-        if gpus:
-            return tuple(gpus)
-    slots = cpu_slots or psutil.cpu_count(logical=False) or 1
-    mem = psutil.virtual_memory().total // slots
-    return tuple(protocol.Device(index=i, kind="cpu", name="cpu", memory_bytes=mem) for i in range(slots))
 
 
 def _pid_running(pid: int) -> bool:
@@ -504,54 +417,6 @@ class NodeAgent:
         for endpoint in (self.ipc_in, self.ipc_orders):  # zmq leaves ipc socket files behind
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(endpoint.removeprefix("ipc://"))
-
-
-class AgentLink:
-    """The worker's (or job driver's) side of the relay: report to the agent, receive its orders.
-
-        link = AgentLink.from_env()          # inside a process the agent spawned
-        order = link.next_order(timeout_s=60)
-        ... run this node's part at the next safe point ...
-        link.report(protocol.TransitionReport(job_id=link.job_id, node=link.node,
-                                              transition_id=order.transition_id, ok=True, measured_s=dt))
-    """
-
-    def __init__(self, *, ipc_in: str, ipc_orders: str, job_id: str, node: str) -> None:
-        self.job_id, self.node = job_id, node
-        self.ctx = zmq.Context()
-        self.push = self.ctx.socket(zmq.PUSH)
-        self.push.connect(ipc_in)
-        self.sub = self.ctx.socket(zmq.SUB)
-        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
-        self.sub.connect(ipc_orders)
-        self.seen: set[int] = set()
-
-    @classmethod
-    def from_env(cls) -> AgentLink:
-        env = os.environ
-        return cls(ipc_in=env["NEREUS_AGENT_IPC"], ipc_orders=env["NEREUS_AGENT_ORDERS"],
-                   job_id=env["NEREUS_JOB_ID"], node=env["NEREUS_NODE"])
-
-    def report(self, msg: protocol.Measurement | protocol.TransitionReport) -> None:
-        self.push.send(protocol.encode(msg))
-
-    def next_order(self, timeout_s: float) -> protocol.TransitionOrder | None:
-        """The next order not seen before, or None after ``timeout_s``."""
-        deadline = time.monotonic() + timeout_s
-        while True:  # polls at least once: a zero timeout takes what is already there
-            left = max(0.0, deadline - time.monotonic())
-            if not self.sub.poll(int(left * 1e3)):
-                return None
-            msg = protocol.decode(self.sub.recv(), 64 << 20)
-            if isinstance(msg, protocol.TransitionOrder) and msg.transition_id not in self.seen:
-                self.seen.add(msg.transition_id)
-                return msg
-        return None
-
-    def close(self) -> None:
-        self.push.close(linger=5000)  # deliver what was reported before going away
-        self.sub.close(linger=0)
-        self.ctx.term()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
