@@ -143,7 +143,9 @@ class GrowthPolicy:
             return None
         trigger = admission.Trigger(kind=admission.TriggerKind.OPPORTUNISTIC, step=ctl.last_step,
                                     reasons=(f"growth to {len(ctl.pool | extra)} GPUs",), h_steps=self._horizon(ctl))
-        return admission.admit(trigger=trigger, current_step_s=float(ctl.prediction.step_latency_s),
+        current = ctl.current_prediction()  # calibrated, as the candidate's search is; else the plan's own
+        now_s = current[0].step_latency_s if current is not None else ctl.prediction.step_latency_s
+        return admission.admit(trigger=trigger, current_step_s=float(now_s),
                                candidate_step_s=float(cand.prediction.step_latency_s),
                                transition_s=float(sketch.predicted_s), same_plan=cand.plan == ctl.plan,
                                gamma=ctl.gamma)
@@ -170,7 +172,7 @@ class GrowthPolicy:
         return "cancelled"
 
     def _say(self, job_id: str, kind: str, reason: str, data: dict[str, Any]) -> str:
-        key = f"{kind}: {reason.split(' = ')[0]}"  # a payback line's figures move every step: keyed by its rule
+        key = f"{kind}: {data.get('rule') or reason}"  # a verdict's figures move every step: keyed by its rule
         if self._said.get(job_id) != key:
             self._said[job_id] = key
             self.add_event(job_id, kind, {**data, "reason": reason})

@@ -55,6 +55,7 @@ def _ctl(planner: Planner, gpus: int = 2, state: str = "running") -> Any:
     return SimpleNamespace(job_id="j", job={"state": state}, draining={}, plan=("plan", gpus), store=store,
                            prediction=SimpleNamespace(step_latency_s=planner.step_s(gpus)), pool=frozenset(owner),
                            gpus_per_node=2, gpu_owner=owner, planner=planner, last_step=10, gamma=0.5,
+                           current_prediction=lambda: None,
                            _spec_now=lambda: {}, _participants=lambda: frozenset(owner), _node_of_gpu=owner.__getitem__)
 
 
