@@ -228,6 +228,8 @@ class SlurmSource:
                 key = (EventKind.NODE_DOWN, node.holder_job_id, why)
             elif info is not None and info.mapping.ended_by is not None:
                 key = (info.mapping.ended_by, node.holder_job_id, _describe(info))
+            elif info is not None and info.mapping.phase is Phase.PENDING:  # requeued: waits for nodes again
+                key = (EventKind.NODE_DOWN, node.holder_job_id, f"{_describe(info)}: requeued by Slurm")
             elif info is not None and info.mapping.phase is Phase.ENDED:  # left squeue unseen
                 key = (EventKind.CANCELLED, node.holder_job_id, _describe(info))
             else:  # the job runs on, without this node: shrunk in place by someone else
