@@ -57,7 +57,7 @@ class GrowthPolicy:
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
         self.source, self.controllers = source, controllers
         self.shrink, self.time_limit_lead_s, self.wall = shrink, time_limit_lead_s, wall
-        self._shrunk_ahead: set[tuple[str, str]] = set()
+        self._shrunk_ahead: set[tuple[str, str, float]] = set()
         self.request, self.add_event = request, add_event  # request(op, job, arg): queued for the source thread
         self.interval_s, self.horizon_steps, self.clock = interval_s, horizon_steps, clock
         self._next_at: dict[str, float] = {}
@@ -80,11 +80,12 @@ class GrowthPolicy:
         if ends is None or self.shrink is None:
             return []
         wall = self.wall()
-        due = [node for node, end_s in ends(job_id).items()
-               if 0 < end_s - wall <= self.time_limit_lead_s and (job_id, node) not in self._shrunk_ahead]
+        end_of = ends(job_id)
+        due = [node for node, end_s in end_of.items()  # keyed by the end time too: a later member on that node
+               if 0 < end_s - wall <= self.time_limit_lead_s and (job_id, node, end_s) not in self._shrunk_ahead]
         for node in due:
-            self._shrunk_ahead.add((job_id, node))
-            self.add_event(job_id, "time-limit-ahead", {"node": node, "ends_in_s": round(ends(job_id)[node] - wall, 1)})
+            self._shrunk_ahead.add((job_id, node, end_of[node]))
+            self.add_event(job_id, "time-limit-ahead", {"node": node, "ends_in_s": round(end_of[node] - wall, 1)})
             try:
                 self.shrink(job_id, [node], "time limit ahead")
             except Exception as exc:  # refused (its state has nowhere to go): Slurm's SIGTERM path remains
@@ -101,7 +102,7 @@ class GrowthPolicy:
         if ctl.draining:
             return self._cancel(ej.job_id, pending, f"the job is draining {', '.join(sorted(ctl.draining))}")
         if held + len(pending) > ej.max_nodes:
-            return self._cancel(ej.job_id, pending[ej.max_nodes - held:], f"past max_gpus={ej.max_gpus}")
+            return self._cancel(ej.job_id, pending[max(0, ej.max_nodes - held):], f"past max_gpus={ej.max_gpus}")
         if held >= ej.max_nodes:
             return self._say(ej.job_id, "growth-declined", f"at max_gpus={ej.max_gpus}", {"nodes": held})
         if ctl.job["state"] != "running" or ctl.plan is None or ctl.prediction is None or \
