@@ -35,6 +35,10 @@ def test_nereusctl_against_a_running_daemon(daemon: DaemonHandle) -> None:
         header, row = jobs.stdout.splitlines()[:2]
         assert header.split()[:3] == ["JOB", "USER", "STATE"]
         assert row.split()[:3] == ["grpo-tiny", "alice", "running"]
+        latest = daemon.admin("events", job="grpo-tiny")[-1]["at"]  # read first: later events only raise it
+        listed = next(j for j in json.loads(daemon.ctl("jobs", "--json").stdout) if j["job"] == "grpo-tiny")
+        assert listed["updated_at"] >= latest  # the job's last change, not only its last state change
+        assert listed["members_pending"] == 0
 
         plan = daemon.ctl("job-plan", "grpo-tiny", "--json")
         data = json.loads(plan.stdout)
