@@ -131,6 +131,7 @@ def test_failing_and_hanging_squeue_back_off_and_recover(lab: SlurmLab, tmp_path
     assert poller.refresh() is False and poller.consecutive_failures == 7
 
     _stand_in(tmp_path, f'exec {real_squeue} "$@"')
+    cmds.timeout_s = 20.0  # the real squeue again: 0.5 s (for the hang above) is too short on a loaded machine
     now[0] += 8.0
     assert poller.refresh() is True
     assert poller.consecutive_failures == 0 and poller.info(job).mapping.phase is Phase.RUNNING  # type: ignore[union-attr]
