@@ -177,7 +177,12 @@ def _kill_leftovers(marker: str) -> None:
 
 def _event_at(d: dict[str, Any], kind: str, ok: Callable[[dict[str, Any]], bool]) -> float | None:
     """The daemon's time of its latest ``kind`` event whose data passes ``ok``."""
-    rows = [r for r in _ctl(d, "events", JOB, "--json") if r["kind"] == kind]
+    return _event_at_of(d, JOB, kind, ok)
+
+
+def _event_at_of(d: dict[str, Any], job: str, kind: str, ok: Callable[[dict[str, Any]], bool] = lambda x: True
+                 ) -> float | None:
+    rows = [r for r in _ctl(d, "events", job, "--json") if r["kind"] == kind]
     data = [(r["at"], r["data"] if isinstance(r["data"], dict) else json.loads(r["data"])) for r in rows]
     return next((at for at, x in reversed(data) if ok(x)), None)
 
@@ -313,6 +318,14 @@ def test_readme_submit_command_verbatim_from_a_clean_environment(lab: SlurmLab, 
         devices = _ctl(d, "job", "live", "--json")["nodes"][0]["devices"]
         assert [x["kind"] for x in devices] == ["gpu", "gpu"], devices
         assert plan["measured_at_step"] is not None
+        # the user cancels the job: it ends, and a grow of the ended job is refused (exit 2, an event)
+        lab.run("scancel", record["anchor_job_id"])
+        wait_for(lambda: next(j for j in _ctl(d, "jobs", "--json") if j["job"] == "live")["state"] == "cancelled", 60,
+                 "the cancelled job's end in the daemon", 0.5)
+        grow = subprocess.run([str(BIN / "nereusctl"), "alloc", "live", "--grow", "1", "--state-dir", str(d["state"]),
+                               "--keys", str(tmp_path / "admin")], capture_output=True, text=True, timeout=60)
+        assert grow.returncode == 2 and "cancelled" in grow.stderr, grow
+        assert _event_at_of(d, "live", "alloc-refused") is not None
         print(f"README submit: submission to first step {first_step_s:.1f} s")
     finally:
         lab.cancel_all()
