@@ -6,12 +6,12 @@
         [--leave-grace-s 25]
 
 Defaults come from the environment where Slurm or the launcher set it (SLURMD_NODENAME, SLURM_JOB_ID,
-NEREUS_ENDPOINT, NEREUS_KEYS, NEREUS_JOB_ID). Devices: GPUs from NVML when it is present, else CPU
-worker slots (psutil). One worker process per device; the agent restarts a worker that fails (up to
-``max_restarts``) and reports worker states in every heartbeat.
+NEREUS_ENDPOINT, NEREUS_KEYS, NEREUS_JOB_ID). Devices (agent/devices.py): GPUs from NVML, else those
+the allocation grants (Slurm's GRES), else CPU worker slots. One worker process per device; the agent
+restarts a worker that fails (up to ``max_restarts``) and reports worker states in every heartbeat.
 
 Relays: the job driver and the workers PUSH Measurement and TransitionReport messages to the
-agent's local ipc socket ($NEREUS_AGENT_IPC; ``AgentLink`` is their side). Measurements go on to the
+agent's local ipc socket ($NEREUS_AGENT_IPC; ``AgentLink``, agent/link.py, is their side). Measurements go on to the
 daemon; an order is reported done for the node once every local worker reported it (or failed at the
 first failure). Transition orders from the daemon are PUBlished on $NEREUS_AGENT_ORDERS (workers
 SUBscribe), again every beat until the node reported them. ``--driver`` is the job driver's endpoint,
@@ -34,9 +34,9 @@ without restarting anything. ``forbidden`` or ``unknown-job`` on register is fat
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
-import shutil
 import signal
 import socket
 import subprocess
@@ -51,9 +51,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import psutil
 import zmq
 
+from agent.devices import allocated_gpus, discover_devices  # noqa: F401  (re-exported: agent.node's API)
+from agent.link import AgentLink  # noqa: F401  (re-exported: workers and the driver import it from here)
 from nereusd.wire import protocol
 from nereusd.wire.client import AuthRefused, CurveClient
 from nereusd.wire.keys import ClientBundle, load_bundle
@@ -67,64 +68,25 @@ class AgentRefused(Exception):
     """The daemon refused this agent for good (forbidden, unknown job, key refused)."""
 
 
-def _visible(devices: list[protocol.Device]) -> list[protocol.Device]:
-    """Only the GPUs Slurm gave this job (CUDA_VISIBLE_DEVICES as indices), when it says."""
-    env = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if env is None or not all(x.strip().isdigit() for x in env.split(",") if x.strip()):
-        return devices  # unset, or UUIDs: NVML's view stands
-    allowed = {int(x) for x in env.split(",") if x.strip()}
-    return [d for d in devices if d.index in allowed]
-
-
-def _nvidia_smi() -> list[protocol.Device]:
-    """GPUs from `nvidia-smi` (the NVML command line) where the Python bindings are not installed."""
-    exe = shutil.which("nvidia-smi")
-    if exe is None:
-        return []
+def _pid_running(pid: int) -> bool:
+    """A process that exists and is not a zombie (PID 1 may reap late: kill -0 says alive then)."""
     try:
-        out = subprocess.run([exe, "--query-gpu=index,name,memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=20, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return []
-    devices = []
-    for line in out.splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) == 3 and parts[0].isdigit() and parts[2].isdigit():
-            devices.append(protocol.Device(index=int(parts[0]), kind="gpu", name=parts[1],
-                                           memory_bytes=int(parts[2]) << 20))  # MiB
-    return devices
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[:1] != ["Z"]
 
 
-def _nvml() -> list[protocol.Device]:
-    """GPUs through the NVML Python bindings (nvidia-ml-py), when installed and a driver answers."""
-    try:
-        import pynvml  # type: ignore[import-not-found]
-
-        pynvml.nvmlInit()
-    except Exception:  # no bindings, no driver, no GPU
-        return []
-    try:
-        out = []
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            name = pynvml.nvmlDeviceGetName(h)
-            out.append(protocol.Device(index=i, kind="gpu", name=name.decode() if isinstance(name, bytes) else str(name),
-                                       memory_bytes=int(pynvml.nvmlDeviceGetMemoryInfo(h).total)))
-        return out
-    finally:
-        pynvml.nvmlShutdown()
-
-
-def discover_devices(cpu_slots: int | None = None) -> tuple[protocol.Device, ...]:
-    """GPUs through NVML (bindings, else nvidia-smi), limited to CUDA_VISIBLE_DEVICES; else (or with
-    ``cpu_slots``) CPU worker slots from psutil."""
-    if cpu_slots is None:
-        gpus = _visible(_nvml() or _nvidia_smi())
-        if gpus:
-            return tuple(gpus)
-    slots = cpu_slots or psutil.cpu_count(logical=False) or 1
-    mem = psutil.virtual_memory().total // slots
-    return tuple(protocol.Device(index=i, kind="cpu", name="cpu", memory_bytes=mem) for i in range(slots))
+def clean_stale_ipc(ipc_dir: Path) -> list[Path]:
+    """Remove the ipc socket files of agents that died without closing (SIGKILL): their pid is in the name."""
+    removed = []
+    for path in Path(ipc_dir).glob("nereus-agent-*-*.*"):
+        pid = path.name.removeprefix("nereus-agent-").split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _pid_running(int(pid)):
+            with contextlib.suppress(OSError):
+                path.unlink()
+                removed.append(path)
+    return removed
 
 
 @dataclass(slots=True)
@@ -179,6 +141,7 @@ class NodeAgent:
         # a random routing id, kept across reconnects: a name others can guess could be squatted
         self.client = CurveClient(cfg.endpoint, cfg.bundle, identity=f"agent-{uuid.uuid4().hex}".encode(),
                                   context=self.ctx, immediate=True)
+        clean_stale_ipc(cfg.ipc_dir)
         tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.ipc_in = f"ipc://{cfg.ipc_dir}/nereus-agent-{tag}.in"
         self.ipc_orders = f"ipc://{cfg.ipc_dir}/nereus-agent-{tag}.orders"
@@ -451,54 +414,9 @@ class NodeAgent:
         self.relay_in.close(linger=0)
         self.orders_out.close(linger=0)
         self.ctx.term()
-
-
-class AgentLink:
-    """The worker's (or job driver's) side of the relay: report to the agent, receive its orders.
-
-        link = AgentLink.from_env()          # inside a process the agent spawned
-        order = link.next_order(timeout_s=60)
-        ... run this node's part at the next safe point ...
-        link.report(protocol.TransitionReport(job_id=link.job_id, node=link.node,
-                                              transition_id=order.transition_id, ok=True, measured_s=dt))
-    """
-
-    def __init__(self, *, ipc_in: str, ipc_orders: str, job_id: str, node: str) -> None:
-        self.job_id, self.node = job_id, node
-        self.ctx = zmq.Context()
-        self.push = self.ctx.socket(zmq.PUSH)
-        self.push.connect(ipc_in)
-        self.sub = self.ctx.socket(zmq.SUB)
-        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
-        self.sub.connect(ipc_orders)
-        self.seen: set[int] = set()
-
-    @classmethod
-    def from_env(cls) -> AgentLink:
-        env = os.environ
-        return cls(ipc_in=env["NEREUS_AGENT_IPC"], ipc_orders=env["NEREUS_AGENT_ORDERS"],
-                   job_id=env["NEREUS_JOB_ID"], node=env["NEREUS_NODE"])
-
-    def report(self, msg: protocol.Measurement | protocol.TransitionReport) -> None:
-        self.push.send(protocol.encode(msg))
-
-    def next_order(self, timeout_s: float) -> protocol.TransitionOrder | None:
-        """The next order not seen before, or None after ``timeout_s``."""
-        deadline = time.monotonic() + timeout_s
-        while True:  # polls at least once: a zero timeout takes what is already there
-            left = max(0.0, deadline - time.monotonic())
-            if not self.sub.poll(int(left * 1e3)):
-                return None
-            msg = protocol.decode(self.sub.recv(), 64 << 20)
-            if isinstance(msg, protocol.TransitionOrder) and msg.transition_id not in self.seen:
-                self.seen.add(msg.transition_id)
-                return msg
-        return None
-
-    def close(self) -> None:
-        self.push.close(linger=5000)  # deliver what was reported before going away
-        self.sub.close(linger=0)
-        self.ctx.term()
+        for endpoint in (self.ipc_in, self.ipc_orders):  # zmq leaves ipc socket files behind
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(endpoint.removeprefix("ipc://"))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

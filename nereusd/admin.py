@@ -105,10 +105,13 @@ class AdminOps:
         out = []
         for j in self.d.store.jobs():
             nodes = self.d.store.nodes(j["job_id"])
+            last = self.d.store.events(j["job_id"], limit=1)  # any change (nodes, allocations), not only the state's
+            updated = max(j["updated_at"], last[0]["at"]) if last else j["updated_at"]
             out.append({"job": j["job_id"], "user": j["user"], "state": j["state"], "slurm_job_id": j["slurm_job_id"],
                         "nodes_alive": sum(n["state"] == "alive" for n in nodes), "nodes": len(nodes),
                         "gpus": self.d.pool_gpus(j["job_id"]), "plan_version": j["plan_version"],
-                        "updated_at": j["updated_at"], "damaged": self.d.damaged_jobs().get(j["job_id"])})
+                        "updated_at": updated, "damaged": self.d.damaged_jobs().get(j["job_id"]),
+                        "members_pending": len(getattr(self.d, "pending_members", lambda _: [])(j["job_id"]))})
         return out
 
     def job(self, args: Any) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """nereusctl subcommands that ask the running daemon (its admin endpoint, admin CURVE key).
 
     nereusctl status | jobs | keys                      daemon, jobs, authorised keys
+    nereusctl job JOB                                   one job's nodes and their devices
     nereusctl job-plan JOB                              per model-stage layout, predicted vs measured
     nereusctl decisions JOB | transitions JOB           admitted and rejected replans; transitions
     nereusctl transition ID | explain ID                one transition (DAG summary); one decision
@@ -133,7 +134,8 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _jobs(args: argparse.Namespace) -> int:
-    cols = ["job", "user", "state", "slurm_job_id", "nodes_alive", "nodes", "gpus", "plan_version", "updated_at"]
+    cols = ["job", "user", "state", "slurm_job_id", "nodes_alive", "nodes", "gpus", "members_pending", "plan_version",
+            "updated_at"]
 
     def render(d: list[dict[str, Any]]) -> str:
         if not d:
@@ -229,6 +231,16 @@ def _alloc(args: argparse.Namespace) -> int:
                             + (table(d["allocations"], cols) if d["allocations"] else "no allocations recorded")))
 
 
+def _job(args: argparse.Namespace) -> int:
+    def render(d: dict[str, Any]) -> str:
+        nodes = [{"node": n["node"], "state": n["state"], "slurm_job_id": n.get("slurm_job_id"),
+                  "devices": ",".join(f"{x['kind']}{x['index']}" for x in n.get("devices") or []),
+                  "draining": n.get("draining") or ""} for n in d["nodes"]]
+        return (f"job {d['job_id']} ({d['state']})\n"
+                + (table(nodes, ["node", "state", "slurm_job_id", "devices", "draining"]) if nodes else "no nodes"))
+    return _emit(args, ask(args, "job", job=args.job), render)
+
+
 def _keys(args: argparse.Namespace) -> int:
     return _emit(args, ask(args, "keys"), lambda d: table(d, ["name", "user", "role", "public_key", "created_at"]))
 
@@ -303,6 +315,7 @@ def add_parsers(sub: Any) -> None:
 
     add("status", _status, "daemon status")
     add("jobs", _jobs, "jobs and their state")
+    add("job", _job, "one job: its nodes, their devices and state").add_argument("job")
     add("job-plan", _job_plan, "a job's plan: layout per model-stage, predicted vs measured").add_argument("job")
     add("decisions", _decisions, "a job's replan decisions, admitted and rejected").add_argument("job")
     add("transitions", _transitions, "a job's transitions").add_argument("job")

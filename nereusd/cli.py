@@ -95,7 +95,7 @@ def keys(args: argparse.Namespace) -> int:
         created = store.init()
         print(f"{'created' if created else 'kept existing'} server keypair in {store.root}")
     elif args.keys_command == "create":
-        store.init()
+        store.server_keys()  # the daemon's keypair must be there: never invent a state dir with a new one
         key = store.create_client(name=args.name, user=args.user, role=args.role, out_dir=Path(args.out))
         print(f"created {key.role} key {key.name!r} for user {key.user!r}; bundle in {args.out} "
               f"(client.key_secret is mode 0600: hand it to {key.user} only)")

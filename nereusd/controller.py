@@ -70,6 +70,8 @@ REPREDICT_EVERY_STEPS = 1
 RETRY_BASE_S, RETRY_MAX_S = 1.0, 60.0  # replan back-off after the 1st, 2nd, ... failed transition in a row
 TRANSITIONS_REPLAYED = 64  # completed transitions fed back on restart (more than any calibration window)
 _GONE = frozenset({EventKind.NODE_DOWN, EventKind.SHRUNK, EventKind.PREEMPTED})  # these nodes left the job
+_ENDS = frozenset({EventKind.RELEASED, EventKind.COMPLETED, EventKind.CANCELLED, EventKind.FAILED,
+                   EventKind.TIME_LIMIT})  # a Slurm job ended: the anchor's ends the job, a member's only its nodes
 
 
 # --- plans as stored data -------------------------------------------------------------------------
@@ -197,15 +199,18 @@ class JobController:
                                   reason=event.reason or event.kind.value)
         self.store.add_event("allocation", event.to_dict(), job_id=self.job_id)
         job = self.job
-        if event.kind in _GONE:
+        ends = event.kind in _ENDS
+        anchor = event.slurm_job_id in (None, job["slurm_job_id"])
+        # one path for every way a node leaves: DOWN, shrink, preemption, and a member job's end (cancelled,
+        # time limit, failed) release its nodes at once from Slurm's state, not by a heartbeat time-out
+        if event.kind in _GONE or (ends and not anchor):
             for name in names:
                 if any(n["node"] == name for n in self.store.nodes(self.job_id)):
                     self.store.set_node_state(self.job_id, name, "released", f"{event.kind.value}: {event.reason}")
             if any(self.draining.pop(name, None) is not None for name in names):
                 self._release_asked.difference_update(names)
                 self._save()
-        elif event.kind in (EventKind.RELEASED, EventKind.COMPLETED, EventKind.CANCELLED, EventKind.FAILED,
-                            EventKind.TIME_LIMIT) and event.slurm_job_id in (None, job["slurm_job_id"]):
+        elif ends and anchor:
             final = {EventKind.COMPLETED: "finished", EventKind.RELEASED: "finished",
                      EventKind.CANCELLED: "cancelled"}.get(event.kind, "failed")
             self._set_state(final, f"{event.kind.value}: {event.reason}")

@@ -5,12 +5,14 @@
 
 Each subcommand lives in its own module and registers itself here through ``add_parser`` and
 ``run``; tables for people, ``--json`` for scripts. Exit codes: 0 ok, 1 failure reported by the
-daemon or planner (e.g. infeasible), 2 bad input, 3 daemon unreachable.
+daemon or planner (e.g. infeasible), 2 bad input, 3 daemon unreachable, 141 the output's reader
+closed the pipe (as a shell reports SIGPIPE).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 from types import ModuleType
@@ -18,6 +20,7 @@ from types import ModuleType
 from planner.errors import InfeasibleError, SpecError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
+EXIT_PIPE = 141
 
 
 def _subcommands() -> list[ModuleType]:
@@ -54,6 +57,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler: Callable[[argparse.Namespace], int] = args.handler
     try:
         return handler(args)
+    except BrokenPipeError:  # `nereusctl ... | head`: the reader left; no traceback, and none at exit's flush
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_PIPE
     except SpecError as exc:
         print(f"nereusctl: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -167,6 +167,19 @@ def _write_atomic_json(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
+def make_growth(d: Daemon) -> Any:
+    """The growth policy for a Slurm source (None otherwise: the local source grows on request only)."""
+    if d.source is None or d.worker is None or d.source.name != "slurm":
+        return None
+    from nereusd.growth import GrowthPolicy
+
+    worker = d.worker
+    return GrowthPolicy(source=d.source, controllers=d.controllers,  # type: ignore[arg-type]
+                        request=lambda op, job, arg: worker.requests.put((op, (job, arg))),
+                        add_event=lambda job, kind, data: d.store.add_event(kind, data, job_id=job),
+                        shrink=lambda job, nodes, why: d.source_request("shrink", job, nodes))
+
+
 def replay_allocation(job_id: str, events: list[dict[str, Any]]) -> Allocation | None:
     """The nodes a job holds after its stored allocation events (None: the source never granted any)."""
     if not events:
@@ -277,6 +290,7 @@ class Daemon:
         if source is not None:
             interval = settings.slurm.poll_interval_s if source.name == "slurm" else 0.2
             self.worker = _SourceWorker(source, interval, self.log)
+        self.growth = make_growth(self)  # a Slurm job grows toward max_gpus by itself (nereusd/growth.py)
         self._restore()
         self.startup_s = time.monotonic() - t0
 
@@ -352,11 +366,9 @@ class Daemon:
         self._start_controller(job_id)
         if self.source is not None and "elastic" in job["spec"]:
             ej = ElasticJob.from_dict(job["spec"]["elastic"])
-            # the stored allocation, so a restart grants nothing again and keeps grown nodes (the local
-            # source); Slurm finds its jobs again itself from the anchor and member ids
-            held = replay_allocation(job_id, self.store.allocation_events(job_id)) \
-                if self.source.name == "local" else None
-            self.source.track(ej, held)
+            # the stored allocation, so a restart grants nothing again and keeps grown nodes; Slurm's source
+            # then reports only what changed while the daemon was away (a member that ended, a node DOWN)
+            self.source.track(ej, replay_allocation(job_id, self.store.allocation_events(job_id)))
         now = time.monotonic()
         for n in self.store.nodes(job_id):
             key = (job_id, n["node"])
@@ -395,6 +407,11 @@ class Daemon:
 
     def node_workers(self, job_id: str, node: str) -> list[dict[str, Any]]:
         return self.worker_states.get((job_id, node), [])
+
+    def pending_members(self, job_id: str) -> list[str]:
+        """Member jobs asked for that hold no node yet (``nereusctl jobs``)."""
+        pending = getattr(self.source, "pending_members", None)
+        return list(pending(job_id)) if pending is not None else []
 
     def draining_nodes(self, job_id: str) -> dict[str, str]:
         ctl = self.controllers.get(job_id)
@@ -480,14 +497,19 @@ class Daemon:
         tracked = {j.job_id: j for j in self.source.jobs()}
         if job_id not in tracked:
             raise AllocationError(f"job {job_id!r} has no elastic allocation (its spec has no 'elastic')")
+        row = self.store.job(job_id)
+        if row is not None and row["state"] in TERMINAL_JOB_STATES:
+            raise AllocationError(f"{op} {job_id}: the job is {row['state']}; nothing to change")
         held = self.source.allocation(job_id).node_names
         free = getattr(self.source, "free_nodes", None)
         free_count = len(free()) if free is not None else None
         if op == "grow":
-            room = tracked[job_id].max_nodes - len(held)
+            asked = self.pending_members(job_id)
+            room = tracked[job_id].max_nodes - len(held) - len(asked)
             if arg > room:
                 raise AllocationError(f"grow {job_id}: {arg} more node(s) would pass max_gpus="
-                                      f"{tracked[job_id].max_gpus} (it holds {len(held)}, room for {room})")
+                                      f"{tracked[job_id].max_gpus} (it holds {len(held)}, {len(asked)} pending, "
+                                      f"room for {max(room, 0)})")
             if free_count is not None and arg > free_count:
                 raise AllocationError(f"grow {job_id}: {arg} node(s) asked, {free_count} free")
         else:
@@ -616,6 +638,8 @@ class Daemon:
             row = self.store.job(job_id)
             if row is None or row["state"] in TERMINAL_JOB_STATES:
                 del self.controllers[job_id]
+        if self.growth is not None:
+            self._guarded(self.growth.tick)
         self._update_gauges()
 
     def _take_refusals(self, worker: _SourceWorker) -> None:

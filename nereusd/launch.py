@@ -9,7 +9,8 @@ each running the node agent (``python -m agent.node``) once per node via srun.
 The anchor is submitted held, registered with nereusd (``register``), then released, so its agents
 never reach the daemon before the job exists there. Growth later is the daemon's business: it submits
 member jobs through the same launcher (nereusd.slurm.submit) when its planner wants more GPUs.
-See etc/submit_elastic.py for a command-line example.
+``submit_main`` is etc/submit_elastic.py's command line: defaults (keys, endpoints, folder) are resolved
+and checked here, before anything is submitted, and every error is one line naming what to pass.
 
 A live job (``job_file``: the engine's job file, on a filesystem the nodes share) runs its workers and
 driver too: every agent gets ``--worker-cmd`` and ``--driver tcp://HOST:PORT``, the anchor's first task
@@ -21,18 +22,22 @@ is kept in the record's ``extra``.
 
 from __future__ import annotations
 
+import argparse
 import getpass
 import json
 import os
 import shlex
+import socket
 import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
+from pathlib import Path
+from typing import Any
 
 from nereusd.allocation import ElasticJob
 from nereusd.slurm.submit import LaunchSpec, SubmitError, SubmititLauncher, job_comment
-from planner.errors import SpecError
+from planner.errors import NereusError, SpecError
 
 Register = Callable[[ElasticJob], None]
 
@@ -72,8 +77,10 @@ def submit_elastic_job(*, job_id: str, min_gpus: int, max_gpus: int, gpus_per_no
     if register is not None:
         try:
             register(job)
-        finally:  # registered or not, the anchor must not stay held forever; a failed register
-            _release(anchor.slurm_job_id, environment)  # leaves its agents to fail fast instead
+        except BaseException:  # not registered: its agents would be refused; it must not stay held either
+            subprocess.run(["scancel", anchor.slurm_job_id], capture_output=True, env=environment, timeout=30)
+            raise
+        _release(anchor.slurm_job_id, environment)
     launcher = SubmititLauncher(replace(spec, anchor_job_id=anchor.slurm_job_id), env=environment)
     for _ in range(members):
         job = job.with_member(launcher.submit("member", 1).slurm_job_id)
@@ -108,3 +115,122 @@ def nereusctl_job_add(*, user: str | None = None, nereusctl: Sequence[str] = (sy
                               f"{proc.stderr.strip() or proc.stdout.strip()}")
 
     return register
+
+
+# --- the command line (etc/submit_elastic.py) ---------------------------------------------------------
+class UsageError(NereusError):
+    """What the user must pass (one line)."""
+
+
+def default_state_dir(given: str | None = None, env: Mapping[str, str] = os.environ) -> Path:
+    return Path(given or env.get("NEREUS_STATE_DIR") or "/var/lib/nereus")
+
+
+def daemon_endpoint(which: str, *, state_dir: Path, flag: str) -> str:
+    """``which`` ("control": agents, "admin": nereusctl) from the running daemon's endpoints.json; a
+    wildcard bind host is replaced by this host's name (the nodes dial it)."""
+    try:
+        endpoint = str(json.loads((state_dir / "endpoints.json").read_text())[which])
+    except (OSError, ValueError, KeyError, TypeError):
+        raise UsageError(f"cannot find nereusd's {which} endpoint: no endpoints.json in {state_dir}; pass {flag} "
+                         "tcp://HOST:PORT or --state-dir DIR (is nereusd running?)") from None
+    host = endpoint.removeprefix("tcp://").rpartition(":")[0]
+    return endpoint.replace(host, socket.getfqdn(), 1) if host in ("0.0.0.0", "*", "[::]") else endpoint
+
+
+def key_bundle(given: str | None, env_var: str, default: str, flag: str, role: str) -> str:
+    """The key bundle directory to use, checked loadable now (not on the nodes, minutes later)."""
+    from nereusd.wire.keys import load_bundle
+
+    path = Path(os.path.expanduser(given or os.environ.get(env_var) or default)).absolute()
+    try:
+        load_bundle(path)
+    except SpecError as exc:
+        raise UsageError(f"{exc}: pass {flag} DIR (made by `nereusd keys create NAME --role {role} --user "
+                         f"{getpass.getuser()} --out DIR`) or set ${env_var}") from None
+    return str(path)
+
+
+def _parser(doc: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="submit_elastic.py", description=doc.split("\n\n")[0],
+                                epilog="defaults: see the top of etc/submit_elastic.py")
+    p.add_argument("job_id")
+    p.add_argument("--job-file", help="the job file nereusctl job-add --job-file takes (etc/jobs/*.toml)")
+    p.add_argument("--min-gpus", type=int)
+    p.add_argument("--max-gpus", type=int)
+    p.add_argument("--gpus-per-node", type=int)
+    p.add_argument("--endpoint", help="where agents reach nereusd, tcp://HOST:PORT (default: endpoints.json)")
+    p.add_argument("--state-dir", help="the daemon's state dir holding endpoints.json (default /var/lib/nereus)")
+    p.add_argument("--folder", help="shared folder for scripts and logs (default ~/nereus-jobs/JOB)")
+    p.add_argument("--keys", help="agent key bundle directory (default ~/.config/nereus/agent)")
+    p.add_argument("--partition")
+    p.add_argument("--members", type=int, default=0, help="member jobs to submit at once")
+    p.add_argument("--time-limit-min", type=int)
+    p.add_argument("--python", help="the interpreter on the nodes (default: this one)")
+    p.add_argument("--agent-args", default="", help="more agent.node arguments, e.g. '--log-format json'")
+    p.add_argument("--driver-args", default="", help="more agent.driver arguments (with --job-file)")
+    p.add_argument("--worker-cmd", help="the worker command (with --job-file; default: python -m agent.worker)")
+    p.add_argument("--exclusive", action="store_true", help="whole nodes for every Slurm job of the job")
+    p.add_argument("--ctl-endpoint", help="nereusd admin endpoint for job-add (default: endpoints.json)")
+    p.add_argument("--ctl-keys", help="admin key bundle for job-add (default ~/.config/nereus/admin)")
+    p.add_argument("--ctl-args", default="", help="more nereusctl arguments for job-add")
+    p.add_argument("--no-register", action="store_true", help="do not call nereusctl job-add (agents only)")
+    return p
+
+
+def submit_main(argv: Sequence[str], doc: str = "") -> int:
+    """etc/submit_elastic.py: 0 submitted (the record on stdout), 2 bad input, 1 Slurm or nereusd refused."""
+    args = _parser(doc).parse_args(list(argv))
+    try:
+        job = _submit_from_args(args)
+    except UsageError as exc:
+        print(f"submit_elastic.py: error: {exc}", file=sys.stderr)
+        return 2
+    except SpecError as exc:
+        print(f"submit_elastic.py: error: {exc}", file=sys.stderr)
+        return 2
+    except (NereusError, OSError) as exc:
+        print(f"submit_elastic.py: failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
+              file=sys.stderr)
+        return 1
+    print(json.dumps(job.to_dict(), indent=1))
+    return 0
+
+
+def _submit_from_args(args: argparse.Namespace) -> ElasticJob:
+    spec: dict[str, Any] = {}
+    bounds = {"min_gpus": args.min_gpus, "max_gpus": args.max_gpus, "gpus_per_node": args.gpus_per_node}
+    if args.job_file:
+        from nereusd.jobfile import job_spec as read_job_file
+
+        spec = read_job_file(args.job_file, anchor_job_id="(submitted)")  # the anchor's id is known after sbatch
+        elastic = spec.pop("elastic")
+        spec.pop("gpus_per_node")
+        bounds = {k: elastic[k] if v is None else v for k, v in bounds.items()}
+    elif not args.no_register:
+        raise UsageError("pass --job-file FILE (the job file nereusctl job-add --job-file takes, e.g. "
+                         "etc/jobs/live.toml: model, algorithm, workload and [placement]), or --no-register")
+    missing = [f"--{k.replace('_', '-')}" for k, v in bounds.items() if v is None and k != "gpus_per_node"]
+    if missing:
+        raise UsageError(f"pass {', '.join(missing)} (or --job-file with [placement])")
+    state_dir = default_state_dir(args.state_dir)
+    endpoint = args.endpoint or os.environ.get("NEREUS_ENDPOINT") or \
+        daemon_endpoint("control", state_dir=state_dir, flag="--endpoint")
+    keys: str | None = None
+    if not args.no_register or args.keys or os.environ.get("NEREUS_KEYS") or \
+            Path("~/.config/nereus/agent").expanduser().exists():  # agents only: a test may run without keys
+        keys = key_bundle(args.keys, "NEREUS_KEYS", "~/.config/nereus/agent", "--keys", "agent")
+    register = None
+    if not args.no_register:
+        ctl_keys = key_bundle(args.ctl_keys, "NEREUS_CTL_KEYS", "~/.config/nereus/admin", "--ctl-keys", "admin")
+        ctl_endpoint = args.ctl_endpoint or os.environ.get("NEREUS_CTL_ENDPOINT") or \
+            daemon_endpoint("admin", state_dir=state_dir, flag="--ctl-endpoint")
+        register = nereusctl_job_add(ctl_args=["--endpoint", ctl_endpoint, "--keys", ctl_keys,
+                                               *shlex.split(args.ctl_args)], spec=spec)
+    return submit_elastic_job(
+        job_id=args.job_id, min_gpus=bounds["min_gpus"], max_gpus=bounds["max_gpus"],
+        gpus_per_node=bounds["gpus_per_node"] or 8, endpoint=endpoint,
+        folder=args.folder or f"~/nereus-jobs/{args.job_id}", keys_dir=keys, partition=args.partition,
+        members=args.members, time_limit_min=args.time_limit_min, python=args.python,
+        agent_args=shlex.split(args.agent_args), job_file=args.job_file, worker_cmd=args.worker_cmd,
+        driver_args=shlex.split(args.driver_args), exclusive=args.exclusive, register=register)

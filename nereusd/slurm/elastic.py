@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from nereusd.allocation import (
     Allocation,
@@ -80,7 +80,13 @@ class SlurmSource:
             if launch_spec is None:
                 raise SpecError("slurm_source.launch_spec", "needed to submit member jobs (or pass submit_member)")
             spec_of = launch_spec
-            submit_member = lambda job: SubmititLauncher(spec_of(job), env=commands.env).submit("member", 1)  # noqa: E731
+
+            def submit_member(job: ElasticJob) -> SubmittedJob:
+                spec = spec_of(job)
+                held = [n.node for n in self._jobs[job.job_id].allocation.nodes] if job.job_id in self._jobs else []
+                if held:  # one agent per node and job: a member never lands on a node the job holds
+                    spec = replace(spec, extra_sbatch={**spec.extra_sbatch, "exclude": compress(held)})
+                return SubmititLauncher(spec, env=commands.env).submit("member", 1)
         self._submit_member = submit_member
         self._jobs: dict[str, _Tracked] = {}
         self._events: list[AllocationEvent] = []
@@ -91,7 +97,11 @@ class SlurmSource:
     def track(self, job: ElasticJob, allocation: Allocation | None = None) -> None:
         tracked = self._jobs.get(job.job_id)
         if tracked is None:
-            tracked = _Tracked(job=job, allocation=allocation or Allocation(job_id=job.job_id))
+            for holder in dict.fromkeys(n.holder_job_id for n in (allocation.nodes if allocation else ())):
+                if holder and holder not in job.slurm_job_ids:  # a member the daemon grew (stored, not in the spec)
+                    job = job.with_member(holder)
+            tracked = _Tracked(job=job, allocation=allocation or Allocation(job_id=job.job_id),
+                               started=set(n.holder_job_id for n in allocation.nodes) if allocation else set())
             self._jobs[job.job_id] = tracked
         else:  # idempotent: keep what we know, add members we did not
             merged = tracked.job
@@ -218,6 +228,8 @@ class SlurmSource:
                 key = (EventKind.NODE_DOWN, node.holder_job_id, why)
             elif info is not None and info.mapping.ended_by is not None:
                 key = (info.mapping.ended_by, node.holder_job_id, _describe(info))
+            elif info is not None and info.mapping.phase is Phase.PENDING:  # requeued: waits for nodes again
+                key = (EventKind.NODE_DOWN, node.holder_job_id, f"{_describe(info)}: requeued by Slurm")
             elif info is not None and info.mapping.phase is Phase.ENDED:  # left squeue unseen
                 key = (EventKind.CANCELLED, node.holder_job_id, _describe(info))
             else:  # the job runs on, without this node: shrunk in place by someone else
@@ -257,6 +269,47 @@ class SlurmSource:
                                   f"at most {max(room, 0)} more")
         tracked.pending_grow_nodes += n_nodes
         return self._submit_pending(tracked)
+
+    def pending_members(self, job_id: str) -> tuple[str, ...]:
+        """Member jobs asked for that do not hold nodes yet: submitted and PENDING in Slurm (or not yet
+        seen there), plus one placeholder per request the throttle holds back."""
+        tracked = self._jobs.get(job_id)
+        if tracked is None:
+            return ()
+        out = [m for m in tracked.job.member_job_ids if m not in tracked.cancelling and
+               ((info := self.poller.info(m)) is None or info.mapping.phase is Phase.PENDING)]
+        return (*out, *(f"(queued {i + 1})" for i in range(tracked.pending_grow_nodes)))
+
+    def member_end_times(self, job_id: str) -> dict[str, float]:
+        """node -> the Unix time its running member job ends (Slurm's end time: start + time limit)."""
+        tracked = self._jobs.get(job_id)
+        if tracked is None:
+            return {}
+        out: dict[str, float] = {}
+        for node in tracked.allocation.nodes:
+            info = self.poller.info(node.holder_job_id)
+            if node.holder_job_id != tracked.job.anchor_job_id and info is not None and \
+                    info.mapping.holds_usable_nodes and info.end_time_s > 0:
+                out[node.node] = info.end_time_s
+        return out
+
+    def idle_nodes(self) -> tuple[str, ...]:
+        """Nodes sinfo last said are idle (room for a one-node member job)."""
+        return self.poller.idle_nodes()
+
+    def cancel_pending(self, job_id: str, members: Sequence[str]) -> None:
+        """Cancel member jobs that never ran (no longer wanted): scancel, and no failed-request event."""
+        tracked = self._get(job_id)
+        queued = [m for m in members if m.startswith("(queued")]
+        tracked.pending_grow_nodes = max(0, tracked.pending_grow_nodes - len(queued))
+        ids = [m for m in members if m in tracked.job.member_job_ids and m not in tracked.started]
+        if not ids:
+            return
+        tracked.cancelling.update(ids)
+        result = self.commands.scancel(ids)
+        if not result.ok:
+            self._emit(EventKind.REQUEST_FAILED, tracked, None, (), f"cancel of pending members failed: {result.error}")
+        self.poller.poll_soon()
 
     def _throttle_room(self) -> int:
         now = self.clock()

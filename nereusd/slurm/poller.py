@@ -6,7 +6,8 @@ When a command fails or hangs, the next attempt waits 0, 2, 4, 8 ... s up to a c
 good answer stays in place; nothing is raised into the daemon's loop. Terminal states are cached and
 never asked about again. Job ids can be reused (slurmctld state wiped, id wrap-around): each watched
 id is pinned to its submit time (and name/comment when given), and a record that does not match is
-reported as the watched job having vanished rather than adopted.
+reported as the watched job having vanished rather than adopted; a later submit time under the same
+id, name and comment is the job requeued (Slurm restamps it), and the pin moves.
 
     poller = SlurmPoller(SlurmCommands(), interval_s=5)
     poller.watch("1042", comment="nereus:grpo-8b")
@@ -208,7 +209,12 @@ class SlurmPoller:
         reasons = []
         if watch.submitted_at_s is not None and info.submit_time_s and \
                 abs(info.submit_time_s - watch.submitted_at_s) > SUBMIT_TIME_TOLERANCE_S:
-            reasons.append(f"submit time {info.submit_time_s:.0f} != {watch.submitted_at_s:.0f}")
+            if self._requeued(watch, info):  # Slurm restamps a requeued job's submit time: same job, re-pinned
+                self.log.info("slurm_job_requeued", job_id=watch.job_id, state=info.state,
+                              submit_time=info.submit_time_s, was=watch.submitted_at_s)
+                watch.submitted_at_s = info.submit_time_s
+            else:
+                reasons.append(f"submit time {info.submit_time_s:.0f} != {watch.submitted_at_s:.0f}")
         if watch.name is not None and info.name != watch.name:
             reasons.append(f"name {info.name!r} != {watch.name!r}")
         if watch.comment is not None and info.comment != watch.comment:
@@ -216,6 +222,15 @@ class SlurmPoller:
         if reasons:
             self.log.warning("slurm_job_id_reused", job_id=watch.job_id, reasons=reasons)
         return not reasons
+
+    @staticmethod
+    def _requeued(watch: _Watch, info: SlurmJobInfo) -> bool:
+        """A later submit time under the same id, name and comment (nereus:JOB, which a reused id from
+        another submitter does not carry) is the same job requeued (node failure, preemption, scontrol
+        requeue), not a reuse."""
+        return (watch.comment is not None and info.comment == watch.comment
+                and (watch.name is None or info.name == watch.name)
+                and watch.submitted_at_s is not None and info.submit_time_s > watch.submitted_at_s)
 
     def _with_scontrol_gres(self, info: SlurmJobInfo) -> SlurmJobInfo:
         fields = self.commands.show_job(info.job_id)
@@ -241,6 +256,11 @@ class SlurmPoller:
     def jobs_with_comment(self, comment: str) -> tuple[SlurmJobInfo, ...]:
         """Jobs of the last squeue carrying this comment (finds member jobs after a daemon restart)."""
         return tuple(i for i in self._all_jobs.values() if i.comment == comment)
+
+    def idle_nodes(self) -> tuple[str, ...]:
+        """Nodes in the last sinfo whose state is idle (no job on them)."""
+        return tuple(n for n, (state, _, _) in self._node_states.items()
+                     if state.strip().lower().split("+", 1)[0].rstrip("*~#!%$@^-") == "idle")
 
     def node_lost(self, node: str) -> tuple[bool, str]:
         """(lost, why) for a node, from the last sinfo; unknown nodes are not lost."""

@@ -35,6 +35,10 @@ def test_nereusctl_against_a_running_daemon(daemon: DaemonHandle) -> None:
         header, row = jobs.stdout.splitlines()[:2]
         assert header.split()[:3] == ["JOB", "USER", "STATE"]
         assert row.split()[:3] == ["grpo-tiny", "alice", "running"]
+        latest = daemon.admin("events", job="grpo-tiny")[-1]["at"]  # read first: later events only raise it
+        listed = next(j for j in json.loads(daemon.ctl("jobs", "--json").stdout) if j["job"] == "grpo-tiny")
+        assert listed["updated_at"] >= latest  # the job's last change, not only its last state change
+        assert listed["members_pending"] == 0
 
         plan = daemon.ctl("job-plan", "grpo-tiny", "--json")
         data = json.loads(plan.stdout)
@@ -168,3 +172,23 @@ def test_systemd_unit_verifies(tmp_path: Path) -> None:
     broken = tmp_path / "broken.service"
     broken.write_text(unit.replace("/usr/bin/nereusd", str(tmp_path / "missing")))
     assert subprocess.run([analyze, "verify", str(broken)], capture_output=True, timeout=120).returncode != 0
+
+
+def test_keys_create_refuses_a_state_dir_without_the_daemons_keypair(tmp_path: Path) -> None:
+    state = tmp_path / "nowhere"
+    proc = subprocess.run([str(BIN / "nereusd"), "keys", "create", "x", "--user", "u", "--out", str(tmp_path / "out"),
+                           "--state-dir", str(state)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "keys init" in proc.stderr and len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert not state.exists() and not (tmp_path / "out").exists()  # nothing invented: no dir, no keypair
+
+
+def test_nereusctl_into_a_closed_pipe_exits_quietly() -> None:
+    """`nereusctl ... | head`: the reader goes first; no BrokenPipeError traceback, the shell's SIGPIPE code."""
+    proc = subprocess.Popen([str(BIN / "nereusctl"), "plan", "--model", "llama-3.1-8b", "--algo", "ppo", "--device",
+                             "h200", "--gpus", "64", "--prompt-tokens", "1024", "--response-tokens", "4096"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # before the child prints anything (it is still importing)
+    err = proc.stderr.read().decode()
+    assert proc.wait(60) == 141, err
+    assert "Traceback" not in err and "BrokenPipe" not in err, err

@@ -39,3 +39,16 @@ def test_cpu_slots_without_gpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     assert devs and all(d.kind == "cpu" for d in devs)
     assert len(devs) == (psutil.cpu_count(logical=False) or 1)
     assert len(discover_devices(cpu_slots=4)) == 4
+
+
+def test_gpus_from_the_slurm_allocation_without_nvml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fake GPUs (gres.conf File= links, no NVML): the count is what Slurm granted, not CPU slots."""
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi
+    granted = {"CUDA_VISIBLE_DEVICES": "4,5,6,7", "SLURM_JOB_GPUS": "4,5,6,7", "SLURM_GPUS_ON_NODE": "4"}
+    devs = discover_devices(env=granted)
+    assert [(d.index, d.kind) for d in devs] == [(4, "gpu"), (5, "gpu"), (6, "gpu"), (7, "gpu")]
+    assert [d.index for d in discover_devices(env={"SLURM_STEP_GPUS": "0-2,5"})] == [0, 1, 2, 5]
+    assert [d.index for d in discover_devices(env={"SLURM_GPUS_ON_NODE": "2"})] == [0, 1]
+    assert all(d.kind == "cpu" for d in discover_devices(env={"CUDA_VISIBLE_DEVICES": ""}))  # none granted
+    assert all(d.kind == "cpu" for d in discover_devices(env={"CUDA_VISIBLE_DEVICES": "GPU-1a2b"}))  # UUIDs: no count
+    assert len(discover_devices(cpu_slots=2, env=granted)) == 2  # --cpu-slots still wins

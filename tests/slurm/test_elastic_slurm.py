@@ -194,3 +194,27 @@ def test_jobs_ending_before_they_start_are_reported(lab: SlurmLab, tmp_path: Pat
     poll_until(source, seen, has(EventKind.CANCELLED, anchor), what="anchor cancelled while pending")
     assert kinds(seen, EventKind.CANCELLED)[0].nodes == ()
     assert not kinds(seen, EventKind.GRANTED) and not kinds(seen, EventKind.GROWN)
+
+
+def test_an_anchor_requeue_is_followed_and_the_members_stay(lab: SlurmLab, tmp_path: Path) -> None:
+    """Slurm requeues the anchor (a node failure, preemption, scontrol requeue) and restamps its submit
+    time: the source reports its nodes gone (NODE_DOWN), not the job ended, keeps the member, and grants
+    the anchor again when it runs again."""
+    spec = replace(_spec(lab, tmp_path, "rq"), extra_sbatch={"requeue": True})
+    anchor = SubmititLauncher(spec, env=lab.env).submit("anchor", 1).slurm_job_id
+    source, _ = _source(lab, spec)
+    source.track(replace(_elastic("rq", anchor, max_gpus=2 * GPUS), extra={"comment": "nereus:rq"}))
+    seen: list = []
+    poll_until(source, seen, has(EventKind.GRANTED, anchor), what="anchor start")
+    (member,) = source.grow("rq", 1)
+    poll_until(source, seen, has(EventKind.GROWN, member), what="member start")
+    member_node = next(n.node for n in source.allocation("rq").nodes if n.holder_job_id == member)
+    lab.run("scontrol", "requeue", anchor)
+    poll_until(source, seen, has(EventKind.GRANTED, anchor, count=2), timeout_s=90,
+               what="the requeued anchor granted again")
+    ended = [e for e in seen if e.kind in (EventKind.CANCELLED, EventKind.FAILED, EventKind.COMPLETED)]
+    assert not ended, ended  # not "VANISHED (job id reused)": the job goes on
+    gone = [e for e in seen if e.slurm_job_id == anchor and e.kind not in (EventKind.GRANTED, EventKind.REQUESTED)]
+    assert [e.kind for e in gone] == [EventKind.NODE_DOWN], gone
+    assert source.jobs()[0].member_job_ids == (member,)
+    assert member_node in source.allocation("rq").node_names

@@ -1,13 +1,16 @@
 """The live job on the real cluster: submitted with etc/submit_elastic.py (through submitit) from a job
-file, it trains under nereusd's Slurm source. A member job grows it and the live state extends onto the
-member's workers; the member's node is set DOWN (Slurm ends the member, NODE_FAIL) and the job recovers
-from the replicas left on the anchor, steps continuing; a second member joins on another node, and is
-released: its state leaves first, then the daemon cancels it (scancel), and the job goes on.
+file, it trains under nereusd's Slurm source on the GPUs Slurm grants (fake: counted from GRES). The
+daemon grows it by itself (growth policy, no alloc --grow) with a member job and the live state extends
+onto the member's workers; a grow past max_gpus is refused; the member's node is set DOWN (Slurm ends
+the member, NODE_FAIL) and the job recovers from the replicas left on the anchor; the daemon grows it
+again on another node; the user scancels that member: its node leaves at once from Slurm's state (not
+by the heartbeat time-out) and the job goes on (drained while the agent's Leaving lasts, else from
+replicas or the checkpoint, as the plan allows; the run prints which).
 
 Why this order: after the first growth the planner replicates the actor's training state per node
-(DP 2 x TP 2), so losing a node leaves a copy. By the second growth calibration has made it prefer one
-copy across both nodes (TP 2 x PP 2), where a loss would need the checkpoint restore (covered on the
-local source by tests/live), so the second member leaves gracefully.
+(DP 2 x TP 2), so losing a node leaves a copy. By the second growth calibration may prefer one copy
+across both nodes (TP 2 x PP 2), where an abrupt loss needs the checkpoint restore (covered on the
+local source by tests/live).
 
 The story is read from the driver's events (``--events``, a JSON line per step and transition, in the
 job folder), the cluster's side from nereusctl. Every wait names what it waits for; the bounds hold on
@@ -141,7 +144,8 @@ class DriverEvents:
     def wait(self, kind: str, what: str, since: int = -1, ok: Callable[[dict[str, Any]], bool] = lambda e: True,
              timeout_s: float = WAIT_S, stuck: Callable[[], str] = lambda: "") -> tuple[int, dict[str, Any]]:
         def found() -> tuple[int, dict[str, Any]] | None:
-            fatal = [e for _, e in self.after(since, "driver-failed") + self.after(since, "gave-up")]
+            fatal = [e for _, e in self.after(since, "driver-failed") + self.after(since, "gave-up")
+                     + self.after(since, "done")]
             assert not fatal, f"the driver stopped while waiting for {what}: {fatal}"
             why = stuck()
             assert not why, f"no {what} will come: {why}"
@@ -171,21 +175,42 @@ def _kill_leftovers(marker: str) -> None:
                 p.kill()
 
 
-def test_live_job_grows_by_member_survives_node_down_and_releases_member(lab: SlurmLab, nereusd: dict[str, Any],
-                                                                 tmp_path: Path) -> None:
+def _event_at(d: dict[str, Any], kind: str, ok: Callable[[dict[str, Any]], bool]) -> float | None:
+    """The daemon's time of its latest ``kind`` event whose data passes ``ok``."""
+    return _event_at_of(d, JOB, kind, ok)
+
+
+def _event_at_of(d: dict[str, Any], job: str, kind: str, ok: Callable[[dict[str, Any]], bool] = lambda x: True
+                 ) -> float | None:
+    rows = [r for r in _ctl(d, "events", job, "--json") if r["kind"] == kind]
+    data = [(r["at"], r["data"] if isinstance(r["data"], dict) else json.loads(r["data"])) for r in rows]
+    return next((at for at, x in reversed(data) if ok(x)), None)
+
+
+def _joined_after_start_s(d: dict[str, Any], member: dict[str, Any]) -> float:
+    """Member start (its GROWN allocation event) to its agent joined (node-registered), daemon clock."""
+    started = _event_at(d, "allocation", lambda x: x["kind"] == "grown" and x["slurm_job_id"] == member["slurm_job_id"])
+    joined = _event_at(d, "node-registered", lambda x: x["node"] == member["node"])
+    assert started is not None and joined is not None, (started, joined)
+    return float(joined) - float(started)
+
+
+def test_live_job_grows_by_itself_survives_node_down_and_member_scancel(lab: SlurmLab, nereusd: dict[str, Any],
+                                                                       tmp_path: Path) -> None:
     d = nereusd
     t0 = time.monotonic()
     folder = tmp_path / "submitit"
     events_path = folder / "driver-events.jsonl"
     job_file = tmp_path / "live.toml"
-    job_file.write_text((ROOT / "etc" / "jobs" / "live.toml").read_text().replace("steps = 20", "steps = 400"))
+    # a run long enough for the story, with enough prompts per step that 4 GPUs are predicted faster than 2
+    job_file.write_text((ROOT / "etc" / "jobs" / "live.toml").read_text().replace("steps = 20", "steps = 5000")
+                        .replace("prompts_per_step = 8", "prompts_per_step = 32"))
     driver_args = f"--events {events_path} --checkpoint-every 4 --checkpoint-dir {tmp_path / 'ckpt'} --heal-after-s 15"
-    submit = subprocess.run(
+    submit = subprocess.run(  # no --cpu-slots: the agents count the GPUs Slurm grants (fake ones, from GRES)
         [sys.executable, str(ROOT / "etc" / "submit_elastic.py"), JOB, "--job-file", str(job_file),
-         "--endpoint", d["endpoints"]["control"], "--folder", str(folder), "--keys", str(tmp_path / "agent"),
-         "--partition", lab.partition, "--exclusive", "--agent-args", "--cpu-slots 2 --log-format json",
-         "--driver-args", driver_args, "--ctl-keys", str(tmp_path / "admin"), "--ctl-args",
-         f"--state-dir {d['state']}"], capture_output=True, text=True, timeout=120, env=lab.env, cwd=ROOT)
+         "--folder", str(folder), "--keys", str(tmp_path / "agent"), "--partition", lab.partition,
+         "--agent-args", "--log-format json", "--driver-args", driver_args, "--ctl-keys", str(tmp_path / "admin"),
+         "--state-dir", str(d["state"])], capture_output=True, text=True, timeout=120, env=lab.env, cwd=ROOT)
     assert submit.returncode == 0, f"submit_elastic.py exited {submit.returncode}: {submit.stderr}"
     record = json.loads(submit.stdout)
     assert record["extra"]["job_file"] == str(job_file) and record["max_gpus"] == 4
@@ -194,49 +219,114 @@ def test_live_job_grows_by_member_survives_node_down_and_releases_member(lab: Sl
         # the anchor starts: its agent runs the driver, the initial placement is done, steps run
         first, placed = ev.wait("transition-done", "the initial placement on the anchor's workers")
         anchor_workers = set(placed["workers"])
-        assert anchor_workers and not placed["lost"]
+        assert len(anchor_workers) == 2 and not placed["lost"]  # gpu:2 granted: two workers
         published = json.loads((folder / f"driver-{JOB}.json").read_text())
         assert published["anchor_job_id"] == record["anchor_job_id"], published
-        at = ev.steps_after(first, 2, "steps on the anchor")
+        at = ev.steps_after(first, 1, "a step on the anchor")
+        first_step_s = time.monotonic() - t0
 
-        # growth: a member job starts, its agent finds the driver and joins; the state extends onto it
-        assert "request queued" in _ctl(d, "alloc", JOB, "--grow", "1")
-        i, grew = ev.wait("transition-done", "a live Extend onto the member's workers", since=at,
-                          ok=lambda e: bool(set(e["workers"]) - anchor_workers) and e["bytes_sent"] > 0)
+        # growth by the daemon itself (no alloc --grow): a member job starts, joins, the state extends
+        try:
+            i, grew = ev.wait("transition-done", "a live Extend onto a member the daemon grew by itself", since=at,
+                              ok=lambda e: bool(set(e["workers"]) - anchor_workers) and e["bytes_sent"] > 0)
+        except TimeoutError as exc:
+            growth = [(r["kind"], r["data"]) for r in _ctl(d, "events", JOB, "--json") if r["kind"].startswith("growth")]
+            raise TimeoutError(f"{exc}; the growth policy said: {growth[-3:]}") from None
         member_workers = set(grew["workers"]) - anchor_workers
         member = wait_for(lambda: _grown(d), 30, "the member in the daemon's events", 0.5)[0]  # type: ignore[index]
+        assert _event_at(d, "growth-requested", lambda x: x["gpus_after"] == 4) is not None
         assert member["node"] != lab.job_field(record["anchor_job_id"], "BatchHost")
+        joined_s = _joined_after_start_s(d, member)
+        over = subprocess.run([str(BIN / "nereusctl"), "alloc", JOB, "--grow", "1", "--state-dir", str(d["state"]),
+                               "--keys", str(tmp_path / "admin")], capture_output=True, text=True, timeout=60)
+        assert over.returncode == 2 and "max_gpus=4" in over.stderr, over  # past the maximum: refused
         at = ev.steps_after(i, 2, "steps on anchor and member")
         assert set(ev.seen[at]["workers"]) == set(grew["workers"])
 
         # Slurm takes the member's node (DOWN): the job goes on from the replicas left on the anchor
         down_decisions = len(_decisions(d))
+        down_at = time.monotonic()
         lab.run("scontrol", "update", f"NodeName={member['node']}", "State=DOWN", "Reason=live-down")
         i, recovered = ev.wait("transition-done", "a recovery transition after the node DOWN", since=at,
                                ok=lambda e: bool(e["lost"]) and not set(e["workers"]) & member_workers,
                                stuck=lambda: _refused(d, down_decisions))
+        recovered_s = time.monotonic() - down_at
         assert set(recovered["lost"]) == member_workers and recovered["restored_from"] is None, recovered
         at = ev.steps_after(i, 2, "steps after the recovery")
 
-        # a second member joins (another node), then is released: its state leaves first, then Slurm
-        # cancels it (the daemon's scancel), and the job goes on without it
-        _ctl(d, "alloc", JOB, "--grow", "1")
-        i, regrew = ev.wait("transition-done", "a live Extend onto the second member's workers", since=at,
+        # the daemon grows the job again by itself, on another node (the DOWN one stays down)
+        i, regrew = ev.wait("transition-done", "a live Extend onto the second member the daemon grew", since=at,
                             ok=lambda e: bool(set(e["workers"]) - anchor_workers) and e["bytes_sent"] > 0)
         second_workers = set(regrew["workers"]) - anchor_workers
         second = wait_for(lambda: _grown(d)[1:], 30, "the second member in the daemon's events", 0.5)[0]  # type: ignore[index]
-        assert second["node"] != member["node"]
+        assert second["node"] not in (member["node"], lab.job_field(record["anchor_job_id"], "BatchHost"))
         at = ev.steps_after(i, 1, "a step on anchor and second member")
-        _ctl(d, "alloc", JOB, "--shrink", second["node"])
-        i, drained = ev.wait("transition-done", "a transition moving the state off the second member", since=at,
-                             ok=lambda e: not set(e["workers"]) & second_workers)
-        assert not drained["lost"], drained  # graceful: nothing was lost
-        wait_for(lambda: lab.job_field(second["slurm_job_id"], "JobState") in ("CANCELLED", "COMPLETED", None), 60,
-                 "the second member's Slurm job to be cancelled", 0.5)
-        ev.steps_after(i, 2, "steps after the second member's release")
+
+        # the user cancels the second member (scancel: SIGTERM, then SIGKILL after KillWait): its node
+        # leaves the job at once from Slurm's state (no heartbeat time-out), and the job goes on
+        lab.run("scancel", second["slurm_job_id"])
+        i, left = ev.wait("transition-done", "a transition without the cancelled member's workers", since=at,
+                          ok=lambda e: not set(e["workers"]) & second_workers)
+        gone = wait_for(lambda: _event_at(d, "allocation", lambda x: x["slurm_job_id"] == second["slurm_job_id"]
+                                          and x["kind"] == "cancelled"), 60, "the member's cancel in events", 0.5)
+        lost_by_heartbeat = _event_at(d, "node-lost", lambda x: x["node"] == second["node"])
+        assert gone is not None and lost_by_heartbeat is None, "the cancelled member went by heartbeat time-out"
+        ev.steps_after(i, 2, "steps after the member's scancel")
         assert d["proc"].poll() is None  # the daemon kept serving throughout
-        print(f"live on Slurm: {time.monotonic() - t0:.0f} s; extend {grew['bytes_sent']} B; recovery after DOWN "
-              f"{recovered['bytes_sent']} B; drain {drained['bytes_sent']} B")
+        how = "drained" if not left["lost"] else f"restored from {left['restored_from'] or 'replicas'}"
+        print(f"live on Slurm: {time.monotonic() - t0:.0f} s; submission to first step {first_step_s:.1f} s; member "
+              f"start to joined {joined_s:.1f} s; node DOWN to recovered {recovered_s:.1f} s; extend "
+              f"{grew['bytes_sent']} B; recovery {recovered['bytes_sent']} B; scancel: {how}")
+    finally:
+        lab.cancel_all()
+        _kill_leftovers(str(tmp_path))
+
+
+def _readme_submit_command() -> str:
+    lines = [x.strip() for x in (ROOT / "README.md").read_text().splitlines() if "etc/submit_elastic.py" in x]
+    commands = [x for x in lines if x.startswith("python3 etc/submit_elastic.py")]
+    assert len(commands) == 1, f"the README's Slurm section shows one submit command: {lines}"
+    return commands[0]
+
+
+def test_readme_submit_command_verbatim_from_a_clean_environment(lab: SlurmLab, nereusd: dict[str, Any],
+                                                                 tmp_path: Path) -> None:
+    """The README's submit command, as written, under the system python with nothing set but HOME, PATH,
+    the cluster's SLURM_CONF and the daemon's state dir: keys and endpoints from the documented defaults;
+    the job trains, on the GPUs Slurm granted (fake ones: no NVML, counted from GRES)."""
+    d = nereusd
+    home = tmp_path / "home"
+    keys = KeyStore(d["state"] / "keys")
+    keys.create_client(name="readme-admin", user="root", role="admin", out_dir=home / ".config" / "nereus" / "admin")
+    keys.create_client(name="readme-agent", user="root", role="agent", out_dir=home / ".config" / "nereus" / "agent")
+    env = {"HOME": str(home), "PATH": "/usr/bin:/bin", "SLURM_CONF": lab.env["SLURM_CONF"],
+           "NEREUS_STATE_DIR": str(d["state"])}
+    if not (ROOT / ".venv" / "bin" / "python").exists():  # a worktree without its own venv: name the project's
+        env["NEREUS_PYTHON"] = sys.executable
+    t0 = time.monotonic()
+    submit = subprocess.run(["/bin/sh", "-c", _readme_submit_command()], capture_output=True, text=True, timeout=120,
+                            env=env, cwd=ROOT)
+    assert submit.returncode == 0, f"the README's command exited {submit.returncode}: {submit.stderr}"
+    record = json.loads(submit.stdout)
+    try:
+        plan = wait_for(lambda: (p := _ctl(d, "job-plan", "live", "--json"))["measured_step_s"] and p, WAIT_S,
+                        "the README job's first step measured by the daemon", 1.0)
+        first_step_s = time.monotonic() - t0
+        job = next(j for j in _ctl(d, "jobs", "--json") if j["job"] == "live")
+        granted = lab.job_field(record["anchor_job_id"], "TresPerNode")
+        assert granted == "gres:gpu:2" and job["gpus"] == 2, (granted, job)  # what Slurm granted, not CPU slots
+        devices = _ctl(d, "job", "live", "--json")["nodes"][0]["devices"]
+        assert [x["kind"] for x in devices] == ["gpu", "gpu"], devices
+        assert plan["measured_at_step"] is not None
+        # the user cancels the job: it ends, and a grow of the ended job is refused (exit 2, an event)
+        lab.run("scancel", record["anchor_job_id"])
+        wait_for(lambda: next(j for j in _ctl(d, "jobs", "--json") if j["job"] == "live")["state"] == "cancelled", 60,
+                 "the cancelled job's end in the daemon", 0.5)
+        grow = subprocess.run([str(BIN / "nereusctl"), "alloc", "live", "--grow", "1", "--state-dir", str(d["state"]),
+                               "--keys", str(tmp_path / "admin")], capture_output=True, text=True, timeout=60)
+        assert grow.returncode == 2 and "cancelled" in grow.stderr, grow
+        assert _event_at_of(d, "live", "alloc-refused") is not None
+        print(f"README submit: submission to first step {first_step_s:.1f} s")
     finally:
         lab.cancel_all()
         _kill_leftovers(str(tmp_path))

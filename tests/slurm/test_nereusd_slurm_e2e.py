@@ -1,7 +1,8 @@
 """End to end on the real cluster: nereusd (Slurm source) tracks an elastic job submitted with
 nereusd.launch; the anchor's agent joins; `nereusctl alloc --grow` submits a member whose agent joins;
 `--shrink` releases it; a node DOWN under the anchor is noticed; the store records each change and
-nereusctl shows it."""
+nereusctl shows it; an anchor requeued by Slurm is followed as the same job, which goes on on its member
+while the requeued anchor's agent joins again."""
 
 from __future__ import annotations
 
@@ -146,4 +147,21 @@ def test_nereusd_tracks_elastic_job_through_grow_shrink_and_node_down(lab: Slurm
     table = _ctl(d, "alloc", "e2e")
     order = [table.find(word) for word in ("granted", "grown", "shrunk", "node_down")]
     assert all(i >= 0 for i in order) and order == sorted(order), table
+
+    # Slurm requeues the anchor (by hand here; a node failure or a preemption does the same, and Slurm
+    # restamps its submit time): not ended as a reused id, the job goes on on its member, and the
+    # requeued anchor's agent joins again
+    _ctl(d, "alloc", "e2e", "--grow", "1")
+    third = wait_for(lambda: [a for a in _allocs(d) if a["source"] == "grown"][2:], 40, "third growth", 0.5)[0]  # type: ignore[index]
+    third_node = third["nodes"][0] if isinstance(third["nodes"], list) else json.loads(third["nodes"])[0]
+    wait_for(lambda: third_node in _joined(d) and _alive(d) == 2, 40, "the third member's agent to join", 0.5)
+    registered = len(_events(d, "node-registered"))
+    lab.run("scontrol", "requeue", job.anchor_job_id)
+    wait_for(lambda: len([a for a in _allocs(d) if a["source"] == "granted"]) == 2, 90,
+             "the requeued anchor granted again", 0.5)
+    wait_for(lambda: len(_events(d, "node-registered")) > registered and _alive(d) == 2, 60,
+             "the requeued anchor's agent to join again", 0.5)
+    assert next(j["state"] for j in _ctl(d, "jobs", "--json") if j["job"] == "e2e") == "running"
+    requeued = [a for a in _allocs(d) if a["source"] == "node_down"][-1]
+    assert "requeued" in requeued["reason"], requeued
     assert d["proc"].poll() is None  # the daemon kept serving throughout

@@ -131,9 +131,37 @@ def test_failing_and_hanging_squeue_back_off_and_recover(lab: SlurmLab, tmp_path
     assert poller.refresh() is False and poller.consecutive_failures == 7
 
     _stand_in(tmp_path, f'exec {real_squeue} "$@"')
+    cmds.timeout_s = 20.0  # the real squeue again: 0.5 s (for the hang above) is too short on a loaded machine
     now[0] += 8.0
     assert poller.refresh() is True
     assert poller.consecutive_failures == 0 and poller.info(job).mapping.phase is Phase.RUNNING  # type: ignore[union-attr]
     assert not poller.due()  # back to the normal interval
     now[0] += 1.0
     assert poller.due()
+
+
+def test_a_requeued_job_is_the_same_job(lab: SlurmLab) -> None:
+    """Slurm restamps a requeued job's submit time: under the same id, name and comment it is followed
+    on (PENDING, then RUNNING again), not reported VANISHED as a reused id."""
+    job = lab.sbatch("-N", "1", "-J", "nereus-rq-anchor", "--comment", "nereus:rq", "--requeue")
+    poller = SlurmPoller(SlurmCommands(timeout_s=10, env=lab.env), interval_s=0.2)
+    poller.watch(job, comment="nereus:rq")
+    _running(poller, job)
+    first = poller.info(job).submit_time_s  # type: ignore[union-attr]
+    lab.run("scontrol", "requeue", job)
+
+    def requeued() -> bool:
+        poller.refresh(force=True)
+        info = poller.info(job)
+        assert info is not None and not info.terminal, info
+        return info.submit_time_s > first
+
+    wait_for(requeued, 30, "the requeued job's new submit time", 0.2)
+    _running(poller, job)  # and it runs again, the same watch
+    assert not poller.info(job).terminal  # type: ignore[union-attr]
+    # the same comment with an EARLIER submit time is not a requeue: another job under a reused id
+    older = SlurmPoller(SlurmCommands(timeout_s=10, env=lab.env))
+    older.watch(job, comment="nereus:rq", submitted_at_s=poller.info(job).submit_time_s + 3600)  # type: ignore[union-attr]
+    older.refresh(force=True)
+    older.refresh(force=True)
+    assert older.info(job).terminal and "reused" in older.info(job).reason  # type: ignore[union-attr]
