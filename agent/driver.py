@@ -102,6 +102,7 @@ class DriverConfig:
     # after every step and transition, hash every logical tensor of the stateful model-stages (weights,
     # AdamW moments, counters) assembled from all workers' shards, and check that a transition kept them
     verify: bool = False
+    metrics_dir: Path | None = None  # metrics.jsonl and TensorBoard files (agent.metrics); None: none
 
 
 @dataclass(slots=True)
@@ -127,6 +128,11 @@ class JobDriver:
         self.checkpoint: _Checkpoint | None = None
         self.snapshots: dict[int, dict[str, str]] = {}  # verify: steps done -> logical digests then
         self._workload_seen: float | None = None  # mtime of the workload file last applied
+        self.metrics: Any = None
+        if dc.metrics_dir is not None:
+            from agent.metrics import MetricsLog
+
+            self.metrics = MetricsLog(dc.metrics_dir)
 
     # --- reporting ----------------------------------------------------------------------------------
     def event(self, kind: str, **data: Any) -> None:
@@ -136,14 +142,22 @@ class JobDriver:
                 f.write(json.dumps({"event": kind, "t": time.time(), **data}, default=str) + "\n")
 
     def _measure(self, results: dict[int, Any]) -> None:
+        from agent.metrics import rl_metrics, step_record
+
         r0 = results[min(results)]
         stages: dict[str, float] = {}
         for r in results.values():
             for name, s in r.stage_seconds.items():
                 stages[name] = max(stages.get(name, 0.0), float(s))
+        latency = max(float(r.seconds) for r in results.values())
+        record = step_record(step=self.step, plan_version=self.version, pool_gpus=len(set(self.ids.values())),
+                             workers=sorted(results), seconds=latency, stage_seconds=stages,
+                             stats=[r.stats for r in results.values()])
+        if self.metrics is not None:
+            self.metrics.write(record)
         msg = protocol.Measurement(
             job_id=self.job_id, node=self.node, step=self.step, plan_version=self.version,
-            step_latency_s=max(float(r.seconds) for r in results.values()),
+            step_latency_s=latency, rl=rl_metrics(record),
             stage_times_s={k: v for k, v in stages.items() if k != "weight-sync"},
             peak_memory_bytes={f"worker{w}": int(r.peak_memory_bytes) for w, r in results.items()},
             response_tokens=float(r0.mean_response_tokens))
@@ -471,6 +485,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint-dir", help="DCP checkpoints (default: a folder under the temp dir)")
     p.add_argument("--checkpoint-every", type=int, default=5, help="steps between checkpoints (0: never)")
     p.add_argument("--events", type=Path, help="append one JSON line per step/transition here")
+    p.add_argument("--metrics-dir", type=Path, help="metrics.jsonl and TensorBoard files (default: runs/JOB-STAMP)")
     p.add_argument("--response-schedule", default="", help="STEP:TOKENS,... max_new_tokens from STEP on")
     p.add_argument("--workload-file", type=Path, help='JSON {"max_new_tokens": N}, read at each safe point')
     p.add_argument("--heal-after-s", type=float, default=20.0)
@@ -504,7 +519,8 @@ def main(argv: list[str] | None = None) -> int:
     ckpt = args.checkpoint_dir or str(Path(os.environ.get("TMPDIR", "/tmp")) / f"nereus-ckpt-{job_id}-{os.getpid()}")
     dc = DriverConfig(steps=args.steps or steps, checkpoint_url=ckpt, checkpoint_every=args.checkpoint_every,
                       events_path=args.events, response_schedule=_schedule(args.response_schedule),
-                      heal_after_s=args.heal_after_s, verify=args.verify, workload_path=args.workload_file)
+                      heal_after_s=args.heal_after_s, verify=args.verify, workload_path=args.workload_file,
+                      metrics_dir=args.metrics_dir or Path("runs") / f"{job_id}-{time.strftime('%Y%m%d-%H%M%S')}")
     driver = JobDriver(cfg, hub, link, dc, job_id=job_id, node=env.get("NEREUS_NODE", "local"))
     try:
         return driver.run()
@@ -515,6 +531,8 @@ def main(argv: list[str] | None = None) -> int:
         raise
     finally:
         hub.close(stop_workers=True)
+        if driver.metrics is not None:
+            driver.metrics.close()
         if link is not None:
             link.close()
 

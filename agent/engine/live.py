@@ -46,6 +46,7 @@ from torch.distributed.tensor import DTensor
 
 from agent.engine.loop import RLLoop, RunConfig, role_model
 from agent.engine.parallel import StageEngine
+from agent.engine.step_stats import StepStats
 from agent.engine.sync import PARAMS, SYNC_TIMEOUT_S, TRAINING_STATE, SyncReport, plan_placement
 from planner.errors import SpecError
 from planner.hardware import ClusterSpec
@@ -238,6 +239,7 @@ class LiveStep:
     rollout_sha256: str  # of the step's rollout tokens (int64 bytes): reproducibility checks
     optimizer_steps: int  # after the step
     sync_sent_bytes: int  # this worker's share of the weight sync, bytes sent point-to-point
+    stats: StepStats | None = None  # reward/length statistics and this worker's loss tallies
 
 
 def torn(ctx: Any) -> bool:
@@ -486,7 +488,7 @@ def train_step(ctx: Any, *, step: int) -> LiveStep:
                     critic_loss=res.critic_loss, seconds=res.seconds, stage_seconds=dict(res.stage_seconds),
                     peak_memory_bytes=peak, rollout_sha256=hashlib.sha256(
                         res.tokens.to(torch.int64).contiguous().numpy().tobytes()).hexdigest(),
-                    optimizer_steps=loop.optimizer_steps, sync_sent_bytes=res.sync_sent_bytes)
+                    optimizer_steps=loop.optimizer_steps, sync_sent_bytes=res.sync_sent_bytes, stats=res.stats)
 
 
 def state_digest(ctx: Any) -> dict[str, str]:

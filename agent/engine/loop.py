@@ -40,6 +40,7 @@ from agent.engine.ppo import PPOConfig, ppo_advantages
 from agent.engine.remax import ReMaxConfig, remax_advantages
 from agent.engine.rewards import RewardConfig, RewardError, RewardFn
 from agent.engine.rollout import Rollout, SamplingParams, generate
+from agent.engine.step_stats import StepStats, rollout_stats
 from agent.engine.sync import SyncReport, move_training_state, transfer
 from agent.engine.tasks import ByteTokenizer, Problem, SortDigits, Task, accuracy, problems_for_step
 from agent.engine.tokenizer import HFTokenizer, encode_prompt
@@ -188,6 +189,7 @@ class StepResult:
     sync_sent_bytes: int = 0
     sync_predicted_s: float = 0.0
     sync_measured_s: float = 0.0
+    stats: StepStats | None = None  # reward/length statistics, and this rank's loss tallies
 
 
 class RLLoop:
@@ -428,15 +430,17 @@ class RLLoop:
                 losses.append(self.engines["actor-train"].train_step(roll.tokens[r], roll.attention_mask[r],
                                                                      target, actor_loss)["loss"])
             tally.attention_mask = roll.attention_mask
+        critic_fn = None
         if c.algo == "ppo":
             closs = []
+            critic_fn = CriticLoss(clip=c.ppo.value_clip)
             with timer.stage(step, sp("critic-train")) as tally:
                 for k in range(n_mb):
                     r = slice(k * rows_per_mb, (k + 1) * rows_per_mb)
                     weight = mask[r] / mask[r].sum().clamp(min=1)
                     target = pack(values[r], returns[r], weight)
                     closs.append(self.engines["critic-train"].train_step(
-                        roll.tokens[r], roll.attention_mask[r], target, CriticLoss(clip=c.ppo.value_clip))["loss"])
+                        roll.tokens[r], roll.attention_mask[r], target, critic_fn)["loss"])
                 tally.attention_mask = roll.attention_mask
             critic_loss = sum(closs) / n_mb
         self.optimizer_steps += n_mb
@@ -457,7 +461,9 @@ class RLLoop:
                           prompts_consumed=(step + 1) * c.prompts_per_step if self.prompts is not None else 0,
                           sync_sent_bytes=sync.bytes_sent if sync else 0,
                           sync_predicted_s=sync.predicted_s if sync else 0.0,
-                          sync_measured_s=sync.measured_s if sync else 0.0)
+                          sync_measured_s=sync.measured_s if sync else 0.0,
+                          stats=rollout_stats(scores, mask, actor=actor_loss.stats.as_dict(),
+                                              critic=critic_fn.stats.as_dict() if critic_fn else None))
 
     def _before_training(self) -> None:
         """Called once per step between the rollout/inference phase and the first optimizer update
