@@ -13,7 +13,8 @@ AdamW moments) onto new plans between steps. Scores come from a reward function
 directory gives the model, weights and tokenizer (``agent.engine.jobfile``), and the actor is
 exported as one every ``export.every_steps`` steps (``agent.engine.hf_io``).
 
-Run locally: ``python -m agent.engine.loop --algo grpo --steps 5`` (one process), or on local gloo
+Run locally: ``python -m agent.engine.loop --algo grpo --steps 5`` (one process; a progress line per
+step on stderr, ``--json`` for the rows at the end), or on local gloo
 ranks with every model-stage on one layout: ``python -m agent.engine.loop --world 2 --tp 2``; a job
 file with the user's prompts, reward and model: ``python -m agent.engine.loop --job etc/jobs/grpo.toml``.
 """
@@ -473,11 +474,17 @@ class RLLoop:
         return self.timer.of_step(step)
 
 
-def _run_rank(rank: int, world: int, cfg: RunConfig, layout: Layout, steps: int) -> list[dict[str, object]]:
+def _run_rank(rank: int, world: int, cfg: RunConfig, layout: Layout, steps: int,
+              show: bool = True) -> list[dict[str, object]]:
+    from agent.engine.progress import Progress
+
     loop = RLLoop(cfg, uniform_plan(cfg, layout, tuple(range(world))), rank=rank)
     out: list[dict[str, object]] = []
+    progress = Progress(steps) if show and rank == 0 else None
     for s in range(steps):
         r = loop.step(s)
+        if progress is not None:
+            progress.update(s, r)
         acc = None if r.mean_accuracy != r.mean_accuracy else round(r.mean_accuracy, 4)  # NaN: no task
         out.append({"step": s, "mean_score": round(r.mean_score, 4), "accuracy": acc,
                     "reward_errors": len(r.reward_errors),
@@ -497,6 +504,7 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=1, help="local gloo ranks; replicas fill them (DP)")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--json", action="store_true", help="print one JSON row per step at the end (stdout)")
     args = ap.parse_args()
     cfg, steps = RunConfig(algo=args.algo, seed=args.seed), 5
     if args.job:
@@ -510,8 +518,9 @@ def main() -> None:
         rows = _run_rank(0, 1, cfg, layout, steps)
     else:
         rows = run_local(_run_rank, args.world, cfg, layout, steps, timeout_s=3600)[0]
-    for row in rows:
-        print(json.dumps(row))
+    if args.json:
+        for row in rows:
+            print(json.dumps(row))
 
 
 if __name__ == "__main__":
