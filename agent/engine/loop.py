@@ -211,6 +211,9 @@ class RLLoop:
         if cfg.reward_model is None:
             self.reward = RewardFn(cfg.reward or RewardConfig(function="agent.engine.tasks:rule_scores"))
         self._reward_errors: list[tuple[int, str]] = []
+        # prompts consumed so far (agent.engine.data.DataPosition; the live engine keeps it in the unit
+        # counters, so a transition or restore reads on exactly there); None: derived from the step
+        self.data_position: int | None = None
         self.timer = StageTimer(rank=rank, profile_ops=cfg.profile_ops)
         self.optimizer_steps = 0
         self.engines = {ms.name: self._build(ms.name, plan.stage(ms.name)) for ms in cfg.workflow.model_stages}
@@ -343,11 +346,14 @@ class RLLoop:
             dist.broadcast(scores, 0)
         return scores.float()
 
+    def _data_start(self, step: int) -> int:
+        return self.data_position if self.data_position is not None else step * self.cfg.prompts_per_step
+
     def _problems(self, step: int) -> list[Problem]:
         c = self.cfg
         if self.prompts is None:
             return problems_for_step(c.task, c.seed, step, c.prompts_per_step)
-        return self.prompts.batch(step, c.prompts_per_step)
+        return self.prompts.rows(self._data_start(step), c.prompts_per_step)
 
     def _encode(self, step: int, base: list[Problem]) -> list[list[int]]:
         c, out = self.cfg, []
@@ -356,7 +362,7 @@ class RLLoop:
             if len(ids) > c.prompt_tokens:
                 where = f"prompt {i} of step {step}"
                 if self.prompts is not None:
-                    row = self.prompts.source_rows[self.prompts.indices(step * c.prompts_per_step, len(base))[i]]
+                    row = self.prompts.source_rows[self.prompts.indices(self._data_start(step), len(base))[i]]
                     where = f"{self.prompts.cfg.path}, row {row}"
                 raise SpecError("max_prompt_tokens", f"{where} has {len(ids)} tokens > {c.prompt_tokens}")
             out.append(ids)
@@ -384,6 +390,7 @@ class RLLoop:
     def step(self, step: int) -> StepResult:
         c, t0 = self.cfg, time.perf_counter()
         timer, sp = self.timer, self.plan.stage
+        consumed = self._data_start(step) + c.prompts_per_step
         base = self._problems(step)
         problems = [pr for pr in base for _ in range(c.samples_per_prompt)]  # GRPO groups are consecutive
         prompts = [ids for ids in self._encode(step, base) for _ in range(c.samples_per_prompt)]
@@ -455,11 +462,13 @@ class RLLoop:
         if self.prompts is None and isinstance(self.tok, ByteTokenizer):
             acc = sum(accuracy(pr, r, self.tok) for pr, r in zip(problems, roll.responses())) / len(problems)
         self._export(step)
+        if self.data_position is not None:
+            self.data_position = consumed
         return StepResult(step=step, mean_score=float(scores.mean()), mean_accuracy=acc,
                           mean_response_tokens=float(mask.sum(1).mean()), actor_loss=sum(losses) / n_mb,
                           critic_loss=critic_loss, seconds=time.perf_counter() - t0, stage_seconds=stage_seconds,
                           tokens=roll.tokens, reward_errors=tuple(self._reward_errors),
-                          prompts_consumed=(step + 1) * c.prompts_per_step if self.prompts is not None else 0,
+                          prompts_consumed=consumed if self.prompts is not None else 0,
                           sync_sent_bytes=sync.bytes_sent if sync else 0,
                           sync_predicted_s=sync.predicted_s if sync else 0.0,
                           sync_measured_s=sync.measured_s if sync else 0.0,
