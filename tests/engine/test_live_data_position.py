@@ -15,7 +15,16 @@ import pytest
 from agent.coordinator import LocalCoordinator
 from agent.engine.data import DataConfig, PromptDataset
 from agent.engine.grpo import GRPOConfig
-from agent.engine.live import DATA_POSITION, RL_STEPS, bind, live_cluster, live_dag, live_units, release, train_step
+from agent.engine.live import (
+    DATA_POSITION,
+    RL_STEPS,
+    bind,
+    live_cluster,
+    live_dag,
+    live_units,
+    release,
+    train_step,
+)
 from agent.engine.loop import RunConfig, uniform_plan
 from agent.engine.rewards import RewardConfig
 from agent.engine.tasks import SortDigits, problems_for_step
