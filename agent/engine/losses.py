@@ -131,7 +131,8 @@ class ActorLoss:
         with torch.no_grad():
             ratio = torch.exp(logp - old_logp)
             clipped = ((ratio > 1 + self.clip) & (adv > 0)) | ((ratio < 1 - self.clip) & (adv < 0))
-            entropy = -(logp_all.exp() * logp_all).sum(-1)
+            lp = logp_all.detach()
+            entropy = lp.exp().mul_(lp).sum(-1).neg_()  # one [B, T, V] temporary
             self.stats.add(weight, clipped=clipped.float(), entropy=entropy, kl=kl.detach())
         return loss
 
