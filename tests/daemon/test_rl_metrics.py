@@ -119,3 +119,15 @@ def test_transitions_are_marked_between_the_steps_around_their_end() -> None:
     marks = transition_steps(rows, [{"state": "done", "updated_at": 15.0}, {"state": "failed", "updated_at": 31.0},
                                     {"state": "ordered", "updated_at": 12.0}, {"state": "done", "updated_at": 99.0}])
     assert marks == [(1.5, "done"), (3.5, "failed"), (4.5, "done")]
+
+
+def test_plot_without_matplotlib_is_one_line_naming_the_extra(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import sys
+
+    from nereusd.plot import PlotError, plot_job
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    with pytest.raises(PlotError) as exc:
+        plot_job("j", [{"step": 0, "at": 0.0, "step_latency_s": 1.0}], [], tmp_path / "x.png")
+    assert "nereus[sim]" in str(exc.value) and "\n" not in str(exc.value)
+    assert not (tmp_path / "x.png").exists()
