@@ -93,13 +93,34 @@ def bench_record(repeats: int) -> dict[str, Any]:
 
 
 def bench_step(repeats: int) -> dict[str, Any]:
+    """The tiny-byte GRPO step with the tallies and with the plain loss, interleaved (two loops)."""
+    import agent.engine.loop as loop_mod
     from agent.engine.loop import RLLoop, RunConfig, uniform_plan
     from planner.plan import Layout
 
     cfg = RunConfig(algo="grpo", prompts_per_step=8, train_mini_batches_per_step=2)
-    loop = RLLoop(cfg, uniform_plan(cfg, Layout(1, 1), (0,)))
-    times = [loop.step(s).seconds for s in range(max(3, repeats // 3))]
-    return {"tiny_byte_grpo_step_ms": round(statistics.median(times[1:]) * 1e3, 1)}
+    tallied, plain = (RLLoop(cfg, uniform_plan(cfg, Layout(1, 1), (0,))) for _ in range(2))
+    t_tallied, t_plain = [], []
+    for s in range(repeats):
+        t_tallied.append(tallied.step(s).seconds)
+        real, loop_mod.ActorLoss = loop_mod.ActorLoss, _PlainWithStats  # type: ignore[misc,assignment]
+        try:
+            t_plain.append(plain.step(s).seconds)
+        finally:
+            loop_mod.ActorLoss = real  # type: ignore[misc]
+    a, b = statistics.median(t_tallied[1:]), statistics.median(t_plain[1:])
+    return {"tiny_byte_grpo_step_ms": {"tallied": round(a * 1e3, 1), "plain": round(b * 1e3, 1),
+                                       "ratio": round(a / b, 3)}}
+
+
+class _PlainWithStats(PlainActorLoss):
+    """The plain loss where the loop expects ``stats`` (never added to)."""
+
+    def __init__(self, *, clip: float, kl_coef: float, temperature: float = 1.0) -> None:
+        from agent.engine.losses import ACTOR_STATS, LossStats
+
+        super().__init__(clip, kl_coef)
+        self.stats = LossStats(ACTOR_STATS)
 
 
 def main() -> None:
