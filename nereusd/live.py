@@ -347,6 +347,9 @@ def print_summary(report: dict[str, Any], out: Path) -> None:
             print(f"  decision {d['id']} ({d['trigger']}): {d['rule']}: {d['reason']}")
     print(f"\nplan now: v{report['plan']['plan_version']}: {_plan_text(report['plan']['stages'])}")
     print(f"report: {out / 'report.json'}" + (f", plot: {out / 'report.png'}" if (out / "report.png").exists() else ""))
+    if (out / "metrics" / "metrics.jsonl").exists():
+        print(f"per-step metrics: {out / 'metrics' / 'metrics.jsonl'}  (tensorboard --logdir {out / 'metrics' / 'tb'})"
+              + (f"; the daemon's view: {out / 'job.png'}" if (out / "job.png").exists() else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
