@@ -22,7 +22,11 @@ generations' rendezvous store and commands them:
    (the dead workers' units are lost). Where the last copy of some state is gone, the state comes
    back from the latest DCP checkpoint (every ``--checkpoint-every`` steps) and the steps after it are
    run again. A worker that its agent restarted in place (the pool is unchanged, so no order comes)
-   receives its state by an Extend of the current plan onto it after ``--heal-after-s``.
+   receives its state by an Extend of the current plan onto it after ``--heal-after-s``
+   (``agent.driver_recovery``).
+5. Each step's RL figures (reward, KL, entropy, lengths, clip fractions, tokens/s, pool) go to
+   ``--metrics-dir`` as metrics.jsonl and TensorBoard files, and with the Measurement to the daemon
+   (``agent.metrics``).
 
 Every wait is bounded (``--assign-timeout-s``, ``--order-wait-s``); a step or transition that
 fails is reported, never left hanging. ``--events FILE`` writes one JSON line per step, transition
@@ -42,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.coordinator import WorkerDied
+from agent.driver_recovery import Recovery, _Checkpoint
 from agent.hub import HubCoordinator
 from nereusd.wire import protocol
 from nereusd.wire.logs import configure_logging, get_logger
@@ -102,15 +107,10 @@ class DriverConfig:
     # after every step and transition, hash every logical tensor of the stateful model-stages (weights,
     # AdamW moments, counters) assembled from all workers' shards, and check that a transition kept them
     verify: bool = False
+    metrics_dir: Path | None = None  # metrics.jsonl and TensorBoard files (agent.metrics); None: none
 
 
-@dataclass(slots=True)
-class _Checkpoint:
-    tag: str
-    step: int  # steps done when it was saved: the loop resumes here
-
-
-class JobDriver:
+class JobDriver(Recovery):
     def __init__(self, cfg: Any, hub: HubCoordinator, link: Any, dc: DriverConfig, *, job_id: str,
                  node: str) -> None:
         self.cfg, self.hub, self.link, self.dc = cfg, hub, link, dc
@@ -127,6 +127,11 @@ class JobDriver:
         self.checkpoint: _Checkpoint | None = None
         self.snapshots: dict[int, dict[str, str]] = {}  # verify: steps done -> logical digests then
         self._workload_seen: float | None = None  # mtime of the workload file last applied
+        self.metrics: Any = None
+        if dc.metrics_dir is not None:
+            from agent.metrics import MetricsLog
+
+            self.metrics = MetricsLog(dc.metrics_dir)
 
     # --- reporting ----------------------------------------------------------------------------------
     def event(self, kind: str, **data: Any) -> None:
@@ -136,14 +141,22 @@ class JobDriver:
                 f.write(json.dumps({"event": kind, "t": time.time(), **data}, default=str) + "\n")
 
     def _measure(self, results: dict[int, Any]) -> None:
+        from agent.metrics import rl_metrics, step_record
+
         r0 = results[min(results)]
         stages: dict[str, float] = {}
         for r in results.values():
             for name, s in r.stage_seconds.items():
                 stages[name] = max(stages.get(name, 0.0), float(s))
+        latency = max(float(r.seconds) for r in results.values())
+        record = step_record(step=self.step, plan_version=self.version, pool_gpus=len(set(self.ids.values())),
+                             workers=sorted(results), seconds=latency, stage_seconds=stages,
+                             stats=[r.stats for r in results.values()])
+        if self.metrics is not None:
+            self.metrics.write(record)
         msg = protocol.Measurement(
             job_id=self.job_id, node=self.node, step=self.step, plan_version=self.version,
-            step_latency_s=max(float(r.seconds) for r in results.values()),
+            step_latency_s=latency, rl=rl_metrics(record),
             stage_times_s={k: v for k, v in stages.items() if k != "weight-sync"},
             peak_memory_bytes={f"worker{w}": int(r.peak_memory_bytes) for w, r in results.items()},
             response_tokens=float(r0.mean_response_tokens))
@@ -278,27 +291,6 @@ class JobDriver:
         differ = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))
         return {"equal": not differ, "tensors": len(got), "differ": differ[:8]}
 
-    def _restore(self, new: GlobalPlan, why: str, live_units: Any) -> None:
-        if self.checkpoint is None:
-            raise WorkerDied(f"the last copy of some state is gone ({why}) and no checkpoint exists yet")
-        self.hub.load_checkpoint(self.dc.checkpoint_url, self.checkpoint.tag, live_units(self.cfg, new),
-                                 workers=sorted(new.gpus))
-        self.event("restored", tag=self.checkpoint.tag, step=self.checkpoint.step, reason=why)
-        self.step = self.checkpoint.step
-
-    def _after_failure(self) -> None:
-        """Survivors leave the broken generation (their units stay); the plan waits for a replan."""
-        self.broken = True
-        members = self.hub.spec.members if self.hub.spec is not None else ()
-        self.dead |= {w for w in members if self.hub.is_dead(w)}
-        self.hub.forget(self.dead)
-        survivors = [w for w in members if w not in self.dead]
-        if survivors:
-            try:
-                self.hub.form_generation(survivors)
-            except WorkerDied as exc:
-                self.log.warning("survivor-generation-failed", error=str(exc))
-
     def _cfg_now(self) -> Any:
         lengths = [t for s, t in sorted(self.dc.response_schedule.items()) if s <= self.step]
         return dataclasses.replace(self.cfg, max_new_tokens=lengths[-1]) if lengths else self.cfg
@@ -384,72 +376,6 @@ class JobDriver:
         self.event("done", steps=self.step, plan_version=self.version)
         return 0
 
-    def _check_torn(self) -> None:
-        """After a failed step: did the survivors begin the step's optimizer updates? Then what they
-        hold is part of a step, and the next plan is loaded from the checkpoint instead of moved."""
-        from agent.engine.live import torn
-
-        assert self.plan is not None
-        alive = [w for w in sorted(self.plan.gpus) if w in self.hub.alive]
-        try:
-            answers = self.hub.call(torn, workers=alive, timeout_s=60.0)
-        except WorkerDied:
-            answers = {0: True}  # cannot tell: assume the worst
-        if any(answers.values()):
-            self.torn = True
-            self.event("torn", step=self.step, workers=sorted(w for w, t in answers.items() if t))
-
-    def _rebind(self) -> None:
-        """Bind the current plan again on its workers after a failure that killed nobody; where a failed
-        DAG had already destroyed some of the plan's units, they come back from the checkpoint."""
-        from agent.engine.live import bind, live_units
-
-        assert self.plan is not None
-        workers = sorted(self.plan.gpus)
-        try:
-            self.hub.form_generation(workers)
-            try:
-                if self.torn:
-                    raise WorkerDied("units: a step failed after its optimizer updates began (torn state)")
-                self.hub.call(bind, workers=workers, timeout_s=self.dc.step_timeout_s, collective=True, cfg=self._cfg_now(),
-                              plan=self.plan)
-            except WorkerDied as exc:
-                if "units" not in str(exc):
-                    raise
-                self.hub.form_generation(workers)
-                self._restore(self.plan, "units of the running plan were destroyed by a failed DAG", live_units)
-                self.hub.call(bind, workers=workers, timeout_s=self.dc.step_timeout_s, collective=True, cfg=self._cfg_now(),
-                              plan=self.plan)
-        except (WorkerDied, NereusError) as exc:
-            self.event("rebind-failed", error=str(exc)[:2000])
-            self._after_failure()
-            return
-        self.broken = self.torn = False
-        self.event("rebound", plan_version=self.version, workers=workers, step=self.step)
-
-    def _restarted_in_place(self) -> bool:
-        """Every dead worker of the plan has a live process on its device again (its agent restarted it)."""
-        self.hub.pump(0.0)
-        by_id = {w: k for k, w in self.ids.items()}
-        for w in self.dead:
-            peer = self.hub.peers.get(by_id.get(w, ("", -1)))
-            if peer is None or peer.worker_id is not None or self.hub._stale(peer):
-                return False
-        return bool(self.dead)
-
-    def _checkpoint(self) -> None:
-        assert self.plan is not None
-        tag = f"step{self.step:06d}"
-        try:
-            t0 = time.perf_counter()
-            self.hub.save_checkpoint(self.dc.checkpoint_url, tag, workers=sorted(self.plan.gpus))
-        except WorkerDied as exc:
-            self.event("checkpoint-failed", tag=tag, error=str(exc)[:2000])
-            self._after_failure()
-            return
-        self.checkpoint = _Checkpoint(tag=tag, step=self.step)
-        self.event("checkpoint", tag=tag, step=self.step, seconds=time.perf_counter() - t0)
-
 
 def _schedule(text: str) -> dict[int, int]:
     out: dict[int, int] = {}
@@ -471,6 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint-dir", help="DCP checkpoints (default: a folder under the temp dir)")
     p.add_argument("--checkpoint-every", type=int, default=5, help="steps between checkpoints (0: never)")
     p.add_argument("--events", type=Path, help="append one JSON line per step/transition here")
+    p.add_argument("--metrics-dir", type=Path, help="metrics.jsonl and TensorBoard files (default: runs/JOB-STAMP)")
     p.add_argument("--response-schedule", default="", help="STEP:TOKENS,... max_new_tokens from STEP on")
     p.add_argument("--workload-file", type=Path, help='JSON {"max_new_tokens": N}, read at each safe point')
     p.add_argument("--heal-after-s", type=float, default=20.0)
@@ -504,7 +431,8 @@ def main(argv: list[str] | None = None) -> int:
     ckpt = args.checkpoint_dir or str(Path(os.environ.get("TMPDIR", "/tmp")) / f"nereus-ckpt-{job_id}-{os.getpid()}")
     dc = DriverConfig(steps=args.steps or steps, checkpoint_url=ckpt, checkpoint_every=args.checkpoint_every,
                       events_path=args.events, response_schedule=_schedule(args.response_schedule),
-                      heal_after_s=args.heal_after_s, verify=args.verify, workload_path=args.workload_file)
+                      heal_after_s=args.heal_after_s, verify=args.verify, workload_path=args.workload_file,
+                      metrics_dir=args.metrics_dir or Path("runs") / f"{job_id}-{time.strftime('%Y%m%d-%H%M%S')}")
     driver = JobDriver(cfg, hub, link, dc, job_id=job_id, node=env.get("NEREUS_NODE", "local"))
     try:
         return driver.run()
@@ -515,6 +443,8 @@ def main(argv: list[str] | None = None) -> int:
         raise
     finally:
         hub.close(stop_workers=True)
+        if driver.metrics is not None:
+            driver.metrics.close()
         if link is not None:
             link.close()
 

@@ -73,7 +73,7 @@ class AdminOps:
             "status": self.status, "jobs": self.jobs, "job": self.job, "job-add": self.job_add,
             "job-plan": self.job_plan, "decisions": self.decisions, "transitions": self.transitions,
             "transition": self.transition, "explain": self.explain, "alloc": self.alloc, "keys": self.keys,
-            "events": self.events,
+            "events": self.events, "measurements": self.measurements,
         }
 
     def handle(self, op: str, args: Any) -> Any:
@@ -215,3 +215,10 @@ class AdminOps:
 
     def events(self, args: Any) -> list[dict[str, Any]]:
         return self.d.store.events(args.job, limit=args.limit)
+
+    def measurements(self, args: protocol.MeasurementsArgs) -> list[dict[str, Any]]:
+        """The job's latest step measurements, oldest first (what ``nereusctl plot`` draws)."""
+        j = self._job(args)
+        keep = ("step", "at", "node", "plan_version", "step_latency_s", "predicted_step_s", "stage_times",
+                "response_tokens", "rl")
+        return [{k: m.get(k) for k in keep} for m in self.d.store.measurements(j["job_id"], limit=args.limit)]

@@ -275,6 +275,21 @@ def _events(args: argparse.Namespace) -> int:
                  lambda d: table(d, ["id", "at", "job_id", "kind", "data"]) if d else "no events")
 
 
+def _plot(args: argparse.Namespace) -> int:
+    from nereusd.plot import PlotError, plot_job
+
+    measurements = ask(args, "measurements", job=args.job, limit=args.limit)
+    transitions = ask(args, "transitions", job=args.job)
+    try:
+        plot_job(args.job, measurements, transitions, Path(args.out))
+    except PlotError as exc:
+        raise _Fail(EXIT_USAGE, str(exc)) from None
+    except OSError as exc:
+        raise _Fail(EXIT_USAGE, f"cannot write {args.out}: {exc.strerror or exc}") from None
+    print(f"{args.out}: {len(measurements)} measurements, {len(transitions)} transitions")
+    return EXIT_OK
+
+
 def _run(fn):
     def handler(args: argparse.Namespace) -> int:
         try:
@@ -338,3 +353,7 @@ def add_parsers(sub: Any) -> None:
                    "starts the job's agents with (default <state_dir>/keys/agent-USER)")
     p.add_argument("--slurm-job-id")
     add("events", _events, "the daemon's event log").add_argument("job", nargs="?")
+    p = add("plot", _plot, "a job's run as a PNG: step time measured vs predicted, transitions, pool, length, reward")
+    p.add_argument("job")
+    p.add_argument("--out", required=True, metavar="FILE.png", help="the picture to write")
+    p.add_argument("--limit", type=int, default=5000, help="the latest steps to draw (1-100000)")

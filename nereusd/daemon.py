@@ -758,6 +758,9 @@ class Daemon:
             return self._on_leaving(ctl, msg)
         if isinstance(msg, protocol.Measurement):
             ctl.on_measurement(msg)
+            self.metrics.observe_step(msg)
+            if msg.rl is not None:
+                self.store.attach_rl(msg.job_id, msg.step, msg.rl.model_dump())
             return protocol.Ack(ref="measurement", seq=msg.step)
         ctl.on_transition_report(msg)
         return protocol.Ack(ref="transition-report", seq=msg.transition_id)

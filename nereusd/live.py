@@ -15,7 +15,9 @@ loaded machine plays the same story):
 
 It shows a line per step (reward, step time, plan, pool, transitions in flight) and ends with a
 summary: reward curve, per-step time, each transition (trigger, dL, L_tran predicted vs measured,
-bytes, verdict), written as report.json and report.png under the output folder. Watch it with
+bytes, verdict), written as report.json and report.png under the output folder, beside the
+driver's metrics (metrics/metrics.jsonl, metrics/tb/ for TensorBoard), the daemon's /metrics text
+(metrics.prom) and ``nereusctl plot``'s picture (job.png). Watch it with
 nereusctl while it runs (the command is printed at start).
 """
 
@@ -97,6 +99,7 @@ class LiveRun:
         py = sys.executable
         driver = (f"{py} -m agent.driver --events {self.events_path} --checkpoint-every 4 "
                   f"--checkpoint-dir {self.out / 'checkpoints'} --workload-file {self.out / 'workload.json'}"
+                  f" --metrics-dir {self.out / 'metrics'}"
                   f" --steps {10 * self.steps + 1000} --heal-after-s 15" + (" --verify" if self.verify else ""))
         (self.out / "nereusd.toml").write_text(f"""# written by python -m nereusd.live
 [daemon]
@@ -109,7 +112,7 @@ admin_port = 0
 heartbeat_interval_s = 0.5
 heartbeat_timeout_s = {self.heartbeat_timeout_s}
 [metrics]
-enabled = false
+port = 0
 [slurm]
 enabled = false
 [planner]
@@ -215,6 +218,21 @@ driver_cmd = "{driver}"
         return f"SIGKILL of node {node} ({len(agents)} agent process group)"
 
     # --- watching -----------------------------------------------------------------------------------
+    def keep_records(self) -> None:
+        """What the daemon exported and recorded, as a user would see it: its /metrics text
+        (metrics.prom) and ``nereusctl plot``'s picture of the job (job.png)."""
+        import urllib.request
+
+        from nereusd.plot import PlotError, plot_job
+
+        try:
+            url = self.admin("status")["endpoints"]["metrics"]
+            (self.out / "metrics.prom").write_bytes(urllib.request.urlopen(url, timeout=30).read())
+            plot_job(JOB, self.admin("measurements", job=JOB), self.admin("transitions", job=JOB),
+                     self.out / "job.png")
+        except (OSError, RuntimeError, KeyError, PlotError) as exc:
+            print(f"could not keep the daemon's records: {exc}", flush=True)
+
     def read_events(self) -> list[dict[str, Any]]:
         if not self.events_path.exists():
             return []
@@ -329,6 +347,9 @@ def print_summary(report: dict[str, Any], out: Path) -> None:
             print(f"  decision {d['id']} ({d['trigger']}): {d['rule']}: {d['reason']}")
     print(f"\nplan now: v{report['plan']['plan_version']}: {_plan_text(report['plan']['stages'])}")
     print(f"report: {out / 'report.json'}" + (f", plot: {out / 'report.png'}" if (out / "report.png").exists() else ""))
+    if (out / "metrics" / "metrics.jsonl").exists():
+        print(f"per-step metrics: {out / 'metrics' / 'metrics.jsonl'}  (tensorboard --logdir {out / 'metrics' / 'tb'})"
+              + (f"; the daemon's view: {out / 'job.png'}" if (out / "job.png").exists() else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -391,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.5)  # the display's refresh period: the events file is polled, nothing waits on it
         if not finished:
             print(f"gave up after {args.timeout_s:g} s (see {out}/nereusd.log and the driver events)")
+        run.keep_records()
         report = summarise(run, acts, time.monotonic() - run.t0)
         (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
         plot(report, out / "report.png")

@@ -1,7 +1,9 @@
 """Prometheus metrics of the daemon (prometheus-client), on a registry of its own.
 
 Jobs by state, GPUs held per job, step latency measured vs predicted, transitions and their cost,
-decision time, agents connected and rejected control messages. Served on ``metrics.port``
+decision time, agents connected and rejected control messages; and per job the RL figures of its
+latest step (reward, KL, entropy, response length, clip fractions, tokens/s, stage times, plan version,
+pool: ``nereus_rl_*``) from the driver's Measurement. Served on ``metrics.port``
 (0: a free port) at /metrics.
 """
 
@@ -14,6 +16,20 @@ from prometheus_client.exposition import generate_latest
 
 _LATENCY_BUCKETS = (0.01, 0.1, 0.5, 1, 5, 10, 30, 60, 120, 300, 600, 1800)
 _DECISION_BUCKETS = (1e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+
+# protocol.RLMetrics field -> help; each is the gauge nereus_rl_<field>{job}; a None field leaves it as it was
+RL_GAUGES = {
+    "reward_mean": "Mean reward of a job's latest step",
+    "reward_std": "Standard deviation of the rewards of a job's latest step",
+    "kl_ref": "KL to the reference (k3, per token) of a job's latest step",
+    "entropy": "Policy entropy (nats per token) of a job's latest step",
+    "clip_fraction": "Fraction of response tokens whose policy ratio was clipped, latest step",
+    "value_clip_fraction": "Fraction of response tokens whose value was clipped (PPO), latest step",
+    "tokens_per_s": "Generated tokens per second of a job's latest step",
+    "pool_gpus": "GPUs in the job driver's pool at its latest step",
+}
+RESPONSE_STATS = {"mean": "response_len_mean", "p95": "response_len_p95", "max": "response_len_max"}
 
 
 class Metrics:
@@ -39,8 +55,34 @@ class Metrics:
                                 ["code"], registry=r)
         self.messages = Counter("nereus_control_messages", "Control messages accepted, by type", ["type"],
                                 registry=r)
+        # the job's RL figures per step (the driver's Measurement.rl, agent.metrics)
+        self.rl_step = Gauge("nereus_rl_step", "RL steps done by a job (its latest measured step + 1)", ["job"],
+                             registry=r)
+        self.plan_version = Gauge("nereus_rl_plan_version", "Plan version of a job's latest step", ["job"],
+                                  registry=r)
+        self.stage_seconds = Gauge("nereus_rl_stage_seconds", "Latest per-model-stage time of a job's step",
+                                   ["job", "stage"], registry=r)
+        self.rl = {name: Gauge(f"nereus_rl_{name}", doc, ["job"], registry=r) for name, doc in RL_GAUGES.items()}
+        self.response_tokens = Gauge("nereus_rl_response_tokens", "Response length of a job's latest step "
+                                     "(generated tokens per sequence)", ["job", "stat"], registry=r)
         self.server: Any = None
         self.port: int | None = None
+
+    def observe_step(self, msg: Any) -> None:
+        """A job's step Measurement (protocol.Measurement): its stage times, plan version and RL figures."""
+        job = msg.job_id
+        self.rl_step.labels(job).set(msg.step + 1)
+        self.plan_version.labels(job).set(msg.plan_version)
+        for stage, s in msg.stage_times_s.items():
+            self.stage_seconds.labels(job, stage).set(s)
+        if msg.rl is None:
+            return
+        for name, gauge in self.rl.items():
+            value = getattr(msg.rl, name)
+            if value is not None:
+                gauge.labels(job).set(value)
+        for stat, name in RESPONSE_STATS.items():
+            self.response_tokens.labels(job, stat).set(getattr(msg.rl, name))
 
     def serve(self, host: str, port: int) -> int:
         server, _thread = start_http_server(port, addr=host, registry=self.registry)

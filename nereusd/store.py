@@ -111,10 +111,14 @@ _MIGRATIONS: tuple[str, ...] = (
     CREATE TABLE controller_state (
         job_id TEXT PRIMARY KEY REFERENCES jobs(job_id), snapshot TEXT NOT NULL, updated_at REAL NOT NULL);
     """,
+    # 4: a measurement's RL figures (reward, KL, entropy, lengths, clip fractions, tokens/s, pool)
+    """
+    ALTER TABLE measurements ADD COLUMN rl TEXT;
+    """,
 )
 SCHEMA_VERSION = len(_MIGRATIONS)
 _JSON_COLUMNS = frozenset({"spec", "snapshot", "devices", "nodes", "plan", "prediction", "inputs", "dag", "parts_pending",
-                           "stage_times", "peak_memory", "data"})
+                           "stage_times", "peak_memory", "data", "rl"})
 
 
 def _row(cur: sqlite3.Cursor, values: tuple[Any, ...]) -> dict[str, Any]:
@@ -339,6 +343,13 @@ class Store:
                             "predicted_step_s, stage_times, peak_memory, response_tokens) VALUES (?,?,?,?,?,?,?,?,?,?)",
                             (job_id, node, self._clock(), step, plan_version, step_latency_s, predicted_step_s,
                              json.dumps(stage_times), json.dumps(peak_memory), response_tokens))
+
+    def attach_rl(self, job_id: str, step: int, rl: dict[str, Any]) -> None:
+        """The RL figures of the job's latest measurement of ``step`` (the daemon adds them after the
+        controller stored the measurement)."""
+        with self._tx():
+            self.db.execute("UPDATE measurements SET rl=? WHERE id=(SELECT MAX(id) FROM measurements "
+                            "WHERE job_id=? AND step=?)", (json.dumps(rl), job_id, step))
 
     def measurements(self, job_id: str, limit: int = 100) -> list[dict[str, Any]]:
         rows = self._all("SELECT * FROM measurements WHERE job_id=? ORDER BY id DESC LIMIT ?", job_id, limit)

@@ -46,6 +46,7 @@ from torch.distributed.tensor import DTensor
 
 from agent.engine.loop import RLLoop, RunConfig, role_model
 from agent.engine.parallel import StageEngine
+from agent.engine.step_stats import StepStats
 from agent.engine.sync import PARAMS, SYNC_TIMEOUT_S, TRAINING_STATE, SyncReport, plan_placement
 from planner.errors import SpecError
 from planner.hardware import ClusterSpec
@@ -63,7 +64,10 @@ from transitions.node_steps import dag_messages
 from transitions.placement_dag import placement_cluster
 
 # unit counters (transitions.layout.COUNTERS): plan version, optimizer steps, RL steps done, spare
-VERSION, OPTIMIZER_STEPS, RL_STEPS = 0, 1, 2
+# the unit counters (transitions.layout.COUNTERS): plan version, AdamW steps, RL steps done, and the
+# data position (prompts consumed: agent.engine.data.DataPosition; steps x prompts per step for a
+# synthetic task, whose prompts derive from the step)
+VERSION, OPTIMIZER_STEPS, RL_STEPS, DATA_POSITION = 0, 1, 2, 3
 # which trainer's parameters refresh a generation/inference stage of a role
 TRAINER_OF = {Role.ACTOR: "actor-train", Role.CRITIC: "critic-train"}
 FROZEN_ROLES = (Role.REFERENCE, Role.REWARD)
@@ -238,6 +242,8 @@ class LiveStep:
     rollout_sha256: str  # of the step's rollout tokens (int64 bytes): reproducibility checks
     optimizer_steps: int  # after the step
     sync_sent_bytes: int  # this worker's share of the weight sync, bytes sent point-to-point
+    stats: StepStats | None = None  # reward/length statistics and this worker's loss tallies
+    data_position: int = 0  # prompts consumed after the step (the units' counter)
 
 
 def torn(ctx: Any) -> bool:
@@ -370,7 +376,7 @@ def bind(ctx: Any, *, cfg: RunConfig, plan: GlobalPlan) -> dict[str, Any]:
     initial weights are copied in once. A stage some members hold and others lack, or one with no
     unit of ``plan`` but units of another plan version, is refused (a SpecError): its state would
     silently restart from the initial weights. Units the plan no longer places here are dropped.
-    AdamW's step and the RL step position come from the counters; then the weight sync runs."""
+    AdamW's step, the RL step and the data position come from the counters; then the weight sync runs."""
     if ctx.device.type != "cpu":
         raise SpecError("device", f"the RL engine runs on CPU (gloo) here, the worker holds {ctx.device}", "cpu")
     if cfg.rollout_backend != "torch":
@@ -409,6 +415,9 @@ def bind(ctx: Any, *, cfg: RunConfig, plan: GlobalPlan) -> dict[str, Any]:
     training = [u for u in mine if u.state.stage_kind is StageKind.TRAINING]
     loop.optimizer_steps = _agreed("optimizer steps", ctx, [ctx.units[u.uid] for u in training], OPTIMIZER_STEPS)
     rl_steps = _agreed("RL steps", ctx, [ctx.units[u.uid] for u in mine], RL_STEPS)
+    position = _agreed("data position", ctx, [ctx.units[u.uid] for u in mine], DATA_POSITION)
+    # units written before the position was counted hold 0 there: their position is the steps' (no resize then)
+    loop.data_position = position if position or not rl_steps else rl_steps * cfg.prompts_per_step
     for eng in loop.engines.values():
         if eng.optimizer is not None and eng.is_member:
             eng.set_optimizer_steps(loop.optimizer_steps)
@@ -419,7 +428,8 @@ def bind(ctx: Any, *, cfg: RunConfig, plan: GlobalPlan) -> dict[str, Any]:
     ctx.engine = live
     return {"worker": ctx.worker_id, "rank": loop.rank, "generation": spec.generation, "version": plan.version,
             "units": sorted(live.bound), "fresh": fresh, "optimizer_steps": loop.optimizer_steps,
-            "rl_steps": live.rl_steps, "sync_sent_bytes": sync.bytes_sent if sync else 0,
+            "rl_steps": live.rl_steps, "data_position": loop.data_position,
+            "sync_sent_bytes": sync.bytes_sent if sync else 0,
             "seconds": time.perf_counter() - start}
 
 
@@ -440,6 +450,7 @@ def _write_counters(engine: LiveEngine) -> None:
         c[VERSION] = engine.plan.version
         c[OPTIMIZER_STEPS] = engine.loop.optimizer_steps if state.placement.kinds == TRAINING_STATE else 0
         c[RL_STEPS] = engine.rl_steps
+        c[DATA_POSITION] = engine.loop.data_position or 0
 
 
 def _check_bound(ctx: Any) -> LiveEngine:
@@ -486,7 +497,8 @@ def train_step(ctx: Any, *, step: int) -> LiveStep:
                     critic_loss=res.critic_loss, seconds=res.seconds, stage_seconds=dict(res.stage_seconds),
                     peak_memory_bytes=peak, rollout_sha256=hashlib.sha256(
                         res.tokens.to(torch.int64).contiguous().numpy().tobytes()).hexdigest(),
-                    optimizer_steps=loop.optimizer_steps, sync_sent_bytes=res.sync_sent_bytes)
+                    optimizer_steps=loop.optimizer_steps, sync_sent_bytes=res.sync_sent_bytes, stats=res.stats,
+                    data_position=loop.data_position or 0)
 
 
 def state_digest(ctx: Any) -> dict[str, str]:

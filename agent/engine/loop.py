@@ -13,15 +13,14 @@ AdamW moments) onto new plans between steps. Scores come from a reward function
 directory gives the model, weights and tokenizer (``agent.engine.jobfile``), and the actor is
 exported as one every ``export.every_steps`` steps (``agent.engine.hf_io``).
 
-Run locally: ``python -m agent.engine.loop --algo grpo --steps 5`` (one process), or on local gloo
+Run locally: ``python -m agent.engine.loop --algo grpo --steps 5`` (one process; a progress line per
+step on stderr, ``--json`` for the rows at the end), or on local gloo
 ranks with every model-stage on one layout: ``python -m agent.engine.loop --world 2 --tp 2``; a job
 file with the user's prompts, reward and model: ``python -m agent.engine.loop --job etc/jobs/grpo.toml``.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +39,7 @@ from agent.engine.ppo import PPOConfig, ppo_advantages
 from agent.engine.remax import ReMaxConfig, remax_advantages
 from agent.engine.rewards import RewardConfig, RewardError, RewardFn
 from agent.engine.rollout import Rollout, SamplingParams, generate
+from agent.engine.step_stats import StepStats, rollout_stats
 from agent.engine.sync import SyncReport, move_training_state, transfer
 from agent.engine.tasks import ByteTokenizer, Problem, SortDigits, Task, accuracy, problems_for_step
 from agent.engine.tokenizer import HFTokenizer, encode_prompt
@@ -188,6 +188,7 @@ class StepResult:
     sync_sent_bytes: int = 0
     sync_predicted_s: float = 0.0
     sync_measured_s: float = 0.0
+    stats: StepStats | None = None  # reward/length statistics, and this rank's loss tallies
 
 
 class RLLoop:
@@ -208,6 +209,9 @@ class RLLoop:
         if cfg.reward_model is None:
             self.reward = RewardFn(cfg.reward or RewardConfig(function="agent.engine.tasks:rule_scores"))
         self._reward_errors: list[tuple[int, str]] = []
+        # prompts consumed so far (agent.engine.data.DataPosition; the live engine keeps it in the unit
+        # counters, so a transition or restore reads on exactly there); None: derived from the step
+        self.data_position: int | None = None
         self.timer = StageTimer(rank=rank, profile_ops=cfg.profile_ops)
         self.optimizer_steps = 0
         self.engines = {ms.name: self._build(ms.name, plan.stage(ms.name)) for ms in cfg.workflow.model_stages}
@@ -340,11 +344,14 @@ class RLLoop:
             dist.broadcast(scores, 0)
         return scores.float()
 
+    def _data_start(self, step: int) -> int:
+        return self.data_position if self.data_position is not None else step * self.cfg.prompts_per_step
+
     def _problems(self, step: int) -> list[Problem]:
         c = self.cfg
         if self.prompts is None:
             return problems_for_step(c.task, c.seed, step, c.prompts_per_step)
-        return self.prompts.batch(step, c.prompts_per_step)
+        return self.prompts.rows(self._data_start(step), c.prompts_per_step)
 
     def _encode(self, step: int, base: list[Problem]) -> list[list[int]]:
         c, out = self.cfg, []
@@ -353,7 +360,7 @@ class RLLoop:
             if len(ids) > c.prompt_tokens:
                 where = f"prompt {i} of step {step}"
                 if self.prompts is not None:
-                    row = self.prompts.source_rows[self.prompts.indices(step * c.prompts_per_step, len(base))[i]]
+                    row = self.prompts.source_rows[self.prompts.indices(self._data_start(step), len(base))[i]]
                     where = f"{self.prompts.cfg.path}, row {row}"
                 raise SpecError("max_prompt_tokens", f"{where} has {len(ids)} tokens > {c.prompt_tokens}")
             out.append(ids)
@@ -381,6 +388,7 @@ class RLLoop:
     def step(self, step: int) -> StepResult:
         c, t0 = self.cfg, time.perf_counter()
         timer, sp = self.timer, self.plan.stage
+        consumed = self._data_start(step) + c.prompts_per_step
         base = self._problems(step)
         problems = [pr for pr in base for _ in range(c.samples_per_prompt)]  # GRPO groups are consecutive
         prompts = [ids for ids in self._encode(step, base) for _ in range(c.samples_per_prompt)]
@@ -428,15 +436,17 @@ class RLLoop:
                 losses.append(self.engines["actor-train"].train_step(roll.tokens[r], roll.attention_mask[r],
                                                                      target, actor_loss)["loss"])
             tally.attention_mask = roll.attention_mask
+        critic_fn = None
         if c.algo == "ppo":
             closs = []
+            critic_fn = CriticLoss(clip=c.ppo.value_clip)
             with timer.stage(step, sp("critic-train")) as tally:
                 for k in range(n_mb):
                     r = slice(k * rows_per_mb, (k + 1) * rows_per_mb)
                     weight = mask[r] / mask[r].sum().clamp(min=1)
                     target = pack(values[r], returns[r], weight)
                     closs.append(self.engines["critic-train"].train_step(
-                        roll.tokens[r], roll.attention_mask[r], target, CriticLoss(clip=c.ppo.value_clip))["loss"])
+                        roll.tokens[r], roll.attention_mask[r], target, critic_fn)["loss"])
                 tally.attention_mask = roll.attention_mask
             critic_loss = sum(closs) / n_mb
         self.optimizer_steps += n_mb
@@ -450,14 +460,18 @@ class RLLoop:
         if self.prompts is None and isinstance(self.tok, ByteTokenizer):
             acc = sum(accuracy(pr, r, self.tok) for pr, r in zip(problems, roll.responses())) / len(problems)
         self._export(step)
+        if self.data_position is not None:
+            self.data_position = consumed
         return StepResult(step=step, mean_score=float(scores.mean()), mean_accuracy=acc,
                           mean_response_tokens=float(mask.sum(1).mean()), actor_loss=sum(losses) / n_mb,
                           critic_loss=critic_loss, seconds=time.perf_counter() - t0, stage_seconds=stage_seconds,
                           tokens=roll.tokens, reward_errors=tuple(self._reward_errors),
-                          prompts_consumed=(step + 1) * c.prompts_per_step if self.prompts is not None else 0,
+                          prompts_consumed=consumed if self.prompts is not None else 0,
                           sync_sent_bytes=sync.bytes_sent if sync else 0,
                           sync_predicted_s=sync.predicted_s if sync else 0.0,
-                          sync_measured_s=sync.measured_s if sync else 0.0)
+                          sync_measured_s=sync.measured_s if sync else 0.0,
+                          stats=rollout_stats(scores, mask, actor=actor_loss.stats.as_dict(),
+                                              critic=critic_fn.stats.as_dict() if critic_fn else None))
 
     def _before_training(self) -> None:
         """Called once per step between the rollout/inference phase and the first optimizer update
@@ -467,45 +481,11 @@ class RLLoop:
         return self.timer.of_step(step)
 
 
-def _run_rank(rank: int, world: int, cfg: RunConfig, layout: Layout, steps: int) -> list[dict[str, object]]:
-    loop = RLLoop(cfg, uniform_plan(cfg, layout, tuple(range(world))), rank=rank)
-    out: list[dict[str, object]] = []
-    for s in range(steps):
-        r = loop.step(s)
-        acc = None if r.mean_accuracy != r.mean_accuracy else round(r.mean_accuracy, 4)  # NaN: no task
-        out.append({"step": s, "mean_score": round(r.mean_score, 4), "accuracy": acc,
-                    "reward_errors": len(r.reward_errors),
-                    "seconds": round(r.seconds, 3),
-                    "stage_seconds": {k: round(v, 4) for k, v in r.stage_seconds.items()}})
-    return out
-
-
 def main() -> None:
-    from agent.engine.launch import run_local
+    """``python -m agent.engine.loop``: the engine's CLI (agent.engine.loop_cli)."""
+    from agent.engine.loop_cli import main as cli_main
 
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--algo", default="grpo", choices=("ppo", "grpo", "remax"))
-    ap.add_argument("--job", help="a job file (etc/jobs/*.toml): model, prompts, reward, ...; --algo/--seed ignored")
-    ap.add_argument("--steps", type=int, default=None, help="RL steps (default: the job file's, else 5)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--world", type=int, default=1, help="local gloo ranks; replicas fill them (DP)")
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--pp", type=int, default=1)
-    args = ap.parse_args()
-    cfg, steps = RunConfig(algo=args.algo, seed=args.seed), 5
-    if args.job:
-        from agent.engine.jobfile import load_job
-
-        cfg, steps = load_job(args.job)
-    steps = args.steps or steps
-    torch.manual_seed(cfg.seed)
-    layout = Layout(args.tp, args.pp)
-    if args.world == 1 and layout.size == 1:
-        rows = _run_rank(0, 1, cfg, layout, steps)
-    else:
-        rows = run_local(_run_rank, args.world, cfg, layout, steps, timeout_s=3600)[0]
-    for row in rows:
-        print(json.dumps(row))
+    cli_main()
 
 
 if __name__ == "__main__":

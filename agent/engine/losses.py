@@ -85,25 +85,69 @@ def pack(*columns: torch.Tensor) -> torch.Tensor:
     return torch.stack([c.float() for c in columns], dim=-1)
 
 
+# what a loss tallies while it trains (``LossStats``): token-weighted sums over the calls of one step
+ACTOR_STATS = ("weight", "clipped", "entropy", "kl")
+CRITIC_STATS = ("weight", "clipped")
+
+
+class LossStats:
+    """Token-weighted sums a loss adds up over its micro-batches (no gradient, a few ops per call).
+
+    Each rank holds the sums of the rows it computed the loss on; since ``weight`` is normalised over
+    the whole mini-batch, the sums of every rank that computed a loss, divided by the summed weight,
+    give the step's token mean whatever the layout (TP ranks of a replica repeat the same sums, and
+    every replica has as many of them)."""
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        self.names = names
+        self.sums = torch.zeros(len(names), dtype=torch.float64)
+
+    def add(self, weight: torch.Tensor, **terms: torch.Tensor) -> None:
+        vals = [weight.sum()] + [(terms[n] * weight).sum() for n in self.names[1:]]
+        self.sums += torch.stack([v.double() for v in vals])
+
+    def as_dict(self) -> dict[str, float]:
+        return dict(zip(self.names, self.sums.tolist()))
+
+
 class ActorLoss:
-    """Clipped policy loss plus an optional k3 KL-to-reference term (GRPO), on packed targets."""
+    """Clipped policy loss plus an optional k3 KL-to-reference term (GRPO), on packed targets.
+
+    ``stats`` tallies, per token, whether the clip was active (the ratio outside ``1 +- clip`` on the
+    side the advantage pushes), the policy's entropy and its k3 KL to the reference."""
 
     def __init__(self, *, clip: float, kl_coef: float = 0.0, temperature: float = 1.0) -> None:
         self.clip, self.kl_coef, self.temperature = clip, kl_coef, temperature
+        self.stats = LossStats(ACTOR_STATS)
 
     def __call__(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         next_token, old_logp, adv, ref_logp, weight = target.unbind(-1)
-        logp = token_logprobs(logits, next_token.long(), self.temperature)
+        logp_all = torch.log_softmax(logits.float() / self.temperature, dim=-1)
+        logp = logp_all.gather(-1, next_token.long().unsqueeze(-1)).squeeze(-1)
         loss = policy_loss(logp, old_logp, adv, weight, self.clip)
+        kl = kl_k3(logp, ref_logp)
         if self.kl_coef:
-            loss = loss + self.kl_coef * (kl_k3(logp, ref_logp) * weight).sum()
+            loss = loss + self.kl_coef * (kl * weight).sum()
+        with torch.no_grad():
+            ratio = torch.exp(logp - old_logp)
+            clipped = ((ratio > 1 + self.clip) & (adv > 0)) | ((ratio < 1 - self.clip) & (adv < 0))
+            lp = logp_all.detach()
+            entropy = lp.exp().mul_(lp).sum(-1).neg_()  # one [B, T, V] temporary
+            self.stats.add(weight, clipped=clipped.float(), entropy=entropy, kl=kl.detach())
         return loss
 
 
 class CriticLoss:
+    """``stats`` tallies the tokens whose value the clip held back (the clipped error was the larger)."""
+
     def __init__(self, *, clip: float) -> None:
         self.clip = clip
+        self.stats = LossStats(CRITIC_STATS)
 
     def __call__(self, values: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         old_values, returns, weight = target.unbind(-1)
+        with torch.no_grad():
+            v = values.float()
+            clipped = ((old_values + (v - old_values).clamp(-self.clip, self.clip) - returns) ** 2 > (v - returns) ** 2)
+            self.stats.add(weight, clipped=clipped.float())
         return value_loss(values.float(), old_values, returns, weight, self.clip)

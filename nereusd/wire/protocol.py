@@ -124,6 +124,29 @@ class Heartbeat(_Msg):
     workers: tuple[WorkerState, ...] = Field(default=(), max_length=MAX_ITEMS)
 
 
+Real = Annotated[float, Strict(), Field(ge=-1e12, le=1e12, allow_inf_nan=False)]  # a reward: any sign
+Fraction = Annotated[float, Strict(), Field(ge=0, le=1, allow_inf_nan=False)]
+Nats = Annotated[float, Strict(), Field(ge=0, le=1e6, allow_inf_nan=False)]  # entropy, KL (per token)
+
+
+class RLMetrics(BaseModel):
+    """The RL figures of one step (agent.metrics): what the daemon exports as per-job gauges. A loss
+    that no rank computed (no critic in GRPO) is None."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    reward_mean: Real
+    reward_std: Annotated[float, Strict(), Field(ge=0, le=1e12, allow_inf_nan=False)]
+    kl_ref: Nats | None = None
+    entropy: Nats | None = None
+    clip_fraction: Fraction | None = None
+    value_clip_fraction: Fraction | None = None
+    response_len_mean: Tokens
+    response_len_p95: Tokens
+    response_len_max: Tokens
+    tokens_per_s: Annotated[float, Strict(), Field(ge=0, le=1e12, allow_inf_nan=False)]
+    pool_gpus: Annotated[int, Strict(), Field(ge=0, le=1 << 20)]
+
+
 class Measurement(_Msg):
     """What the job driver measured over one RL step (relayed by the agent of node 0)."""
 
@@ -136,6 +159,7 @@ class Measurement(_Msg):
     stage_times_s: dict[Key, Seconds] = Field(default_factory=dict, max_length=MAX_ITEMS)  # model-stage -> s
     peak_memory_bytes: dict[Key, Bytes] = Field(default_factory=dict, max_length=MAX_ITEMS)  # device -> bytes
     response_tokens: Tokens | None = None  # mean generated length this step
+    rl: RLMetrics | None = None  # reward, KL, entropy, lengths, clip fractions, throughput, pool
 
 
 class TransitionReport(_Msg):
@@ -239,6 +263,11 @@ class EventsArgs(_Args):
     limit: int = Field(default=200, ge=1, le=10_000, strict=True)
 
 
+class MeasurementsArgs(_Args):
+    job: Name
+    limit: int = Field(default=5000, ge=1, le=100_000, strict=True)  # the latest, oldest first
+
+
 MAX_NODES_PER_REQUEST = 1024
 
 
@@ -327,7 +356,7 @@ class JobAddArgs(_Args):
 ADMIN_ARGS: dict[str, type[_Args]] = {
     "status": NoArgs, "jobs": NoArgs, "keys": NoArgs, "job": JobArgs, "job-plan": JobArgs, "decisions": JobArgs,
     "transitions": JobArgs, "transition": IdArgs, "explain": IdArgs, "events": EventsArgs, "alloc": AllocArgs,
-    "job-add": JobAddArgs,
+    "job-add": JobAddArgs, "measurements": MeasurementsArgs,
 }
 
 

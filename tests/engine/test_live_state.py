@@ -249,10 +249,11 @@ def test_engine_state_is_views_of_the_unit_buffers(pool: LocalCoordinator) -> No
     for w in (0, 1):  # actor-train's workers
         changed = out[w]["changed"]
         assert changed["actor-train/param"] and changed["actor-train/exp_avg"] and changed["actor-train/exp_avg_sq"]
-        assert out[w]["counters"]["actor-train"] == [1, 1, 1, 0]  # version, optimizer steps, RL steps
+        # version, optimizer steps, RL steps, data position (prompts consumed)
+        assert out[w]["counters"]["actor-train"] == [1, 1, 1, cfg.prompts_per_step]
     for w in (1, 2):
         assert not out[w]["changed"]["ref-inf/param"]
-        assert out[w]["counters"]["ref-inf"] == [1, 0, 1, 0]
+        assert out[w]["counters"]["ref-inf"] == [1, 0, 1, cfg.prompts_per_step]
     assert out[3]["stages"] == ["actor-gen", "actor-train", "ref-inf", "weight-sync"]
     # a step that is not the units' data position, and a stage half held, are refused on every member
     with pytest.raises(Exception, match="RL step 1, asked for 0"):

@@ -12,7 +12,9 @@ and workers). It asserts, from the driver's events and the daemon's store:
   and the daemon holds it done with that time;
 - growth extended state onto the new node (bytes sent > 0), the drain and the preemption notice moved
   state off the leaving node before it went, the loss was recovered (replicas or the checkpoint);
-- reward improves over the run.
+- reward improves over the run;
+- the driver's per-step metrics (metrics.jsonl, TensorBoard files), the daemon's nereus_rl_* gauges on
+  /metrics and ``nereusctl plot``'s picture exist and say what the run did (pool sizes, plan versions).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     report = json.loads((out / "report.json").read_text())
     report["stdout"] = proc.stdout
     report["png"] = (out / "report.png").exists()
+    report["out"] = out
     return report
 
 
@@ -108,3 +111,44 @@ def test_reward_improves(run: dict) -> None:
     rewards = [s["reward"] for s in run["steps"]]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     assert last > first + 0.05, (first, last)
+
+
+def test_per_step_metrics_reach_jsonl_tensorboard_prometheus_and_the_plot(run: dict) -> None:
+    import math
+    import re
+
+    out = run["out"]
+    rows: dict[int, dict] = {}
+    for line in (out / "metrics" / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        rows[r["step"]] = r  # a step re-run after a restore: the last record is the step's
+    assert sorted(rows) == [s["step"] for s in run["steps"]]
+    for r in rows.values():
+        for k in ("reward_mean", "reward_std", "kl_ref", "entropy", "clip_fraction", "response_len_mean",
+                  "response_len_p95", "response_len_max", "tokens_per_s", "step_s"):
+            assert r[k] is not None and math.isfinite(r[k]), (k, r)
+        assert r["response_len_mean"] <= r["response_len_p95"] <= r["response_len_max"], r
+        assert r["entropy"] > 0 and r["kl_ref"] >= 0 and 0 <= r["clip_fraction"] <= 1
+        assert set(r["stage_s"]) >= {"actor-gen", "actor-train"}
+        assert r["value_clip_fraction"] is None  # GRPO: no critic
+    by_step = {s["step"]: s for s in run["steps"]}
+    assert all(rows[k]["reward_mean"] == pytest.approx(by_step[k]["reward"]) for k in rows)
+    assert {2, 4} <= {r["pool_gpus"] for r in rows.values()}  # the run grew and shrank
+    assert len({r["plan_version"] for r in rows.values()}) >= 4
+    before_jump = [rows[k]["response_len_max"] for k in rows if k < run["acts"][1]["at_step"]]
+    assert max(before_jump) <= 4  # 3 digits + EOS: the cap before the response-length jump
+    # the cost of writing a record (JSONL + TensorBoard) beside the step it records
+    cost = sorted(r["record_s"] for r in rows.values())[len(rows) // 2]
+    step_s = sorted(r["step_s"] for r in rows.values())[len(rows) // 2]
+    print(f"metrics record: median {cost * 1e3:.2f} ms per step, {100 * cost / step_s:.3f}% of the median step")
+    assert cost < 0.05 * step_s
+    assert list((out / "metrics" / "tb").glob("events.out.tfevents.*"))
+    prom = (out / "metrics.prom").read_text()
+    last = max(rows)
+    gauge = re.search(r'^nereus_rl_step\{job="live"\} (\S+)$', prom, re.M)
+    assert gauge and float(gauge.group(1)) == last + 1
+    for name in ("reward_mean", "kl_ref", "entropy", "clip_fraction", "tokens_per_s", "pool_gpus"):
+        assert re.search(rf'^nereus_rl_{name}\{{job="live"\}} ', prom, re.M), name
+    assert re.search(r'^nereus_step_latency_seconds\{job="live",kind="predicted"\} ', prom, re.M)
+    png = out / "job.png"
+    assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 20_000
