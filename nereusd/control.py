@@ -82,10 +82,15 @@ class _KeyAuthenticator(zmq.auth.thread.ThreadAuthenticator):
             return ""
 
 
-def start_authenticator(context: zmq.Context, keys: KeyStore, log: Any) -> _KeyAuthenticator:
+def start_authenticator(context: zmq.Context, keys: KeyStore, log: Any,
+                        domains: tuple[str, ...] = tuple(_DOMAIN_ROLE)) -> _KeyAuthenticator:
+    """The ZAP handler of ``context`` for ``domains``. ZAP is per context and serves one handshake at a
+    time, in a Python thread that waits for the GIL whenever the serve loop is busy (a few ms per
+    handshake): the daemon gives the admin socket a context, I/O thread and handler of its own, so a
+    storm of agent handshakes never queues a nereusctl connection behind it."""
     auth = _KeyAuthenticator(context, keys, log)
     auth.start()
-    for domain in _DOMAIN_ROLE:
+    for domain in domains:
         auth.configure_curve_callback(domain, credentials_provider=auth)
     return auth
 

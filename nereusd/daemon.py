@@ -263,6 +263,7 @@ class Daemon:
         self.started_at = time.time()
         self.started_monotonic = t0
         self.ctx: zmq.Context | None = None
+        self.admin_ctx: zmq.Context | None = None
         try:
             self._bind(settings)
         except BaseException:
@@ -283,9 +284,13 @@ class Daemon:
     def _bind(self, settings: Settings) -> None:
         ctl = settings.control
         fd_limit = raise_fd_limit()
+        # agents and admin each get a context: their own I/O thread (CURVE crypto) and ZAP handler, so
+        # nereusctl's handshake never waits behind a storm of agent handshakes (control.start_authenticator)
         self.ctx = zmq.Context()
+        self.admin_ctx = zmq.Context()
         self.ctx.set(zmq.MAX_SOCKETS, max(1024, fd_limit))
-        self.auth = start_authenticator(self.ctx, self.keys, self.log)
+        self.auth = start_authenticator(self.ctx, self.keys, self.log, (AGENT_DOMAIN,))
+        self.admin_auth = start_authenticator(self.admin_ctx, KeyStore(self.keys.root), self.log, (ADMIN_DOMAIN,))
         try:
             server_keys = self.keys.server_keys()
         except SpecError as exc:
@@ -296,7 +301,8 @@ class Daemon:
         hb_timeout = max(3 * hb, ctl.heartbeat_timeout_s)
         for name, port in (("agents", ctl.port), ("admin", ctl.admin_port)):
             try:
-                router = CurveRouter(self.ctx, domain=AGENT_DOMAIN if name == "agents" else ADMIN_DOMAIN,
+                router = CurveRouter(self.ctx if name == "agents" else self.admin_ctx,
+                                     domain=AGENT_DOMAIN if name == "agents" else ADMIN_DOMAIN,
                                      server_keys=server_keys, host=ctl.bind_host, port=port,
                                      max_message_bytes=ctl.max_message_bytes, log=self.log, heartbeat_s=hb,
                                      heartbeat_timeout_s=hb_timeout,
@@ -327,11 +333,13 @@ class Daemon:
             router = getattr(self, name, None)
             if router is not None:
                 router.close()
-        if getattr(self, "auth", None) is not None:
-            self.auth.stop()
-        if self.ctx is not None:
-            self.ctx.term()
-            self.ctx = None
+        for name in ("auth", "admin_auth"):
+            if getattr(self, name, None) is not None:
+                getattr(self, name).stop()
+        for name in ("ctx", "admin_ctx"):
+            if getattr(self, name, None) is not None:
+                getattr(self, name).term()
+                setattr(self, name, None)
         self.metrics.close()
 
     # --- start-up and shutdown ----------------------------------------------------------------------
@@ -574,8 +582,9 @@ class Daemon:
             self.log.warning("slow-handler", handler=fn.__name__, ms=round(took * 1e3, 1))
 
     def _tick(self) -> None:
-        if not self.auth.is_alive():  # deaf to every new connection: fail loudly, let systemd restart us
-            self.fatal = "the CURVE authenticator thread stopped: no new connection could be accepted"
+        dead = [n for n, a in (("agent", self.auth), ("admin", self.admin_auth)) if not a.is_alive()]
+        if dead:  # deaf to every new connection: fail loudly, let systemd restart us
+            self.fatal = f"the {dead[0]} CURVE authenticator thread stopped: no new connection could be accepted"
             self.log.error("authenticator-died")
             self.stopping.set()
             return
