@@ -59,6 +59,7 @@ from nereusd.control import (
     check_session,
     start_authenticator,
 )
+from nereusd.connections import ConnectionGuard
 from nereusd.controller import JobController, PlannerPort
 from nereusd.metrics import Metrics
 from nereusd.settings import Settings
@@ -313,6 +314,9 @@ class Daemon:
                                    f"check control.bind_host (an address of this host) and {key} (a free port)"
                                    ) from None
             setattr(self, name, router)
+        self.connections = ConnectionGuard(self.agents.sock, limit_of=self.connection_limit,
+                                           silent_s=ctl.silent_connection_s, log=self.log)
+        self.agents.admit = self.connections.admit
         self.endpoints = {"control": f"tcp://{ctl.bind_host}:{self.agents.port}",
                           "admin": f"tcp://{ctl.bind_host}:{self.admin.port}", "metrics": None}
         if settings.metrics.enabled:
@@ -329,6 +333,8 @@ class Daemon:
             raise StartupError(f"cannot write {self.state_dir / 'endpoints.json'}: {exc.strerror}") from None
 
     def _close_transport(self) -> None:
+        if getattr(self, "connections", None) is not None:
+            self.connections.close()
         for name in ("agents", "admin"):
             router = getattr(self, name, None)
             if router is not None:
@@ -395,7 +401,7 @@ class Daemon:
         return {"pid": os.getpid(), "uptime_s": round(time.monotonic() - self.started_monotonic, 3),
                 "started_at": self.started_at, "state_dir": str(self.state_dir), "endpoints": self.endpoints,
                 "allocation_source": self.source_name, "planner": self.planner_name,
-                "agents_connected": len(self.sessions)}
+                "agents_connected": len(self.sessions), "agent_connections": self.connections.counts()}
 
     def pool_gpus(self, job_id: str) -> int:
         ctl = self.controllers.get(job_id)
@@ -529,6 +535,7 @@ class Daemon:
         poller = zmq.Poller()
         poller.register(self.agents.sock, zmq.POLLIN)
         poller.register(self.admin.sock, zmq.POLLIN)
+        poller.register(self.connections.monitor, zmq.POLLIN)
         if self.worker is not None:
             self.worker.start()
         self.log.info("serving", startup_ms=round(self.startup_s * 1e3, 1), **self.endpoints)
@@ -554,6 +561,8 @@ class Daemon:
                     self._guarded(self._admin_message)
                     if not self.admin.sock.poll(0):
                         break
+            if self.connections.monitor in ready_socks:
+                self.connections.pump()
             if self.agents.sock in ready_socks:
                 until = time.monotonic() + AGENT_BATCH_S
                 while True:
@@ -612,6 +621,7 @@ class Daemon:
                         if row is not None:
                             self.node_state[key] = row["state"]
             self._take_refusals(self.worker)
+        self.connections.service()
         self._check_heartbeats()
         for job_id, ctl in list(self.controllers.items()):
             try:
@@ -792,6 +802,14 @@ class Daemon:
             per_node = max(1, int(elastic.get("gpus_per_node") or 1))
             return max(1, int(elastic.get("max_gpus") or 1) // per_node), "elastic.max_gpus / gpus_per_node"
         return self.settings.control.max_nodes_per_job, "control.max_nodes_per_job"
+
+    def connection_limit(self, user: str) -> tuple[int, str]:
+        """How many agent connections one key of ``user`` may hold, and where that bound comes from."""
+        jobs = [j for j in self.store.jobs(include_terminal=False) if j["user"] == user]
+        nodes = sum(self.node_limit(j)[0] for j in jobs)
+        spare = self.settings.control.spare_connections_per_key
+        return nodes + spare, (f"{nodes} for the nodes of user {user!r}'s {len(jobs)} live job(s) + "
+                               f"control.spare_connections_per_key = {spare}")
 
     def _register(self, identity: bytes, user: str, key: str, enc: protocol.Encoding,
                   msg: protocol.Register) -> Any:
