@@ -50,6 +50,7 @@ from nereusd.allocation import (
     EventKind,
     NodeAllocation,
 )
+from nereusd.connections import ConnectionGuard
 from nereusd.control import (
     ADMIN_DOMAIN,
     AGENT_DOMAIN,
@@ -59,7 +60,6 @@ from nereusd.control import (
     check_session,
     start_authenticator,
 )
-from nereusd.connections import ConnectionGuard
 from nereusd.controller import JobController, PlannerPort
 from nereusd.metrics import Metrics
 from nereusd.settings import Settings
