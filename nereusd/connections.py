@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import os
 import socket
+import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
 CUT_DELAY_S = 0.1  # a refused connection is closed this long after its reply was queued
 LIMIT_CACHE_S = 1.0  # a user's limit is recomputed (from the store) at most this often
@@ -81,10 +81,9 @@ class ConnectionGuard:
                 frames = self.monitor.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
                 return
-            ev = parse_monitor_message(frames)
-            fd = int(ev["value"])
+            event, fd = struct.unpack("=HI", frames[0][:6])  # ZMTP monitor frame: event id, value (the fd)
             self.conns.pop(fd, None)  # accepted or closed: whatever this fd was before is gone
-            if ev["event"] == zmq.EVENT_ACCEPTED:
+            if event == zmq.EVENT_ACCEPTED:
                 self.opened[fd] = (time.monotonic(), _peer(fd))
             else:
                 self.opened.pop(fd, None)

@@ -83,14 +83,22 @@ def test_a_key_past_its_connection_limit_is_refused_and_closed_and_others_are_un
     for c in extra:
         c.close()
         daemon.clients.remove(c)
-    second = daemon.client("alice", identity=b"agent-n2")
+    attempts: list[int] = []
 
-    def registered() -> bool:
-        reply = second.request(protocol.Register(job_id="j", node="n2", incarnation="t", devices=DEV),
-                               timeout_s=10)
+    def registered() -> bool:  # each try on a connection of its own: a refused one is closed by the daemon
+        attempts.append(1)
+        c = daemon.client("alice", identity=f"agent-n2-{len(attempts)}".encode())
+        try:
+            reply = c.request(protocol.Register(job_id="j", node="n2", incarnation="t", devices=DEV),
+                              timeout_s=10)
+        finally:
+            c.close()
+            daemon.clients.remove(c)
+        assert isinstance(reply, (protocol.Welcome, protocol.ErrorReply)), reply
         return isinstance(reply, protocol.Welcome)
 
-    wait_for(registered, 20, "a place freed by closed connections")
+    wait_for(registered, 30, "a place freed by closed connections")
+    assert {n["node"] for n in daemon.admin("job", job="j")["nodes"]} == {"n1", "n2"}
 
 
 def test_a_silent_connection_is_closed(daemon: DaemonHandle) -> None:

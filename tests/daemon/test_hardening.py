@@ -354,6 +354,12 @@ def test_a_vanished_empty_or_damaged_store_is_refused_in_one_line(daemon: Daemon
     _one_line_failure(_serve(daemon), 3, "cannot be opened", "nereusd.db")
     db.write_bytes(saved[: len(saved) // 2])  # truncated mid-file
     _one_line_failure(_serve(daemon), 3, "nereusd.db")
+    rotten = bytearray(saved)  # a sound file header; every page after the schema's: its header kept, the rest rot
+    page = int.from_bytes(rotten[16:18], "big")
+    for off in range(page, len(rotten), page):
+        rotten[off + 8:off + page] = b"\xa5" * (page - 8)
+    db.write_bytes(bytes(rotten))
+    _one_line_failure(_serve(daemon), 3, "nereusd.db", "--new-store")
     db.write_bytes(saved)
     daemon.start()
     assert [j["job"] for j in daemon.admin("jobs")] == ["j"]
