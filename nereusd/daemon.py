@@ -16,6 +16,11 @@ no plan uses it the daemon answers its agent ``Release`` and marks it released. 
 ordered transitions older than ``daemon.order_timeout_s``, and an agent that registers again is sent
 the orders it has not reported.
 
+Agents and nereusctl have a ZeroMQ context each (an I/O thread and a ZAP handler of their own), so a
+storm of agent handshakes never delays an admin connection; one agent key holds a bounded number of
+connections (``nereusd.connections``: its user's jobs' node limits plus control.spare_connections_per_key;
+silent ones are closed after control.silent_connection_s).
+
 Nothing from outside may stop the loop: a stored job that cannot be loaded or whose controller fails
 is marked damaged (``nereusctl jobs`` shows the reason) and the others are served; a message whose
 handler fails gets an ``internal`` error reply. Each pass serves the admin socket first and agents
