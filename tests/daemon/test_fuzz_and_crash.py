@@ -231,3 +231,71 @@ def test_a_read_only_state_dir_is_refused_in_one_line(daemon: DaemonHandle) -> N
             and "Read-only" in lines[0], proc.stderr[-1500:]
     finally:
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+ELASTIC = {"anchor_job_id": "local-x", "min_gpus": 2, "max_gpus": 4, "gpus_per_node": 2}
+ADMIN_GOOD: dict[str, dict[str, Any]] = {
+    "status": {}, "jobs": {}, "keys": {}, "job": {"job": "j"}, "job-plan": {"job": "j"}, "decisions": {"job": "j"},
+    "transitions": {"job": "j"}, "transition": {"id": 1}, "explain": {"id": 1}, "events": {"job": "j", "limit": 5},
+    "alloc": {"job": "j", "action": "show"},
+    "job-add": {"job": "new", "user": "alice", "spec": {"elastic": ELASTIC, "workload": {
+        "prompts_per_step": 8, "prompt_tokens": 32, "response_tokens": 64}}},
+}
+
+
+def _paths(args: dict[str, Any], prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """Every field of the arguments, nested ones too (spec.elastic.max_gpus), and one new key per level."""
+    out = [(*prefix, "surplus")]
+    for k, v in args.items():
+        out.append((*prefix, k))
+        if isinstance(v, dict):
+            out += _paths(v, (*prefix, k))
+    return out
+
+
+def _set(args: dict[str, Any], path: tuple[str, ...], value: Any) -> dict[str, Any]:
+    if len(path) == 1:
+        return {**args, path[0]: value}
+    return {**args, path[0]: _set(dict(args.get(path[0]) or {}), path[1:], value)}
+
+
+def test_fuzzed_admin_arguments_are_answered_and_store_only_valid_jobs(daemon: DaemonHandle) -> None:
+    daemon.config.write_text(daemon.config.read_text().replace("max_message_bytes = 4096",
+                                                               f"max_message_bytes = {1 << 20}"))
+    daemon.start()
+    daemon.admin("job-add", job="j", user="alice", spec={"elastic": {**ELASTIC, "anchor_job_id": "local-j"}})
+    admin = daemon.client("admin", "admin")
+    tally: dict[str, int] = {}
+    added: list[str] = []
+
+    @settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(op=st.sampled_from(sorted(ADMIN_GOOD)), data=st.data(), value=ADVERSARIAL)
+    def one(op: str, data: st.DataObject, value: Any) -> None:
+        path = data.draw(st.sampled_from(_paths(ADMIN_GOOD[op])))
+        args = _set(ADMIN_GOOD[op], path, value)
+        if op == "job-add":
+            args["job"] = args["job"] if path == ("job",) else f"new{len(tally)}"
+        frame = _frame(json.loads(protocol.encode(protocol.AdminRequest(op=op), "json")) | {"args": args}, "msgpack")
+        if frame is None:
+            return
+        admin.send_raw(frame)
+        t0 = time.monotonic()
+        reply = admin.recv(timeout_s=10)
+        assert reply is not None, f"no reply to {op} {'.'.join(path)} = {str(value)[:60]}"
+        assert time.monotonic() - t0 < 1.0 or op == "job-add", f"{op} took {time.monotonic() - t0:.2f} s"
+        code = reply.code if isinstance(reply, protocol.ErrorReply) else ("ok" if reply.ok else reply.code)
+        assert code in ("ok", *protocol.ERROR_CODES), reply
+        assert code != "internal", reply  # a refusal names the field; a daemon failure is a bug
+        tally[f"{op} -> {code}"] = tally.get(f"{op} -> {code}", 0) + 1
+        if op == "job-add" and code == "ok":
+            added.append(args["job"])
+
+    one()
+    print(f"fuzzed admin requests: {sum(tally.values())}:", dict(sorted(tally.items())))
+    assert daemon.proc is not None and daemon.proc.poll() is None
+    assert store_rows(daemon.state_dir, "PRAGMA integrity_check") == [("ok",)]
+    stored = {j for (j,) in store_rows(daemon.state_dir, "SELECT job_id FROM jobs")}
+    assert stored == {"j", *added}  # every job acknowledged, none refused
+    assert daemon.stop() == 0
+    daemon.start()  # whatever was stored, the next start serves it
+    assert daemon.admin("status")["jobs_damaged"] == {}
