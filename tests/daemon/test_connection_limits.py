@@ -154,3 +154,47 @@ def test_the_admin_socket_has_its_own_context_and_authenticator(tmp_path: Path) 
         assert d.stopping.is_set() and d.fatal is not None and "admin" in d.fatal
     finally:
         d.close()
+
+
+def test_a_missed_close_frees_its_place_and_a_reused_descriptor_is_never_cut() -> None:
+    """The monitor may drop events: a key at its limit forgets descriptors that no longer hold their
+    peer, and a shutdown goes only to the connection it was meant for."""
+    import socket
+
+    from nereusd.connections import ConnectionGuard
+    from nereusd.wire.logs import get_logger
+
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    guard = ConnectionGuard(router, limit_of=lambda user: (1, "a test limit"), silent_s=30, log=get_logger("test"))
+    listener = socket.create_server(("127.0.0.1", 0))
+    opened: list[socket.socket] = []
+
+    def connection() -> socket.socket:
+        client = socket.create_connection(listener.getsockname())
+        server, _ = listener.accept()
+        opened.extend((client, server))
+        return server
+
+    try:
+        first, second = connection(), connection()
+        assert guard.admit(first.fileno(), b"a", "alice", "K") is None
+        refused = guard.admit(second.fileno(), b"b", "alice", "K")
+        assert refused is not None and "limit 1 (a test limit)" in refused
+        assert guard.admit(second.fileno(), b"b", "bob", "K2") is None  # another key: a limit of its own
+        old_fd = first.fileno()
+        first.close()  # closed with no monitor event: the guard still counts it
+        third = connection()  # most likely on the freed descriptor number
+        guard._shutdown(old_fd, guard.conns[old_fd].peer)  # the old connection's peer: the new one is kept
+        third.sendall(b"x")
+        assert guard.admit(third.fileno(), b"c", "alice", "K") is None  # the missed close freed its place
+        guard.to_cut = [(0.0, third.fileno(), ("127.0.0.1", 1))]  # a peer that is not this connection's
+        guard.service()
+        third.sendall(b"still open")
+    finally:
+        for s in opened:
+            s.close()
+        listener.close()
+        guard.close()
+        router.close(linger=0)
+        ctx.term()
