@@ -189,6 +189,7 @@ def test_a_full_disk_is_refused_at_start_and_survived_while_serving(daemon: Daem
                 assert reply.code == "internal", reply
                 refused += 1
         assert refused > 0, "the disk never filled up: the test did not test anything"
+        print(f"disk full while serving: {len(acked) + refused} writes, {len(acked)} acknowledged, {refused} refused")
         status = handle.admin("status")  # reads still work
         assert status["pid"] == handle.proc.pid  # type: ignore[union-attr]
         filler.unlink()
