@@ -3,8 +3,9 @@ a transition (an order open in the store). After each restart the store passes i
 acknowledged record is there, and an open transition is resolved: sent again to the agent that
 registers again (which completes it), or failed by ``daemon.order_timeout_s`` when none comes back.
 
-Rounds are cheap: a tiny store each (a fresh state dir with the fixture's keys), no sleeps, every
-wait bounded and named. ``NEREUS_CRASH_ROUNDS`` sets the rounds (default 20).
+Rounds are cheap: one daemon restart per write round (its store grows by ~60 rows a round), a tiny
+store per transition round (a fresh state dir with the fixture's keys), no sleeps, every wait bounded
+and named. ``NEREUS_CRASH_ROUNDS`` sets the rounds (default 20).
 """
 
 from __future__ import annotations
