@@ -9,6 +9,9 @@
    and heartbeat at 1 Hz each. Reported: daemon CPU share (fraction of one core), admin latency
    p50/p99 in both phases and their ratio, heartbeats acknowledged per second, daemon RSS over the
    run (start, max, end), and whether any node was wrongly marked lost.
+3. Handshake storm: a NEW admin connection's first ``status`` (connect, CURVE handshake, request,
+   reply) while N agent connections (another process) do their CURVE handshakes and register at once,
+   interleaved with the same measurement on a quiet daemon; medians, maxima and their ratio.
 """
 
 from __future__ import annotations
@@ -251,19 +254,113 @@ def scale(tmp: Path, agents: int, jobs: int, seconds: float) -> dict[str, Any]:
         proc.wait(30)
 
 
+STORM_EXTRA_FRAMES = 20  # per storm connection after its register: more registrations (refused), as a flood
+
+
+def _storm(endpoint: str, keys: str, agents: int, rounds: int, go: Any, started: Any, done: Any) -> None:
+    """Per round: wait for ``go``, open N agent connections at once, each registers and sends
+    STORM_EXTRA_FRAMES more; ``started`` is set once a tenth of them are connecting."""
+    bundle = load_bundle(Path(keys))
+    raise_fd_limit()
+    for r in range(rounds):
+        if not go.wait(120):
+            return
+        go.clear()
+        ctx = zmq.Context()
+        devices = (protocol.Device(index=0, kind="gpu", name="sim", memory_bytes=141 << 30),)
+        clients = []
+        for i in range(agents):
+            c = CurveClient(endpoint, bundle, identity=f"storm-{r}-{i}".encode(), context=ctx, monitor=False)
+            clients.append(c)
+            for k in range(1 + STORM_EXTRA_FRAMES):
+                c.send(protocol.Register(job_id="storm", node=f"s{r}-{i}-{k}", incarnation="sim", devices=devices))
+            if i == agents // 10:
+                started.set()
+        for c in clients:  # every frame answered (a welcome, or refused: one node per connection)
+            for _ in range(1 + STORM_EXTRA_FRAMES):
+                c.recv(timeout_s=60)
+        for c in clients:
+            c.close()
+        ctx.term()
+        done.set()
+
+
+def _first_request_s(endpoint: str, bundle: Any) -> float:
+    """A fresh connection: connect, CURVE handshake, ``status``, reply."""
+    t0 = time.perf_counter()
+    c = CurveClient(endpoint, bundle)
+    try:
+        reply = c.request(protocol.AdminRequest(op="status"), timeout_s=60)
+        assert isinstance(reply, protocol.AdminReply) and reply.ok, reply
+        return time.perf_counter() - t0
+    finally:
+        c.close()
+
+
+def handshake_storm(tmp: Path, agents: int, rounds: int) -> dict[str, Any]:
+    state = tmp / "storm-state"
+    cfg = tmp / "storm.toml"
+    _config(cfg, state, 1.0, 30.0)
+    ks = KeyStore(state / "keys")
+    ks.init()
+    ks.create_client(name="admin", user="root", role="admin", out_dir=tmp / "storm-admin")
+    ks.create_client(name="sim", user="sim", role="agent", out_dir=tmp / "storm-sim")
+    proc, _ = _spawn(cfg, tmp)
+    endpoints = json.loads((state / "endpoints.json").read_text())
+    bundle = load_bundle(tmp / "storm-admin")
+    go, started, done = mp.Event(), mp.Event(), mp.Event()
+    storm = mp.Process(target=_storm, args=(endpoints["control"], str(tmp / "storm-sim"), agents, rounds, go,
+                                            started, done))
+    storm.start()
+    quiet: list[float] = []
+    loaded: list[float] = []
+    try:
+        assert _first_request_s(endpoints["admin"], bundle) > 0
+        c = CurveClient(endpoints["admin"], bundle)
+        reply = c.request(protocol.AdminRequest(op="job-add", args={"job": "storm", "user": "sim"}), timeout_s=30)
+        c.close()
+        assert reply.ok, reply
+        for _ in range(rounds):  # interleaved: quiet, then under the storm
+            quiet.append(_first_request_s(endpoints["admin"], bundle))
+            done.clear()
+            started.clear()
+            go.set()
+            assert started.wait(60), "the storm did not start"
+            loaded.append(_first_request_s(endpoints["admin"], bundle))
+            assert done.wait(120), "the storm's connections were not all answered"
+    finally:
+        storm.terminate()
+        storm.join(30)
+        proc.terminate()
+        proc.wait(30)
+    return {"agents_per_storm": agents, "rounds": rounds,
+            "first_request_ms_quiet_median": round(statistics.median(quiet) * 1e3, 1),
+            "first_request_ms_quiet_max": round(max(quiet) * 1e3, 1),
+            "first_request_ms_storm_median": round(statistics.median(loaded) * 1e3, 1),
+            "first_request_ms_storm_max": round(max(loaded) * 1e3, 1),
+            "storm_vs_quiet_median_ratio": round(statistics.median(loaded) / statistics.median(quiet), 2)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--agents", type=int, default=1024)
     p.add_argument("--jobs", type=int, default=8)
     p.add_argument("--seconds", type=float, default=30)
     p.add_argument("--cold-runs", type=int, default=5)
+    p.add_argument("--storm-agents", type=int, default=150)
+    p.add_argument("--storm-rounds", type=int, default=7)
+    p.add_argument("--only", choices=("cold-start", "scale", "handshake-storm"), default=None)
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="nereus-bench-") as d:
         tmp = Path(d)
-        out = {"benchmark": "daemon", "cpu_count": os.cpu_count(),
-               "load_avg_1m_at_start": round(os.getloadavg()[0], 2),
-               "cold_start": cold_start(tmp, args.cold_runs),
-               "scale": scale(tmp, args.agents, args.jobs, args.seconds)}
+        out: dict[str, Any] = {"benchmark": "daemon", "cpu_count": os.cpu_count(),
+                               "load_avg_1m_at_start": round(os.getloadavg()[0], 2)}
+        if args.only in (None, "cold-start"):
+            out["cold_start"] = cold_start(tmp, args.cold_runs)
+        if args.only in (None, "scale"):
+            out["scale"] = scale(tmp, args.agents, args.jobs, args.seconds)
+        if args.only in (None, "handshake-storm"):
+            out["handshake_storm"] = handshake_storm(tmp, args.storm_agents, args.storm_rounds)
     print(json.dumps(out, indent=1))
 
 

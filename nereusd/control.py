@@ -82,10 +82,15 @@ class _KeyAuthenticator(zmq.auth.thread.ThreadAuthenticator):
             return ""
 
 
-def start_authenticator(context: zmq.Context, keys: KeyStore, log: Any) -> _KeyAuthenticator:
+def start_authenticator(context: zmq.Context, keys: KeyStore, log: Any,
+                        domains: tuple[str, ...] = tuple(_DOMAIN_ROLE)) -> _KeyAuthenticator:
+    """The ZAP handler of ``context`` for ``domains``. ZAP is per context and serves one handshake at a
+    time, in a Python thread that waits for the GIL whenever the serve loop is busy (a few ms per
+    handshake): the daemon gives the admin socket a context, I/O thread and handler of its own, so a
+    storm of agent handshakes never queues a nereusctl connection behind it."""
     auth = _KeyAuthenticator(context, keys, log)
     auth.start()
-    for domain in _DOMAIN_ROLE:
+    for domain in domains:
         auth.configure_curve_callback(domain, credentials_provider=auth)
     return auth
 
@@ -97,6 +102,7 @@ class Incoming:
     key: str  # the client's public key (z85): what a session is bound to
     frame_bytes: int
     encoding: protocol.Encoding
+    fd: int = -1  # the connection's descriptor (ZMQ_SRCFD): what per-key connection limits count
 
 
 class CurveRouter:
@@ -132,6 +138,8 @@ class CurveRouter:
         self.max_message_bytes = max_message_bytes
         self.log = log
         self.on_reject = on_reject
+        # (fd, routing id, user, key) -> None, or why this connection may not speak (nereusd.connections)
+        self.admit: Callable[[int, bytes, str, str], str | None] | None = None
 
     def close(self) -> None:
         self.sock.close(linger=0)
@@ -144,9 +152,14 @@ class CurveRouter:
         user, _, key = (body.get("User-Id") or "").partition(" ")
         data = body.bytes
         enc = protocol.encoding_of(data)
-        inc = Incoming(identity=identity, user=user, key=key, frame_bytes=len(data), encoding=enc)
+        inc = Incoming(identity=identity, user=user, key=key, frame_bytes=len(data), encoding=enc,
+                       fd=body.get(zmq.SRCFD))
         if not key:
             self.reject(inc, "forbidden", "this connection's key is no longer authorised (revoked?)")
+            return None
+        refused = self.admit(inc.fd, identity, user, key) if self.admit is not None else None
+        if refused is not None:
+            self.reject(inc, "forbidden", refused)
             return None
         if len(frames) != 2:
             self.reject(inc, "malformed", f"expected one body frame, got {len(frames) - 1}")

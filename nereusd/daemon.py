@@ -16,6 +16,11 @@ no plan uses it the daemon answers its agent ``Release`` and marks it released. 
 ordered transitions older than ``daemon.order_timeout_s``, and an agent that registers again is sent
 the orders it has not reported.
 
+Agents and nereusctl have a ZeroMQ context each (an I/O thread and a ZAP handler of their own), so a
+storm of agent handshakes never delays an admin connection; one agent key holds a bounded number of
+connections (``nereusd.connections``: its user's jobs' node limits plus control.spare_connections_per_key;
+silent ones are closed after control.silent_connection_s).
+
 Nothing from outside may stop the loop: a stored job that cannot be loaded or whose controller fails
 is marked damaged (``nereusctl jobs`` shows the reason) and the others are served; a message whose
 handler fails gets an ``internal`` error reply. Each pass serves the admin socket first and agents
@@ -50,6 +55,7 @@ from nereusd.allocation import (
     EventKind,
     NodeAllocation,
 )
+from nereusd.connections import ConnectionGuard
 from nereusd.control import (
     ADMIN_DOMAIN,
     AGENT_DOMAIN,
@@ -118,7 +124,7 @@ def _open_store(state_dir: Path, *, new_store: bool, log: Any) -> Store:
     try:
         store = Store(db)
         check = store.db.execute("PRAGMA integrity_check").fetchall()
-        verdict = "; ".join(str(next(iter(r.values()))) for r in check[:3])
+        verdict = "; ".join(" ".join(str(next(iter(r.values()))).split()) for r in check[:3])  # one line
         if verdict != "ok":
             store.close()
             raise StartupError(f"the store {db} fails integrity_check ({verdict[:200]}): restore it from a "
@@ -276,6 +282,7 @@ class Daemon:
         self.started_at = time.time()
         self.started_monotonic = t0
         self.ctx: zmq.Context | None = None
+        self.admin_ctx: zmq.Context | None = None
         try:
             self._bind(settings)
         except BaseException:
@@ -297,9 +304,13 @@ class Daemon:
     def _bind(self, settings: Settings) -> None:
         ctl = settings.control
         fd_limit = raise_fd_limit()
+        # agents and admin each get a context: their own I/O thread (CURVE crypto) and ZAP handler, so
+        # nereusctl's handshake never waits behind a storm of agent handshakes (control.start_authenticator)
         self.ctx = zmq.Context()
+        self.admin_ctx = zmq.Context()
         self.ctx.set(zmq.MAX_SOCKETS, max(1024, fd_limit))
-        self.auth = start_authenticator(self.ctx, self.keys, self.log)
+        self.auth = start_authenticator(self.ctx, self.keys, self.log, (AGENT_DOMAIN,))
+        self.admin_auth = start_authenticator(self.admin_ctx, KeyStore(self.keys.root), self.log, (ADMIN_DOMAIN,))
         try:
             server_keys = self.keys.server_keys()
         except SpecError as exc:
@@ -310,7 +321,8 @@ class Daemon:
         hb_timeout = max(3 * hb, ctl.heartbeat_timeout_s)
         for name, port in (("agents", ctl.port), ("admin", ctl.admin_port)):
             try:
-                router = CurveRouter(self.ctx, domain=AGENT_DOMAIN if name == "agents" else ADMIN_DOMAIN,
+                router = CurveRouter(self.ctx if name == "agents" else self.admin_ctx,
+                                     domain=AGENT_DOMAIN if name == "agents" else ADMIN_DOMAIN,
                                      server_keys=server_keys, host=ctl.bind_host, port=port,
                                      max_message_bytes=ctl.max_message_bytes, log=self.log, heartbeat_s=hb,
                                      heartbeat_timeout_s=hb_timeout,
@@ -321,6 +333,9 @@ class Daemon:
                                    f"check control.bind_host (an address of this host) and {key} (a free port)"
                                    ) from None
             setattr(self, name, router)
+        self.connections = ConnectionGuard(self.agents.sock, limit_of=self.connection_limit,
+                                           silent_s=ctl.silent_connection_s, log=self.log)
+        self.agents.admit = self.connections.admit
         self.endpoints = {"control": f"tcp://{ctl.bind_host}:{self.agents.port}",
                           "admin": f"tcp://{ctl.bind_host}:{self.admin.port}", "metrics": None}
         if settings.metrics.enabled:
@@ -337,15 +352,19 @@ class Daemon:
             raise StartupError(f"cannot write {self.state_dir / 'endpoints.json'}: {exc.strerror}") from None
 
     def _close_transport(self) -> None:
+        if getattr(self, "connections", None) is not None:
+            self.connections.close()
         for name in ("agents", "admin"):
             router = getattr(self, name, None)
             if router is not None:
                 router.close()
-        if getattr(self, "auth", None) is not None:
-            self.auth.stop()
-        if self.ctx is not None:
-            self.ctx.term()
-            self.ctx = None
+        for name in ("auth", "admin_auth"):
+            if getattr(self, name, None) is not None:
+                getattr(self, name).stop()
+        for name in ("ctx", "admin_ctx"):
+            if getattr(self, name, None) is not None:
+                getattr(self, name).term()
+                setattr(self, name, None)
         self.metrics.close()
 
     # --- start-up and shutdown ----------------------------------------------------------------------
@@ -399,7 +418,7 @@ class Daemon:
         return {"pid": os.getpid(), "uptime_s": round(time.monotonic() - self.started_monotonic, 3),
                 "started_at": self.started_at, "state_dir": str(self.state_dir), "endpoints": self.endpoints,
                 "allocation_source": self.source_name, "planner": self.planner_name,
-                "agents_connected": len(self.sessions)}
+                "agents_connected": len(self.sessions), "agent_connections": self.connections.counts()}
 
     def pool_gpus(self, job_id: str) -> int:
         ctl = self.controllers.get(job_id)
@@ -543,6 +562,7 @@ class Daemon:
         poller = zmq.Poller()
         poller.register(self.agents.sock, zmq.POLLIN)
         poller.register(self.admin.sock, zmq.POLLIN)
+        poller.register(self.connections.monitor, zmq.POLLIN)
         if self.worker is not None:
             self.worker.start()
         self.log.info("serving", startup_ms=round(self.startup_s * 1e3, 1), **self.endpoints)
@@ -568,6 +588,8 @@ class Daemon:
                     self._guarded(self._admin_message)
                     if not self.admin.sock.poll(0):
                         break
+            if self.connections.monitor in ready_socks:
+                self.connections.pump()
             if self.agents.sock in ready_socks:
                 until = time.monotonic() + AGENT_BATCH_S
                 while True:
@@ -594,10 +616,14 @@ class Daemon:
         took = time.monotonic() - t0
         if took > SLOW_HANDLER_S:  # everything shares one loop: a slow handler delays heartbeats and nereusctl
             self.log.warning("slow-handler", handler=fn.__name__, ms=round(took * 1e3, 1))
+            # the heartbeats that came meanwhile wait in the socket: this silence is the daemon's, not theirs
+            for key in self.last_seen:
+                self.last_seen[key] += took
 
     def _tick(self) -> None:
-        if not self.auth.is_alive():  # deaf to every new connection: fail loudly, let systemd restart us
-            self.fatal = "the CURVE authenticator thread stopped: no new connection could be accepted"
+        dead = [n for n, a in (("agent", self.auth), ("admin", self.admin_auth)) if not a.is_alive()]
+        if dead:  # deaf to every new connection: fail loudly, let systemd restart us
+            self.fatal = f"the {dead[0]} CURVE authenticator thread stopped: no new connection could be accepted"
             self.log.error("authenticator-died")
             self.stopping.set()
             return
@@ -625,6 +651,7 @@ class Daemon:
                         if row is not None:
                             self.node_state[key] = row["state"]
             self._take_refusals(self.worker)
+        self.connections.service()
         self._check_heartbeats()
         for job_id, ctl in list(self.controllers.items()):
             try:
@@ -810,6 +837,14 @@ class Daemon:
             per_node = max(1, int(elastic.get("gpus_per_node") or 1))
             return max(1, int(elastic.get("max_gpus") or 1) // per_node), "elastic.max_gpus / gpus_per_node"
         return self.settings.control.max_nodes_per_job, "control.max_nodes_per_job"
+
+    def connection_limit(self, user: str) -> tuple[int, str]:
+        """How many agent connections one key of ``user`` may hold, and where that bound comes from."""
+        jobs = [j for j in self.store.jobs(include_terminal=False) if j["user"] == user]
+        nodes = sum(self.node_limit(j)[0] for j in jobs)
+        spare = self.settings.control.spare_connections_per_key
+        return nodes + spare, (f"{nodes} for the nodes of user {user!r}'s {len(jobs)} live job(s) + "
+                               f"control.spare_connections_per_key = {spare}")
 
     def _register(self, identity: bytes, user: str, key: str, enc: protocol.Encoding,
                   msg: protocol.Register) -> Any:

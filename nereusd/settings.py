@@ -66,6 +66,11 @@ class ControlSection(_Section):
     heartbeat_timeout_s: float = _seconds(10.0, le=3600.0)
     # nodes one job may register when its spec has no elastic section (with one: max_gpus / gpus_per_node)
     max_nodes_per_job: int = Field(1024, ge=1, le=65536)
+    # connections one agent key may hold: the node limits of its user's live jobs plus this many spare
+    # (a reconnect while the dead connection lingers, an agent started before its job); past it, refused
+    spare_connections_per_key: int = Field(8, ge=1, le=65536)
+    # an agent connection that sends nothing this long after its handshake is closed
+    silent_connection_s: float = _seconds(30.0, le=3600.0)
 
     @model_validator(mode="after")
     def _timeout_after_interval(self) -> ControlSection:
