@@ -34,6 +34,7 @@ class Prediction:
     peak_memory_bytes: Mapping[int, int]  # GPU -> peak bytes (headroom included)
     memory: Mapping[str, MemoryBreakdown]  # model-stage -> breakdown on its fullest GPU while it runs
     memory_capacity_bytes: int
+    overhead_s: float = 0.0  # fixed per-step overhead (op class STEP_OVERHEAD), part of step_latency_s
 
     @property
     def max_peak_memory_bytes(self) -> int:
@@ -59,6 +60,7 @@ class Prediction:
             "memory_capacity_bytes": self.memory_capacity_bytes,
             "memory": {k: m.as_dict() for k, m in self.memory.items()},
             "feasible": self.feasible,
+            "overhead_s": self.overhead_s,
         }
 
 
@@ -116,6 +118,9 @@ def predict(job: JobSpec, cluster: ClusterSpec, plan: GlobalPlan,
             kind_end = max(kind_end, end)
         kind_seconds[kind.value] = kind_end - t
         t = kind_end
+    overhead = step_overhead_seconds(cluster, eff)
+    kind_seconds["overhead"] = overhead
+    t += overhead
 
     per_gpu, stage_mem = plan_memory(job, plan, arrays)
     return Prediction(
@@ -128,4 +133,13 @@ def predict(job: JobSpec, cluster: ClusterSpec, plan: GlobalPlan,
         peak_memory_bytes=MappingProxyType(per_gpu),
         memory=MappingProxyType(stage_mem),
         memory_capacity_bytes=cluster.device.memory_bytes,
+        overhead_s=overhead,
     )
+
+
+def step_overhead_seconds(cluster: ClusterSpec, eff: Mapping[OpClass, float] = PRIORS) -> float:
+    """The fixed per-step overhead (scheduling, data movement between stages, rewards, logging) the
+    cluster names, under the STEP_OVERHEAD class (learned like any other; prior: taken as it is)."""
+    if cluster.step_overhead_s <= 0:
+        return 0.0
+    return OpTerm(op_class=OpClass.STEP_OVERHEAD, work=cluster.step_overhead_s, peak_per_s=1.0).seconds(eff)
