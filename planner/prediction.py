@@ -102,22 +102,7 @@ def predict(job: JobSpec, cluster: ClusterSpec, plan: GlobalPlan,
             eff: Mapping[OpClass, float] = PRIORS) -> Prediction:
     arrays = {sp.model_stage: gpu_array(sp) for sp in plan}
     costs = {sp.model_stage: predict_stage(job, cluster, sp, eff, arrays[sp.model_stage]) for sp in plan}
-    starts: dict[str, float] = {}
-    kind_seconds: dict[str, float] = {}
-    t = 0.0
-    for kind in sorted(StageKind, key=lambda k: k.order):
-        members = [sp for sp in plan if job.workflow.stage(sp.model_stage).kind is kind]
-        ends: list[tuple[frozenset[int], float]] = []
-        kind_end = t
-        for sp in members:
-            gpus = frozenset(arrays[sp.model_stage].tolist())
-            start = max([t] + [end for other, end in ends if not other.isdisjoint(gpus)])
-            end = start + costs[sp.model_stage].seconds
-            starts[sp.model_stage] = start
-            ends.append((gpus, end))
-            kind_end = max(kind_end, end)
-        kind_seconds[kind.value] = kind_end - t
-        t = kind_end
+    t, starts, kind_seconds = schedule(job, plan, {k: c.seconds for k, c in costs.items()}, arrays)
     overhead = step_overhead_seconds(cluster, eff)
     kind_seconds["overhead"] = overhead
     t += overhead
@@ -135,6 +120,30 @@ def predict(job: JobSpec, cluster: ClusterSpec, plan: GlobalPlan,
         memory_capacity_bytes=cluster.device.memory_bytes,
         overhead_s=overhead,
     )
+
+
+def schedule(job: JobSpec, plan: GlobalPlan, seconds: Mapping[str, float],
+             arrays: Mapping[str, np.ndarray] | None = None) -> tuple[float, dict[str, float], dict[str, float]]:
+    """(critical path, model-stage -> start, kind -> seconds) of model-stages taking ``seconds`` each:
+    kinds in order, model-stages of one kind sharing a GPU serialise (the step without its overhead)."""
+    arrays = arrays if arrays is not None else {sp.model_stage: gpu_array(sp) for sp in plan}
+    starts: dict[str, float] = {}
+    kind_seconds: dict[str, float] = {}
+    t = 0.0
+    for kind in sorted(StageKind, key=lambda k: k.order):
+        members = [sp for sp in plan if job.workflow.stage(sp.model_stage).kind is kind]
+        ends: list[tuple[frozenset[int], float]] = []
+        kind_end = t
+        for sp in members:
+            gpus = frozenset(arrays[sp.model_stage].tolist())
+            start = max([t] + [end for other, end in ends if not other.isdisjoint(gpus)])
+            end = start + seconds[sp.model_stage]
+            starts[sp.model_stage] = start
+            ends.append((gpus, end))
+            kind_end = max(kind_end, end)
+        kind_seconds[kind.value] = kind_end - t
+        t = kind_end
+    return t, starts, kind_seconds
 
 
 def step_overhead_seconds(cluster: ClusterSpec, eff: Mapping[OpClass, float] = PRIORS) -> float:

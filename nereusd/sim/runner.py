@@ -29,7 +29,7 @@ import dataclasses
 import json
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -136,12 +136,22 @@ class SimPort(PlannerBinding):
         res = search(job_spec(job), self._cluster(job, pool), pool=sorted(pool), eff=self._eff(job), version=version)
         return admission.Candidate(plan=res.plan, prediction=res.prediction)
 
+    def alternatives(self, job: dict[str, Any], pool: frozenset[int], version: int, best: GlobalPlan,
+                     error: InfeasibleError | None) -> Iterator[admission.Candidate]:
+        job = self._job(job)
+        return self._alternatives(job_spec(job), self._cluster(job, pool), pool, self._eff(job), version, best, error)
+
     def predict(self, job: dict[str, Any], pool: frozenset[int], plan: GlobalPlan) -> Any | None:
         from planner.prediction import predict
 
         job = self._job(job)
         pred = predict(job_spec(job), self._cluster(job, pool), plan, self._eff(job))
         return pred if pred.feasible else None
+
+    def calibrate(self, job: dict[str, Any], measurement: protocol.Measurement, plan: GlobalPlan) -> None:
+        """Calibrate against the workload the predictions use (the tail an OOM taught included): fitted
+        without it, the tail's decode time is learned into the generation classes and then counted twice."""
+        super().calibrate(self._job(job), measurement, plan)
 
     def predict_seconds(self, job: dict[str, Any], pool: frozenset[int], plan: GlobalPlan) -> float:
         """The predicted step latency of ``plan`` whether or not the planner thinks it fits (time is what
