@@ -7,7 +7,9 @@ bench/rl_step.py measures one PPO job (tiny-3m for every role) under several lay
 ranks. This calibrates the planner's efficiencies on the ANCHOR layout's measured model-stage times
 only (planner.calibration.fit_from_stage_times, as the daemon does each step), then predicts every
 other layout's model-stage times and step time, which it never saw, and reports the errors (the
-paper: mean 4.96%, max 14.61% over 72 plans; issue 16's target: mean 4%, max 12%).
+paper: mean 4.96%, max 14.61% over 72 plans; issue 16's target: mean 4%, max 12%). ``leave_one_out``
+does the same with every other layout as calibration data (the stage sums: weight-sync, no
+model-stage, is left out of both sides).
 """
 
 from __future__ import annotations
@@ -67,13 +69,37 @@ def run(rows: list[dict[str, Any]], anchor: str, passes: int = 8) -> dict[str, A
                                             if oos else None, "max_abs_error": round(max(oos), 3) if oos else None}}
 
 
+def leave_one_out(rows: list[dict[str, Any]], rounds: int = 4) -> dict[str, Any]:
+    """Each layout predicted by a model calibrated on every OTHER layout's measured model-stage times
+    (fed in turn, ``rounds`` times, as a daemon that ran those plans one after another would see them)."""
+    job, cluster = _job(), cluster_preset("cpu", 2)
+    by_name = {r["layout"]: r for r in rows}
+    out = []
+    for held, r in by_name.items():
+        eff: Efficiencies | None = None
+        for _ in range(rounds):
+            for name, other in by_name.items():
+                if name != held:
+                    eff = fit_from_stage_times(job, _plan(name), other["stage_s_median"], eff, cluster=cluster)
+        assert eff is not None
+        p = predict(job, cluster, _plan(held), eff)
+        measured = sum(v for k, v in r["stage_s_median"].items() if k in p.stage_seconds)
+        predicted = sum(p.stage_seconds[k] for k in r["stage_s_median"] if k in p.stage_seconds)
+        out.append({"held_out": held, "measured_stage_sum_s": round(measured, 4), "predicted_stage_sum_s": round(predicted, 4),
+                    "error": round(predicted / measured - 1, 3),
+                    "stage_errors": {k: round(p.stage_seconds[k] / v - 1, 3) for k, v in r["stage_s_median"].items()
+                                     if k in p.stage_seconds and v > 0}})
+    errs = [abs(o["error"]) for o in out]
+    return {"plans": out, "mean_abs_error": round(statistics.mean(errs), 3), "max_abs_error": round(max(errs), 3)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("rl_step_json", type=Path)
     ap.add_argument("--anchor", default="1proc TP1xPP1")
     args = ap.parse_args()
     rows = json.loads(args.rl_step_json.read_text())["results"]
-    print(json.dumps(run(rows, args.anchor), indent=2))
+    print(json.dumps({**run(rows, args.anchor), "leave_one_out": leave_one_out(rows)}, indent=2))
     return 0
 
 

@@ -8,7 +8,11 @@ Monitor -> replan -> admit, as in the paper (Eq. 2):
   replan, admitted or not;
 - an opportunistic transition is admitted iff dL > 0 and L_tran / dL <= gamma * H_x, where dL is the
   predicted per-step saving, L_tran the predicted transition time and H_x an EMA of the number of steps
-  between threshold crossings of the triggering signal (starts at 1; several signals -> smallest H_x).
+  between threshold crossings of the triggering signal (starts at 1; several signals -> smallest H_x);
+- a best plan that no transition can reach (its DAG's transient state does not fit) or whose
+  transition does not pay back is passed over for the next reachable plan (planner.alternatives), and
+  the decision records which plans were passed over and why; checkpoint/restart only when none can be
+  reached.
 
 Everything here is pure: state is frozen and every function returns a new state or a record.
 """

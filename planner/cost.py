@@ -434,7 +434,8 @@ def sync_raw(model: ModelSpec, ms: ModelStage, layout: Layout, dp: int, cluster:
     n = params_per_gpu(model, ms.role.head, layout)
     terms: list[RawTerm] = [(OpClass.MEMORY_BOUND, 2.0 * n * training_bytes_per_param(model),
                              cluster.device.hbm_bytes_per_s, 0.0, 0.0)]
-    terms += _launch(cluster, OpClass.LAUNCH_BACKWARD, float(_param_tensors(model, layout) * LAUNCHES_PER_PARAM_TENSOR))
+    if LAUNCH_OVERHEAD_S.get(cluster.device.name, 0.0) > 0:  # counting tensors is not free: only where launches cost
+        terms += _launch(cluster, OpClass.LAUNCH_BACKWARD, float(_param_tensors(model, layout) * LAUNCHES_PER_PARAM_TENSOR))
     if dp > 1:  # last: the option tables read the DP all-reduce as sync_raw(...)[-1]
         link = cluster.intra_node_link if links.dp_intra else cluster.inter_node_link
         cls = OpClass.DP_ALLREDUCE_INTRA if links.dp_intra else OpClass.DP_ALLREDUCE_INTER
