@@ -199,6 +199,7 @@ class RunResult:
     wall_s: float = 0.0
     cpu_s: float = 0.0  # process CPU time of the run (the fairer figure on a shared machine)
     prediction_errors: list[dict[str, float]] = field(default_factory=list)
+    passed_over: list[dict[str, Any]] = field(default_factory=list)  # decisions that took a later plan, or none
     plans_run: dict[int, GlobalPlan] = field(default_factory=dict, repr=False)  # version -> plan stepped on
     port: Any = field(default=None, repr=False)  # the planner binding as the run left it (not serialised)
     truth: Any = field(default=None, repr=False)  # the ground truth of the run (not serialised)
@@ -238,7 +239,8 @@ class RunResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {"summary": self.summary(), "steps": [dataclasses.asdict(r) for r in self.steps],
-                "transitions": self.transitions, "restarts": self.restarts, "prediction_errors": self.prediction_errors}
+                "transitions": self.transitions, "restarts": self.restarts, "prediction_errors": self.prediction_errors,
+                "passed_over": self.passed_over}
 
 
 class SimStore(Store):
@@ -399,6 +401,10 @@ def simulate(trace: Trace, job: SimJob, *, policy: str = "nereus", gamma: float 
             row = store.decision(did)
             if row is not None and row["decision_ms"] is not None:
                 result.decision_ms.append(float(row["decision_ms"]))
+            inputs = (json.loads(row["inputs"]) if isinstance(row["inputs"], str) else row["inputs"]) if row else None
+            if row is not None and inputs and inputs.get("passed_over"):  # the best plan was not taken: which, why
+                result.passed_over.append({"step": current_step, "decision": did, "admitted": bool(row["admitted"]),
+                                           "rule": row["rule"], "passed_over": inputs["passed_over"]})
             if row is not None and row["rule"] == "checkpoint-restart" and row["reason"].startswith("no transition"):
                 # the last copy of some state is gone: restart from the checkpoint, then place from nothing
                 restart_s = restart_seconds(truth.job, cluster, len(ctl.pool))

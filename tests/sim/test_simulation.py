@@ -100,6 +100,12 @@ def test_a_lost_last_copy_falls_back_to_checkpoint_restart_and_the_job_goes_on()
     job = SimJob(model="llama-3.1-8b", algo="grpo", device="a100", gpus_per_node=4, prompts_per_step=512)
     r = simulate(trace, job, seed=0)
     assert [x["step"] for x in r.restarts] == [187]
+    # the OOM replan before it: the best plan's DAG did not fit next to the running plan's state; the
+    # controller took the next reachable plan by a transition (it used to restart) and recorded why
+    [fell_back] = [d for d in r.passed_over if d["step"] < 187]
+    assert fell_back["admitted"] and [p["why"] for p in fell_back["passed_over"]] == ["transition-infeasible"]
+    assert "needs" in fell_back["passed_over"][0]["reason"] and "free" in fell_back["passed_over"][0]["reason"]
+    assert any(t["step"] == fell_back["step"] and t["bytes_moved"] > 0 for t in r.transitions)
     assert r.steps[187].lost_s >= r.restarts[0]["seconds"] > 200  # the restart is paid as lost time
     assert all(x.step_s > 0 for x in r.steps[187:])  # placed again from nothing, and running
 
