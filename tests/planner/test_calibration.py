@@ -135,6 +135,27 @@ def test_fit_from_stage_times_converges_on_the_running_plan() -> None:
     assert fit_from_stage_times(j, plan, {"actor-gen": 1.0}, eff) is eff  # no cluster: nothing learned
 
 
+def test_step_overhead_is_learned_from_the_step_latency() -> None:
+    """The per-step overhead is what a step takes beyond its model-stages: a framework that pays 2.5 s
+    where the cluster names 4 s is learned from the measured step latency, and is not without it."""
+    j = job("ppo", prompts=64, response_tokens=2048)
+    cl = h200(16)
+    plan = search(j, cl).plan
+    truth = predict(j, cl, plan, HIDDEN)
+    stages_only = truth.step_latency_s - truth.overhead_s
+    rng = np.random.default_rng(5)
+    with_latency: Efficiencies = PRIORS
+    without: Efficiencies = PRIORS
+    for _ in range(10):
+        noise = {k: float(np.exp(rng.normal(0, 0.03))) for k in truth.stage_seconds}
+        measured = {k: v * noise[k] for k, v in truth.stage_seconds.items()}
+        step = stages_only * float(np.mean(list(noise.values()))) + 2.5 * float(np.exp(rng.normal(0, 0.03)))
+        with_latency = fit_from_stage_times(j, plan, measured, with_latency, cluster=cl, step_latency_s=step)
+        without = fit_from_stage_times(j, plan, measured, without, cluster=cl)
+    assert predict(j, cl, plan, with_latency).overhead_s == pytest.approx(2.5, rel=0.08)
+    assert predict(j, cl, plan, without).overhead_s == pytest.approx(cl.step_overhead_s)
+
+
 # Stage times (ms) of the live job's first 20 steps on this machine (2 shared CPU cores, 2 gloo workers):
 # etc/jobs/live.toml (GRPO, tiny-byte, 8 prompts x 2 samples) on the plan the search picks for 2 CPU slots
 # (every stage DP2; actor-gen and ref-inf one micro-batch of 8 per replica, actor-train 4), as the driver
