@@ -463,9 +463,17 @@ class JobController:
             sketch["s"] = self.planner.transition(spec, old, new, self._participants(), self._node_of_gpu)
             return sketch["s"].predicted_s
 
+        port_alternatives = getattr(self.planner, "alternatives", None)
+
+        def alternatives(error: InfeasibleError | None) -> Any:
+            """The next reachable plans, when the best one's DAG cannot run or does not pay back."""
+            assert port_alternatives is not None
+            return port_alternatives(spec, self.pool, version, found["c"].plan, error)
+
         try:
             decision = admission.decide(trigger=trigger, current_plan=self.plan, current_prediction=current_pred,
-                                        replan=replan, transition_s=l_tran, gamma=self.gamma)
+                                        replan=replan, transition_s=l_tran, gamma=self.gamma,
+                                        alternatives=alternatives if port_alternatives is not None else None)
         except InfeasibleError as exc:  # replan() is caught inside decide(): this is the DAG (last copy lost)
             self.trigger_state = admission.after_replan(self.trigger_state or admission.initial_state(obs), obs)
             self._save()
@@ -518,7 +526,8 @@ class JobController:
             from_version=self.plan.version if self.plan else None,
             to_version=restore.plan.version if restore is not None else None, delta_l_s=None, l_tran_s=None,
             h_x=trigger.h_steps, gamma=self.gamma, decision_ms=decision_s * 1e3,
-            inputs={"trigger": admission._plain(trigger), "infeasible_reasons": list(exc.reasons) or [str(exc)]})
+            inputs={"trigger": admission._plain(trigger), "infeasible_reasons": list(exc.reasons) or [str(exc)],
+                    "passed_over": admission._plain(getattr(exc, "passed_over", ()))})
         self.metrics.decisions.labels(self.job_id, str(restore is not None).lower()).inc()
         self.log.warning("decision", id=did, admitted=restore is not None, rule="checkpoint-restart", reason=reason)
         return did

@@ -13,14 +13,14 @@ planner has as many nodes as the highest node rank in the pool (lost nodes are s
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import lru_cache
 from typing import Any
 
 from nereusd.controller import TransitionSketch
 from nereusd.wire import protocol
 from planner import admission
-from planner.errors import SpecError
+from planner.errors import InfeasibleError, SpecError
 from planner.hardware import ClusterSpec, cluster_preset
 from planner.models import model_preset
 from planner.plan import GlobalPlan
@@ -110,7 +110,8 @@ class PlannerBinding:
         key = _efficiency_key(job)
         self.efficiency[key] = fit_from_stage_times(job_spec(job), plan, measurement.stage_times_s,
                                                     self.efficiency.get(key),
-                                                    cluster=cluster_for(job, plan.gpus))
+                                                    cluster=cluster_for(job, plan.gpus),
+                                                    step_latency_s=measurement.step_latency_s)
 
     def observe_transition(self, job: dict[str, Any], transition: dict[str, Any]) -> None:
         """Feed one completed transition (its store row) into the job's L_tran correction. The row's
@@ -123,6 +124,24 @@ class PlannerBinding:
                                   transition_id=transition.get("id"))
         key = _transition_key(job)
         self.transition_calibration[key] = self.transition_calibration.get(key, TransitionCalibrator()).observe(sample)
+
+    def alternatives(self, job: dict[str, Any], pool: frozenset[int], version: int, best: GlobalPlan,
+                     error: InfeasibleError | None) -> Iterator[admission.Candidate]:
+        """The next reachable plans after ``best`` (planner.alternatives: fastest first, each leaving more
+        memory free for the transition's transient state), lazily. None when ``error`` says no plan can
+        be reached at all (the last copy of some state is gone: only the checkpoint has it)."""
+        return self._alternatives(job_spec(job), cluster_for(job, pool), pool, self._eff(job), version, best, error)
+
+    @staticmethod
+    def _alternatives(job: JobSpec, cluster: ClusterSpec, pool: frozenset[int], eff: Any, version: int,
+                      best: GlobalPlan, error: InfeasibleError | None) -> Iterator[admission.Candidate]:
+        from planner.alternatives import next_plans
+        from transitions.local_dag import LastCopyLostError
+
+        if isinstance(error, LastCopyLostError):
+            return
+        for alt in next_plans(job, cluster, sorted(pool), eff, version, offered=(best,)):
+            yield admission.Candidate(plan=alt.plan, prediction=alt.prediction, note=alt.note)
 
     def transition(self, job: dict[str, Any], old: GlobalPlan | None, new: GlobalPlan, pool: frozenset[int],
                    node_of_gpu: Callable[[int], str]) -> TransitionSketch:

@@ -8,7 +8,11 @@ Monitor -> replan -> admit, as in the paper (Eq. 2):
   replan, admitted or not;
 - an opportunistic transition is admitted iff dL > 0 and L_tran / dL <= gamma * H_x, where dL is the
   predicted per-step saving, L_tran the predicted transition time and H_x an EMA of the number of steps
-  between threshold crossings of the triggering signal (starts at 1; several signals -> smallest H_x).
+  between threshold crossings of the triggering signal (starts at 1; several signals -> smallest H_x);
+- a best plan that no transition can reach (its DAG's transient state does not fit) or whose
+  transition does not pay back is passed over for the next reachable plan (planner.alternatives), and
+  the decision records which plans were passed over and why; checkpoint/restart only when none can be
+  reached.
 
 Everything here is pure: state is frozen and every function returns a new state or a record.
 """
@@ -16,7 +20,7 @@ Everything here is pure: state is frozen and every function returns a new state 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field, is_dataclass, replace
 from enum import Enum
 from types import MappingProxyType
@@ -255,6 +259,7 @@ class Decision:
     verdict: Verdict
     candidate_plan: Any = None  # the GlobalPlan proposed (None when nothing fits)
     infeasible_reasons: tuple[str, ...] = ()
+    passed_over: tuple[PassedOver, ...] = ()  # better-ranked plans not taken, and why
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for storage and nereusctl (enums as values)."""
@@ -269,7 +274,38 @@ class Decision:
             "payback_ratio": self.verdict.payback_ratio,
             "candidate_plan": self.candidate_plan,
             "infeasible_reasons": self.infeasible_reasons,
+            "passed_over": self.passed_over,
         })
+
+
+class PassOver(str, Enum):
+    """Why a better-ranked plan was not taken."""
+
+    TRANSITION_INFEASIBLE = "transition-infeasible"  # its DAG cannot run (transient memory, coverage)
+    NO_PAYBACK = "no-payback"  # its transition costs more than it saves within gamma * H_x
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PassedOver:
+    """A plan admission ranked above the one it took (or above checkpoint/restart), and why not."""
+
+    rank: int  # 1: the search's best plan, 2.. the next reachable plans (planner.alternatives)
+    why: PassOver
+    reason: str
+    predicted_step_s: float
+    transition_s: float | None  # L_tran when its DAG could be built
+    note: str = ""  # how the plan was found (the alternative's memory cap)
+
+
+class NoReachablePlan(InfeasibleError):
+    """Neither the best plan nor any next one can be reached by a transition: ``cause`` is the best
+    plan's own DAG error (a lost last copy, say), ``passed_over`` every plan tried."""
+
+    def __init__(self, cause: InfeasibleError, passed_over: tuple[PassedOver, ...]) -> None:
+        self.cause = cause
+        self.passed_over = passed_over
+        tried = f" ({len(passed_over)} plans tried)" if len(passed_over) > 1 else ""
+        super().__init__(str(cause).splitlines()[0] + tried, cause.reasons)
 
 
 def _plain(obj: Any) -> Any:
@@ -305,14 +341,28 @@ class Candidate:
 
     plan: Any
     prediction: PredictionLike
+    note: str = ""  # how it was found (the next reachable plans say which memory cap)
+
+
+# ``alternatives(error)``: the next plans after the best one, best first, lazily (planner.alternatives);
+# ``error`` is the best plan's DAG error, or None when its transition was only not worth it.
+Alternatives = Callable[[InfeasibleError | None], Iterable[CandidateLike]]
 
 
 def decide(*, trigger: Trigger, current_plan: Any, current_prediction: PredictionLike | None,
            replan: Callable[[], CandidateLike], transition_s: Callable[[Any, Any], float],
-           gamma: float = DEFAULT_GAMMA, policy: Policy = Policy.PAYBACK) -> Decision:
+           gamma: float = DEFAULT_GAMMA, policy: Policy = Policy.PAYBACK,
+           alternatives: Alternatives | None = None) -> Decision:
     """Replan and judge the candidate. ``replan`` runs the search (raising InfeasibleError when nothing
-    fits, smaller micro-batches and recomputation included); ``transition_s(old, new)`` predicts L_tran.
-    ``current_prediction`` is None when the running plan is infeasible on the new pool or memory."""
+    fits, smaller micro-batches and recomputation included); ``transition_s(old, new)`` predicts L_tran,
+    raising InfeasibleError when no DAG can reach ``new``. ``current_prediction`` is None when the
+    running plan is infeasible on the new pool or memory.
+
+    When the best plan's DAG cannot run, or its transition does not pay back, the next reachable plans
+    (``alternatives``) are judged in turn: the first admitted is taken, and the plans passed over are
+    recorded with why. A plan no faster than the running one ends the walk (those after it are slower).
+    If no plan can be reached at all, NoReachablePlan (an InfeasibleError) carries the best plan's DAG
+    error and every plan tried: the caller falls back to checkpoint/restart."""
     cur_version = getattr(current_plan, "version", None)
     try:
         cand = replan()
@@ -324,16 +374,59 @@ def decide(*, trigger: Trigger, current_plan: Any, current_prediction: Predictio
         return Decision(step=trigger.step, trigger=trigger, current_plan_version=cur_version,
                         candidate_plan_version=None, current_prediction=current_prediction,
                         candidate_prediction=None, verdict=verdict, infeasible_reasons=exc.reasons)
-    same = current_plan is not None and _same_layout(current_plan, cand.plan)
-    l_tran = 0.0 if same or current_plan is None else transition_s(current_plan, cand.plan)
-    verdict = admit(trigger=trigger,
-                    current_step_s=None if current_prediction is None else current_prediction.step_latency_s,
-                    candidate_step_s=cand.prediction.step_latency_s, transition_s=l_tran, same_plan=same,
-                    gamma=gamma, policy=policy)
+    current_s = None if current_prediction is None else current_prediction.step_latency_s
+    passed: list[PassedOver] = []
+    first: tuple[CandidateLike, Verdict, int] | None = None  # the best-ranked plan whose DAG could be built
+    error: list[InfeasibleError] = []  # the best plan's DAG error, if any
+
+    def ranked() -> Iterator[CandidateLike]:
+        yield cand
+        if alternatives is not None:  # asked only once the best plan was not taken
+            yield from alternatives(error[0] if error else None)
+
+    for rank, c in enumerate(ranked(), start=1):
+        same = current_plan is not None and _same_layout(current_plan, c.plan)
+        try:
+            l_tran = 0.0 if same or current_plan is None else transition_s(current_plan, c.plan)
+        except InfeasibleError as exc:
+            if rank == 1:
+                error.append(exc)
+            passed.append(_passed(rank, c, PassOver.TRANSITION_INFEASIBLE, str(exc).splitlines()[0], None))
+            continue
+        verdict = admit(trigger=trigger, current_step_s=current_s, candidate_step_s=c.prediction.step_latency_s,
+                        transition_s=l_tran, same_plan=same, gamma=gamma, policy=policy)
+        if verdict.admitted or (verdict.rule is not Rule.PAYBACK and first is None):
+            return _decision(trigger, cur_version, current_prediction, c, verdict, rank, passed)
+        if verdict.rule is not Rule.PAYBACK:
+            break  # no faster than the running plan (or it is the running plan): the rest are slower still
+        first = first or (c, verdict, rank)
+        passed.append(_passed(rank, c, PassOver.NO_PAYBACK, verdict.reason, l_tran))
+    if first is None:  # no plan's DAG could be built
+        raise NoReachablePlan(error[0] if error else InfeasibleError("no transition reaches any plan"), tuple(passed))
+    c, verdict, rank = first
+    return _decision(trigger, cur_version, current_prediction, c, verdict, rank, passed)
+
+
+def _passed(rank: int, c: CandidateLike, why: PassOver, reason: str, l_tran: float | None) -> PassedOver:
+    return PassedOver(rank=rank, why=why, reason=reason, predicted_step_s=c.prediction.step_latency_s,
+                      transition_s=l_tran, note=str(getattr(c, "note", "")))
+
+
+def _decision(trigger: Trigger, cur_version: int | None, current_prediction: PredictionLike | None,
+              c: CandidateLike, verdict: Verdict, rank: int, passed: list[PassedOver]) -> Decision:
+    """The decision for candidate ``c`` (ranked ``rank``); the plans passed over above it are named."""
+    others = [p for p in passed if p.rank != rank]
+    if others:
+        why = "; ".join(f"#{p.rank} {p.why.value}: {p.reason}" for p in others)
+        note = getattr(c, "note", "")
+        plan = f"plan #{rank}{f' ({note})' if note else ''}"
+        reason = (f"{plan} taken, passed over {why}; {verdict.reason}" if verdict.admitted
+                  else f"{plan}: {verdict.reason}; also tried {why}")
+        verdict = replace(verdict, reason=reason)
     return Decision(step=trigger.step, trigger=trigger, current_plan_version=cur_version,
-                    candidate_plan_version=getattr(cand.plan, "version", None),
-                    current_prediction=current_prediction, candidate_prediction=cand.prediction,
-                    verdict=verdict, candidate_plan=cand.plan)
+                    candidate_plan_version=getattr(c.plan, "version", None),
+                    current_prediction=current_prediction, candidate_prediction=c.prediction,
+                    verdict=verdict, candidate_plan=c.plan, passed_over=tuple(passed))
 
 
 def _same_layout(a: Any, b: Any) -> bool:

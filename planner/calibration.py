@@ -32,7 +32,7 @@ from planner.cost import PRIORS, Efficiencies, OpClass, OpTerm
 from planner.errors import SpecError
 from planner.hardware import ClusterSpec
 from planner.plan import GlobalPlan
-from planner.prediction import predict
+from planner.prediction import predict, schedule
 from planner.workflow import JobSpec
 
 HUBER_K = 1.345  # 95% efficiency under Gaussian noise
@@ -267,14 +267,15 @@ class CalibratedEfficiencies(Efficiencies):
 
 def fit_from_stage_times(job: JobSpec, plan: GlobalPlan, stage_times_s: Mapping[str, float],
                          previous: Efficiencies | None = None, cluster: ClusterSpec | None = None,
-                         window: int = STAGE_WINDOW) -> Efficiencies:
+                         window: int = STAGE_WINDOW, step_latency_s: float | None = None) -> Efficiencies:
     """One calibration step from a step's measured model-stage times (what agents report).
 
     Predicts the plan's terms (the class mix of each model-stage on its slowest replica), adds one
     StageObservation per measured model-stage to the window and refits every observed class jointly
     (StageFit). Observations of earlier plans stay in the window: stages of other shapes are what tell
-    classes apart. ``cluster`` is needed to rebuild the terms; without it nothing is learned and
-    ``previous`` (or the priors) is returned.
+    classes apart. ``step_latency_s`` (the whole step, if known) also teaches the fixed per-step
+    overhead: what the step took beyond its model-stages. ``cluster`` is needed to rebuild the terms;
+    without it nothing is learned and ``previous`` (or the priors) is returned.
     """
     base = previous if previous is not None else PRIORS
     if cluster is None:
@@ -285,5 +286,22 @@ def fit_from_stage_times(job: JobSpec, plan: GlobalPlan, stage_times_s: Mapping[
     observed = [stage_observation(pred.terms[name], seconds, fit.steps, source=name)
                 for name, seconds in stage_times_s.items()
                 if name in pred.terms and math.isfinite(seconds) and seconds > 0]
-    fit = fit.observe(observed)
+    overhead = _overhead_observation(job, plan, stage_times_s, step_latency_s, cluster, fit.steps)
+    fit = fit.observe(observed + ([overhead] if overhead is not None else []))
     return CalibratedEfficiencies(fit.efficiencies(PRIORS).learned, stage_fit=fit)
+
+
+def _overhead_observation(job: JobSpec, plan: GlobalPlan, stage_times_s: Mapping[str, float],
+                          step_latency_s: float | None, cluster: ClusterSpec, step: int) -> StageObservation | None:
+    """The per-step overhead (STEP_OVERHEAD) as measured: the step's latency less the schedule of its
+    measured model-stages (every model-stage of the plan measured; the cluster names an overhead).
+    A step with no time left over reads as a tenth of the named overhead (the class's floor is set by
+    its efficiency bound, so it settles at the bound)."""
+    if step_latency_s is None or not math.isfinite(step_latency_s) or cluster.step_overhead_s <= 0:
+        return None
+    seconds = {sp.model_stage: stage_times_s.get(sp.model_stage, math.nan) for sp in plan}
+    if not all(math.isfinite(v) and v > 0 for v in seconds.values()):
+        return None
+    left = step_latency_s - schedule(job, plan, seconds)[0]
+    return StageObservation(ideal_s=MappingProxyType({OpClass.STEP_OVERHEAD: cluster.step_overhead_s}), fixed_s=0.0,
+                            measured_s=max(left, 0.1 * cluster.step_overhead_s), step=step, source="step-overhead")

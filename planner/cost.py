@@ -28,22 +28,22 @@ from enum import Enum
 from types import MappingProxyType
 
 from planner.errors import SpecError
-from planner.hardware import ClusterSpec
+from planner.hardware import ClusterSpec, LinkSpec
 from planner.memory import (
     BYTES_BF16,
-    TRAINING_BYTES_PER_PARAM,
     kv_bytes_per_token_per_gpu,
     params_per_gpu,
     shard_params,
     stage_layer_counts,
+    training_bytes_per_param,
 )
 from planner.models import ModelSpec
 from planner.plan import Layout
-from planner.workflow import ModelStage, StageKind, Workload
+from planner.workflow import ModelStage, Role, StageKind, Workload
 
 
 class OpClass(str, Enum):
-    GEMM = "gemm"  # FLOPs at the device's peak
+    GEMM = "gemm"  # FLOPs at the device's peak (the attainable peak of the GEMM's per-GPU shape)
     ATTENTION_PREFILL = "attention_prefill"  # FLOPs (flash attention over whole sequences)
     ATTENTION_DECODE = "attention_decode"  # KV-cache bytes read at HBM bandwidth
     MEMORY_BOUND = "memory_bound"  # weight bytes read per decode step, optimizer update, at HBM bandwidth
@@ -57,6 +57,10 @@ class OpClass(str, Enum):
     LAUNCH_FORWARD = "launch_forward"  # forward passes (inference, training's forward, recompute)
     LAUNCH_DECODE = "launch_decode"  # decode steps: a one-token forward plus sampling, from a Python loop
     LAUNCH_BACKWARD = "launch_backward"  # autograd's backward (its C++ engine) and the optimizer step
+    WEIGHT_SYNC = "weight_sync"  # train -> generation weight refit, bytes per generation GPU over its link
+    STEP_OVERHEAD = "step_overhead"  # fixed seconds per RL step (ClusterSpec.step_overhead_s) at "peak" 1/s
+    DECODE_OVERHEAD = "decode_overhead"  # engine CPU time per live sequence per decode step (seconds)
+    HOST_COPY = "host_copy"  # bytes between host and device (sleep mode: weights out and back), per GPU
 
 
 # Host time per operator launch that the device's own work does not hide, by device preset name:
@@ -75,14 +79,27 @@ LAUNCHES_PER_SAMPLE = 15
 LAUNCHES_PER_PARAM_TENSOR = 16
 
 
-# Conservative priors (below what well-tuned kernels reach), so an uncalibrated plan is not optimistic.
+# classes whose work is a time in seconds (peak 1/s), not FLOPs or bytes
+TIME_CLASSES = frozenset({OpClass.STEP_OVERHEAD, OpClass.DECODE_OVERHEAD})
+
+
+# Priors: every one set from a public measurement (below the best tuned figures, so an uncalibrated
+# plan is not optimistic); a class never measured keeps its prior.
 PRIOR_EFFICIENCY: Mapping[OpClass, float] = MappingProxyType({
+    # Megatron-LM README: GPT models reach 41-48% MFU on H100 at scale (weak-scaling table, 2023); the
+    # shape factor below already charges small per-GPU GEMMs, so the class itself sits at 0.45.
     OpClass.GEMM: 0.45,
+    # FlashAttention-2 (Dao 2023): 50-73% of A100 peak forward, lower backward; 0.35 of dense peak.
     OpClass.ATTENTION_PREFILL: 0.35,
+    # vLLM decode: ~50-70% of HBM bandwidth at realistic batch (PagedAttention paper, Kwon et al. 2023).
     OpClass.ATTENTION_DECODE: 0.5,
+    # Weight-read bound decode: Llama-3.1-8B bf16 on one H100 runs ~6.5-7 ms/token at batch 1 in
+    # vLLM's latency benchmark, 16 GB / 3.35 TB/s = 4.8 ms: ~0.7; 0.6 is the conservative side.
     OpClass.MEMORY_BOUND: 0.6,
+    # nccl-tests all_reduce_perf on DGX H100: ~360-480 GB/s bus bandwidth of 450 GB/s NVLink per
+    # direction at large messages (0.8+); 0.6 leaves room for mid-sized (per-layer) buffers.
     OpClass.TP_ALLREDUCE_INTRA: 0.6,
-    OpClass.TP_ALLREDUCE_INTER: 0.5,
+    OpClass.TP_ALLREDUCE_INTER: 0.5,  # nccl-tests over 8x NDR400: ~40 GB/s of 50 per GPU at large sizes
     OpClass.PP_SEND_INTRA: 0.6,
     OpClass.PP_SEND_INTER: 0.5,
     OpClass.DP_ALLREDUCE_INTRA: 0.6,
@@ -90,7 +107,34 @@ PRIOR_EFFICIENCY: Mapping[OpClass, float] = MappingProxyType({
     OpClass.LAUNCH_FORWARD: 0.2,
     OpClass.LAUNCH_DECODE: 0.2,
     OpClass.LAUNCH_BACKWARD: 0.2,
+    # verl issue tracker (weight sync): NCCL broadcast from one sender ~25 GB/s, ~90 GB/s from all senders
+    # on H100 NVLink (450 GB/s): 0.2 of the link.
+    OpClass.WEIGHT_SYNC: 0.2,
+    OpClass.STEP_OVERHEAD: 1.0,  # a time, not a rate: the configured overhead is taken as it is
+    OpClass.DECODE_OVERHEAD: 1.0,  # a time: DECODE_SEQUENCE_OVERHEAD_S per sequence per step
+    # pinned host <-> device copies reach ~80% of the PCIe link (nvbandwidth / bandwidthTest: ~26 of 32
+    # GB/s on Gen4 x16, ~50-55 of 64 on Gen5); sleep mode's offload may use pageable memory: 0.5.
+    OpClass.HOST_COPY: 0.5,
 })
+
+# Inference engines spend CPU time per decode step on scheduling, sampling and output processing,
+# growing with the batch: vLLM's multi-step scheduling RFC (vllm-project/vllm issue 6854) measured
+# ~4 ms of GPU bubble per decode step at large batch (5-13 ms in the worst traces), and issue 6913
+# 3.4 ms of output processing per step at batch 32 (Llama-3-70B, 4 H100). Per live sequence: 4 ms over
+# 256 sequences ~ 15 us; at concurrency 1 it vanishes (0.015 ms).
+DECODE_SEQUENCE_OVERHEAD_S = 15e-6
+
+# GEMM efficiency falls with the per-GPU shape: see planner.hardware.GEMM_HALF_TOKENS (per device).
+
+# Megatron-core DDP (--overlap-grad-reduce) all-reduces gradient buckets while the last micro-batch's
+# backward still runs; only what the backward cannot hide stays exposed, and never less than the
+# last bucket. Bucket size: DistributedDataParallelConfig.bucket_size default, 40M parameters.
+DP_BUCKET_PARAMS = 40_000_000
+DP_OVERLAP = 1.0  # share of the last backward the all-reduce can hide behind
+
+# Weight refit train -> generation: its set-up (communicators / IPC handles, format conversion, the
+# engine's weight reload) is ClusterSpec.refit_setup_s, a framework figure like the step overhead:
+# planner.hardware.GPU_REFIT_SETUP_S on GPU systems, 0 on the CPU development system.
 
 
 class Efficiencies(Mapping[OpClass, float]):
@@ -180,6 +224,14 @@ def _matmul_params(model: ModelSpec, ms: ModelStage, layout: Layout) -> int:
     return max(counts[0] * layer + (top if layout.pp == 1 else 0), counts[-1] * layer + top)
 
 
+def gemm_peak(cluster: ClusterSpec, model: ModelSpec, layout: Layout, tokens: float) -> float:
+    """Attainable GEMM FLOP/s for ``tokens`` rows per GPU (DeviceSpec.gemm_half_tokens): FLOPs stay FLOPs,
+    the shape lowers the peak they run at."""
+    dev = cluster.device
+    width = model.hidden_size / layout.tp
+    return dev.peak_flops_bf16 / ((1.0 + dev.gemm_half_tokens / tokens) * (1.0 + dev.gemm_half_width / width))
+
+
 # (op class, work, peak per s, messages, latency s) of one term: what OpTerm holds, without building one
 # (the option tables evaluate thousands of terms per replan).
 RawTerm = tuple[OpClass, float, float, float, float]
@@ -198,16 +250,28 @@ def microbatch_terms(model: ModelSpec, ms: ModelStage, layout: Layout, workload:
                  microbatch_raw(model, ms, layout, workload, micro_batch_size, recompute, cluster, links))
 
 
-def microbatch_raw(model: ModelSpec, ms: ModelStage, layout: Layout, workload: Workload,
-                   micro_batch_size: int, recompute: bool, cluster: ClusterSpec,
-                   links: Links) -> list[RawTerm]:
-    """:func:`microbatch_terms` as raw tuples, in the same order."""
-    tp, pp, b = layout.tp, layout.pp, micro_batch_size
-    dev = cluster.device
+def _links_of(cluster: ClusterSpec, links: Links) -> tuple[LinkSpec, LinkSpec, OpClass, OpClass]:
     tp_link = cluster.intra_node_link if links.tp_intra else cluster.inter_node_link
     pp_link = cluster.intra_node_link if links.pp_intra else cluster.inter_node_link
     tp_cls = OpClass.TP_ALLREDUCE_INTRA if links.tp_intra else OpClass.TP_ALLREDUCE_INTER
     pp_cls = OpClass.PP_SEND_INTRA if links.pp_intra else OpClass.PP_SEND_INTER
+    return tp_link, pp_link, tp_cls, pp_cls
+
+
+def microbatch_raw(model: ModelSpec, ms: ModelStage, layout: Layout, workload: Workload,
+                   micro_batch_size: int, recompute: bool, cluster: ClusterSpec,
+                   links: Links) -> list[RawTerm]:
+    """:func:`microbatch_terms` as raw tuples, in the same order.
+
+    Generation: a wave of b concurrent sequences (continuous batching: b is the concurrency) that
+    prefills its prompts (compute bound, its own GEMM term) and decodes the mean response length;
+    each decode step reads the weights once and the KV cache of every live sequence, so time per
+    output token rises with concurrency. The first two terms are the decode roofline pair (GEMM,
+    weight read). Training: forward + backward (x2) (+ a recomputed forward), plus the old-log-prob
+    forward of PPO/GRPO actors (ModelStage.old_logprob_pass)."""
+    tp, pp, b = layout.tp, layout.pp, micro_batch_size
+    dev = cluster.device
+    tp_link, pp_link, tp_cls, pp_cls = _links_of(cluster, links)
     w = _matmul_params(model, ms, layout)
     layers = stage_layer_counts(model.num_layers, pp)[0]
     h = model.hidden_size
@@ -228,15 +292,20 @@ def microbatch_raw(model: ModelSpec, ms: ModelStage, layout: Layout, workload: W
     terms: list[RawTerm] = []
     if ms.kind is StageKind.GENERATION:
         p, r = workload.prompt_tokens, workload.response_tokens
-        ctx = p + r / 2  # mean context length over the decode
         decode_flops = 2.0 * w * b * r
         decode_bytes = float(w * model.bytes_per_param * r)
-        gemm = (OpClass.GEMM, 2.0 * w * b * p + decode_flops, dev.peak_flops_bf16, 0.0, 0.0)
-        weights = (OpClass.MEMORY_BOUND, decode_bytes, dev.hbm_bytes_per_s, 0.0, 0.0)
-        terms += [gemm, weights]  # roofline: the search keeps both; stage_cost takes the larger of the two
+        # roofline pair: the search keeps both; stage_cost takes the larger of the two
+        # decode GEMMs at the plain peak: their small-M regime is the weight read the roofline keeps
+        terms.append((OpClass.GEMM, decode_flops, dev.peak_flops_bf16, 0.0, 0.0))
+        terms.append((OpClass.MEMORY_BOUND, decode_bytes, dev.hbm_bytes_per_s, 0.0, 0.0))
+        terms.append((OpClass.GEMM, 2.0 * w * b * p, gemm_peak(cluster, model, layout, b * p), 0.0, 0.0))
         terms.append((OpClass.ATTENTION_PREFILL, attention_flops(p), dev.peak_flops_bf16, 0.0, 0.0))
-        terms.append((OpClass.ATTENTION_DECODE, float(b * ctx * kv_bytes_per_token_per_gpu(model, layout) * r),
+        # KV read: every decode step reads each live sequence's context, sum over a response of
+        # length n is p*n + n^2/2, and E[n^2] = mean^2 + std^2 (long responses read more)
+        kv_tokens = p * r + workload.response_tokens_second_moment / 2
+        terms.append((OpClass.ATTENTION_DECODE, float(b * kv_tokens * kv_bytes_per_token_per_gpu(model, layout)),
                       dev.hbm_bytes_per_s, 0.0, 0.0))
+        terms.append((OpClass.DECODE_OVERHEAD, b * r * DECODE_SEQUENCE_OVERHEAD_S, 1.0, 0.0, 0.0))
         if tp > 1:
             terms.append(tp_allreduces(2 * layers, b * p))
             terms.append(tp_allreduces(2 * layers * r, b))
@@ -246,13 +315,16 @@ def microbatch_raw(model: ModelSpec, ms: ModelStage, layout: Layout, workload: W
         terms += _launch(cluster, OpClass.LAUNCH_DECODE, r * (_pass_launches(layers) + LAUNCHES_PER_SAMPLE))
         return terms
     s = workload.tokens_per_sequence
-    passes = 1 if ms.kind is StageKind.INFERENCE else (4 if recompute else 3)  # fwd (+ bwd 2x, + refwd)
-    terms.append((OpClass.GEMM, passes * 2.0 * w * b * s, dev.peak_flops_bf16, 0.0, 0.0))
+    # forward-pass equivalents: fwd + bwd (2x) (+ recomputed fwd) (+ the old-log-prob fwd)
+    extra = 1 if ms.old_logprob_pass else 0
+    passes = 1 if ms.kind is StageKind.INFERENCE else (4 if recompute else 3) + extra
+    terms.append((OpClass.GEMM, passes * 2.0 * w * b * s, gemm_peak(cluster, model, layout, b * s), 0.0, 0.0))
     terms.append((OpClass.ATTENTION_PREFILL, passes * attention_flops(s), dev.peak_flops_bf16, 0.0, 0.0))
     if tp > 1:
-        terms.append(tp_allreduces((2 if passes == 1 else 2 * (passes - 1)) * layers, b * s))
+        count = 2 if ms.kind is StageKind.INFERENCE else 2 * ((3 if recompute else 2) + extra)
+        terms.append(tp_allreduces(count * layers, b * s))
     if pp > 1:
-        n_sends = 1 if passes == 1 else 2  # activations forward, gradients backward
+        n_sends = 1 if ms.kind is StageKind.INFERENCE else 2 + extra  # activations fwd, gradients bwd
         terms.append(pp_sends(n_sends, n_sends * b * s))
     forward = 1 if passes == 1 else passes - 2  # training: fwd (+ refwd); backward launches ~2x the forward's
     terms += _launch(cluster, OpClass.LAUNCH_FORWARD, forward * _pass_launches(layers))
@@ -277,6 +349,76 @@ def _param_tensors(model: ModelSpec, layout: Layout) -> int:
     return stage_layer_counts(model.num_layers, layout.pp)[0] * per_layer + 3
 
 
+def backward_seconds(model: ModelSpec, ms: ModelStage, layout: Layout, workload: Workload,
+                     micro_batch_size: int, recompute: bool, cluster: ClusterSpec,
+                     eff: Mapping[OpClass, float]) -> float:
+    """Compute seconds of one micro-batch's backward (2 forward-equivalents, 3 with recomputation):
+    what the DP gradient all-reduce can hide behind. Affine in the micro-batch size."""
+    if ms.kind is not StageKind.TRAINING:
+        return 0.0
+    b, s = micro_batch_size, workload.tokens_per_sequence
+    w = _matmul_params(model, ms, layout)
+    layers = stage_layer_counts(model.num_layers, layout.pp)[0]
+    q_dim = model.num_attention_heads // layout.tp * model.head_dim
+    passes = 3 if recompute else 2
+    gemm = passes * 2.0 * w * b * s / (gemm_peak(cluster, model, layout, b * s) * eff[OpClass.GEMM])
+    attn = passes * 2.0 * b * s**2 * q_dim * layers / (cluster.device.peak_flops_bf16 * eff[OpClass.ATTENTION_PREFILL])
+    return gemm + attn
+
+
+def fixed_raw(model: ModelSpec, ms: ModelStage, layout: Layout, workload: Workload, cluster: ClusterSpec,
+              links: Links) -> list[RawTerm]:
+    """Once per RL step per replica, whatever the batch split: the generation tail, the weight refit, and
+    a sleeping model-stage's two host copies of its weights.
+
+    Tail: under continuous batching a replica's last sequences decode alone; the longest response
+    runs ``tail_response_tokens`` steps past the mean at concurrency ~1, each step reading the
+    weights (and the tail sequence's KV, TP all-reduce latencies, PP hops). Refit: a generation
+    model-stage of the actor receives its weight shard from training every step (bf16 bytes per GPU
+    over its unit's link, plus ClusterSpec.refit_setup_s)."""
+    terms: list[RawTerm] = []
+    if ms.sleeps:  # weights out to the host after running, back before the next step's run
+        n = params_per_gpu(model, ms.role.head, layout)
+        terms.append((OpClass.HOST_COPY, 2.0 * n * model.bytes_per_param, cluster.device.host_bytes_per_s, 0.0, 0.0))
+    if ms.kind is not StageKind.GENERATION:
+        return terms
+    tp_link, pp_link, tp_cls, pp_cls = _links_of(cluster, links)
+    w = _matmul_params(model, ms, layout)
+    layers = stage_layer_counts(model.num_layers, layout.pp)[0]
+    tail = workload.tail_response_tokens
+    if tail > 0:
+        dev = cluster.device
+        terms.append((OpClass.MEMORY_BOUND, float(w * model.bytes_per_param * tail), dev.hbm_bytes_per_s, 0.0, 0.0))
+        ctx = workload.prompt_tokens + (workload.response_tokens + workload.max_tokens_per_sequence
+                                        - workload.prompt_tokens) / 2
+        terms.append((OpClass.ATTENTION_DECODE, float(ctx * tail * kv_bytes_per_token_per_gpu(model, layout)),
+                      dev.hbm_bytes_per_s, 0.0, 0.0))
+        terms.append((OpClass.DECODE_OVERHEAD, tail * DECODE_SEQUENCE_OVERHEAD_S, 1.0, 0.0, 0.0))
+        if layout.tp > 1:
+            terms.append((tp_cls, 2 * layers * tail * BYTES_BF16 * model.hidden_size * _ring(layout.tp),
+                          tp_link.bytes_per_s, 2 * layers * tail * _hops(layout.tp), tp_link.latency_s))
+        if layout.pp > 1:
+            terms.append((pp_cls, float(tail * BYTES_BF16 * model.hidden_size), pp_link.bytes_per_s,
+                          float(tail * (layout.pp - 1)), pp_link.latency_s))
+        # each tail step is a decode forward with its sampling (eager devices launch every operator)
+        terms += _launch(cluster, OpClass.LAUNCH_DECODE, tail * (_pass_launches(layers) + LAUNCHES_PER_SAMPLE))
+    if ms.role is Role.ACTOR:
+        link = cluster.intra_node_link if links.tp_intra and links.pp_intra else cluster.inter_node_link
+        n = params_per_gpu(model, ms.role.head, layout)
+        terms.append((OpClass.WEIGHT_SYNC, float(n * model.bytes_per_param), link.bytes_per_s, 1.0,
+                      cluster.refit_setup_s))
+    return terms
+
+
+def dp_exposed_fraction(all_reduce_s: float, backward_s: float, params_per_gpu_: int) -> float:
+    """Share of the DP gradient all-reduce left exposed: what the last backward cannot hide, at least
+    the last bucket (DP_BUCKET_PARAMS of the GPU's parameters)."""
+    if all_reduce_s <= 0:
+        return 0.0
+    last_bucket = min(1.0, DP_BUCKET_PARAMS / max(params_per_gpu_, 1))
+    return max(last_bucket, (all_reduce_s - DP_OVERLAP * backward_s) / all_reduce_s)
+
+
 def sync_terms(model: ModelSpec, ms: ModelStage, layout: Layout, dp: int, cluster: ClusterSpec,
                links: Links) -> tuple[OpTerm, ...]:
     """Once per optimizer step of a training model-stage: DP gradient all-reduce and the Adam update."""
@@ -290,13 +432,14 @@ def sync_raw(model: ModelSpec, ms: ModelStage, layout: Layout, dp: int, cluster:
     if ms.kind is not StageKind.TRAINING:
         return []
     n = params_per_gpu(model, ms.role.head, layout)
-    terms: list[RawTerm] = [(OpClass.MEMORY_BOUND, 2.0 * n * TRAINING_BYTES_PER_PARAM,
+    terms: list[RawTerm] = [(OpClass.MEMORY_BOUND, 2.0 * n * training_bytes_per_param(model),
                              cluster.device.hbm_bytes_per_s, 0.0, 0.0)]
-    terms += _launch(cluster, OpClass.LAUNCH_BACKWARD, float(_param_tensors(model, layout) * LAUNCHES_PER_PARAM_TENSOR))
+    if LAUNCH_OVERHEAD_S.get(cluster.device.name, 0.0) > 0:  # counting tensors is not free: only where launches cost
+        terms += _launch(cluster, OpClass.LAUNCH_BACKWARD, float(_param_tensors(model, layout) * LAUNCHES_PER_PARAM_TENSOR))
     if dp > 1:  # last: the option tables read the DP all-reduce as sync_raw(...)[-1]
         link = cluster.intra_node_link if links.dp_intra else cluster.inter_node_link
         cls = OpClass.DP_ALLREDUCE_INTRA if links.dp_intra else OpClass.DP_ALLREDUCE_INTER
-        terms.append((cls, n * BYTES_BF16 * _ring(dp), link.bytes_per_s, _hops(dp), link.latency_s))
+        terms.append((cls, n * model.grad_bytes_per_param * _ring(dp), link.bytes_per_s, _hops(dp), link.latency_s))
     return terms
 
 
@@ -342,13 +485,22 @@ def repeats(ms: ModelStage, layout: Layout, grad_accum: int, workload: Workload)
 def stage_cost(model: ModelSpec, ms: ModelStage, layout: Layout, workload: Workload, *,
                micro_batch_size: int, grad_accum: int, recompute: bool, dp: int, cluster: ClusterSpec,
                links: Links, eff: Mapping[OpClass, float]) -> StageCost:
-    """One replica's seconds per RL step: (m + p - 1) micro-batches under 1F1B, plus sync per mini-batch."""
+    """One replica's seconds per RL step: (m + p - 1) micro-batches under 1F1B, plus per mini-batch the
+    optimizer update and the exposed part of the DP all-reduce, plus once per step the fixed terms
+    (generation tail, weight refit)."""
     mb = roofline(microbatch_terms(model, ms, layout, workload, micro_batch_size, recompute, cluster, links),
                   eff)
     rep, steps = repeats(ms, layout, grad_accum, workload)
     mb_s = sum(t.seconds(eff) for t in mb)
-    terms = tuple(t.scaled(rep) for t in mb) + tuple(
-        t.scaled(steps) for t in sync_terms(model, ms, layout, dp, cluster, links))
+    sync = sync_terms(model, ms, layout, dp, cluster, links)
+    if dp > 1 and sync:  # the all-reduce (last) overlaps the last micro-batch's backward: only what shows counts
+        ar = sync[-1]
+        bwd = backward_seconds(model, ms, layout, workload, micro_batch_size, recompute, cluster, eff)
+        exposed = dp_exposed_fraction(ar.seconds(eff), bwd, params_per_gpu(model, ms.role.head, layout))
+        sync = (*sync[:-1], ar.scaled(exposed))
+    fixed = tuple(OpTerm(op_class=c, work=w, peak_per_s=p, messages=m, latency_s=lat)
+                  for c, w, p, m, lat in fixed_raw(model, ms, layout, workload, cluster, links))
+    terms = tuple(t.scaled(rep) for t in mb) + tuple(t.scaled(t.repeat * steps) for t in sync) + fixed
     seconds = sum(t.seconds(eff) for t in terms)
     bubble = mb_s * (layout.pp - 1) * steps
     return StageCost(seconds=seconds, terms=terms, bubble_s=bubble)

@@ -14,7 +14,7 @@ from planner.cost import PRIORS, OpClass
 from planner.hardware import ClusterSpec
 from planner.infeasible import explain_infeasible
 from planner.options import DEFAULT_RULES, OptionRules, StageOption, option_table
-from planner.prediction import predict
+from planner.prediction import predict, step_overhead_seconds
 from planner.search import Choice, SearchResult, assign, check_pool, usable_bytes
 from planner.waves import partitions
 from planner.workflow import JobSpec, StageKind
@@ -93,6 +93,6 @@ def exhaustive_search(job: JobSpec, cluster: ClusterSpec, pool: Sequence[int] | 
     if best is None:
         raise explain_infeasible(job, cluster, n)
     plan = assign(job, ordered, best[1], version, cluster.gpus_per_node)
-    return SearchResult(plan=plan, prediction=predict(job, cluster, plan, eff), objective_s=best[0],
+    return SearchResult(plan=plan, prediction=predict(job, cluster, plan, eff), objective_s=best[0] + step_overhead_seconds(cluster, eff),
                         candidates_considered=sum(len(v) for v in all_opts.values()),
                         frontier_sizes={k: len(v) for k, v in all_opts.items()}, urgent_options=False)

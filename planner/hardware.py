@@ -14,15 +14,31 @@ GiB = 1024**3
 GB = 1000**3
 
 
+# GEMM efficiency falls with the per-GPU shape: NVIDIA's "Matrix Multiplication Background" guide
+# (docs.nvidia.com/deeplearning/performance) shows tile/wave quantisation and a memory-bound regime
+# below a few hundred rows, and a slower climb with the width. A GEMM of M tokens and N output
+# columns per GPU reaches peak / ((1 + M0/M) (1 + N0/N)): M = 256 tokens -> 0.8, 4,096 -> 0.98; a
+# Llama-8B layer's width per GPU 4,096/tp -> 0.97 at tp = 1, 0.89 at tp = 8. Affine in the micro-batch
+# size, so the option tables keep their lines (planner.cost.gemm_peak). Per device: these on GPUs, none
+# on the CPU worker.
+GEMM_HALF_TOKENS = 64.0
+GEMM_HALF_WIDTH = 128.0
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DeviceSpec:
     name: str
     memory_bytes: int
     peak_flops_bf16: float
     hbm_bytes_per_s: float
+    host_bytes_per_s: float = 25e9  # host <-> device copies, per direction (PCIe 4 x16 by default)
+    # GEMM shape efficiency (planner.cost.gemm_peak): rows (tokens) and columns per GPU at which a GEMM
+    # runs at half its peak; tensor-core tiles and waves make small GEMMs slow on GPUs (see planner.cost)
+    gemm_half_tokens: float = GEMM_HALF_TOKENS
+    gemm_half_width: float = GEMM_HALF_WIDTH
 
     def __post_init__(self) -> None:
-        for field in ("memory_bytes", "peak_flops_bf16", "hbm_bytes_per_s"):
+        for field in ("memory_bytes", "peak_flops_bf16", "hbm_bytes_per_s", "host_bytes_per_s"):
             if getattr(self, field) <= 0:
                 raise SpecError(f"device.{field}", f"must be > 0, got {getattr(self, field)}")
 
@@ -40,20 +56,28 @@ class LinkSpec:
 
 # --- device presets -------------------------------------------------------------------------------
 # NVIDIA H100 SXM5 80GB data sheet: 989 TFLOP/s dense BF16 (1,979 with sparsity), 3.35 TB/s HBM3.
-H100 = DeviceSpec(name="h100-80gb", memory_bytes=80 * GB, peak_flops_bf16=989e12, hbm_bytes_per_s=3.35e12)
+# Host link: PCIe Gen5 x16 (H100/H200 SXM) is 64 GB/s per direction; Gen4 x16 (A100) 32 GB/s; Frontier's
+# CPU-GCD Infinity Fabric 36 GB/s per direction (OLCF user guide).
+H100 = DeviceSpec(name="h100-80gb", memory_bytes=80 * GB, peak_flops_bf16=989e12, hbm_bytes_per_s=3.35e12,
+                  host_bytes_per_s=64e9)
 # NVIDIA H200 SXM 141GB data sheet: 989 TFLOP/s dense BF16, 4.8 TB/s HBM3e.
-H200 = DeviceSpec(name="h200-141gb", memory_bytes=141 * GB, peak_flops_bf16=989e12, hbm_bytes_per_s=4.8e12)
+H200 = DeviceSpec(name="h200-141gb", memory_bytes=141 * GB, peak_flops_bf16=989e12, hbm_bytes_per_s=4.8e12,
+                  host_bytes_per_s=64e9)
 # NVIDIA A100 SXM data sheet: 312 TFLOP/s dense BF16, 2.039 TB/s HBM2e (80GB part); the paper's
 # cluster runs a 64 GB variant, so memory is 64 GB with the SXM compute and bandwidth figures.
-A100_64G = DeviceSpec(name="a100-64gb", memory_bytes=64 * GB, peak_flops_bf16=312e12, hbm_bytes_per_s=2.039e12)
+A100_64G = DeviceSpec(name="a100-64gb", memory_bytes=64 * GB, peak_flops_bf16=312e12, hbm_bytes_per_s=2.039e12,
+                      host_bytes_per_s=32e9)
 # AMD Instinct MI250X data sheet: 383 TFLOP/s peak BF16, 3.2 TB/s, 128 GB HBM2e for the whole
 # package of two GCDs; one GCD (what the runtime sees as a GPU) has half of each.
 MI250X_GCD = DeviceSpec(
-    name="mi250x-gcd-64gb", memory_bytes=64 * GB, peak_flops_bf16=191.5e12, hbm_bytes_per_s=1.6e12
+    name="mi250x-gcd-64gb", memory_bytes=64 * GB, peak_flops_bf16=191.5e12, hbm_bytes_per_s=1.6e12,
+    host_bytes_per_s=36e9,
 )
 # A CPU worker slot on the project's development machine (2 cores): measured in
 # shared/notes/torch-cpu.md (memcpy 15 GB/s; the tiny GPT's AdamW step implies ~50 GFLOP/s fp32).
-CPU = DeviceSpec(name="cpu", memory_bytes=8 * GiB, peak_flops_bf16=5e10, hbm_bytes_per_s=15e9)
+# no tile/wave quantisation on a CPU worker: no GEMM shape factor (the calibration learns its one figure)
+CPU = DeviceSpec(name="cpu", memory_bytes=8 * GiB, peak_flops_bf16=5e10, hbm_bytes_per_s=15e9, host_bytes_per_s=15e9,
+                 gemm_half_tokens=0.0, gemm_half_width=0.0)
 
 DEVICES: dict[str, DeviceSpec] = {d.name: d for d in (H100, H200, A100_64G, MI250X_GCD, CPU)}
 DEVICE_ALIASES = {"h100": "h100-80gb", "h200": "h200-141gb", "a100": "a100-64gb", "mi250x": "mi250x-gcd-64gb"}
@@ -88,8 +112,16 @@ class ClusterSpec:
     gpus_per_node: int
     intra_node_link: LinkSpec
     inter_node_link: LinkSpec
+    # fixed seconds per RL step outside the model-stages (driver scheduling, rollout/experience transfer,
+    # rule-based rewards, logging): op class STEP_OVERHEAD; 0 where nothing is known (learned from steps)
+    step_overhead_s: float = 0.0
+    # set-up of each step's train -> generation weight refit (IPC handles, conversion, engine reload)
+    refit_setup_s: float = 0.0
 
     def __post_init__(self) -> None:
+        for field in ("step_overhead_s", "refit_setup_s"):
+            if not (getattr(self, field) >= 0):
+                raise SpecError(f"cluster.{field}", f"must be >= 0, got {getattr(self, field)}")
         if self.num_nodes < 1:
             raise SpecError("cluster.num_nodes", f"must be >= 1, got {self.num_nodes}")
         if self.gpus_per_node < 1:
@@ -109,14 +141,98 @@ class ClusterSpec:
         return tuple(range(self.num_gpus))
 
 
-# device preset -> (gpus per node, intra-node link, inter-node link) of the usual systems
-_SYSTEMS: dict[str, tuple[int, LinkSpec, LinkSpec]] = {
-    "h100-80gb": (8, NVLINK4, IB_NDR),
-    "h200-141gb": (8, NVLINK4, IB_NDR),
-    "a100-64gb": (4, NVLINK3, IB_HDR),
-    "mi250x-gcd-64gb": (8, INFINITY_FABRIC, SLINGSHOT),
-    "cpu": (2, LOOPBACK, LOOPBACK),
-}
+def nic_link(name: str, *, nics_per_node: int, gbit_per_s: float, gpus_per_node: int,
+             latency_s: float = 5e-6) -> LinkSpec:
+    """The inter-node link one GPU sees: the node's NICs shared by its GPUs, per direction
+    (NICs per node x link speed / GPUs per node)."""
+    if nics_per_node < 1 or gbit_per_s <= 0 or gpus_per_node < 1:
+        raise SpecError(f"link.{name}", "nics_per_node and gpus_per_node must be >= 1, gbit_per_s > 0")
+    return LinkSpec(name=name, bytes_per_s=nics_per_node * gbit_per_s * 1e9 / 8 / gpus_per_node,
+                    latency_s=latency_s)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SystemSpec:
+    """A node design: its device, GPUs per node, the intra-node link and the NICs of the fabric."""
+
+    name: str
+    device: DeviceSpec
+    gpus_per_node: int
+    intra_node_link: LinkSpec
+    nics_per_node: int
+    nic_gbit_per_s: float
+    nic_latency_s: float = 5e-6
+    num_nodes: int | None = None  # a named machine (the paper's testbeds) has a size
+    step_overhead_s: float = 0.0
+    refit_setup_s: float = 0.0
+
+    def inter_node_link(self, gpus_per_node: int | None = None) -> LinkSpec:
+        return nic_link(f"{self.name}-fabric", nics_per_node=self.nics_per_node, gbit_per_s=self.nic_gbit_per_s,
+                        gpus_per_node=gpus_per_node or self.gpus_per_node, latency_s=self.nic_latency_s)
+
+    def cluster(self, num_gpus: int | None = None, gpus_per_node: int | None = None) -> ClusterSpec:
+        per_node = gpus_per_node or self.gpus_per_node
+        if num_gpus is None:
+            if self.num_nodes is None:
+                raise SpecError("gpus", f"system {self.name} has no size: give the number of GPUs")
+            num_gpus = self.num_nodes * per_node
+        if num_gpus < 1:
+            raise SpecError("gpus", f"must be >= 1, got {num_gpus}")
+        # the fabric is shared by the GPUs a node has, even when a job uses fewer of them
+        inter = self.inter_node_link(per_node)
+        if num_gpus < per_node:
+            per_node = num_gpus
+        if num_gpus % per_node:
+            raise SpecError("gpus", f"{num_gpus} is not a multiple of {per_node} GPUs per node")
+        return ClusterSpec(device=self.device, num_nodes=num_gpus // per_node, gpus_per_node=per_node,
+                           intra_node_link=self.intra_node_link, inter_node_link=inter,
+                           step_overhead_s=self.step_overhead_s, refit_setup_s=self.refit_setup_s)
+
+
+# Fixed per-step overhead of an RL framework on GPU systems (data processing, batching for log-probs
+# and training, buffer sampling): NeMo-RL PR 1052's timing output for Llama-3.1-8B on H100 lists
+# buffer_sampling 1.38 + logprob_inference_prep 1.34 + training_prep 1.06 + data_processing 0.23 s.
+GPU_STEP_OVERHEAD_S = 4.0
+# Refit set-up per step, Llama-3.1-8B on one H100 node: 5 s (NeMo-RL issue 959, v0.3 Megatron,
+# "Refit (s)") down to 0.13 s (NeMo-RL PR 1052's timing output, weight_sync); 1 s sits between them in
+# log scale (transitions.cost.DEFAULT_COMMUNICATOR_SETUP_S is the DAG's per-primitive analogue).
+GPU_REFIT_SETUP_S = 1.0
+
+# Node designs from vendor and site documentation:
+# - NVIDIA DGX H100/H200 user guide: 8 GPUs, NVLink 4, 8x ConnectX-7 400 Gb/s (compute fabric) -> 50 GB/s per GPU.
+# - AMD/HPE Frontier node (OLCF user guide): 4 MI250X = 8 GCDs, 4 Slingshot-11 200 Gb/s NICs -> 12.5 GB/s per GCD.
+# - A100 4-GPU HGX nodes: one HDR 200 Gb/s port per GPU -> 25 GB/s (the project's usual A100 system).
+# - CINECA Leonardo Booster (user guide): 4 A100-64GB per node, 2x dual-port HDR100 = 4 x 100 Gb/s -> 12.5 GB/s.
+SYSTEMS: dict[str, SystemSpec] = {sys_.name: sys_ for sys_ in (
+    SystemSpec(name="dgx-h100", device=H100, gpus_per_node=8, intra_node_link=NVLINK4, nics_per_node=8,
+               nic_gbit_per_s=400, step_overhead_s=GPU_STEP_OVERHEAD_S,
+               refit_setup_s=GPU_REFIT_SETUP_S),
+    SystemSpec(name="dgx-h200", device=H200, gpus_per_node=8, intra_node_link=NVLINK4, nics_per_node=8,
+               nic_gbit_per_s=400, step_overhead_s=GPU_STEP_OVERHEAD_S,
+               refit_setup_s=GPU_REFIT_SETUP_S),
+    SystemSpec(name="hgx-a100-64gb", device=A100_64G, gpus_per_node=4, intra_node_link=NVLINK3, nics_per_node=4,
+               nic_gbit_per_s=200, step_overhead_s=GPU_STEP_OVERHEAD_S,
+               refit_setup_s=GPU_REFIT_SETUP_S),
+    SystemSpec(name="frontier-mi250x", device=MI250X_GCD, gpus_per_node=8, intra_node_link=INFINITY_FABRIC,
+               nics_per_node=4, nic_gbit_per_s=200, nic_latency_s=6e-6, step_overhead_s=GPU_STEP_OVERHEAD_S,
+               refit_setup_s=GPU_REFIT_SETUP_S),
+    SystemSpec(name="cpu-dev", device=CPU, gpus_per_node=2, intra_node_link=LOOPBACK, nics_per_node=1,
+               nic_gbit_per_s=48, nic_latency_s=50e-6),  # gloo loopback, 3 GB/s
+    # the paper's three testbeds (PAPER.md): 1,024 MI250X GCDs, 256 A100-64GB, 64 H200-141GB
+    SystemSpec(name="paper-mi250x-1024", device=MI250X_GCD, gpus_per_node=8, intra_node_link=INFINITY_FABRIC,
+               nics_per_node=4, nic_gbit_per_s=200, nic_latency_s=6e-6, num_nodes=128,
+               step_overhead_s=GPU_STEP_OVERHEAD_S,
+               refit_setup_s=GPU_REFIT_SETUP_S),
+    SystemSpec(name="paper-a100-256", device=A100_64G, gpus_per_node=4, intra_node_link=NVLINK3, nics_per_node=4,
+               nic_gbit_per_s=100, num_nodes=64, step_overhead_s=GPU_STEP_OVERHEAD_S,
+               refit_setup_s=GPU_REFIT_SETUP_S),
+    SystemSpec(name="paper-h200-64", device=H200, gpus_per_node=8, intra_node_link=NVLINK4, nics_per_node=8,
+               nic_gbit_per_s=400, num_nodes=8, step_overhead_s=GPU_STEP_OVERHEAD_S,
+               refit_setup_s=GPU_REFIT_SETUP_S),
+)}
+# device preset -> the usual system built from it
+_SYSTEM_OF_DEVICE = {"h100-80gb": "dgx-h100", "h200-141gb": "dgx-h200", "a100-64gb": "hgx-a100-64gb",
+                     "mi250x-gcd-64gb": "frontier-mi250x", "cpu": "cpu-dev"}
 
 
 def device_preset(name: str) -> DeviceSpec:
@@ -126,22 +242,16 @@ def device_preset(name: str) -> DeviceSpec:
     return DEVICES[key]
 
 
+def system_preset(name: str) -> SystemSpec:
+    if name.lower() not in SYSTEMS:
+        raise unknown_preset("system", name, list(SYSTEMS))
+    return SYSTEMS[name.lower()]
+
+
 def cluster_preset(device: str, num_gpus: int, gpus_per_node: int | None = None) -> ClusterSpec:
     """The usual system built from ``device``: e.g. ``cluster_preset("h200", 1024)`` is 128 DGX nodes."""
     dev = device_preset(device)
-    per_node, intra, inter = _SYSTEMS[dev.name]
-    if gpus_per_node is not None:
-        per_node = gpus_per_node
+    system = SYSTEMS[_SYSTEM_OF_DEVICE[dev.name]]
     if num_gpus < 1:
         raise SpecError("gpus", f"must be >= 1, got {num_gpus}")
-    if num_gpus < per_node:
-        per_node = num_gpus
-    if num_gpus % per_node:
-        raise SpecError("gpus", f"{num_gpus} is not a multiple of {per_node} GPUs per node")
-    return ClusterSpec(
-        device=dev,
-        num_nodes=num_gpus // per_node,
-        gpus_per_node=per_node,
-        intra_node_link=intra,
-        inter_node_link=inter,
-    )
+    return system.cluster(num_gpus, gpus_per_node)

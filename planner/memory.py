@@ -32,6 +32,11 @@ OPTIMIZER_BYTES_PER_PARAM = 3 * BYTES_FP32
 TRAINING_BYTES_PER_PARAM = BYTES_BF16 + BYTES_BF16 + OPTIMIZER_BYTES_PER_PARAM  # 16
 
 
+def training_bytes_per_param(model: ModelSpec) -> int:
+    """Model state per parameter of a training replica: 16 with bf16 gradients, 18 with fp32 ones."""
+    return model.bytes_per_param + model.grad_bytes_per_param + OPTIMIZER_BYTES_PER_PARAM
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MemoryBreakdown:
     """Bytes on one GPU by term; ``total_bytes`` is the peak including headroom."""
@@ -108,8 +113,10 @@ def params_per_gpu(model: ModelSpec, head: Head, layout: Layout) -> int:
 def resident_bytes(model: ModelSpec, ms: ModelStage, layout: Layout) -> MemoryBreakdown:
     """State a model-stage keeps on each of its GPUs for the whole step (worst GPU of a unit)."""
     n = params_per_gpu(model, ms.role.head, layout)
+    if ms.sleeps:  # its weights are on the GPU only while it runs (transient_parts counts them)
+        return MemoryBreakdown()
     if ms.kind is StageKind.TRAINING:
-        return MemoryBreakdown(params_bytes=n * BYTES_BF16, grads_bytes=n * BYTES_BF16,
+        return MemoryBreakdown(params_bytes=n * model.bytes_per_param, grads_bytes=n * model.grad_bytes_per_param,
                                optimizer_bytes=n * OPTIMIZER_BYTES_PER_PARAM)
     return MemoryBreakdown(params_bytes=n * model.bytes_per_param)
 
@@ -140,20 +147,30 @@ def _layer_activation_bytes_per_token(model: ModelSpec, tp: int) -> float:
 def transient_bytes(model: ModelSpec, ms: ModelStage, layout: Layout, workload: Workload,
                     micro_batch_size: int, grad_accum: int, recompute: bool) -> MemoryBreakdown:
     """Memory a model-stage needs only while it runs (worst GPU of a unit)."""
-    kv, act = transient_parts(model, ms, layout, workload, micro_batch_size, grad_accum, recompute)
-    return MemoryBreakdown(kv_cache_bytes=kv, activations_bytes=act)
+    kv, act, woken = transient_parts(model, ms, layout, workload, micro_batch_size, grad_accum, recompute)
+    return MemoryBreakdown(params_bytes=woken, kv_cache_bytes=kv, activations_bytes=act)
 
 
 def transient_parts(model: ModelSpec, ms: ModelStage, layout: Layout, workload: Workload,
-                    micro_batch_size: int, grad_accum: int, recompute: bool) -> tuple[int, int]:
-    """(KV-cache bytes, activation bytes) of :func:`transient_bytes`, without building the breakdown
-    (the option tables evaluate it thousands of times per replan)."""
+                    micro_batch_size: int, grad_accum: int, recompute: bool) -> tuple[int, int, int]:
+    """(KV-cache bytes, activation bytes, woken weight bytes) of :func:`transient_bytes`, without building
+    the breakdown (the option tables evaluate it thousands of times per replan). Woken weights: a
+    sleeping model-stage's weights, on the GPU only while it runs."""
+    woken = params_per_gpu(model, ms.role.head, layout) * model.bytes_per_param if ms.sleeps else 0
+    kv, act = _transient_kv_act(model, ms, layout, workload, micro_batch_size, grad_accum, recompute)
+    return kv, act, woken
+
+
+def _transient_kv_act(model: ModelSpec, ms: ModelStage, layout: Layout, workload: Workload,
+                      micro_batch_size: int, grad_accum: int, recompute: bool) -> tuple[int, int]:
     tp, pp = layout.tp, layout.pp
     layers = stage_layer_counts(model.num_layers, pp)[0]
     b = micro_batch_size
     if ms.kind is StageKind.GENERATION:
-        # vLLM-style: KV cache sized for every concurrent sequence at its maximum length
-        tokens = b * workload.max_tokens_per_sequence
+        # paged KV (vLLM's PagedAttention): blocks are taken as tokens are generated, so a budget for b
+        # concurrent sequences holds b sequences at prompt + mean response, plus the one that runs on to
+        # the longest response (no reservation at the maximum length for every sequence)
+        tokens = b * workload.tokens_per_sequence + workload.tail_response_tokens
         kv = tokens * kv_bytes_per_token_per_gpu(model, layout)
         # logits of the batch being sampled (fp32) and one layer's prefill activations of one sequence
         logits = b * model.vocab_size // tp * BYTES_FP32
@@ -188,7 +205,7 @@ def with_headroom(m: MemoryBreakdown, workspace_bytes: int = WORKSPACE_BYTES) ->
 def combine(resident: MemoryBreakdown, transient: MemoryBreakdown, co_resident_bytes: int) -> MemoryBreakdown:
     """A running model-stage's own terms plus the other model-stages' resident state, with headroom."""
     return with_headroom(MemoryBreakdown(
-        params_bytes=resident.params_bytes, grads_bytes=resident.grads_bytes,
+        params_bytes=resident.params_bytes + transient.params_bytes, grads_bytes=resident.grads_bytes,
         optimizer_bytes=resident.optimizer_bytes, activations_bytes=transient.activations_bytes,
         kv_cache_bytes=transient.kv_cache_bytes, co_resident_bytes=co_resident_bytes))
 

@@ -63,12 +63,17 @@ class ModelSpec:
     rope_theta: float = 500_000.0
     rms_norm_eps: float = 1e-5
     bytes_per_param: int = 2  # bf16 weights
+    # gradient buffer of a training replica: 2 = bf16 (16 B/param with Adam); 4 = fp32 main grads as
+    # Megatron-LM's DDP keeps them by default (accumulate_allreduce_grads_in_fp32): 18 B/param
+    grad_bytes_per_param: int = 2
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "head_dim",
                       "ffn_hidden_size", "vocab_size"):
             if getattr(self, field) < 1:
                 raise SpecError(f"model.{field}", f"must be >= 1, got {getattr(self, field)}")
+        if self.grad_bytes_per_param not in (2, 4):
+            raise SpecError("model.grad_bytes_per_param", f"must be 2 (bf16) or 4 (fp32), got {self.grad_bytes_per_param}")
         if self.num_attention_heads % self.num_kv_heads:
             raise SpecError(
                 "model.num_kv_heads",

@@ -18,9 +18,20 @@ from functools import lru_cache
 
 import numpy as np
 
-from planner.cost import Links, OpClass, RawTerm, microbatch_raw, raw_seconds, sync_raw
+from planner.cost import (
+    DP_BUCKET_PARAMS,
+    DP_OVERLAP,
+    Links,
+    OpClass,
+    RawTerm,
+    backward_seconds,
+    fixed_raw,
+    microbatch_raw,
+    raw_seconds,
+    sync_raw,
+)
 from planner.hardware import ClusterSpec
-from planner.memory import HEADROOM_FRACTION, WORKSPACE_BYTES, resident_bytes, transient_parts
+from planner.memory import HEADROOM_FRACTION, WORKSPACE_BYTES, params_per_gpu, resident_bytes, transient_parts
 from planner.models import ModelSpec
 from planner.plan import Layout, power_of_two_upto
 from planner.workflow import JobSpec, ModelStage, StageKind, Workload
@@ -111,21 +122,26 @@ def _grid(sequences: int, max_dp: int) -> tuple[np.ndarray, np.ndarray, np.ndarr
 
 
 def _seconds_line(t1: list[RawTerm], t2: list[RawTerm],
-                  eff: Mapping[OpClass, float]) -> tuple[float, float, float, float]:
-    """(GEMM s per sequence, weight-read s, other s per sequence, other fixed s) of one micro-batch.
+                  eff: Mapping[OpClass, float]) -> tuple[float, float, float, float, float]:
+    """(decode GEMM s per sequence and fixed, weight-read s, other s per sequence, other fixed s) of one
+    micro-batch.
 
-    Generation keeps max(GEMM, weight read) per micro-batch (roofline, as planner.cost.roofline does)."""
-    gemm_a = mem_c = other_a = other_c = 0.0
+    Generation keeps max(decode GEMM, weight read) per micro-batch (roofline, as planner.cost.roofline
+    does: the first GEMM and the MEMORY_BOUND term); every other term is affine in the micro-batch."""
+    gemm_a = gemm_c = mem_c = other_a = other_c = 0.0
+    roof = any(a[0] is OpClass.MEMORY_BOUND for a in t1)
     for a, b in zip(t1, t2):
         s1, s2 = raw_seconds(a, eff), raw_seconds(b, eff)
-        if a[0] is OpClass.GEMM:
+        if roof and a[0] is OpClass.GEMM:
             gemm_a += s2 - s1
+            gemm_c += 2 * s1 - s2
+            roof = False  # only the decode GEMM (the first one) is on the roofline
         elif a[0] is OpClass.MEMORY_BOUND:
             mem_c += s1
         else:
             other_a += s2 - s1
             other_c += 2 * s1 - s2
-    return gemm_a, mem_c, other_a, other_c
+    return gemm_a, gemm_c, mem_c, other_a, other_c
 
 
 def _ring_hops(dp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -154,9 +170,11 @@ def _lines_for(key: tuple[object, ...]) -> dict[tuple[int, int, bool], tuple[flo
 def _layout_line(model: ModelSpec, ms: ModelStage, layout: Layout, workload: Workload, recompute: bool,
                  cluster: ClusterSpec, eff: Mapping[OpClass, float], usable: float) -> tuple[float, ...] | None:
     """One layout's scalars, from exact evaluations of the cost and memory models (None: its resident
-    state alone does not fit): resident bytes; GEMM s per sequence, weight-read s, other s per sequence
-    and fixed, of one micro-batch; optimizer-update s, DP gradient bytes and per-link (s per byte,
-    latency) for the all-reduce; transient bytes c0, c1, c2 (c0 + b * (c1 + (min(pp, g) - 1) * c2))."""
+    state alone does not fit): resident bytes; decode GEMM s per sequence and fixed, weight-read s, other s
+    per sequence and fixed, of one micro-batch; optimizer-update s, DP gradient bytes and per-link (s per byte,
+    latency) for the all-reduce; transient bytes c0, c1, c2 (c0 + b * (c1 + (min(pp, g) - 1) * c2));
+    backward s per sequence and fixed (what the all-reduce hides behind), the last bucket's share of
+    the all-reduce, and the once-per-step seconds (generation tail, weight refit)."""
     tp, gpn = layout.tp, cluster.gpus_per_node
     resident = resident_bytes(model, ms, layout).total_bytes
     if resident > usable:
@@ -173,8 +191,12 @@ def _layout_line(model: ModelSpec, ms: ModelStage, layout: Layout, workload: Wor
     t1 = microbatch_raw(model, ms, layout, workload, 1, recompute, cluster, links)
     t2 = microbatch_raw(model, ms, layout, workload, 2, recompute, cluster, links)
     c0, c1, c2 = _transient_coeffs(model, ms, layout, workload, recompute)
+    bwd1 = backward_seconds(model, ms, layout, workload, 1, recompute, cluster, eff)
+    bwd2 = backward_seconds(model, ms, layout, workload, 2, recompute, cluster, eff)
+    last_bucket = min(1.0, DP_BUCKET_PARAMS / max(params_per_gpu(model, ms.role.head, layout), 1))
+    fixed = sum(raw_seconds(t, eff) for t in fixed_raw(model, ms, layout, workload, cluster, links))
     return (float(resident), *_seconds_line(t1, t2, eff), sync_mem, grad_bytes, intra_s, intra_lat, inter_s,
-            inter_lat, float(c0), float(c1), float(c2))
+            inter_lat, float(c0), float(c1), float(c2), bwd2 - bwd1, 2 * bwd1 - bwd2, last_bucket, fixed)
 
 
 _COLUMNS = ("tp", "pp", "dp", "b", "g", "recompute", "seconds", "gpus", "resident", "transient")
@@ -218,18 +240,20 @@ def option_table(job: JobSpec, ms: ModelStage, cluster: ClusterSpec, num_gpus: i
     lay = np.array(layouts, dtype=np.int64)
     tp_l, pp_l, rec_l = lay[:, 0:1], lay[:, 1:2], lay[:, 2:3].astype(bool)
     size_l = tp_l * pp_l
-    (resident, gemm_a, mem_c, other_a, other_c, sync_mem, grad_bytes, intra_s, intra_lat, inter_s, inter_lat,
-     c0, c1, c2) = (col[:, None] for col in np.array(rows, dtype=float).T)
+    (resident, gemm_a, gemm_c, mem_c, other_a, other_c, sync_mem, grad_bytes, intra_s, intra_lat, inter_s, inter_lat,
+     c0, c1, c2, bwd_a, bwd_c, last_bucket, fixed) = (col[:, None] for col in np.array(rows, dtype=float).T)
     dp, b, g = grid_dp[None, :], grid_b[None, :], grid_g[None, :]
     if ms.kind is StageKind.TRAINING:
         ring, hops = _ring_hops(dp)
-        # sync: the optimizer update, plus the DP all-reduce whose link depends on dp
-        sync = sync_mem + np.where(dp * size_l <= gpn, grad_bytes * ring / intra_s + hops * intra_lat,
-                                   grad_bytes * ring / inter_s + hops * inter_lat)
+        # sync: the optimizer update, plus the exposed part of the DP all-reduce (its link depends on
+        # dp): what the last micro-batch's backward cannot hide, at least the last bucket
+        all_reduce = np.where(dp * size_l <= gpn, grad_bytes * ring / intra_s + hops * intra_lat,
+                              grad_bytes * ring / inter_s + hops * inter_lat)
+        sync = sync_mem + np.maximum(all_reduce * last_bucket, all_reduce - DP_OVERLAP * (bwd_a * b + bwd_c))
     else:
         sync = np.zeros((1, 1))
-    mb_s = np.maximum(gemm_a * b, mem_c) + other_a * b + other_c
-    seconds = mb_s * (g + pp_l - 1) * mini + sync * mini
+    mb_s = np.maximum(gemm_a * b + gemm_c, mem_c) + other_a * b + other_c
+    seconds = mb_s * (g + pp_l - 1) * mini + sync * mini + fixed
     # + slack: the affine read-off may sit a few bytes under transient_bytes' own rounding
     in_flight = np.minimum(pp_l, g) - 1
     trans = (c0 + b * (c1 + in_flight * c2)).astype(np.int64) + TRANSIENT_SLACK_BYTES

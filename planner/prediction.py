@@ -34,6 +34,7 @@ class Prediction:
     peak_memory_bytes: Mapping[int, int]  # GPU -> peak bytes (headroom included)
     memory: Mapping[str, MemoryBreakdown]  # model-stage -> breakdown on its fullest GPU while it runs
     memory_capacity_bytes: int
+    overhead_s: float = 0.0  # fixed per-step overhead (op class STEP_OVERHEAD), part of step_latency_s
 
     @property
     def max_peak_memory_bytes(self) -> int:
@@ -59,6 +60,7 @@ class Prediction:
             "memory_capacity_bytes": self.memory_capacity_bytes,
             "memory": {k: m.as_dict() for k, m in self.memory.items()},
             "feasible": self.feasible,
+            "overhead_s": self.overhead_s,
         }
 
 
@@ -100,22 +102,10 @@ def predict(job: JobSpec, cluster: ClusterSpec, plan: GlobalPlan,
             eff: Mapping[OpClass, float] = PRIORS) -> Prediction:
     arrays = {sp.model_stage: gpu_array(sp) for sp in plan}
     costs = {sp.model_stage: predict_stage(job, cluster, sp, eff, arrays[sp.model_stage]) for sp in plan}
-    starts: dict[str, float] = {}
-    kind_seconds: dict[str, float] = {}
-    t = 0.0
-    for kind in sorted(StageKind, key=lambda k: k.order):
-        members = [sp for sp in plan if job.workflow.stage(sp.model_stage).kind is kind]
-        ends: list[tuple[frozenset[int], float]] = []
-        kind_end = t
-        for sp in members:
-            gpus = frozenset(arrays[sp.model_stage].tolist())
-            start = max([t] + [end for other, end in ends if not other.isdisjoint(gpus)])
-            end = start + costs[sp.model_stage].seconds
-            starts[sp.model_stage] = start
-            ends.append((gpus, end))
-            kind_end = max(kind_end, end)
-        kind_seconds[kind.value] = kind_end - t
-        t = kind_end
+    t, starts, kind_seconds = schedule(job, plan, {k: c.seconds for k, c in costs.items()}, arrays)
+    overhead = step_overhead_seconds(cluster, eff)
+    kind_seconds["overhead"] = overhead
+    t += overhead
 
     per_gpu, stage_mem = plan_memory(job, plan, arrays)
     return Prediction(
@@ -128,4 +118,37 @@ def predict(job: JobSpec, cluster: ClusterSpec, plan: GlobalPlan,
         peak_memory_bytes=MappingProxyType(per_gpu),
         memory=MappingProxyType(stage_mem),
         memory_capacity_bytes=cluster.device.memory_bytes,
+        overhead_s=overhead,
     )
+
+
+def schedule(job: JobSpec, plan: GlobalPlan, seconds: Mapping[str, float],
+             arrays: Mapping[str, np.ndarray] | None = None) -> tuple[float, dict[str, float], dict[str, float]]:
+    """(critical path, model-stage -> start, kind -> seconds) of model-stages taking ``seconds`` each:
+    kinds in order, model-stages of one kind sharing a GPU serialise (the step without its overhead)."""
+    arrays = arrays if arrays is not None else {sp.model_stage: gpu_array(sp) for sp in plan}
+    starts: dict[str, float] = {}
+    kind_seconds: dict[str, float] = {}
+    t = 0.0
+    for kind in sorted(StageKind, key=lambda k: k.order):
+        members = [sp for sp in plan if job.workflow.stage(sp.model_stage).kind is kind]
+        ends: list[tuple[frozenset[int], float]] = []
+        kind_end = t
+        for sp in members:
+            gpus = frozenset(arrays[sp.model_stage].tolist())
+            start = max([t] + [end for other, end in ends if not other.isdisjoint(gpus)])
+            end = start + seconds[sp.model_stage]
+            starts[sp.model_stage] = start
+            ends.append((gpus, end))
+            kind_end = max(kind_end, end)
+        kind_seconds[kind.value] = kind_end - t
+        t = kind_end
+    return t, starts, kind_seconds
+
+
+def step_overhead_seconds(cluster: ClusterSpec, eff: Mapping[OpClass, float] = PRIORS) -> float:
+    """The fixed per-step overhead (scheduling, data movement between stages, rewards, logging) the
+    cluster names, under the STEP_OVERHEAD class (learned like any other; prior: taken as it is)."""
+    if cluster.step_overhead_s <= 0:
+        return 0.0
+    return OpTerm(op_class=OpClass.STEP_OVERHEAD, work=cluster.step_overhead_s, peak_per_s=1.0).seconds(eff)

@@ -36,7 +36,7 @@ from planner.infeasible import explain_infeasible
 from planner.memory import HEADROOM_FRACTION, WORKSPACE_BYTES
 from planner.options import OptionRules, OptionTable, StageOption, frontier, option_table
 from planner.plan import GlobalPlan, StagePlan
-from planner.prediction import Prediction, predict
+from planner.prediction import Prediction, predict, step_overhead_seconds
 from planner.waves import Pick, WaveRef, WaveSolver, front, kind_points, wave_picks
 from planner.workflow import JobSpec, StageKind
 
@@ -55,7 +55,7 @@ URGENT_RULES = (
 class SearchResult:
     plan: GlobalPlan
     prediction: Prediction
-    objective_s: float  # the search's own estimate (sum over waves of the slowest member)
+    objective_s: float  # the search's own estimate (sum over waves of the slowest member, plus the step overhead)
     candidates_considered: int
     frontier_sizes: Mapping[str, int]
     urgent_options: bool  # recomputation or cross-node TP were needed
@@ -258,7 +258,7 @@ def search(job: JobSpec, cluster: ClusterSpec, pool: Sequence[int] | None = None
         shared: dict[tuple[object, ...], tuple[OptionTable, int]] = {}
         for ms in job.workflow.model_stages:
             # model-stages with the same model, head and kind (critic-inf, reward-inf) share one table
-            key = (id(job.model_of(ms)), ms.role.head, ms.kind, ms.greedy)
+            key = (id(job.model_of(ms)), ms.role.head, ms.kind, ms.greedy, ms.sleeps, ms.old_logprob_pass)
             if key in shared:
                 table, raw = replace(shared[key][0], model_stage=ms.name), shared[key][1]
             else:
@@ -274,7 +274,7 @@ def search(job: JobSpec, cluster: ClusterSpec, pool: Sequence[int] | None = None
         if best is None:
             continue
         plan = assign(job, ordered, _choices(fronts, best[1]), version, cluster.gpus_per_node)
-        return SearchResult(plan=plan, prediction=predict(job, cluster, plan, eff), objective_s=best[0],
+        return SearchResult(plan=plan, prediction=predict(job, cluster, plan, eff), objective_s=best[0] + step_overhead_seconds(cluster, eff),
                             candidates_considered=considered,
                             frontier_sizes={k: len(v) for k, v in fronts.items()}, urgent_options=i > 0)
     raise explain_infeasible(job, cluster, n)

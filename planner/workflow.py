@@ -43,10 +43,23 @@ class ModelStage:
     role: Role
     kind: StageKind
     greedy: bool = False  # ReMax's greedy baseline rollout
+    # PPO/GRPO systems (verl's compute_log_prob, NeMo-RL's "policy logprobs", OpenRLHF) recompute the
+    # rollout's log-probs under the training weights, on the training layout, before the update: one
+    # extra forward pass over every sequence of the step, priced inside the training model-stage.
+    old_logprob_pass: bool = False
+    # sleep mode (vLLM's sleep level 1, verl/NeMo-RL colocation): the model-stage's weights go to host
+    # memory while other model-stages run and its KV cache is dropped; they come back before it runs.
+    # Its weights then count as transient memory, and each step pays the two host copies.
+    sleeps: bool = False
 
     @property
     def holds_optimizer(self) -> bool:
         return self.kind is StageKind.TRAINING
+
+    def __post_init__(self) -> None:
+        if self.sleeps and self.kind is StageKind.TRAINING:
+            raise SpecError(f"{self.name}.sleeps", "only generation and inference model-stages sleep (no optimizer "
+                            "offload is priced)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +91,7 @@ ACTOR_GEN_GREEDY = ModelStage("actor-gen-greedy", Role.ACTOR, StageKind.GENERATI
 REF_INF = ModelStage("ref-inf", Role.REFERENCE, StageKind.INFERENCE)
 CRITIC_INF = ModelStage("critic-inf", Role.CRITIC, StageKind.INFERENCE)
 REWARD_INF = ModelStage("reward-inf", Role.REWARD, StageKind.INFERENCE)
-ACTOR_TRAIN = ModelStage("actor-train", Role.ACTOR, StageKind.TRAINING)
+ACTOR_TRAIN = ModelStage("actor-train", Role.ACTOR, StageKind.TRAINING, old_logprob_pass=True)
 CRITIC_TRAIN = ModelStage("critic-train", Role.CRITIC, StageKind.TRAINING)
 
 
@@ -115,7 +128,10 @@ class Workload:
     samples_per_prompt: int = 1
     prompt_tokens: int  # mean prompt length
     response_tokens: int  # mean generated length
-    max_response_tokens: int | None = None  # KV cache is sized for this; defaults to response_tokens
+    # the longest response of a step (the generation tail) and the KV budget's worst sequence; defaults to
+    # response_tokens (every response of the mean length: no tail)
+    max_response_tokens: int | None = None
+    response_tokens_std: float = 0.0  # spread of response lengths (KV reads grow with the second moment)
     train_mini_batches_per_step: int = 1  # optimizer steps per RL step (PPO mini-batches)
 
     def __post_init__(self) -> None:
@@ -123,6 +139,11 @@ class Workload:
                      "train_mini_batches_per_step"):
             if getattr(self, name) < 1:
                 raise SpecError(f"workload.{name}", f"must be >= 1, got {getattr(self, name)}")
+        if self.max_response_tokens is not None and self.max_response_tokens < self.response_tokens:
+            raise SpecError("workload.max_response_tokens",
+                            f"{self.max_response_tokens} is below the mean response_tokens={self.response_tokens}")
+        if not (self.response_tokens_std >= 0):
+            raise SpecError("workload.response_tokens_std", f"must be >= 0, got {self.response_tokens_std}")
         if self.sequences_per_step % self.train_mini_batches_per_step:
             raise SpecError("workload.train_mini_batches_per_step",
                             f"{self.train_mini_batches_per_step} does not divide "
@@ -139,6 +160,16 @@ class Workload:
     @property
     def max_tokens_per_sequence(self) -> int:
         return self.prompt_tokens + (self.max_response_tokens or self.response_tokens)
+
+    @property
+    def tail_response_tokens(self) -> int:
+        """Decode iterations the longest response runs past the mean one (the low-concurrency tail)."""
+        return (self.max_response_tokens or self.response_tokens) - self.response_tokens
+
+    @property
+    def response_tokens_second_moment(self) -> float:
+        """E[len^2] of response lengths: what the KV reads of a decode add up to (sum of context lengths)."""
+        return float(self.response_tokens) ** 2 + self.response_tokens_std ** 2
 
     @property
     def tokens_per_sequence(self) -> int:

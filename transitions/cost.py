@@ -30,6 +30,40 @@ DEFAULT_COMMUNICATOR_SETUP_S = 0.02
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class FixedCosts:
+    """What a transition costs besides its bytes (opt-in: ``transition_cost(..., fixed=...)``).
+
+    - ``communicator_per_peer_s``: each new communicator a GPU joins, created one after another in that
+      GPU's process (ncclCommInitRank blocks): a primitive's set-up is this times the most peers any of
+      its GPUs talks to (instead of one ``communicator_setup_s`` for the whole primitive);
+    - ``allocation_bytes_per_s``: receivers map fresh buffers for what they receive (page mapping and
+      first touch), per GPU, before the bytes land;
+    - ``generation_reform_s``: once per transition, forming the new data-channel generation (TCPStore
+      rendezvous, the world communicator) after the last primitive.
+    Fitted per job from measured transitions by planner.transition_calibration (its fixed part); these
+    are the priors before any was measured.
+    """
+
+    communicator_per_peer_s: float = DEFAULT_COMMUNICATOR_SETUP_S
+    allocation_bytes_per_s: float | None = None  # None: free (buffers come from a pool)
+    generation_reform_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (self.communicator_per_peer_s >= 0 and self.generation_reform_s >= 0):
+            raise ValueError("fixed costs must be >= 0 seconds")
+        if self.allocation_bytes_per_s is not None and not self.allocation_bytes_per_s > 0:
+            raise ValueError(f"allocation_bytes_per_s must be > 0, got {self.allocation_bytes_per_s}")
+
+
+# Priors: the paper's 16 -> 32 GPU move of an 8B actor + critic took 6.5 s with EMUs, while its bytes (one
+# training-state copy per joining GPU, ~16 GB over a 50 GB/s port) explain well under 1 s: ~5 s is fixed
+# (process wake-up, rendezvous, communicators). First-touch of fresh device memory runs near memset speed;
+# 200 GB/s is below every preset's HBM.
+DEFAULT_FIXED_COSTS = FixedCosts(communicator_per_peer_s=DEFAULT_COMMUNICATOR_SETUP_S,
+                                 allocation_bytes_per_s=200e9, generation_reform_s=5.0)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class TransitionCost:
     seconds: float
     bytes_moved: int
@@ -45,20 +79,32 @@ class TransitionCost:
                 "critical_path": list(self.critical_path)}
 
 
-def primitive_seconds(fp: Footprint, cluster: ClusterSpec, setup_s: float) -> float:
+def primitive_seconds(fp: Footprint, cluster: ClusterSpec, setup_s: float, fixed: FixedCosts | None = None) -> float:
     send: dict[int, float] = {}
     recv: dict[int, float] = {}
+    received: dict[int, int] = {}
+    peers: dict[int, int] = {}
     for (s, d), nbytes in fp.pair_bytes.items():
         link = cluster.link_between(s, d)
         t = nbytes / link.bytes_per_s + link.latency_s
         send[s] = send.get(s, 0.0) + t
         recv[d] = recv.get(d, 0.0) + t
+        received[d] = received.get(d, 0) + nbytes
+        peers[s] = peers.get(s, 0) + 1
+        peers[d] = peers.get(d, 0) + 1
     hbm = cluster.device.hbm_bytes_per_s
+    alloc = None if fixed is None else fixed.allocation_bytes_per_s
     slowest = 0.0
     for g in fp.gpus:
         t = max(send.get(g, 0.0), recv.get(g, 0.0)) + 2.0 * fp.local_bytes.get(g, 0) / hbm
+        if alloc is not None:
+            t += received.get(g, 0) / alloc
         slowest = max(slowest, t)
-    return slowest + (setup_s if fp.pair_bytes else 0.0)
+    if not fp.pair_bytes:
+        return slowest
+    if fixed is not None:
+        return slowest + fixed.communicator_per_peer_s * max(peers.values())
+    return slowest + setup_s
 
 
 def schedule(dag: TransitionDAG, durations: list[float]) -> tuple[list[float], list[float], list[int]]:
@@ -85,11 +131,12 @@ def schedule(dag: TransitionDAG, durations: list[float]) -> tuple[list[float], l
     return start, end, held_by
 
 
-def _class_seconds(c: ReplicaClass, cluster: ClusterSpec, setup_s: float) -> tuple[np.ndarray, int, int]:
+def _class_seconds(c: ReplicaClass, cluster: ClusterSpec, setup_s: float,
+                   fixed: FixedCosts | None = None) -> tuple[np.ndarray, int, int]:
     """primitive_seconds of every member of a replica class (the links depend on where its members
     sit), and its intra- and inter-node bytes; memoised on the class per cluster."""
     hit = c.seconds.get(id(cluster))  # by identity: hashing a ClusterSpec costs more than a lookup
-    if hit is not None and hit[0] is cluster and hit[1] == setup_s:
+    if fixed is None and hit is not None and hit[0] is cluster and hit[1] == setup_s:
         return hit[2]
     fp = c.canon
     labels = c.gpus.shape[1]
@@ -114,8 +161,16 @@ def _class_seconds(c: ReplicaClass, cluster: ClusterSpec, setup_s: float) -> tup
         send = t @ onto[src]
         recv = t @ onto[dst]
         per_gpu = np.maximum(send, recv) + local
+        setup = setup_s
+        if fixed is not None:
+            if fixed.allocation_bytes_per_s is not None:
+                per_gpu = per_gpu + (nbytes @ onto[dst]) / fixed.allocation_bytes_per_s
+            peers = np.ones(len(pairs)) @ (onto[src] + onto[dst])
+            setup = fixed.communicator_per_peer_s * float(peers.max())
         intra_bytes = int((intra * nbytes).sum())
-        out = (per_gpu[:, touched].max(axis=1) + setup_s, intra_bytes, int(nbytes.sum()) * c.size - intra_bytes)
+        out = (per_gpu[:, touched].max(axis=1) + setup, intra_bytes, int(nbytes.sum()) * c.size - intra_bytes)
+    if fixed is not None:  # the opt-in path is not memoised (the memo is keyed on the set-up alone)
+        return out
     if len(c.seconds) > 8:
         c.seconds.clear()
     c.seconds[id(cluster)] = (cluster, setup_s, out)
@@ -125,7 +180,7 @@ def _class_seconds(c: ReplicaClass, cluster: ClusterSpec, setup_s: float) -> tup
 _Seen = tuple[np.ndarray, np.ndarray, np.ndarray]  # per class: predecessor ends, GPU ends, GPU last nodes
 
 
-def replica_schedule(plan: ReplicaPlan, cluster: ClusterSpec, setup_s: float
+def replica_schedule(plan: ReplicaPlan, cluster: ClusterSpec, setup_s: float, fixed: FixedCosts | None = None
                      ) -> tuple[np.ndarray, np.ndarray, list[int], int, int]:
     """``schedule`` over replica classes: (start, end per node, critical path, intra bytes, inter bytes).
 
@@ -144,7 +199,7 @@ def replica_schedule(plan: ReplicaPlan, cluster: ClusterSpec, setup_s: float
         c = plan.classes[k]
         st = plan.class_stage[k]
         end = ends[st]
-        dur, a, b = _class_seconds(c, cluster, setup_s)
+        dur, a, b = _class_seconds(c, cluster, setup_s, fixed)
         intra += a
         inter += b
         has_preds = c.preds.shape[1] > 0
@@ -205,19 +260,24 @@ def _critical_path(plan: ReplicaPlan, start: np.ndarray, end: np.ndarray, seen: 
         path.append(by)
 
 
-def _replica_cost(plan: ReplicaPlan, cluster: ClusterSpec, setup_s: float) -> TransitionCost:
-    start, end, path, intra, inter = replica_schedule(plan, cluster, setup_s)
-    return TransitionCost(seconds=float(end.max()) if len(end) else 0.0, bytes_moved=intra + inter,
+def _replica_cost(plan: ReplicaPlan, cluster: ClusterSpec, setup_s: float,
+                  fixed: FixedCosts | None) -> TransitionCost:
+    start, end, path, intra, inter = replica_schedule(plan, cluster, setup_s, fixed)
+    reform = fixed.generation_reform_s if fixed is not None and len(end) else 0.0
+    return TransitionCost(seconds=(float(end.max()) if len(end) else 0.0) + reform, bytes_moved=intra + inter,
                           intra_node_bytes=intra, inter_node_bytes=inter, critical_path=tuple(path),
                           start_s=tuple(start.tolist()), end_s=tuple(end.tolist()))
 
 
 def transition_cost(dag: TransitionDAG, cluster: ClusterSpec,
-                    communicator_setup_s: float = DEFAULT_COMMUNICATOR_SETUP_S) -> TransitionCost:
-    """L_tran of ``dag`` on ``cluster`` with its bytes moved and critical path."""
+                    communicator_setup_s: float = DEFAULT_COMMUNICATOR_SETUP_S,
+                    fixed: FixedCosts | None = None) -> TransitionCost:
+    """L_tran of ``dag`` on ``cluster`` with its bytes moved and critical path; ``fixed`` (e.g.
+    DEFAULT_FIXED_COSTS) adds per-peer communicator creation, buffer allocation and the generation
+    re-forming (without it: one ``communicator_setup_s`` per primitive that moves bytes, as before)."""
     if dag.replicas is not None:
-        return _replica_cost(dag.replicas, cluster, communicator_setup_s)
-    durations = [primitive_seconds(fp, cluster, communicator_setup_s) for fp in dag.footprints]
+        return _replica_cost(dag.replicas, cluster, communicator_setup_s, fixed)
+    durations = [primitive_seconds(fp, cluster, communicator_setup_s, fixed) for fp in dag.footprints]
     start, end, held_by = schedule(dag, durations)
     intra = inter = 0
     for fp in dag.footprints:
@@ -232,6 +292,7 @@ def transition_cost(dag: TransitionDAG, cluster: ClusterSpec,
         while i != -1:
             path.append(i)
             i = held_by[i]
-    return TransitionCost(seconds=max(end, default=0.0), bytes_moved=intra + inter, intra_node_bytes=intra,
+    reform = fixed.generation_reform_s if fixed is not None and dag.nodes else 0.0
+    return TransitionCost(seconds=max(end, default=0.0) + reform, bytes_moved=intra + inter, intra_node_bytes=intra,
                           inter_node_bytes=inter, critical_path=tuple(reversed(path)), start_s=tuple(start),
                           end_s=tuple(end))

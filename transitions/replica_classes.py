@@ -77,7 +77,8 @@ def _group_rows(keys: np.ndarray) -> list[np.ndarray]:
         return []
     if (keys == keys[0]).all():  # the usual case: every replica alike
         return [np.arange(len(keys))]
-    h = keys @ _MIX[: keys.shape[1]]
+    mix = _MIX if keys.shape[1] <= len(_MIX) else np.resize(_MIX, keys.shape[1])  # wider rows reuse the draws
+    h = keys @ mix[: keys.shape[1]]
     uniq, inv = np.unique(h, return_inverse=True)
     out = []
     for k in range(len(uniq)):

@@ -29,7 +29,7 @@ import dataclasses
 import json
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -136,12 +136,22 @@ class SimPort(PlannerBinding):
         res = search(job_spec(job), self._cluster(job, pool), pool=sorted(pool), eff=self._eff(job), version=version)
         return admission.Candidate(plan=res.plan, prediction=res.prediction)
 
+    def alternatives(self, job: dict[str, Any], pool: frozenset[int], version: int, best: GlobalPlan,
+                     error: InfeasibleError | None) -> Iterator[admission.Candidate]:
+        job = self._job(job)
+        return self._alternatives(job_spec(job), self._cluster(job, pool), pool, self._eff(job), version, best, error)
+
     def predict(self, job: dict[str, Any], pool: frozenset[int], plan: GlobalPlan) -> Any | None:
         from planner.prediction import predict
 
         job = self._job(job)
         pred = predict(job_spec(job), self._cluster(job, pool), plan, self._eff(job))
         return pred if pred.feasible else None
+
+    def calibrate(self, job: dict[str, Any], measurement: protocol.Measurement, plan: GlobalPlan) -> None:
+        """Calibrate against the workload the predictions use (the tail an OOM taught included): fitted
+        without it, the tail's decode time is learned into the generation classes and then counted twice."""
+        super().calibrate(self._job(job), measurement, plan)
 
     def predict_seconds(self, job: dict[str, Any], pool: frozenset[int], plan: GlobalPlan) -> float:
         """The predicted step latency of ``plan`` whether or not the planner thinks it fits (time is what
@@ -189,6 +199,7 @@ class RunResult:
     wall_s: float = 0.0
     cpu_s: float = 0.0  # process CPU time of the run (the fairer figure on a shared machine)
     prediction_errors: list[dict[str, float]] = field(default_factory=list)
+    passed_over: list[dict[str, Any]] = field(default_factory=list)  # decisions that took a later plan, or none
     plans_run: dict[int, GlobalPlan] = field(default_factory=dict, repr=False)  # version -> plan stepped on
     port: Any = field(default=None, repr=False)  # the planner binding as the run left it (not serialised)
     truth: Any = field(default=None, repr=False)  # the ground truth of the run (not serialised)
@@ -228,7 +239,8 @@ class RunResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {"summary": self.summary(), "steps": [dataclasses.asdict(r) for r in self.steps],
-                "transitions": self.transitions, "restarts": self.restarts, "prediction_errors": self.prediction_errors}
+                "transitions": self.transitions, "restarts": self.restarts, "prediction_errors": self.prediction_errors,
+                "passed_over": self.passed_over}
 
 
 class SimStore(Store):
@@ -389,6 +401,10 @@ def simulate(trace: Trace, job: SimJob, *, policy: str = "nereus", gamma: float 
             row = store.decision(did)
             if row is not None and row["decision_ms"] is not None:
                 result.decision_ms.append(float(row["decision_ms"]))
+            inputs = (json.loads(row["inputs"]) if isinstance(row["inputs"], str) else row["inputs"]) if row else None
+            if row is not None and inputs and inputs.get("passed_over"):  # the best plan was not taken: which, why
+                result.passed_over.append({"step": current_step, "decision": did, "admitted": bool(row["admitted"]),
+                                           "rule": row["rule"], "passed_over": inputs["passed_over"]})
             if row is not None and row["rule"] == "checkpoint-restart" and row["reason"].startswith("no transition"):
                 # the last copy of some state is gone: restart from the checkpoint, then place from nothing
                 restart_s = restart_seconds(truth.job, cluster, len(ctl.pool))

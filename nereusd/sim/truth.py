@@ -34,7 +34,7 @@ import numpy as np
 from planner.hardware import ClusterSpec
 from planner.models import Head, ModelSpec
 from planner.plan import GlobalPlan, StagePlan
-from planner.workflow import JobSpec, ModelStage, StageKind
+from planner.workflow import JobSpec, ModelStage, Role, StageKind
 
 GiB = 1024**3
 
@@ -79,6 +79,14 @@ DECODE_ITERATION_OVERHEAD_S = 5e-4  # scheduler + sampling per decode iteration 
 WORKSPACE_BYTES = int(2.5 * GiB)  # CUDA context ~0.5 GiB + cuBLAS/NCCL workspaces and buffers
 FRAGMENTATION = 1.08  # PyTorch caching allocator: reserved / allocated for dynamic tensors, 5-10%
 VLLM_MEMORY_UTILIZATION = 0.90  # vLLM's default gpu_memory_utilization
+# What real RL frameworks pay beside the model-stages (set after the planner priced them, issue 16):
+# - the per-step framework overhead (data processing, batching, buffer sampling): NeMo-RL PR 1052's
+#   timing output sums 4.0 s of such phases for Llama-3.1-8B on H100; leaner pipelines pay less: 3 s
+#   on GPU systems (none on the CPU development system), with the stage noise;
+# - the weight refit train -> generation each step, in the actor's generation: its set-up (NeMo-RL:
+#   0.13-5 s per step for 8B; 0.5 s here) plus the bf16 shard over the intra-node link.
+STEP_OVERHEAD_S = 3.0
+REFIT_SETUP_S = 0.5
 # Drift episodes hidden from the planner (rates per step, durations in steps, factor on efficiency).
 # (episodes per step, (shortest, longest) in steps, (lowest, highest) factor)
 CONGESTION = (1 / 150, (10, 40), (0.5, 0.8))  # shared fabric, other jobs' traffic
@@ -300,7 +308,9 @@ class GroundTruth:
             t = float((per_replica * slow).max()) * float(np.exp(self.rng.normal(0.0, NOISE_SIGMA)))
             t += self._dp_sync_seconds(g, nf)
             times[name] = t
-        return StepOutcome(step_latency_s=self._critical_path(plan, times), stage_times_s=times,
+        overhead = 0.0 if self.cluster.device.name == "cpu" else \
+            STEP_OVERHEAD_S * float(np.exp(self.rng.normal(0.0, NOISE_SIGMA)))
+        return StepOutcome(step_latency_s=self._critical_path(plan, times) + overhead, stage_times_s=times,
                            peak_memory_bytes=int(peak), longest_response_tokens=longest)
 
     def mean_latency(self, plan: GlobalPlan, step: int, w: StepWorkload, draws: int = 16,
@@ -355,16 +365,22 @@ class GroundTruth:
             tail_tp = 2 * math.ceil(L / pp) * (tp - 1) * tp_lat * 2 if tp > 1 else 0.0
             iter_tail = pp * (tail_weights + tail_tp) + pp_iter / max(batch, 1) + DECODE_ITERATION_OVERHEAD_S
             prefill = 2 * n_params / (tp * pp) * n_seq * prompt / flops_s
-            return prefill + bulk_iters * (iter_bulk + pp_iter / pp) + tail_iters * iter_tail
+            refit = 0.0
+            if g.ms.role is Role.ACTOR and self.cluster.device.name != "cpu":
+                intra_bw, _ = self._link(False, nf)
+                refit = REFIT_SETUP_S + weights / intra_bw
+            return prefill + bulk_iters * (iter_bulk + pp_iter / pp) + tail_iters * iter_tail + refit
         # inference and training: packed sequences, micro-batches through the pipeline (1F1B)
         n_seq = max(1, math.ceil((wl.sequences_per_step if g.ms.kind is StageKind.INFERENCE
                                   else wl.sequences_per_mini_batch) / dp))
         seq = wl.prompt_tokens + w.mean_response_tokens
         tokens = n_seq * seq
-        mult = 1.0 if g.ms.kind is StageKind.INFERENCE else (4.0 if sp.recompute else 3.0)
+        # PPO/GRPO actors recompute the rollout's log-probs under the training weights first (one more forward)
+        old_logprobs = 1.0 if g.ms.old_logprob_pass else 0.0
+        mult = 1.0 if g.ms.kind is StageKind.INFERENCE else (4.0 if sp.recompute else 3.0) + old_logprobs
         gemm = mult * 2 * n_params / (tp * pp) * tokens / flops_s
         attn = mult * 2 * 2 * math.ceil(L / pp) * h * seq * tokens / 2 / tp / attn_s  # causal: half the s^2
-        collectives = (2 if g.ms.kind is StageKind.INFERENCE else 4) * math.ceil(L / pp)
+        collectives = (2 if g.ms.kind is StageKind.INFERENCE else 4 + 2 * old_logprobs) * math.ceil(L / pp)
         tp_comm = collectives * (_ring(tp) * tokens * h * 2 / tp_bw + (tp - 1) * tp_lat) if tp > 1 else 0.0
         m_micro = max(1, math.ceil(n_seq / sp.micro_batch_size))
         per_micro = (gemm + attn + (1 - TP_OVERLAP) * tp_comm) / m_micro

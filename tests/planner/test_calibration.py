@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from planner_jobs import h200, job
@@ -21,7 +23,8 @@ HIDDEN = Efficiencies({
     OpClass.GEMM: 0.71, OpClass.ATTENTION_PREFILL: 0.52, OpClass.ATTENTION_DECODE: 0.63,
     OpClass.MEMORY_BOUND: 0.82, OpClass.TP_ALLREDUCE_INTRA: 0.77, OpClass.TP_ALLREDUCE_INTER: 0.41,
     OpClass.PP_SEND_INTRA: 0.66, OpClass.PP_SEND_INTER: 0.58, OpClass.DP_ALLREDUCE_INTRA: 0.74,
-    OpClass.DP_ALLREDUCE_INTER: 0.47,
+    OpClass.DP_ALLREDUCE_INTER: 0.47, OpClass.WEIGHT_SYNC: 0.31, OpClass.STEP_OVERHEAD: 0.9,
+    OpClass.DECODE_OVERHEAD: 0.8,
 })
 
 
@@ -65,13 +68,14 @@ def test_unseen_classes_keep_their_priors_and_window_is_bounded() -> None:
 
 def test_prediction_error_falls_step_by_step() -> None:
     """A running job: each step measures every class once (25% noise); the planner's prediction of a fixed
-    plan approaches the truth (the same cost model under the hidden efficiencies). Mean over 6 runs."""
+    plan approaches the truth (the same cost model under the hidden efficiencies). Mean over 16 runs.
+    No fixed per-step overhead: it is the same in truth and prediction and would only dilute the errors."""
     j = job("ppo", prompts=64, response_tokens=2048)
-    cl = h200(16)
+    cl = dataclasses.replace(h200(16), step_overhead_s=0.0)
     plan = search(j, cl).plan
     truth = predict(j, cl, plan, HIDDEN).step_latency_s
     curves = []
-    for seed in range(6):
+    for seed in range(16):
         rng = np.random.default_rng(seed)
         cal = Calibrator(window=64)
         errors = [abs(predict(j, cl, plan, cal.efficiencies()).step_latency_s - truth) / truth]
@@ -114,9 +118,10 @@ def test_bad_measurements_name_the_field() -> None:
 
 
 def test_fit_from_stage_times_converges_on_the_running_plan() -> None:
-    """What the daemon does each step: measured model-stage times in, efficiencies out."""
+    """What the daemon does each step: measured model-stage times in, efficiencies out (no fixed per-step
+    overhead, which is exact in both and only dilutes the errors)."""
     j = job("ppo", prompts=64, response_tokens=2048)
-    cl = h200(16)
+    cl = dataclasses.replace(h200(16), step_overhead_s=0.0)
     plan = search(j, cl).plan
     truth = predict(j, cl, plan, HIDDEN)
     rng = np.random.default_rng(11)
@@ -128,6 +133,27 @@ def test_fit_from_stage_times_converges_on_the_running_plan() -> None:
         eff = fit_from_stage_times(j, plan, measured, eff, cluster=cl)
     assert errors[0] > 0.2 and errors[-1] < 0.05 and errors[-1] < errors[0] / 5
     assert fit_from_stage_times(j, plan, {"actor-gen": 1.0}, eff) is eff  # no cluster: nothing learned
+
+
+def test_step_overhead_is_learned_from_the_step_latency() -> None:
+    """The per-step overhead is what a step takes beyond its model-stages: a framework that pays 2.5 s
+    where the cluster names 4 s is learned from the measured step latency, and is not without it."""
+    j = job("ppo", prompts=64, response_tokens=2048)
+    cl = h200(16)
+    plan = search(j, cl).plan
+    truth = predict(j, cl, plan, HIDDEN)
+    stages_only = truth.step_latency_s - truth.overhead_s
+    rng = np.random.default_rng(5)
+    with_latency: Efficiencies = PRIORS
+    without: Efficiencies = PRIORS
+    for _ in range(10):
+        noise = {k: float(np.exp(rng.normal(0, 0.03))) for k in truth.stage_seconds}
+        measured = {k: v * noise[k] for k, v in truth.stage_seconds.items()}
+        step = stages_only * float(np.mean(list(noise.values()))) + 2.5 * float(np.exp(rng.normal(0, 0.03)))
+        with_latency = fit_from_stage_times(j, plan, measured, with_latency, cluster=cl, step_latency_s=step)
+        without = fit_from_stage_times(j, plan, measured, without, cluster=cl)
+    assert predict(j, cl, plan, with_latency).overhead_s == pytest.approx(2.5, rel=0.08)
+    assert predict(j, cl, plan, without).overhead_s == pytest.approx(cl.step_overhead_s)
 
 
 # Stage times (ms) of the live job's first 20 steps on this machine (2 shared CPU cores, 2 gloo workers):

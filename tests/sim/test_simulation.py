@@ -66,8 +66,11 @@ def test_calibration_moves_predictions_toward_the_ground_truth() -> None:
     # against the truth's expectation (noise, stragglers and tails averaged out)
     errors = [abs(e["predicted_s"] - e["truth_mean_s"]) / e["truth_mean_s"] for e in r.prediction_errors]
     assert len(errors) >= 14
-    assert errors[0] > 0.1  # the priors are not the truth
-    assert sum(errors[-4:]) / 4 < errors[0] / 2  # after calibration the running plan is predicted better
+    # the priors sit within ~10% of this truth (they come from public measurements); an OOM at step 2
+    # (a long tail) changes the plan and the tail the planner prices, and the error jumps
+    assert max(errors) > 0.2
+    late = sum(errors[-4:]) / 4
+    assert late < 0.05 and late < max(errors) / 4  # after calibration the running plan is predicted well
 
 
 def test_a_plan_that_does_not_fit_in_truth_fails_and_the_controller_replans() -> None:
@@ -97,6 +100,12 @@ def test_a_lost_last_copy_falls_back_to_checkpoint_restart_and_the_job_goes_on()
     job = SimJob(model="llama-3.1-8b", algo="grpo", device="a100", gpus_per_node=4, prompts_per_step=512)
     r = simulate(trace, job, seed=0)
     assert [x["step"] for x in r.restarts] == [187]
+    # the OOM replan before it: the best plan's DAG did not fit next to the running plan's state; the
+    # controller took the next reachable plan by a transition (it used to restart) and recorded why
+    [fell_back] = [d for d in r.passed_over if d["step"] < 187]
+    assert fell_back["admitted"] and [p["why"] for p in fell_back["passed_over"]] == ["transition-infeasible"]
+    assert "needs" in fell_back["passed_over"][0]["reason"] and "free" in fell_back["passed_over"][0]["reason"]
+    assert any(t["step"] == fell_back["step"] and t["bytes_moved"] > 0 for t in r.transitions)
     assert r.steps[187].lost_s >= r.restarts[0]["seconds"] > 200  # the restart is paid as lost time
     assert all(x.step_s > 0 for x in r.steps[187:])  # placed again from nothing, and running
 
@@ -107,5 +116,8 @@ def test_a_short_run_at_1024_gpus_goes_through_the_controller() -> None:
     job = SimJob(model="llama-3.1-8b", algo="ppo", device="mi250x", prompts_per_step=1024)
     r = simulate(Trace(name="g", rows=tuple(rows)), job, seed=0)
     assert all(x.step_s > 0 for x in r.steps) and {x.gpus for x in r.steps} == {512, 1024}
-    assert r.transitions[0]["step"] == 4 and r.transitions[0]["bytes_moved"] > 0  # the pool doubled
+    grow = [t for t in r.transitions if t["step"] == 4]
+    assert grow and grow[0]["bytes_moved"] > 0  # the pool doubled: by a transition
+    # any other transition is a replan after a step that ran out of memory in truth (a long tail)
+    assert all(r.steps[t["step"]].ooms > 0 for t in r.transitions if t["step"] != 4)
     assert r.summary()["controller_passes"] >= 8 and r.cpu_s > 0
