@@ -587,22 +587,28 @@ class JobController:
 
     def _rebuild_order(self, t: dict[str, Any], node: str) -> protocol.TransitionOrder | None:
         """The order of a transition ordered by an earlier daemon (this one kept no copy): the same plan and
-        pool map, and the node's DAG part built again (the build is deterministic)."""
+        pool map, and the DAG parts built again (the build is deterministic). The build is done once per
+        transition, for every node it still waits on: each node registering again after a restart then
+        finds its order kept, instead of the serve loop building the whole DAG once per node."""
         row = self.store.plan(self.job_id, t["to_version"])
         if row is None:
             return None
         new = plan_from_dict(row["plan"])
         old_row = self.store.plan(self.job_id, t["from_version"]) if t["from_version"] else None
-        node_part: dict[str, Any] = {}
+        parts: dict[str, dict[str, Any]] = {}
         if self.planner is not None:
             self._refresh_pool()
             try:
                 sketch = self.planner.transition(self._spec_now(), plan_from_dict(old_row["plan"]) if old_row else None,
                                                  new, self._participants(), self._node_of_gpu)
-                node_part = sketch.parts.get(node, {})
+                parts = dict(sketch.parts)
             except (InfeasibleError, SpecError) as exc:
                 self.log.warning("order-rebuild-without-dag", transition=t["id"], error=str(exc))
-        return self._make_order(int(t["id"]), int(t["from_version"]), new, node_part, self._order_common(new))
+        shared = self._order_common(new)
+        kept = self._orders.setdefault(int(t["id"]), {})
+        for pending in {*t["parts_pending"], node}:
+            kept[pending] = self._make_order(int(t["id"]), int(t["from_version"]), new, parts.get(pending, {}), shared)
+        return kept[node]
 
     def _finish_transition(self, t: dict[str, Any], *, ok: bool, reason: str) -> None:
         self.store.set_transition_state(t["id"], "done" if ok else "failed", reason)

@@ -118,6 +118,34 @@ def test_initial_placement_drift_and_node_loss_are_decided_and_recorded(tmp_path
     assert len(store.decisions("j")) == 3
 
 
+def test_a_restarted_controller_rebuilds_an_open_order_once_for_all_its_nodes(tmp_path: Path) -> None:
+    """After a daemon restart the orders of an open transition are rebuilt from the store when the nodes'
+    agents register again: one DAG build for the transition, every node's part equal to the original."""
+    orders: list[tuple[str, protocol.TransitionOrder]] = []
+    ctl, store = _controller(tmp_path, orders)
+    _join(ctl, store, "n1")
+    _join(ctl, store, "n2")
+    ctl.step()
+    sent = dict(orders)
+    assert set(sent) == {"n1", "n2"}
+
+    builds: list[int] = []
+
+    class Counting(PlannerBinding):
+        def transition(self, *a, **k):  # type: ignore[no-untyped-def]
+            builds.append(1)
+            return super().transition(*a, **k)
+
+    resent: list[tuple[str, protocol.TransitionOrder]] = []
+    again = JobController(job_id="j", store=store, metrics=Metrics(), planner=Counting(), gamma=0.5,
+                          thresholds=dict(admission.DEFAULT_THRESHOLDS), log=get_logger("test"),
+                          send_order=lambda node, order: resent.append((node, order)) is None)
+    assert again.resend_orders("n1") == 1 and again.resend_orders("n2") == 1
+    assert len(builds) == 1
+    for node, order in resent:
+        assert order.transition_id == sent[node].transition_id and order.part == sent[node].part
+
+
 def test_failed_part_fails_the_transition_and_keeps_the_old_plan(tmp_path: Path) -> None:
     orders: list[tuple[str, protocol.TransitionOrder]] = []
     ctl, store = _controller(tmp_path, orders)
