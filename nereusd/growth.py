@@ -22,16 +22,20 @@ drained and released ahead of Slurm's SIGTERM (``time-limit-ahead``). Each verdi
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-import tomllib
-
 from nereusd.controller import JobController
 from planner import admission
 from planner.errors import InfeasibleError, SpecError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
 
 DEFAULT_INTERVAL_S = 5.0
 DEFAULT_HORIZON_STEPS = 50.0  # steps a grown pool is expected to serve (no end is known to the daemon)

@@ -24,11 +24,10 @@ parsed table (tests and the daemon's job files use it directly). Unknown keys ar
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 from planner.errors import SpecError
 from planner.hardware import (
@@ -40,6 +39,11 @@ from planner.hardware import (
     nic_link,
     system_preset,
 )
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
 
 _KEYS = {
     "cluster": {"system", "num_nodes", "gpus_per_node", "step_overhead_s", "refit_setup_s", "name"},
