@@ -665,6 +665,7 @@ class Daemon:
             row = self.store.job(job_id)
             if row is None or row["state"] in TERMINAL_JOB_STATES:
                 del self.controllers[job_id]
+                self.metrics.forget_job(job_id)
         if self.growth is not None:
             self._guarded(self.growth.tick)
         self._update_gauges()

@@ -84,6 +84,16 @@ class Metrics:
         for stat, name in RESPONSE_STATS.items():
             self.response_tokens.labels(job, stat).set(getattr(msg.rl, name))
 
+    def forget_job(self, job: str) -> None:
+        """An ended job's per-job gauges leave the export (a finished run's last figures would otherwise
+        stay on dashboards as if it were still running). Counters stay: they are totals."""
+        gauges = [self.gpus_held, self.nodes, self.step_latency, self.rl_step, self.plan_version,
+                  self.stage_seconds, self.response_tokens, *self.rl.values()]
+        for gauge in gauges:
+            for metric in gauge.collect():
+                for labels in {tuple(x.labels.values()) for x in metric.samples if x.labels.get("job") == job}:
+                    gauge.remove(*labels)
+
     def serve(self, host: str, port: int) -> int:
         server, _thread = start_http_server(port, addr=host, registry=self.registry)
         self.server = server

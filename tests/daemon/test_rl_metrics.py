@@ -131,3 +131,21 @@ def test_plot_without_matplotlib_is_one_line_naming_the_extra(monkeypatch: pytes
         plot_job("j", [{"step": 0, "at": 0.0, "step_latency_s": 1.0}], [], tmp_path / "x.png")
     assert "nereus[sim]" in str(exc.value) and "\n" not in str(exc.value)
     assert not (tmp_path / "x.png").exists()
+
+
+def test_an_ended_jobs_gauges_leave_the_export_and_the_others_stay() -> None:
+    from nereusd.metrics import Metrics
+
+    m = Metrics()
+    for job in ("a", "b"):
+        m.observe_step(_measure(2).model_copy(update={"job_id": job}))
+        m.gpus_held.labels(job).set(4)
+        m.nodes.labels(job, "alive").set(2)
+        m.step_latency.labels(job, "measured").set(1.5)
+        m.transitions.labels(job, "done").inc()
+    m.forget_job("a")
+    samples = [line for line in m.text().splitlines() if not line.startswith("#")]
+    assert not [s for s in samples if 'job="a"' in s and "nereus_transitions" not in s]  # counters are totals
+    kept = {s.split("{")[0] for s in samples if 'job="b"' in s}
+    assert {"nereus_rl_kl_ref", "nereus_gpus_held", "nereus_nodes", "nereus_step_latency_seconds",
+            "nereus_rl_response_tokens", "nereus_rl_stage_seconds"} <= kept
