@@ -68,7 +68,6 @@ def test_sampling_params_are_validated() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_torch_backend_on_gpu_matches_cpu_greedy() -> None:
     cpu = build_decoder(SPEC, seed=0)
     gpu = build_decoder(SPEC, seed=0).cuda()
