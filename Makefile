@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml etc/constraints-cpu.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	if command -v nvidia-smi >/dev/null 2>&1; then \
-	  $(BIN)/python -m pip install -q -e '.[dev]'; \
+	  $(BIN)/python -m pip install -q -e '.[dev,vllm]'; \
 	else \
 	  $(BIN)/python -m pip install -q -c etc/constraints-cpu.txt -e '.[dev]'; \
 	fi

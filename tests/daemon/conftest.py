@@ -149,6 +149,12 @@ class DaemonHandle:
         return subprocess.run([str(BIN / "nereusctl"), *argv, "--state-dir", str(self.state_dir),
                                "--keys", str(self.tmp / "admin")], text=True, capture_output=True, timeout=60)
 
+    def acking_agent(self, who: str, job: str, node: str, *extra: str) -> subprocess.Popen[bytes]:
+        """A real agent process with a stand-in for its workers: it acknowledges every transition order
+        at once without moving any state (``--ack-orders``). For tests about the daemon alone; the real
+        path (workers, the driver, the DAG run on live state) is tests/live/test_live_job.py."""
+        return self.agent(who, job, node, "--ack-orders", *extra)
+
     def agent(self, who: str, job: str, node: str, *extra: str) -> subprocess.Popen[bytes]:
         log = open(self.tmp / f"agent-{node}.log", "ab")  # noqa: SIM115 (closed with the process)
         return subprocess.Popen([sys.executable, "-m", "agent.node", "--endpoint", self.endpoints["control"],

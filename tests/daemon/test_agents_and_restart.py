@@ -75,7 +75,7 @@ def _settled(daemon: DaemonHandle) -> bool:
 def test_sigkill_and_restart_loses_nothing_and_agents_reconnect(daemon: DaemonHandle) -> None:
     daemon.start()
     daemon.admin("job-add", job="j", user="alice", spec=SPEC)
-    agents = [daemon.agent("alice", "j", f"n{i}", "--ack-orders") for i in (1, 2)]
+    agents = [daemon.acking_agent("alice", "j", f"n{i}") for i in (1, 2)]
     try:
         wait_for(lambda: daemon.admin("status")["nodes"]["alive"] == 2, what="two nodes alive")
         wait_for(lambda: _settled(daemon), timeout_s=30, what="a plan decided after both nodes joined, committed")
@@ -163,7 +163,7 @@ def test_agent_supervises_workers_and_relays_their_measurements(daemon: DaemonHa
         assert agent.wait(20) == 0  # workers stopped, clean exit
 
 
-EXECUTOR = """
+STANDIN_WORKER = """
 import os
 from agent.node import AgentLink
 from nereusd.wire import protocol
@@ -178,14 +178,16 @@ while True:
 """
 
 
-def test_orders_reach_a_worker_and_its_report_commits_the_plan(daemon: DaemonHandle) -> None:
+def test_agent_relays_one_report_per_node_from_standin_workers(daemon: DaemonHandle) -> None:
+    """The agent's relay alone: stand-in worker scripts report a part each, the agent reports the node
+    once with the slowest part. The real workers running the DAG are tests/live/test_live_job.py."""
     daemon.start()
     daemon.admin("job-add", job="j", user="alice", spec=SPEC)
-    script = daemon.tmp / "executor.py"
-    script.write_text(EXECUTOR)
+    script = daemon.tmp / "standin_worker.py"
+    script.write_text(STANDIN_WORKER)
     import sys
 
-    # both worker slots run the executor (each runs its device's part of the DAG); the agent reports
+    # both worker slots run the stand-in (each "runs" its device's part of the DAG); the agent reports
     # the node done once both did, with the slowest part's time
     agent = daemon.agent("alice", "j", "n1", "--worker-cmd", f"{sys.executable} {script}")
     try:

@@ -25,7 +25,7 @@ def test_nereusctl_against_a_running_daemon(daemon: DaemonHandle) -> None:
     assert daemon.proc is not None and daemon.proc.poll() is None
     added = daemon.ctl("job-add", "grpo-tiny", "--user", "alice", "--spec", json.dumps(SPEC))
     assert added.returncode == 0, added.stderr
-    agent = daemon.agent("alice", "grpo-tiny", "n1", "--ack-orders")
+    agent = daemon.acking_agent("alice", "grpo-tiny", "n1")
     try:
         # the initial placement is decided, ordered, acknowledged by the agent and committed
         wait_for(lambda: daemon.admin("job", job="grpo-tiny")["plan_version"] == 1, timeout_s=20,

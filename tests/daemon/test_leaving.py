@@ -1,7 +1,8 @@
 """A node that leaves by itself (Slurm's SIGTERM ahead of a preemption or a time limit) against a real
-daemon (loopback, local allocation source, real planner) and real agents (``python -m agent.node
---ack-orders``): the agent tells the daemon ``Leaving`` and keeps serving while the node's state moves
-away, exits 0 once the daemon answers ``Release`` and the node is never handed back through the source;
+daemon (loopback, local allocation source, real planner) and real agents whose workers are
+stand-ins (``acking_agent``: orders acknowledged without moving state; the daemon's side is what is
+tested): the agent tells the daemon ``Leaving`` and keeps serving while the node's state moves away,
+exits 0 once the daemon answers ``Release`` and the node is never handed back through the source;
 when no plan fits without the node the refusal is an event and the agent goes at its grace end; a
 Leaving for another user's job or another node is refused.
 
@@ -54,13 +55,13 @@ def test_sigterm_drains_the_node_then_the_agent_goes_and_the_source_is_not_asked
     daemon.start()
     daemon.admin("job-add", job="j", user="alice", spec={**SPEC, "elastic": ELASTIC})
     wait_for(lambda: _alloc_kinds(daemon, "j") == ["granted"], timeout_s=WAIT_S, what="local0 granted")
-    agents = [daemon.agent("alice", "j", "local0", "--ack-orders")]
+    agents = [daemon.acking_agent("alice", "j", "local0")]
     try:
         wait_for(lambda: daemon.admin("job", job="j")["plan_version"] >= 1, timeout_s=WAIT_S,
                  what="the initial placement committed on local0")
         daemon.admin("alloc", job="j", action="grow", nodes=1)
         wait_for(lambda: _alloc_kinds(daemon, "j") == ["granted", "grown"], timeout_s=WAIT_S, what="local1 grown")
-        agents.append(daemon.agent("alice", "j", "local1", "--ack-orders", "--leave-grace-s", str(grace_s)))
+        agents.append(daemon.acking_agent("alice", "j", "local1", "--leave-grace-s", str(grace_s)))
         # local0 registered first: GPUs 0, 1; local1: 2, 3. The replan on four GPUs uses local1.
         wait_for(lambda: daemon.admin("job", job="j")["state"] == "running" and _plan_gpus(daemon, "j") & {2, 3},
                  timeout_s=WAIT_S, what="a committed plan using local1's GPUs")
@@ -105,7 +106,7 @@ def test_a_leave_no_plan_survives_is_refused_and_the_agent_goes_at_its_grace_end
     grace_s = 3.0
     daemon.start()
     daemon.admin("job-add", job="j", user="alice", spec=SPEC)
-    agent = daemon.agent("alice", "j", "n1", "--ack-orders", "--leave-grace-s", str(grace_s))
+    agent = daemon.acking_agent("alice", "j", "n1", "--leave-grace-s", str(grace_s))
     try:
         wait_for(lambda: daemon.admin("job", job="j")["plan_version"] >= 1, timeout_s=WAIT_S,
                  what="the initial placement committed on n1")
@@ -130,7 +131,7 @@ def test_a_leave_no_plan_survives_is_refused_and_the_agent_goes_at_its_grace_end
 def test_a_second_sigterm_stops_the_agent_at_once(daemon: DaemonHandle) -> None:
     daemon.start()
     daemon.admin("job-add", job="j", user="alice", spec=SPEC)
-    agent = daemon.agent("alice", "j", "n1", "--ack-orders", "--leave-grace-s", "600")
+    agent = daemon.acking_agent("alice", "j", "n1", "--leave-grace-s", "600")
     try:
         wait_for(lambda: daemon.admin("job", job="j")["plan_version"] >= 1, timeout_s=WAIT_S,
                  what="the initial placement committed on n1")

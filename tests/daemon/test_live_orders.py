@@ -100,13 +100,13 @@ def test_a_shrink_drains_the_node_first_and_a_shrink_that_leaves_nothing_is_refu
     daemon.start()
     daemon.admin("job-add", job="j", user="alice", spec={**SPEC, "elastic": ELASTIC})
     wait_for(lambda: _alloc_kinds(daemon, "j") == ["granted"], timeout_s=WAIT_S, what="local0 granted")
-    agents = [daemon.agent("alice", "j", "local0", "--ack-orders")]
+    agents = [daemon.acking_agent("alice", "j", "local0")]
     try:
         wait_for(lambda: daemon.admin("job", job="j")["plan_version"] >= 1, timeout_s=WAIT_S,
                  what="the initial placement committed on local0")
         daemon.admin("alloc", job="j", action="grow", nodes=1)
         wait_for(lambda: _alloc_kinds(daemon, "j") == ["granted", "grown"], timeout_s=WAIT_S, what="local1 grown")
-        agents.append(daemon.agent("alice", "j", "local1", "--ack-orders"))
+        agents.append(daemon.acking_agent("alice", "j", "local1"))
         # local0 registered first: GPUs 0, 1; local1: 2, 3. The replan on four GPUs uses local1.
         wait_for(lambda: daemon.admin("job", job="j")["state"] == "running" and _plan_gpus(daemon, "j") & {2, 3},
                  timeout_s=WAIT_S, what="a committed plan using local1's GPUs")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from agent.engine.grpo import GRPOConfig, grpo_advantages
-from agent.engine.losses import gae, kl_k3, kl_shaped_rewards, policy_loss, value_loss
+from agent.engine.losses import gae, kl_k3, kl_shaped_rewards, policy_loss, token_logprobs, value_loss
 from agent.engine.remax import remax_advantages
 from agent.engine.tasks import ByteTokenizer, Problem, SortDigits, problems_for_step, rule_reward
 
@@ -78,3 +78,17 @@ def test_rule_reward_and_prompts() -> None:
     assert a == problems_for_step(SortDigits(), seed=1, step=5, count=6)
     assert a != problems_for_step(SortDigits(), seed=1, step=6, count=6)
     assert all(pr.answer == "".join(sorted(pr.prompt[:-1])) for pr in a)
+
+
+def test_token_logprobs_are_computed_in_fp32_from_low_precision_logits() -> None:
+    """bf16 logits (as a bf16 model returns them) are upcast before the softmax: the log-probs equal the
+    fp32 computation on the same values, where a bf16 log_softmax would be off by ~1e-2."""
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(2, 5, 300, generator=g) * 4).to(torch.bfloat16)
+    nxt = torch.randint(0, 300, (2, 5), generator=g)
+    got = token_logprobs(logits, nxt, temperature=0.7)
+    want = torch.log_softmax(logits.float() / 0.7, dim=-1).gather(-1, nxt[..., None]).squeeze(-1)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    in_bf16 = torch.log_softmax(logits / 0.7, dim=-1).gather(-1, nxt[..., None]).squeeze(-1).float()
+    assert (in_bf16 - want).abs().max() > 1e-3  # the test can tell the two apart

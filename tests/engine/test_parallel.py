@@ -79,6 +79,7 @@ def run_layout(rank: int, world: int, tp: int, pp: int) -> dict[str, object]:
             roll = generate(PipelineRunner(eng), prompts, [0] * 4, SamplingParams(max_new_tokens=6, greedy=True),
                             prompt_tokens=4, pad_id=256)
             out["greedy"] = roll.tokens
+            out["greedy_logprobs"] = roll.logprobs
     return out
 
 
@@ -120,3 +121,5 @@ def test_layout_matches_single_process(tp: int, pp: int) -> None:
             torch.testing.assert_close(w, want["updated"][n], rtol=1e-5, atol=1e-6, msg=n)
     for r in results:
         assert torch.equal(r["greedy"], ref["greedy"])
+        # the sampled tokens' log-probs too: every stage samples from the last stage's real logits
+        torch.testing.assert_close(r["greedy_logprobs"], ref["greedy_logprobs"], rtol=1e-5, atol=1e-5)

@@ -3,7 +3,6 @@ greedy tokens equal the torch backend's, pushed weights take effect, and sleep f
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -28,12 +27,7 @@ def test_hf_config_of_modelspec(tmp_path: Path) -> None:
     assert json.loads((d / "config.json").read_text())["hidden_size"] == 256
 
 
-needs_vllm = pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None,
-                                reason="needs a CUDA GPU and the vllm extra")
-
-
-@pytest.mark.gpu
-@needs_vllm
+@pytest.mark.vllm
 def test_vllm_greedy_matches_torch_and_weights_push(tmp_path: Path) -> None:
     from agent.engine.vllm_backend import VLLMBackend
 
@@ -54,8 +48,7 @@ def test_vllm_greedy_matches_torch_and_weights_push(tmp_path: Path) -> None:
     eng.wake()
 
 
-@pytest.mark.gpu
-@needs_vllm
+@pytest.mark.vllm
 def test_grpo_loop_with_vllm_rollouts() -> None:
     from agent.engine.loop import RLLoop, RunConfig, uniform_plan
     from planner.plan import Layout

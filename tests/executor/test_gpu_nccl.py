@@ -8,8 +8,7 @@ from executor_helpers import assert_same_state, init_placements, logical_state, 
 
 from agent.coordinator import LocalCoordinator
 
-pytestmark = [pytest.mark.gpu, pytest.mark.multiprocess,
-              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (NCCL p2p)")]
+pytestmark = [pytest.mark.gpus(2), pytest.mark.multiprocess]  # NCCL p2p: one device per rank
 
 
 def test_tp_change_and_extend_over_nccl_are_bit_exact() -> None:
@@ -25,7 +24,7 @@ def test_tp_change_and_extend_over_nccl_are_bit_exact() -> None:
         assert_same_state(before, logical_state(pool.dump()))
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 3, reason="needs 3 CUDA devices (a fan-out to two copies)")
+@pytest.mark.gpus(3)  # a fan-out to two copies
 def test_dag_with_fan_out_broadcast_over_nccl_is_bit_exact() -> None:
     """DP1 -> DP3 over NCCL: the two Extends of GPU 0's replica run as one broadcast (forced: the unit
     is below the default size), bit-exactly; then the same over point-to-point."""

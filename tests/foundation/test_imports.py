@@ -39,7 +39,43 @@ def test_planner_is_pure() -> None:
         print(sorted(m for m in ('torch', 'zmq', 'sqlite3', 'subprocess') if m in sys.modules))
     """)
     assert proc.returncode == 0, proc.stderr
-    assert "torch" not in proc.stdout
+    assert proc.stdout.strip() == "[]", proc.stdout
+
+
+def test_planner_does_no_io_while_it_plans() -> None:
+    """A search, a prediction and an admission decision open no file, socket or process: every way
+    to reach the outside is made to raise before the planner runs (imports are done first)."""
+    proc = _run("""
+        import builtins, io, os, socket, subprocess
+        from planner.admission import Trigger, TriggerKind, decide
+        from planner.hardware import cluster_preset
+        from planner.models import model_preset
+        from planner.prediction import predict
+        from planner.search import search
+        from planner.workflow import Workload, same_model_job, workflow_preset
+        calls = []
+        def refuse(name):
+            def f(*a, **k):
+                calls.append(name)
+                raise OSError('planner did I/O: ' + name)
+            return f
+        builtins.open = io.open = refuse('open')
+        os.open = refuse('os.open')
+        socket.socket = refuse('socket')
+        subprocess.Popen = refuse('Popen')
+        cluster = cluster_preset('h200', 32)
+        jobs = [same_model_job(workflow_preset(w), model_preset('llama-3.1-8b'),
+                               Workload(prompts_per_step=1024, prompt_tokens=1024, response_tokens=n))
+                for w, n in (('ppo', 1024), ('grpo', 4096))]
+        results = [search(j, cluster) for j in jobs]
+        preds = [predict(j, cluster, r.plan) for j, r in zip(jobs, results)]
+        trigger = Trigger(kind=TriggerKind.OPPORTUNISTIC, step=3, reasons=('drift',), h_steps=50)
+        dec = decide(trigger=trigger, current_plan=results[0].plan, current_prediction=preds[0],
+                     replan=lambda: search(jobs[1], cluster), transition_s=lambda old, new: 1.0)
+        print('CALLS', calls, 'FEASIBLE', [p.feasible for p in preds], 'RULE', dec.verdict.rule.value)
+    """)
+    assert proc.returncode == 0, proc.stderr
+    assert "CALLS [] FEASIBLE [True, True] RULE " in proc.stdout, proc.stdout
 
 
 def test_shadowing_transitions_package_fails_clearly(tmp_path: Path) -> None:
