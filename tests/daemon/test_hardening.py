@@ -476,7 +476,7 @@ def test_the_local_source_grants_once_and_keeps_grown_nodes_across_restarts(daem
         # the source's own view, asked synchronously: it holds both nodes (a fresh grant would hold one,
         # leaving room for two), so asking for two more is refused with room for one
         over = _admin_reply(daemon, "alloc", job="j", action="grow", nodes=2)
-        assert not over.ok and "holds 2, room for 1" in over.error, (how, over.error)
+        assert not over.ok and "holds 2, 0 pending, room for 1" in over.error, (how, over.error)
         assert kinds() == ["granted", "grown"], how
     # the restored source knows the grown node: it can be shrunk, and the room under max_gpus is right
     daemon.admin("alloc", job="j", action="shrink", names=grown)
