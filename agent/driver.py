@@ -89,6 +89,21 @@ def plan_from_part(data: dict[str, Any]) -> GlobalPlan:
         for s in data["stages"]))
 
 
+def renamed_lost(old: GlobalPlan, new: GlobalPlan, lost: set[int]) -> tuple[GlobalPlan, frozenset[int]]:
+    """``old`` and ``lost`` for the DAG where ``new`` places units on lost workers' ids again (a node that
+    came back, a requeued anchor: new processes under the ids of the dead): in ``old`` those ids become
+    spare ones above every id in use, so the dead units are lost there and the new ones are built fresh.
+    Unit uids do not depend on GPU ids, so the intact units are the ones the workers hold."""
+    again = sorted(lost & set(new.gpus))
+    if not again:
+        return old, frozenset(lost)
+    top = max(set(old.gpus) | set(new.gpus)) + 1
+    spare = {g: top + i for i, g in enumerate(again)}
+    stages = tuple(dataclasses.replace(sp, gpu_sets=tuple(tuple(spare.get(g, g) for g in gs) for gs in sp.gpu_sets))
+                   for sp in old.stages)
+    return dataclasses.replace(old, stages=stages), frozenset(spare.get(g, g) for g in lost)
+
+
 @dataclass(kw_only=True, slots=True)
 class DriverConfig:
     steps: int
@@ -209,6 +224,8 @@ class JobDriver(Recovery):
             self.incarnations = dict(incarnations or {})
             gone = [p.worker_id for k, p in self.hub.peers.items() if k not in self.ids and p.worker_id is not None]
             self.hub.forget(gone)  # nodes that left the pool: their processes are not ours any more
+        if self.plan is None and order is not None:
+            self._adopt(self.dc.assign_timeout_s)  # a driver after another: the survivors' state goes on
         old = self.plan
         pool_gpus = set(self.ids.values())
         lost = set(self.dead) | ((set(old.gpus) - pool_gpus) if old is not None else set())
@@ -226,9 +243,10 @@ class JobDriver(Recovery):
                 self.hub.form_generation(sorted(new.gpus))
             else:
                 self.hub.form_generation(sorted(needed))
-                cluster = live_cluster(self.cfg, old, new)
+                dag_old, dag_lost = renamed_lost(old, new, lost)
+                cluster = live_cluster(self.cfg, dag_old, new)
                 try:
-                    dag = live_dag(self.cfg, old, new, cluster=cluster, lost=frozenset(lost))
+                    dag = live_dag(self.cfg, dag_old, new, cluster=cluster, lost=dag_lost)
                 except (LastCopyLostError, CoverageError) as exc:
                     dag, restored = None, str(exc).splitlines()[0]
                 if self.torn:
@@ -276,9 +294,14 @@ class JobDriver(Recovery):
         """Keep the logical digests of the state now (after a step or transition): the latest, and
         those of checkpointed steps (a restore is checked against them)."""
         assert self.plan is not None
+        self._snapshot_of(sorted(self.plan.gpus))
+
+    def _snapshot_of(self, workers: list[int]) -> None:
         keep = {self.checkpoint.step} if self.checkpoint is not None else set()
         self.snapshots = {s: d for s, d in self.snapshots.items() if s in keep}
-        self.snapshots[self.step] = logical_digests(self.hub.dump(sorted(self.plan.gpus)))
+        self.snapshots[self.step] = logical_digests(self.hub.dump(workers))
+        # in the events too: a later driver's (failover) state is checked against them
+        self.event("snapshot", step=self.step, plan_version=self.version, digests=self.snapshots[self.step])
 
     def _verify(self, new: GlobalPlan) -> dict[str, Any] | None:
         """Every logical tensor after the transition equals what the old layout held at this step."""
@@ -387,6 +410,15 @@ def _schedule(text: str) -> dict[int, int]:
     return out
 
 
+def _default_checkpoints(job_id: str) -> str:
+    """Beside the published driver file (the job's folder; a driver after a requeue finds them there),
+    else a folder of this process's own under the temp dir."""
+    published = os.environ.get("NEREUS_DRIVER_FILE")
+    if published:
+        return str(Path(published).parent / f"ckpt-{job_id}-{os.environ.get('SLURM_JOB_ID', 'local')}")
+    return str(Path(os.environ.get("TMPDIR", "/tmp")) / f"nereus-ckpt-{job_id}-{os.getpid()}")
+
+
 def main(argv: list[str] | None = None) -> int:
     env = os.environ
     p = argparse.ArgumentParser(prog="python -m agent.driver", description=__doc__.split("\n\n")[0])
@@ -394,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bind", default=env.get("NEREUS_DRIVER"), help="tcp://HOST:PORT the workers dial")
     p.add_argument("--keys", default=env.get("NEREUS_KEYS"), help="the job's agent key bundle (hub CURVE keys)")
     p.add_argument("--steps", type=int, help="RL steps (default: the job file's)")
-    p.add_argument("--checkpoint-dir", help="DCP checkpoints (default: a folder under the temp dir)")
+    p.add_argument("--checkpoint-dir", help="DCP checkpoints (default: beside NEREUS_DRIVER_FILE, else under the temp dir)")
     p.add_argument("--checkpoint-every", type=int, default=5, help="steps between checkpoints (0: never)")
     p.add_argument("--events", type=Path, help="append one JSON line per step/transition here")
     p.add_argument("--metrics-dir", type=Path, help="metrics.jsonl and TensorBoard files (default: runs/JOB-STAMP)")
@@ -428,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
 
         link = AgentLink.from_env()
     hub = HubCoordinator(args.bind, load_bundle(Path(args.keys)) if args.keys else None)
-    ckpt = args.checkpoint_dir or str(Path(os.environ.get("TMPDIR", "/tmp")) / f"nereus-ckpt-{job_id}-{os.getpid()}")
+    ckpt = args.checkpoint_dir or _default_checkpoints(job_id)
     dc = DriverConfig(steps=args.steps or steps, checkpoint_url=ckpt, checkpoint_every=args.checkpoint_every,
                       events_path=args.events, response_schedule=_schedule(args.response_schedule),
                       heal_after_s=args.heal_after_s, verify=args.verify, workload_path=args.workload_file,

@@ -10,10 +10,17 @@ a transition or a worker fails.
   run again.
 - A worker its agent restarted in place (the pool is unchanged: no order comes) is noticed by
   ``_restarted_in_place``; the driver then Extends the current plan onto it.
+- Failover (``_adopt``): a driver started after another one went (a requeued anchor's) finds the workers
+  of the surviving nodes re-dialled with their worker ids and units (``agent.hub.WorkerLink``). Before
+  its first order it adopts them: the plan they are bound to, the RL steps they reached (which must
+  agree, else the state is torn and comes from the checkpoint), the latest committed checkpoint; the
+  plan's workers that did not come back are dead, and the order moves the state from the intact
+  replicas (or restores it) as after any loss. Steps go on from the step reached.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +35,31 @@ from planner.plan import GlobalPlan
 class _Checkpoint:
     tag: str
     step: int  # steps done when it was saved: the loop resumes here
+
+
+def adoption_state(ctx: Any) -> dict[str, Any]:
+    """What a re-dialled worker holds (runs on the worker): its bound plan, RL steps, torn flag, units."""
+    from agent.engine.live import LiveEngine
+
+    engine = ctx.engine
+    bound = isinstance(engine, LiveEngine)
+    return {"plan": engine.plan if bound else None, "rl_steps": engine.rl_steps if bound else None,
+            "updating": bool(bound and engine.loop.updating), "units": sorted(ctx.units)}
+
+
+def latest_checkpoint(url: str) -> _Checkpoint | None:
+    """The newest committed ``stepNNNNNN`` checkpoint under ``url`` (an earlier driver's), or None."""
+    from fsspec.core import url_to_fs
+
+    from transitions.checkpoint import is_committed
+
+    fs, path = url_to_fs(url)
+    try:
+        names = [str(n).rstrip("/").rsplit("/", 1)[-1] for n in fs.ls(path, detail=False)]
+    except (FileNotFoundError, OSError):
+        return None
+    tags = sorted(n for n in names if re.fullmatch(r"step\d{6}", n) and is_committed(url, n))
+    return _Checkpoint(tag=tags[-1], step=int(tags[-1][4:])) if tags else None
 
 
 class Recovery:
@@ -59,6 +91,44 @@ class Recovery:
                                  workers=sorted(new.gpus))
         self.event("restored", tag=self.checkpoint.tag, step=self.checkpoint.step, reason=why)
         self.step = self.checkpoint.step
+
+    def _adopt(self, wait_s: float) -> bool:
+        """Take over the workers an earlier driver left (see the module's doc); False: none came back.
+        Waits (bounded) until every device of the order's pool has said hello: a survivor still finishing
+        the command the old driver sent re-dials when it is done."""
+        deadline = time.monotonic() + wait_s
+        while not all(k in self.hub.peers for k in self.ids) and time.monotonic() < deadline:
+            self.hub.pump(0.5)
+        resumed = sorted(p.worker_id for p in self.hub.peers.values()
+                         if p.resumed and p.worker_id is not None and not self.hub._stale(p))
+        if not resumed:
+            return False
+        try:
+            states = self.hub.call(adoption_state, workers=resumed, timeout_s=60.0)
+        except WorkerDied as exc:
+            self.event("adopt-failed", workers=resumed, error=str(exc)[:2000])
+            return False
+        plans = {s["plan"].version: s["plan"] for s in states.values() if s["plan"] is not None}
+        if not plans:
+            self.event("adopt-failed", workers=resumed, error="no re-dialled worker is bound to a plan")
+            return False
+        plan = plans[max(plans)]
+        steps = {int(s["rl_steps"]) for s in states.values() if s["plan"] is not None}
+        torn = [w for w, s in states.items() if s["updating"]]
+        self.plan, self.version, self.step = plan, plan.version, max(steps)
+        self.torn = bool(torn) or len(plans) > 1 or len(steps) > 1  # not one step's state: from the checkpoint
+        self.dead = set(plan.gpus) - set(resumed)
+        self.broken = True
+        self.checkpoint = latest_checkpoint(self.dc.checkpoint_url)
+        self.event("adopted", workers=resumed, plan_version=plan.version, step=self.step, dead=sorted(self.dead),
+                   torn=self.torn, versions=sorted(plans), steps=sorted(steps),
+                   checkpoint=self.checkpoint.tag if self.checkpoint else None)
+        if self.dc.verify and not self.torn:
+            self._snapshot_of(resumed)
+        return True
+
+    def _snapshot_of(self, workers: list[int]) -> None:
+        raise NotImplementedError
 
     def _after_failure(self) -> None:
         """Survivors leave the broken generation (their units stay); the plan waits for a replan."""
