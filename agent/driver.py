@@ -24,7 +24,13 @@ generations' rendezvous store and commands them:
    run again. A worker that its agent restarted in place (the pool is unchanged, so no order comes)
    receives its state by an Extend of the current plan onto it after ``--heal-after-s``
    (``agent.driver_recovery``).
-5. Each step's RL figures (reward, KL, entropy, lengths, clip fractions, tokens/s, pool) go to
+5. Failover: the driver runs on the anchor's first node, and goes with it (a requeue). The workers of the
+   surviving nodes keep their units and dial the driver published after it (NEREUS_DRIVER_FILE); a new
+   driver adopts them before its first order: their plan, the RL steps they reached (a torn or
+   disagreeing state comes from the checkpoint), the latest committed checkpoint; the order then moves
+   the state from the intact replicas as after any loss (``agent.driver_recovery``), and the steps go on
+   from the step reached.
+6. Each step's RL figures (reward, KL, entropy, lengths, clip fractions, tokens/s, pool) go to
    ``--metrics-dir`` as metrics.jsonl and TensorBoard files, and with the Measurement to the daemon
    (``agent.metrics``).
 
@@ -142,6 +148,7 @@ class JobDriver(Recovery):
         self.checkpoint: _Checkpoint | None = None
         self.snapshots: dict[int, dict[str, str]] = {}  # verify: steps done -> logical digests then
         self._workload_seen: float | None = None  # mtime of the workload file last applied
+        self.stopping = False  # its agent stopped it (SIGINT: the node leaves): end at the next safe point
         self.metrics: Any = None
         if dc.metrics_dir is not None:
             from agent.metrics import MetricsLog
@@ -208,7 +215,7 @@ class JobDriver(Recovery):
             self.hub.pump(0.0)  # keep the workers' beats read while waiting
             if order is not None and order.job_id == self.job_id:
                 return order
-            if time.monotonic() >= deadline:
+            if time.monotonic() >= deadline or self.stopping:
                 return None
 
     def apply(self, order: protocol.TransitionOrder | None, new: GlobalPlan,
@@ -377,6 +384,10 @@ class JobDriver(Recovery):
         self.event("driver-started", steps=self.dc.steps, hub=self.hub.endpoint)
         waiting_since: float | None = None
         while self.step < self.dc.steps:
+            if self.stopping:  # a safe point: the step in flight is done and logged; the workers go on
+                self.event("stopped", step=self.step, plan_version=self.version,
+                           reason="stopped by its agent (its node leaves the job)")
+                return 0
             degraded = self.plan is None or bool(self.dead) or self.broken
             order = self.next_order(min(self.dc.heal_after_s, 5.0) if degraded else 0.0)
             if order is not None:
@@ -466,15 +477,25 @@ def main(argv: list[str] | None = None) -> int:
                       heal_after_s=args.heal_after_s, verify=args.verify, workload_path=args.workload_file,
                       metrics_dir=args.metrics_dir or Path("runs") / f"{job_id}-{time.strftime('%Y%m%d-%H%M%S')}")
     driver = JobDriver(cfg, hub, link, dc, job_id=job_id, node=env.get("NEREUS_NODE", "local"))
+    if link is not None:
+        import signal
+
+        # the agent stops the driver (SIGINT) when its node leaves: the step in flight ends, then the driver
+        signal.signal(signal.SIGINT, lambda *_: setattr(driver, "stopping", True))
+    ended = False
     try:
-        return driver.run()
+        code = driver.run()
+        ended = not driver.stopping
+        return code
     except BaseException as exc:
         import traceback
 
         driver.event("driver-failed", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc(limit=8))
         raise
     finally:
-        hub.close(stop_workers=True)
+        # only a job that ended stops the workers: those of a driver that went (stopped with its node, or
+        # failed) keep their state for the driver after it (a requeued anchor's adopts them)
+        hub.close(stop_workers=ended)
         if driver.metrics is not None:
             driver.metrics.close()
         if link is not None:

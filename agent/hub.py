@@ -289,7 +289,12 @@ class WorkerLink:
     """The worker's side: dial the driver, say hello, wait for the worker id, then one command in and
     one reply out (``send``/``recv`` as ``worker_main`` uses a pipe). A beat thread keeps the driver
     sure the process lives; ``recv`` raises EOFError on the driver's bye or when the agent (the
-    parent) is gone."""
+    parent) is gone.
+
+    Failover: with NEREUS_DRIVER_FILE (the anchor's published driver record, agent.slurm_task) the worker
+    dials the endpoint published there, and while idle re-reads it; a record published after the one it
+    dialled (a requeued anchor's new driver) is dialled at once, the hello carrying the worker id, so the
+    new driver adopts the worker with the units it holds."""
 
     def __init__(self, endpoint: str, bundle: ClientBundle | None, *, node: str, device: int) -> None:
         self.ctx = zmq.Context()

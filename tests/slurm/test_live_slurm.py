@@ -142,10 +142,10 @@ class DriverEvents:
         return [(i, e) for i, e in enumerate(self.read()) if i > index and e["event"] == kind]
 
     def wait(self, kind: str, what: str, since: int = -1, ok: Callable[[dict[str, Any]], bool] = lambda e: True,
-             timeout_s: float = WAIT_S, stuck: Callable[[], str] = lambda: "") -> tuple[int, dict[str, Any]]:
+             timeout_s: float = WAIT_S, stuck: Callable[[], str] = lambda: "",
+             ends: tuple[str, ...] = ("driver-failed", "gave-up", "done", "stopped")) -> tuple[int, dict[str, Any]]:
         def found() -> tuple[int, dict[str, Any]] | None:
-            fatal = [e for _, e in self.after(since, "driver-failed") + self.after(since, "gave-up")
-                     + self.after(since, "done")]
+            fatal = [e for k in ends for _, e in self.after(since, k)]
             assert not fatal, f"the driver stopped while waiting for {what}: {fatal}"
             why = stuck()
             assert not why, f"no {what} will come: {why}"
@@ -201,21 +201,23 @@ def _anchor_requeue(lab: SlurmLab, d: dict[str, Any], ev: DriverEvents, anchor_j
     stepped: the adoption's step is the old driver's, and every logical tensor the member's replicas hold
     equals the old driver's digests at that step (--verify)."""
     lab.run("scontrol", "requeue", anchor_job_id)
-    i, adopted = ev.wait("adopted", "the requeued anchor's driver adopting the member's workers", since=since,
-                         timeout_s=2 * WAIT_S)
-    old = ev.seen[:i]
+    # the old driver goes (stopped by its agent at a safe point, or killed with its node): not an end here
+    n, _ = ev.wait("driver-started", "the requeued anchor's new driver", since=since, timeout_s=2 * WAIT_S, ends=())
+    i, adopted = ev.wait("adopted", "the new driver adopting the member's workers", since=n)
+    old = ev.seen[:n]
     done = max(e["step"] for e in old if e["event"] == "step") + 1
     assert adopted["workers"] == sorted(member_workers), adopted
-    assert not adopted["torn"] and adopted["step"] == done, (adopted, done)  # from the step reached, not 0
+    # from the step reached, not 0: the old driver's, or one more the member finished after it went unlogged
+    assert not adopted["torn"] and adopted["step"] in (done, done + 1), (adopted, done)
     kept = next(e for e in ev.seen[i:] if e["event"] == "snapshot")  # the survivors' logical state
-    before = [e for e in old if e["event"] == "snapshot" and e["step"] == done]
-    if before:  # absent only if the requeue came while the old driver was taking that very dump
+    before = [e for e in old if e["event"] == "snapshot" and e["step"] == adopted["step"]]
+    if before:  # absent only where the old driver was killed before it logged that step
         assert kept["digests"] == before[-1]["digests"], "the member's replicas changed across the requeue"
     j, moved = ev.wait("transition-done", "the adopting driver's first transition", since=i)
     assert moved["verified"]["equal"] is True and moved["restored_from"] is None, moved
     k, first = ev.wait("step", "a step after the requeue", since=j)
-    assert first["step"] == done, first
-    return {"index": k, "step": done, "compared": bool(before)}
+    assert first["step"] == adopted["step"], first
+    return {"index": k, "step": adopted["step"], "compared": bool(before)}
 
 
 def test_live_job_grows_by_itself_survives_node_down_and_member_scancel(lab: SlurmLab, nereusd: dict[str, Any],
