@@ -1,7 +1,10 @@
 """The live job on the real cluster: submitted with etc/submit_elastic.py (through submitit) from a job
 file, it trains under nereusd's Slurm source on the GPUs Slurm grants (fake: counted from GRES). The
 daemon grows it by itself (growth policy, no alloc --grow) with a member job and the live state extends
-onto the member's workers; a grow past max_gpus is refused; the member's node is set DOWN (Slurm ends
+onto the member's workers; a grow past max_gpus is refused; Slurm requeues the anchor (``scontrol
+requeue``): its driver goes, the member's workers keep their state and dial the requeued anchor's new
+driver, which adopts them at the step reached (the member's replicas hold every logical tensor the old
+driver's --verify digests said) and extends the state back onto the anchor; the member's node is set DOWN (Slurm ends
 the member, NODE_FAIL) and the job recovers from the replicas left on the anchor; the daemon grows it
 again on another node; the user scancels that member: its node leaves at once from Slurm's state (not
 by the heartbeat time-out) and the job goes on (drained while the agent's Leaving lasts, else from
@@ -217,7 +220,7 @@ def _anchor_requeue(lab: SlurmLab, d: dict[str, Any], ev: DriverEvents, anchor_j
     assert moved["verified"]["equal"] is True and moved["restored_from"] is None, moved
     k, first = ev.wait("step", "a step after the requeue", since=j)
     assert first["step"] == adopted["step"], first
-    return {"index": k, "step": adopted["step"], "compared": bool(before)}
+    return {"adopted": i, "step": adopted["step"], "compared": bool(before)}
 
 
 def test_live_job_grows_by_itself_survives_node_down_and_member_scancel(lab: SlurmLab, nereusd: dict[str, Any],
@@ -273,7 +276,8 @@ def test_live_job_grows_by_itself_survives_node_down_and_member_scancel(lab: Slu
         requeue_at = time.monotonic()
         requeue = _anchor_requeue(lab, d, ev, record["anchor_job_id"], at, member_workers)
         requeue_s = time.monotonic() - requeue_at
-        i, back = ev.wait("transition-done", "the live Extend back onto the requeued anchor", since=requeue["index"],
+        # (the adopting driver's first transition, or a later one where that one was onto the member alone)
+        i, back = ev.wait("transition-done", "the live Extend back onto the requeued anchor", since=requeue["adopted"],
                           ok=lambda e: bool(set(e["workers"]) - member_workers) and e["bytes_sent"] > 0)
         anchor_workers = set(back["workers"]) - member_workers
         at = ev.steps_after(i, 2, "steps on the requeued anchor and the member")
