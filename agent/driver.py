@@ -232,7 +232,7 @@ class JobDriver(Recovery):
             gone = [p.worker_id for k, p in self.hub.peers.items() if k not in self.ids and p.worker_id is not None]
             self.hub.forget(gone)  # nodes that left the pool: their processes are not ours any more
         if self.plan is None and order is not None:
-            self._adopt(self.dc.assign_timeout_s)  # a driver after another: the survivors' state goes on
+            self._adopt(new, self.dc.assign_timeout_s)  # a driver after another: the survivors' state goes on
         old = self.plan
         pool_gpus = set(self.ids.values())
         lost = set(self.dead) | ((set(old.gpus) - pool_gpus) if old is not None else set())

@@ -92,12 +92,19 @@ class Recovery:
         self.event("restored", tag=self.checkpoint.tag, step=self.checkpoint.step, reason=why)
         self.step = self.checkpoint.step
 
-    def _adopt(self, wait_s: float) -> bool:
+    def _adopt(self, new: GlobalPlan, wait_s: float) -> bool:
         """Take over the workers an earlier driver left (see the module's doc); False: none came back.
-        Waits (bounded) until every device of the order's pool has said hello: a survivor still finishing
-        the command the old driver sent re-dials when it is done."""
+        Waits (bounded) until every device of ``new`` has said hello, and once any worker re-dialled, every
+        device of the order's pool: a survivor still finishing the command the old driver sent re-dials
+        when it is done."""
         deadline = time.monotonic() + wait_s
-        while not all(k in self.hub.peers for k in self.ids) and time.monotonic() < deadline:
+        planned = [k for k, w in self.ids.items() if w in new.gpus]
+
+        def ready() -> bool:
+            resumed_any = any(p.resumed for p in self.hub.peers.values())
+            return all(k in self.hub.peers for k in (self.ids if resumed_any else planned))
+
+        while not ready() and time.monotonic() < deadline:
             self.hub.pump(0.5)
         resumed = sorted(p.worker_id for p in self.hub.peers.values()
                          if p.resumed and p.worker_id is not None and not self.hub._stale(p))
