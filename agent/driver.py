@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.coordinator import WorkerDied
-from agent.driver_recovery import Recovery, _Checkpoint
+from agent.driver_recovery import Recovery, _Checkpoint, renamed_lost
 from agent.hub import HubCoordinator
 from nereusd.wire import protocol
 from nereusd.wire.logs import configure_logging, get_logger
@@ -93,21 +93,6 @@ def plan_from_part(data: dict[str, Any]) -> GlobalPlan:
                   micro_batch_size=int(s["micro_batch_size"]), grad_accum=int(s.get("grad_accum", 1)),
                   recompute=bool(s.get("recompute", False)))
         for s in data["stages"]))
-
-
-def renamed_lost(old: GlobalPlan, new: GlobalPlan, lost: set[int]) -> tuple[GlobalPlan, frozenset[int]]:
-    """``old`` and ``lost`` for the DAG where ``new`` places units on lost workers' ids again (a node that
-    came back, a requeued anchor: new processes under the ids of the dead): in ``old`` those ids become
-    spare ones above every id in use, so the dead units are lost there and the new ones are built fresh.
-    Unit uids do not depend on GPU ids, so the intact units are the ones the workers hold."""
-    again = sorted(lost & set(new.gpus))
-    if not again:
-        return old, frozenset(lost)
-    top = max(set(old.gpus) | set(new.gpus)) + 1
-    spare = {g: top + i for i, g in enumerate(again)}
-    stages = tuple(dataclasses.replace(sp, gpu_sets=tuple(tuple(spare.get(g, g) for g in gs) for gs in sp.gpu_sets))
-                   for sp in old.stages)
-    return dataclasses.replace(old, stages=stages), frozenset(spare.get(g, g) for g in lost)
 
 
 @dataclass(kw_only=True, slots=True)

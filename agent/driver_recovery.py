@@ -20,6 +20,7 @@ a transition or a worker fails.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 from dataclasses import dataclass
@@ -60,6 +61,21 @@ def latest_checkpoint(url: str) -> _Checkpoint | None:
         return None
     tags = sorted(n for n in names if re.fullmatch(r"step\d{6}", n) and is_committed(url, n))
     return _Checkpoint(tag=tags[-1], step=int(tags[-1][4:])) if tags else None
+
+
+def renamed_lost(old: GlobalPlan, new: GlobalPlan, lost: set[int]) -> tuple[GlobalPlan, frozenset[int]]:
+    """``old`` and ``lost`` for the DAG where ``new`` places units on lost workers' ids again (a node that
+    came back, a requeued anchor: new processes under the ids of the dead): in ``old`` those ids become
+    spare ones above every id in use, so the dead units are lost there and the new ones are built fresh.
+    Unit uids do not depend on GPU ids, so the intact units are the ones the workers hold."""
+    again = sorted(lost & set(new.gpus))
+    if not again:
+        return old, frozenset(lost)
+    top = max(set(old.gpus) | set(new.gpus)) + 1
+    spare = {g: top + i for i, g in enumerate(again)}
+    stages = tuple(dataclasses.replace(sp, gpu_sets=tuple(tuple(spare.get(g, g) for g in gs) for gs in sp.gpu_sets))
+                   for sp in old.stages)
+    return dataclasses.replace(old, stages=stages), frozenset(spare.get(g, g) for g in lost)
 
 
 class Recovery:
