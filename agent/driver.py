@@ -24,7 +24,13 @@ generations' rendezvous store and commands them:
    run again. A worker that its agent restarted in place (the pool is unchanged, so no order comes)
    receives its state by an Extend of the current plan onto it after ``--heal-after-s``
    (``agent.driver_recovery``).
-5. Each step's RL figures (reward, KL, entropy, lengths, clip fractions, tokens/s, pool) go to
+5. Failover: the driver runs on the anchor's first node, and goes with it (a requeue). The workers of the
+   surviving nodes keep their units and dial the driver published after it (NEREUS_DRIVER_FILE); a new
+   driver adopts them before its first order: their plan, the RL steps they reached (a torn or
+   disagreeing state comes from the checkpoint), the latest committed checkpoint; the order then moves
+   the state from the intact replicas as after any loss (``agent.driver_recovery``), and the steps go on
+   from the step reached.
+6. Each step's RL figures (reward, KL, entropy, lengths, clip fractions, tokens/s, pool) go to
    ``--metrics-dir`` as metrics.jsonl and TensorBoard files, and with the Measurement to the daemon
    (``agent.metrics``).
 
@@ -46,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.coordinator import WorkerDied
-from agent.driver_recovery import Recovery, _Checkpoint
+from agent.driver_recovery import Recovery, _Checkpoint, renamed_lost
 from agent.hub import HubCoordinator
 from nereusd.wire import protocol
 from nereusd.wire.logs import configure_logging, get_logger
@@ -127,6 +133,7 @@ class JobDriver(Recovery):
         self.checkpoint: _Checkpoint | None = None
         self.snapshots: dict[int, dict[str, str]] = {}  # verify: steps done -> logical digests then
         self._workload_seen: float | None = None  # mtime of the workload file last applied
+        self.stopping = False  # its agent stopped it (SIGINT: the node leaves): end at the next safe point
         self.metrics: Any = None
         if dc.metrics_dir is not None:
             from agent.metrics import MetricsLog
@@ -193,7 +200,7 @@ class JobDriver(Recovery):
             self.hub.pump(0.0)  # keep the workers' beats read while waiting
             if order is not None and order.job_id == self.job_id:
                 return order
-            if time.monotonic() >= deadline:
+            if time.monotonic() >= deadline or self.stopping:
                 return None
 
     def apply(self, order: protocol.TransitionOrder | None, new: GlobalPlan,
@@ -209,6 +216,8 @@ class JobDriver(Recovery):
             self.incarnations = dict(incarnations or {})
             gone = [p.worker_id for k, p in self.hub.peers.items() if k not in self.ids and p.worker_id is not None]
             self.hub.forget(gone)  # nodes that left the pool: their processes are not ours any more
+        if self.plan is None and order is not None:
+            self._adopt(new, self.dc.assign_timeout_s)  # a driver after another: the survivors' state goes on
         old = self.plan
         pool_gpus = set(self.ids.values())
         lost = set(self.dead) | ((set(old.gpus) - pool_gpus) if old is not None else set())
@@ -226,9 +235,10 @@ class JobDriver(Recovery):
                 self.hub.form_generation(sorted(new.gpus))
             else:
                 self.hub.form_generation(sorted(needed))
-                cluster = live_cluster(self.cfg, old, new)
+                dag_old, dag_lost = renamed_lost(old, new, lost)
+                cluster = live_cluster(self.cfg, dag_old, new)
                 try:
-                    dag = live_dag(self.cfg, old, new, cluster=cluster, lost=frozenset(lost))
+                    dag = live_dag(self.cfg, dag_old, new, cluster=cluster, lost=dag_lost)
                 except (LastCopyLostError, CoverageError) as exc:
                     dag, restored = None, str(exc).splitlines()[0]
                 if self.torn:
@@ -276,9 +286,14 @@ class JobDriver(Recovery):
         """Keep the logical digests of the state now (after a step or transition): the latest, and
         those of checkpointed steps (a restore is checked against them)."""
         assert self.plan is not None
+        self._snapshot_of(sorted(self.plan.gpus))
+
+    def _snapshot_of(self, workers: list[int]) -> None:
         keep = {self.checkpoint.step} if self.checkpoint is not None else set()
         self.snapshots = {s: d for s, d in self.snapshots.items() if s in keep}
-        self.snapshots[self.step] = logical_digests(self.hub.dump(sorted(self.plan.gpus)))
+        self.snapshots[self.step] = logical_digests(self.hub.dump(workers))
+        # in the events too: a later driver's (failover) state is checked against them
+        self.event("snapshot", step=self.step, plan_version=self.version, digests=self.snapshots[self.step])
 
     def _verify(self, new: GlobalPlan) -> dict[str, Any] | None:
         """Every logical tensor after the transition equals what the old layout held at this step."""
@@ -354,6 +369,10 @@ class JobDriver(Recovery):
         self.event("driver-started", steps=self.dc.steps, hub=self.hub.endpoint)
         waiting_since: float | None = None
         while self.step < self.dc.steps:
+            if self.stopping:  # a safe point: the step in flight is done and logged; the workers go on
+                self.event("stopped", step=self.step, plan_version=self.version,
+                           reason="stopped by its agent (its node leaves the job)")
+                return 0
             degraded = self.plan is None or bool(self.dead) or self.broken
             order = self.next_order(min(self.dc.heal_after_s, 5.0) if degraded else 0.0)
             if order is not None:
@@ -387,6 +406,15 @@ def _schedule(text: str) -> dict[int, int]:
     return out
 
 
+def _default_checkpoints(job_id: str) -> str:
+    """Beside the published driver file (the job's folder; a driver after a requeue finds them there),
+    else a folder of this process's own under the temp dir."""
+    published = os.environ.get("NEREUS_DRIVER_FILE")
+    if published:
+        return str(Path(published).parent / f"ckpt-{job_id}-{os.environ.get('SLURM_JOB_ID', 'local')}")
+    return str(Path(os.environ.get("TMPDIR", "/tmp")) / f"nereus-ckpt-{job_id}-{os.getpid()}")
+
+
 def main(argv: list[str] | None = None) -> int:
     env = os.environ
     p = argparse.ArgumentParser(prog="python -m agent.driver", description=__doc__.split("\n\n")[0])
@@ -394,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bind", default=env.get("NEREUS_DRIVER"), help="tcp://HOST:PORT the workers dial")
     p.add_argument("--keys", default=env.get("NEREUS_KEYS"), help="the job's agent key bundle (hub CURVE keys)")
     p.add_argument("--steps", type=int, help="RL steps (default: the job file's)")
-    p.add_argument("--checkpoint-dir", help="DCP checkpoints (default: a folder under the temp dir)")
+    p.add_argument("--checkpoint-dir", help="DCP checkpoints (default: beside NEREUS_DRIVER_FILE, else under the temp dir)")
     p.add_argument("--checkpoint-every", type=int, default=5, help="steps between checkpoints (0: never)")
     p.add_argument("--events", type=Path, help="append one JSON line per step/transition here")
     p.add_argument("--metrics-dir", type=Path, help="metrics.jsonl and TensorBoard files (default: runs/JOB-STAMP)")
@@ -428,21 +456,31 @@ def main(argv: list[str] | None = None) -> int:
 
         link = AgentLink.from_env()
     hub = HubCoordinator(args.bind, load_bundle(Path(args.keys)) if args.keys else None)
-    ckpt = args.checkpoint_dir or str(Path(os.environ.get("TMPDIR", "/tmp")) / f"nereus-ckpt-{job_id}-{os.getpid()}")
+    ckpt = args.checkpoint_dir or _default_checkpoints(job_id)
     dc = DriverConfig(steps=args.steps or steps, checkpoint_url=ckpt, checkpoint_every=args.checkpoint_every,
                       events_path=args.events, response_schedule=_schedule(args.response_schedule),
                       heal_after_s=args.heal_after_s, verify=args.verify, workload_path=args.workload_file,
                       metrics_dir=args.metrics_dir or Path("runs") / f"{job_id}-{time.strftime('%Y%m%d-%H%M%S')}")
     driver = JobDriver(cfg, hub, link, dc, job_id=job_id, node=env.get("NEREUS_NODE", "local"))
+    if link is not None:
+        import signal
+
+        # the agent stops the driver (SIGINT) when its node leaves: the step in flight ends, then the driver
+        signal.signal(signal.SIGINT, lambda *_: setattr(driver, "stopping", True))
+    ended = False
     try:
-        return driver.run()
+        code = driver.run()
+        ended = not driver.stopping
+        return code
     except BaseException as exc:
         import traceback
 
         driver.event("driver-failed", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc(limit=8))
         raise
     finally:
-        hub.close(stop_workers=True)
+        # only a job that ended stops the workers: those of a driver that went (stopped with its node, or
+        # failed) keep their state for the driver after it (a requeued anchor's adopts them)
+        hub.close(stop_workers=ended)
         if driver.metrics is not None:
             driver.metrics.close()
         if link is not None:

@@ -10,10 +10,18 @@ a transition or a worker fails.
   run again.
 - A worker its agent restarted in place (the pool is unchanged: no order comes) is noticed by
   ``_restarted_in_place``; the driver then Extends the current plan onto it.
+- Failover (``_adopt``): a driver started after another one went (a requeued anchor's) finds the workers
+  of the surviving nodes re-dialled with their worker ids and units (``agent.hub.WorkerLink``). Before
+  its first order it adopts them: the plan they are bound to, the RL steps they reached (which must
+  agree, else the state is torn and comes from the checkpoint), the latest committed checkpoint; the
+  plan's workers that did not come back are dead, and the order moves the state from the intact
+  replicas (or restores it) as after any loss. Steps go on from the step reached.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +36,46 @@ from planner.plan import GlobalPlan
 class _Checkpoint:
     tag: str
     step: int  # steps done when it was saved: the loop resumes here
+
+
+def adoption_state(ctx: Any) -> dict[str, Any]:
+    """What a re-dialled worker holds (runs on the worker): its bound plan, RL steps, torn flag, units."""
+    from agent.engine.live import LiveEngine
+
+    engine = ctx.engine
+    bound = isinstance(engine, LiveEngine)
+    return {"plan": engine.plan if bound else None, "rl_steps": engine.rl_steps if bound else None,
+            "updating": bool(bound and engine.loop.updating), "units": sorted(ctx.units)}
+
+
+def latest_checkpoint(url: str) -> _Checkpoint | None:
+    """The newest committed ``stepNNNNNN`` checkpoint under ``url`` (an earlier driver's), or None."""
+    from fsspec.core import url_to_fs
+
+    from transitions.checkpoint import is_committed
+
+    fs, path = url_to_fs(url)
+    try:
+        names = [str(n).rstrip("/").rsplit("/", 1)[-1] for n in fs.ls(path, detail=False)]
+    except (FileNotFoundError, OSError):
+        return None
+    tags = sorted(n for n in names if re.fullmatch(r"step\d{6}", n) and is_committed(url, n))
+    return _Checkpoint(tag=tags[-1], step=int(tags[-1][4:])) if tags else None
+
+
+def renamed_lost(old: GlobalPlan, new: GlobalPlan, lost: set[int]) -> tuple[GlobalPlan, frozenset[int]]:
+    """``old`` and ``lost`` for the DAG where ``new`` places units on lost workers' ids again (a node that
+    came back, a requeued anchor: new processes under the ids of the dead): in ``old`` those ids become
+    spare ones above every id in use, so the dead units are lost there and the new ones are built fresh.
+    Unit uids do not depend on GPU ids, so the intact units are the ones the workers hold."""
+    again = sorted(lost & set(new.gpus))
+    if not again:
+        return old, frozenset(lost)
+    top = max(set(old.gpus) | set(new.gpus)) + 1
+    spare = {g: top + i for i, g in enumerate(again)}
+    stages = tuple(dataclasses.replace(sp, gpu_sets=tuple(tuple(spare.get(g, g) for g in gs) for gs in sp.gpu_sets))
+                   for sp in old.stages)
+    return dataclasses.replace(old, stages=stages), frozenset(spare.get(g, g) for g in lost)
 
 
 class Recovery:
@@ -59,6 +107,51 @@ class Recovery:
                                  workers=sorted(new.gpus))
         self.event("restored", tag=self.checkpoint.tag, step=self.checkpoint.step, reason=why)
         self.step = self.checkpoint.step
+
+    def _adopt(self, new: GlobalPlan, wait_s: float) -> bool:
+        """Take over the workers an earlier driver left (see the module's doc); False: none came back.
+        Waits (bounded) until every device of ``new`` has said hello, and once any worker re-dialled, every
+        device of the order's pool: a survivor still finishing the command the old driver sent re-dials
+        when it is done."""
+        deadline = time.monotonic() + wait_s
+        planned = [k for k, w in self.ids.items() if w in new.gpus]
+
+        def ready() -> bool:
+            resumed_any = any(p.resumed for p in self.hub.peers.values())
+            return all(k in self.hub.peers for k in (self.ids if resumed_any else planned))
+
+        while not ready() and time.monotonic() < deadline:
+            self.hub.pump(0.5)
+        resumed = sorted(p.worker_id for p in self.hub.peers.values()
+                         if p.resumed and p.worker_id is not None and not self.hub._stale(p))
+        if not resumed:
+            return False
+        try:
+            states = self.hub.call(adoption_state, workers=resumed, timeout_s=60.0)
+        except WorkerDied as exc:
+            self.event("adopt-failed", workers=resumed, error=str(exc)[:2000])
+            return False
+        plans = {s["plan"].version: s["plan"] for s in states.values() if s["plan"] is not None}
+        if not plans:
+            self.event("adopt-failed", workers=resumed, error="no re-dialled worker is bound to a plan")
+            return False
+        plan = plans[max(plans)]
+        steps = {int(s["rl_steps"]) for s in states.values() if s["plan"] is not None}
+        torn = [w for w, s in states.items() if s["updating"]]
+        self.plan, self.version, self.step = plan, plan.version, max(steps)
+        self.torn = bool(torn) or len(plans) > 1 or len(steps) > 1  # not one step's state: from the checkpoint
+        self.dead = set(plan.gpus) - set(resumed)
+        self.broken = True
+        self.checkpoint = latest_checkpoint(self.dc.checkpoint_url)
+        self.event("adopted", workers=resumed, plan_version=plan.version, step=self.step, dead=sorted(self.dead),
+                   torn=self.torn, versions=sorted(plans), steps=sorted(steps),
+                   checkpoint=self.checkpoint.tag if self.checkpoint else None)
+        if self.dc.verify and not self.torn:
+            self._snapshot_of(resumed)
+        return True
+
+    def _snapshot_of(self, workers: list[int]) -> None:
+        raise NotImplementedError
 
     def _after_failure(self) -> None:
         """Survivors leave the broken generation (their units stay); the plan waits for a replan."""

@@ -20,11 +20,13 @@ calls are the same code as the local coordinator's; only ``request`` and livenes
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import pickle
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -50,6 +52,7 @@ class Peer:
     incarnation: str = ""  # of the node agent that started it
     worker_id: int | None = None
     ready: bool = False  # answered its assignment (its WorkerContext exists)
+    resumed: bool = False  # it re-dialled from an earlier driver, with its worker id and units (failover)
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +132,8 @@ class HubCoordinator(CommandDriver):
                     self._by_identity.pop(old.identity, None)
                 new = Peer(node=key[0], device=key[1], pid=int(info["pid"]), identity=ident, last_beat=now,
                            incarnation=str(info.get("incarnation", "")))
+                if info.get("worker_id") is not None:  # a worker of the driver before this one: adopted as it is
+                    new.worker_id, new.ready, new.resumed = int(info["worker_id"]), True, True
                 self.peers[key] = new
                 self._by_identity[ident] = new
             elif kind == BEAT:
@@ -284,14 +289,28 @@ class WorkerLink:
     """The worker's side: dial the driver, say hello, wait for the worker id, then one command in and
     one reply out (``send``/``recv`` as ``worker_main`` uses a pipe). A beat thread keeps the driver
     sure the process lives; ``recv`` raises EOFError on the driver's bye or when the agent (the
-    parent) is gone."""
+    parent) is gone.
+
+    Failover: with NEREUS_DRIVER_FILE (the anchor's published driver record, agent.slurm_task) the worker
+    dials the endpoint published there, and while idle re-reads it; a record published after the one it
+    dialled (a requeued anchor's new driver) is dialled at once, the hello carrying the worker id, so the
+    new driver adopts the worker with the units it holds."""
 
     def __init__(self, endpoint: str, bundle: ClientBundle | None, *, node: str, device: int) -> None:
         self.ctx = zmq.Context()
-        self.node, self.device, self.pid = node, device, os.getpid()
+        self.node, self.device, self.pid, self.bundle = node, device, os.getpid(), bundle
         self.parent = os.getppid()
-        self.sock = self._socket(endpoint, bundle, zmq.DEALER)
-        hello = {"node": node, "device": device, "pid": self.pid,
+        self.worker_id: int | None = None
+        # failover: the file where the anchor publishes the driver's endpoint (agent.slurm_task); a driver
+        # published after this one (a requeued anchor's) is dialled again, with the worker id and units kept
+        self.driver_file = os.environ.get("NEREUS_DRIVER_FILE") or None
+        self.published = _published(self.driver_file)
+        self._dial(str(self.published.get("endpoint") or endpoint) if self.published else endpoint)
+
+    def _dial(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self.sock = self._socket(endpoint, self.bundle, zmq.DEALER)
+        hello = {"node": self.node, "device": self.device, "pid": self.pid, "worker_id": self.worker_id,
                  "incarnation": os.environ.get("NEREUS_AGENT_INCARNATION", "")}
         self.sock.send_multipart([HELLO, pickle.dumps(hello)])
         # the beats come from a process of their own (agent.beat): a thread here would fall silent
@@ -299,12 +318,30 @@ class WorkerLink:
         import subprocess
         import sys
 
-        self._beat = subprocess.Popen([sys.executable, "-m", "agent.beat", endpoint, node, str(device), str(self.pid)],
-                                      stdin=subprocess.PIPE)
+        bundle = self.bundle
+        self._beat = subprocess.Popen([sys.executable, "-m", "agent.beat", endpoint, self.node, str(self.device),
+                                       str(self.pid)], stdin=subprocess.PIPE)
         keys = b"\n".join((bundle.public_key, bundle.public_key, bundle.secret_key)) if bundle is not None else b""
         assert self._beat.stdin is not None
         self._beat.stdin.write(keys + b"\n")
         self._beat.stdin.close()
+
+    def _redial_if_moved(self) -> None:
+        """A new driver was published (the old one went with its node): dial it, keeping what is held."""
+        now = _published(self.driver_file)
+        if not now or not now.get("endpoint") or now == self.published:
+            return
+        self.published = now
+        self._stop_beat()
+        self.sock.close(linger=0)  # replies to a dead driver are dropped
+        self._dial(str(now["endpoint"]))
+
+    def _stop_beat(self) -> None:
+        self._beat.terminate()
+        try:
+            self._beat.wait(5)
+        except Exception:  # noqa: BLE001 - it exits with this process anyway
+            self._beat.kill()
 
     def _socket(self, endpoint: str, bundle: ClientBundle | None, kind: int) -> zmq.Socket[bytes]:
         sock: zmq.Socket[bytes] = self.ctx.socket(kind)
@@ -325,11 +362,14 @@ class WorkerLink:
             if self.sock.poll(1000):
                 kind, body = self.sock.recv_multipart()
                 if kind == ASSIGN:
-                    return int(pickle.loads(body))
+                    self.worker_id = int(pickle.loads(body))
+                    return self.worker_id
                 if kind == BYE:
                     raise EOFError("the driver said bye before assigning this worker")
             elif self._orphaned():
                 raise EOFError("the node agent is gone")
+            else:
+                self._redial_if_moved()
 
     def recv(self) -> tuple[int, Any]:
         while True:
@@ -345,15 +385,24 @@ class WorkerLink:
                     raise EOFError("the driver said bye")
             elif self._orphaned():
                 raise EOFError("the node agent is gone")
+            else:
+                self._redial_if_moved()
 
     def send(self, reply: Reply) -> None:
         self.sock.send_multipart([b"reply", pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)])
 
     def close(self) -> None:
-        self._beat.terminate()
-        try:
-            self._beat.wait(5)
-        except Exception:  # noqa: BLE001 - it exits with this process anyway
-            self._beat.kill()
+        self._stop_beat()
         self.sock.close(linger=1000)
         self.ctx.term()
+
+
+def _published(path: str | None) -> dict[str, Any] | None:
+    """The driver record in ``path`` ({"endpoint", "written_at", ...}: agent.slurm_task.publish), or None."""
+    if not path:
+        return None
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None

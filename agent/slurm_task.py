@@ -16,6 +16,10 @@ anchor publishes it in the job's shared folder:
   up to ``--wait-s``, for a driver file written by that anchor (a file of an earlier job is ignored),
   then execs the agent with ``--driver ENDPOINT``.
 
+Every agent gets NEREUS_DRIVER_FILE (the driver file) in its environment, and its workers with it: when
+the anchor is requeued, its task 0 publishes a new driver there, and the workers of the surviving nodes
+dial that one with the state they hold (``agent.hub.WorkerLink``; the driver adopts them).
+
 Only the standard library: this runs before anything heavy is imported, and is replaced by the agent.
 """
 
@@ -108,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         extra = ["--driver", str(published["endpoint"])]
     print(f"slurm_task: job {own_job} node {node}: driver {extra[1]}" + (" (here)" if len(extra) > 2 else ""),
           flush=True)
+    # the agent's workers watch the file: a requeued anchor publishes its new driver there, and they dial it
+    os.environ["NEREUS_DRIVER_FILE"] = str(args.driver_file.resolve())
     os.execvp(agent[0], [*agent, *extra])
     return 0  # not reached
 

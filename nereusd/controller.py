@@ -303,8 +303,9 @@ class JobController:
         """Orders the node has not reported, sent again (its agent registered again: restarted, reconnected,
         or the daemon restarted); returns how many."""
         sent = 0
+        driver_side = self._holds_driver(node)
         for t in self.store.open_transitions(self.job_id):
-            if t["state"] != "ordered" or node not in t["parts_pending"]:
+            if t["state"] != "ordered" or (node not in t["parts_pending"] and not driver_side):
                 continue
             order = self._orders.get(t["id"], {}).get(node) or self._rebuild_order(t, node)
             if order is not None and "incarnations" in order.part:
@@ -316,6 +317,13 @@ class JobController:
                 sent += 1
                 self.log.info("order-resent", transition=t["id"], node=node)
         return sent
+
+    def _holds_driver(self, node: str) -> bool:
+        """The node is the anchor Slurm job's (the job's driver runs there): a requeued anchor's new driver
+        takes over the open orders, its own node a part of them or not (agent.driver adopts the survivors)."""
+        anchor = self.job.get("slurm_job_id")
+        row = self.store.node(self.job_id, node)
+        return bool(anchor) and row is not None and str(row.get("slurm_job_id")) == str(anchor)
 
     def on_measurement(self, msg: protocol.Measurement) -> None:
         predicted = _latency(self.prediction) if msg.plan_version == self.job["plan_version"] else None

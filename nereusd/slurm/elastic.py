@@ -59,6 +59,11 @@ class _Tracked:
             info = poller.info(member)
             if info is None or info.mapping.phase is Phase.PENDING:
                 count += 1
+        anchor = poller.info(self.job.anchor_job_id)
+        if anchor is not None and anchor.mapping.phase is Phase.PENDING and not anchor.nodes:
+            # a requeued anchor comes back on nodes of its own: a member grown meanwhile would exceed the
+            # maximum and may land on the node the anchor gets again (two agents of the job on one node)
+            count += -(-self.job.min_gpus // self.job.gpus_per_node)
         return count
 
 

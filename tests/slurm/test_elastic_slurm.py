@@ -19,6 +19,7 @@ from nereusd.allocation import AllocationError, ElasticJob, EventKind
 from nereusd.slurm.commands import SlurmCommands
 from nereusd.slurm.elastic import SlurmSource
 from nereusd.slurm.poller import SlurmPoller
+from nereusd.slurm.states import Phase
 from nereusd.slurm.submit import LaunchSpec, SubmititLauncher
 
 pytestmark = [pytest.mark.slurm, pytest.mark.xdist_group("slurm")]
@@ -198,8 +199,8 @@ def test_jobs_ending_before_they_start_are_reported(lab: SlurmLab, tmp_path: Pat
 
 def test_an_anchor_requeue_is_followed_and_the_members_stay(lab: SlurmLab, tmp_path: Path) -> None:
     """Slurm requeues the anchor (a node failure, preemption, scontrol requeue) and restamps its submit
-    time: the source reports its nodes gone (NODE_DOWN), not the job ended, keeps the member, and grants
-    the anchor again when it runs again."""
+    time: the source reports its nodes gone (NODE_DOWN), not the job ended, keeps the member, grows no
+    member while the anchor waits to run again (its nodes are asked for), and grants the anchor again."""
     spec = replace(_spec(lab, tmp_path, "rq"), extra_sbatch={"requeue": True})
     anchor = SubmititLauncher(spec, env=lab.env).submit("anchor", 1).slurm_job_id
     source, _ = _source(lab, spec)
@@ -210,6 +211,12 @@ def test_an_anchor_requeue_is_followed_and_the_members_stay(lab: SlurmLab, tmp_p
     poll_until(source, seen, has(EventKind.GROWN, member), what="member start")
     member_node = next(n.node for n in source.allocation("rq").nodes if n.holder_job_id == member)
     lab.run("scontrol", "requeue", anchor)
+    poll_until(source, seen, has(EventKind.NODE_DOWN, anchor), what="the anchor's requeue")
+    info = source.poller.info(anchor)
+    if info is not None and info.mapping.phase is Phase.PENDING:  # (it may run again already)
+        # the requeued anchor's nodes are asked for: no member grows into its place meanwhile
+        with pytest.raises(AllocationError, match="at most 0 more"):
+            source.grow("rq", 1)
     poll_until(source, seen, has(EventKind.GRANTED, anchor, count=2), timeout_s=90,
                what="the requeued anchor granted again")
     ended = [e for e in seen if e.kind in (EventKind.CANCELLED, EventKind.FAILED, EventKind.COMPLETED)]

@@ -1,7 +1,10 @@
 """The live job on the real cluster: submitted with etc/submit_elastic.py (through submitit) from a job
 file, it trains under nereusd's Slurm source on the GPUs Slurm grants (fake: counted from GRES). The
 daemon grows it by itself (growth policy, no alloc --grow) with a member job and the live state extends
-onto the member's workers; a grow past max_gpus is refused; the member's node is set DOWN (Slurm ends
+onto the member's workers; a grow past max_gpus is refused; Slurm requeues the anchor (``scontrol
+requeue``): its driver goes, the member's workers keep their state and dial the requeued anchor's new
+driver, which adopts them at the step reached (the member's replicas hold every logical tensor the old
+driver's --verify digests said) and extends the state back onto the anchor; the member's node is set DOWN (Slurm ends
 the member, NODE_FAIL) and the job recovers from the replicas left on the anchor; the daemon grows it
 again on another node; the user scancels that member: its node leaves at once from Slurm's state (not
 by the heartbeat time-out) and the job goes on (drained while the agent's Leaving lasts, else from
@@ -142,10 +145,10 @@ class DriverEvents:
         return [(i, e) for i, e in enumerate(self.read()) if i > index and e["event"] == kind]
 
     def wait(self, kind: str, what: str, since: int = -1, ok: Callable[[dict[str, Any]], bool] = lambda e: True,
-             timeout_s: float = WAIT_S, stuck: Callable[[], str] = lambda: "") -> tuple[int, dict[str, Any]]:
+             timeout_s: float = WAIT_S, stuck: Callable[[], str] = lambda: "",
+             ends: tuple[str, ...] = ("driver-failed", "gave-up", "done", "stopped")) -> tuple[int, dict[str, Any]]:
         def found() -> tuple[int, dict[str, Any]] | None:
-            fatal = [e for _, e in self.after(since, "driver-failed") + self.after(since, "gave-up")
-                     + self.after(since, "done")]
+            fatal = [e for k in ends for _, e in self.after(since, k)]
             assert not fatal, f"the driver stopped while waiting for {what}: {fatal}"
             why = stuck()
             assert not why, f"no {what} will come: {why}"
@@ -195,6 +198,31 @@ def _joined_after_start_s(d: dict[str, Any], member: dict[str, Any]) -> float:
     return float(joined) - float(started)
 
 
+def _anchor_requeue(lab: SlurmLab, d: dict[str, Any], ev: DriverEvents, anchor_job_id: str, since: int,
+                    member_workers: set[int]) -> dict[str, Any]:
+    """``scontrol requeue`` of the anchor; returns once the new driver adopted the member's workers and
+    stepped: the adoption's step is the old driver's, and every logical tensor the member's replicas hold
+    equals the old driver's digests at that step (--verify)."""
+    lab.run("scontrol", "requeue", anchor_job_id)
+    # the old driver goes (stopped by its agent at a safe point, or killed with its node): not an end here
+    n, _ = ev.wait("driver-started", "the requeued anchor's new driver", since=since, timeout_s=2 * WAIT_S, ends=())
+    i, adopted = ev.wait("adopted", "the new driver adopting the member's workers", since=n)
+    old = ev.seen[:n]
+    done = max(e["step"] for e in old if e["event"] == "step") + 1
+    assert adopted["workers"] == sorted(member_workers), adopted
+    # from the step reached, not 0: the old driver's, or one more the member finished after it went unlogged
+    assert not adopted["torn"] and adopted["step"] in (done, done + 1), (adopted, done)
+    kept = next(e for e in ev.seen[i:] if e["event"] == "snapshot")  # the survivors' logical state
+    before = [e for e in old if e["event"] == "snapshot" and e["step"] == adopted["step"]]
+    if before:  # absent only where the old driver was killed before it logged that step
+        assert kept["digests"] == before[-1]["digests"], "the member's replicas changed across the requeue"
+    j, moved = ev.wait("transition-done", "the adopting driver's first transition", since=i)
+    assert moved["verified"]["equal"] is True and moved["restored_from"] is None, moved
+    k, first = ev.wait("step", "a step after the requeue", since=j)
+    assert first["step"] == adopted["step"], first
+    return {"adopted": i, "step": adopted["step"], "compared": bool(before)}
+
+
 def test_live_job_grows_by_itself_survives_node_down_and_member_scancel(lab: SlurmLab, nereusd: dict[str, Any],
                                                                        tmp_path: Path) -> None:
     d = nereusd
@@ -205,7 +233,7 @@ def test_live_job_grows_by_itself_survives_node_down_and_member_scancel(lab: Slu
     # a run long enough for the story, with enough prompts per step that 4 GPUs are predicted faster than 2
     job_file.write_text((ROOT / "etc" / "jobs" / "live.toml").read_text().replace("steps = 20", "steps = 5000")
                         .replace("prompts_per_step = 8", "prompts_per_step = 32"))
-    driver_args = f"--events {events_path} --checkpoint-every 4 --checkpoint-dir {tmp_path / 'ckpt'} --heal-after-s 15"
+    driver_args = f"--events {events_path} --verify --checkpoint-every 4 --checkpoint-dir {tmp_path / 'ckpt'} --heal-after-s 15"
     submit = subprocess.run(  # no --cpu-slots: the agents count the GPUs Slurm grants (fake ones, from GRES)
         [sys.executable, str(ROOT / "etc" / "submit_elastic.py"), JOB, "--job-file", str(job_file),
          "--folder", str(folder), "--keys", str(tmp_path / "agent"), "--partition", lab.partition,
@@ -243,6 +271,17 @@ def test_live_job_grows_by_itself_survives_node_down_and_member_scancel(lab: Slu
         at = ev.steps_after(i, 2, "steps on anchor and member")
         assert set(ev.seen[at]["workers"]) == set(grew["workers"])
 
+        # Slurm requeues the anchor: its driver and workers go, the member's workers keep their state and
+        # dial the requeued anchor's new driver, which adopts them and goes on from the step reached
+        requeue_at = time.monotonic()
+        requeue = _anchor_requeue(lab, d, ev, record["anchor_job_id"], at, member_workers)
+        requeue_s = time.monotonic() - requeue_at
+        # (the adopting driver's first transition, or a later one where that one was onto the member alone)
+        i, back = ev.wait("transition-done", "the live Extend back onto the requeued anchor", since=requeue["adopted"],
+                          ok=lambda e: bool(set(e["workers"]) - member_workers) and e["bytes_sent"] > 0)
+        anchor_workers = set(back["workers"]) - member_workers
+        at = ev.steps_after(i, 2, "steps on the requeued anchor and the member")
+
         # Slurm takes the member's node (DOWN): the job goes on from the replicas left on the anchor
         down_decisions = len(_decisions(d))
         down_at = time.monotonic()
@@ -275,7 +314,8 @@ def test_live_job_grows_by_itself_survives_node_down_and_member_scancel(lab: Slu
         assert d["proc"].poll() is None  # the daemon kept serving throughout
         how = "drained" if not left["lost"] else f"restored from {left['restored_from'] or 'replicas'}"
         print(f"live on Slurm: {time.monotonic() - t0:.0f} s; submission to first step {first_step_s:.1f} s; member "
-              f"start to joined {joined_s:.1f} s; node DOWN to recovered {recovered_s:.1f} s; extend "
+              f"start to joined {joined_s:.1f} s; anchor requeue to training again {requeue_s:.1f} s (adopted at step "
+              f"{requeue['step']}, digests compared: {requeue['compared']}); node DOWN to recovered {recovered_s:.1f} s; extend "
               f"{grew['bytes_sent']} B; recovery {recovered['bytes_sent']} B; scancel: {how}")
     finally:
         lab.cancel_all()
