@@ -206,22 +206,22 @@ def test_agents_remove_their_ipc_files_and_clean_stale_ones(daemon: DaemonHandle
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     ipc = tmp_path / "ipc"
     ipc.mkdir()
+    daemon.start()  # before TMPDIR is set: only the agents' files are to be in the folder
     monkeypatch.setenv("TMPDIR", str(ipc))  # the agents' ipc_dir (tempfile.gettempdir())
     dead = subprocess.Popen(["true"])
     dead.wait()
     stale = [ipc / f"nereus-agent-{dead.pid}-0badc0de.in", ipc / f"nereus-agent-{dead.pid}-0badc0de.orders"]
     for f in stale:
         f.write_text("")  # what a SIGKILLed agent leaves
-    daemon.start()
     daemon.admin("job-add", job="j", user="alice", spec=SPEC)
     agent = daemon.agent("alice", "j", "n1")
-    wait_for(lambda: (_node(daemon, "j", "n1") or {}).get("state") == "alive", 20, "agent n1 registered")
+    wait_for(lambda: (_node(daemon, "j", "n1") or {}).get("state") == "alive", 60, "agent n1 registered")
     assert not any(f.exists() for f in stale)  # cleaned at start: their pid is gone
     live = sorted(p.name for p in ipc.iterdir())
     assert len(live) == 2 and all(n.startswith(f"nereus-agent-{agent.pid}-") for n in live), live
     agent.send_signal(signal.SIGINT)  # stops at once (SIGTERM would leave gracefully first)
-    assert agent.wait(20) == 0
+    assert agent.wait(60) == 0
     assert list(ipc.iterdir()) == []  # removed on the way out
     refused = daemon.agent("bob", "j", "n2")  # another user's agent: refused, exit 3, nothing left behind
-    assert refused.wait(20) == 3
+    assert refused.wait(60) == 3
     assert list(ipc.iterdir()) == []
