@@ -1,8 +1,8 @@
 """The pieces each worker moves for a DAG node, derived from the frozen DAG alone. Pure.
 
-Every worker derives the pieces of the nodes that touch it (``node_pieces``) from
-``transitions.primitives.pieces`` and the units' slots, in one fixed order, so both ends of a pair
-agree on them, and so on the messages (``transitions.transfer_plan.messages``), without talking.
+Every worker derives the pieces of the nodes that touch it (``node_pieces``) with
+``transitions.pieces.share`` (the GPUs reading from it are in the node's footprint), in one fixed
+order, so both ends of a pair agree on them, and so on the messages (``transitions.transfer_plan.messages``), without talking.
 Derived pieces are kept per DAG object in a ``DagMemo`` owned by whoever runs DAGs (a worker keeps
 one for its life; entries go with their DAG).
 """
@@ -14,9 +14,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from transitions.covers import counter_pieces
 from transitions.global_dag import TransitionDAG
-from transitions.primitives import Primitive, counter_pieces, slot_pieces
-from transitions.primitives import pieces as prim_pieces
+from transitions.pieces import share
+from transitions.primitives import Primitive
 from transitions.transfer_plan import Piece
 
 T = TypeVar("T")
@@ -45,14 +46,16 @@ class DagMemo:
 
 def node_pieces(dag: TransitionDAG, node: int, worker: int, memo: DagMemo) -> tuple[Piece, ...]:
     """The pieces ``worker`` sends, receives or copies locally for DAG node ``node``, in derivation
-    order (transitions.primitives keeps it), counters first: they sit at the start of every buffer,
+    order (transitions.covers keeps it), counters first: they sit at the start of every buffer,
     so buckets stay back to back there."""
     return memo.get(dag, ("pieces", node, worker), lambda: _node_pieces(dag, node, worker))
 
 
 def _node_pieces(dag: TransitionDAG, node: int, worker: int) -> tuple[Piece, ...]:
     prim = dag.nodes[node]
-    out = slot_pieces(prim, prim_pieces(prim, worker))
+    # the GPUs reading from this worker: the DAG's own footprint of the node says (no memo needed)
+    reading = {d for s, d in dag.footprints[node].pair_bytes if s == worker}
+    out = share(prim, worker, reading)
     return tuple([p for p in counter_pieces(prim) if worker in (p.src_worker, p.dst_worker)] + out)
 
 

@@ -16,7 +16,7 @@ How one worker runs its part (everything derived locally from the frozen DAG):
         prim = dag.nodes[i]
         allocate t.shards(gpu) for t in prim.targets (a Merge whose part on this GPU has
             ``final == prim.unit`` just renames that part's tensors);
-        copy the local pieces (primitives.pieces(prim, gpu), ``is_local``);
+        copy the local pieces (transitions.pieces.pieces(prim, gpu), ``is_local``);
         send / receive the messages of the rest (transitions.transfer_plan.messages: zero-copy runs
             and buckets, the bucketizer the memory check counts too), unpacking each piece;
         free u.shards(gpu) for u in prim.frees.
@@ -41,9 +41,10 @@ from planner.plan import GlobalPlan
 from planner.workflow import JobSpec, StageKind
 from transitions.emu import EMU, UnitState, job_states
 from transitions.feasibility import MemoryOrder, apply_footprint, order_by_memory
+from transitions.footprints import footprint
 from transitions.local_dag import LastCopyLostError, plan_stage, plan_units
 from transitions.planning_cache import DEFAULT_CACHE, PlanningCache
-from transitions.primitives import Footprint, Primitive, footprint
+from transitions.primitives import Footprint, Primitive
 from transitions.replica_classes import MIN_UNITS, ReplicaPlan, plan_replicas
 
 

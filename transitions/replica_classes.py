@@ -2,7 +2,7 @@
 
 DP replicas of one model-stage undergo the same local sub-plan up to a renaming of GPUs and unit ids.
 A *replica class* is every primitive of one model-stage and kind whose relative shape (each unit's
-layout and GPUs relabelled by first appearance, as primitives.canonical_footprint does) is the same:
+layout and GPUs relabelled by first appearance, as footprints.canonical_footprint does) is the same:
 it holds one canonical footprint and an integer array of the GPU of each label per member. At 1,024
 GPUs a plan change has thousands of unit-level primitives but a few dozen classes, so:
 
@@ -40,6 +40,7 @@ from planner.plan import GlobalPlan, Layout, StagePlan
 from transitions.emu import EMU, UnitState, part_gpus, part_indices, parts_nest, rank_bytes, t_sub
 from transitions.errors import DagCycleError
 from transitions.feasibility import bottom_levels
+from transitions.footprints import canonical_footprint
 from transitions.local_dag import plan_units, target_parts, unit_uid
 from transitions.planning_cache import PlanningCache
 from transitions.primitives import (
@@ -50,7 +51,6 @@ from transitions.primitives import (
     Primitive,
     PrimitiveKind,
     Split,
-    canonical_footprint,
     relabels,
 )
 

@@ -14,10 +14,12 @@ from planner.workflow import ACTOR_TRAIN
 from transitions import replica_classes
 from transitions.errors import CoverageError, DagCycleError
 from transitions.feasibility import bottom_levels, order_by_memory
+from transitions.footprints import footprint
 from transitions.global_dag import build_transition
 from transitions.local_dag import plan_units, target_parts
+from transitions.pieces import pieces
 from transitions.planning_cache import PlanningCache
-from transitions.primitives import Extend, Footprint, footprint, pieces
+from transitions.primitives import Extend, Footprint
 from transitions.replay import ReplayError, replay
 from transitions.scenarios import PPO_STAGES, ppo_plan, stage_plan, stage_states
 
