@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from transitions.primitives import Footprint
-    from transitions.replica_classes import ShapeEntry, StageClasses
+    from transitions.replica_plan import ShapeEntry, StageClasses
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
