@@ -156,7 +156,7 @@ class TransitionDAG:
                    ) -> TransitionDAG:
         """The same DAG run in another order (for comparisons; memory is not re-checked)."""
         body = replace(self.body, order=order, resource_edges=resource_edges,
-                       gpu_nodes=_gpu_index(list(self.body.footprints), order))
+                       gpu_nodes=gpu_index(list(self.body.footprints), order))
         return TransitionDAG(old_version=self.old_version, new_version=self.new_version,
                              capacity_bytes=self.capacity_bytes, body_=body)
 
@@ -380,7 +380,7 @@ def _ordered(states: Mapping[str, UnitState], local: _Local, intact: dict[str, l
         data_edges=tuple(edges), resource_edges=tuple(result.resource_edges), order=tuple(result.order),
         old_units=tuple(u for us in intact.values() for u in us), lost_units=tuple(lost),
         new_units=tuple(local.new_units), renamed=tuple(local.renamed), stale_units=tuple(local.stale_uids),
-        peak_bytes=result.peak_bytes, footprints=tuple(fps), gpu_nodes=_gpu_index(fps, result.order),
+        peak_bytes=result.peak_bytes, footprints=tuple(fps), gpu_nodes=gpu_index(fps, result.order),
     )
 
 
@@ -400,10 +400,10 @@ def _expand(plan: ReplicaPlan) -> DagBody:
     return DagBody(nodes=tuple(nodes), stage_order=tuple(stage_order), data_edges=tuple(data_edges(nodes)),
                    resource_edges=(), order=order, old_units=tuple(old_units), lost_units=(),
                    new_units=tuple(new_units), renamed=tuple(renamed), stale_units=(), peak_bytes=peak,
-                   footprints=tuple(fps), gpu_nodes=_gpu_index(fps, order))
+                   footprints=tuple(fps), gpu_nodes=gpu_index(fps, order))
 
 
-def _gpu_index(fps: list[Footprint], order: tuple[int, ...]) -> dict[int, tuple[int, ...]]:
+def gpu_index(fps: list[Footprint], order: tuple[int, ...]) -> dict[int, tuple[int, ...]]:
     index: dict[int, list[int]] = {}
     for i in order:
         for g in fps[i].gpus:
