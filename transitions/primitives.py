@@ -57,10 +57,24 @@ class Footprint:
         return sum(self.pair_bytes.values())
 
 
-class _Derives:
-    """Per-GPU derivation as methods (``transitions.pieces`` does the work; it imports this module)."""
+class _Node:
+    """What every primitive answers: the units it reads, makes and frees (none unless a primitive
+    says otherwise), and its per-GPU derivation as methods (``transitions.pieces`` does the work; it
+    imports this module)."""
 
     __slots__ = ()
+
+    @property
+    def sources(self) -> tuple[EMU, ...]:
+        return ()
+
+    @property
+    def targets(self) -> tuple[EMU, ...]:
+        return ()
+
+    @property
+    def frees(self) -> tuple[EMU, ...]:
+        return ()
 
     def transfers(self, gpu: int | None = None) -> list[Piece]:
         from transitions.pieces import transfers
@@ -74,7 +88,7 @@ class _Derives:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Split(_Derives):
+class Split(_Node):
     unit: EMU
     parts: tuple[EMU, ...]
 
@@ -94,7 +108,7 @@ class Split(_Derives):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Merge(_Derives):
+class Merge(_Node):
     parts: tuple[EMU, ...]
     unit: EMU
 
@@ -114,7 +128,7 @@ class Merge(_Derives):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Extend(_Derives):
+class Extend(_Node):
     sources: tuple[EMU, ...]  # tried in order after same-GPU pieces; the first is the main source
     target: EMU
 
@@ -124,24 +138,12 @@ class Extend(_Derives):
     def targets(self) -> tuple[EMU, ...]:
         return (self.target,)
 
-    @property
-    def frees(self) -> tuple[EMU, ...]:
-        return ()
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Destroy(_Derives):
+class Destroy(_Node):
     unit: EMU
 
     kind = PrimitiveKind.DESTROY
-
-    @property
-    def sources(self) -> tuple[EMU, ...]:
-        return ()
-
-    @property
-    def targets(self) -> tuple[EMU, ...]:
-        return ()
 
     @property
     def frees(self) -> tuple[EMU, ...]:
@@ -149,7 +151,7 @@ class Destroy(_Derives):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Restore(_Derives):
+class Restore(_Node):
     """``target`` read from the committed checkpoint ``url``/``tag`` (transitions.checkpoint): every GPU
     of it allocates its shard and fills it from the checkpoint's chunks, whatever layout saved them."""
 
@@ -160,16 +162,8 @@ class Restore(_Derives):
     kind = PrimitiveKind.RESTORE
 
     @property
-    def sources(self) -> tuple[EMU, ...]:
-        return ()
-
-    @property
     def targets(self) -> tuple[EMU, ...]:
         return (self.target,)
-
-    @property
-    def frees(self) -> tuple[EMU, ...]:
-        return ()
 
 
 Primitive = Split | Merge | Extend | Destroy | Restore

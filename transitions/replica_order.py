@@ -13,7 +13,7 @@ import heapq
 import numpy as np
 
 from transitions.errors import DagCycleError
-from transitions.feasibility import bottom_levels
+from transitions.feasibility import adjacency, bottom_levels
 from transitions.primitives import PrimitiveKind
 from transitions.replica_plan import ReplicaClass, ReplicaStage
 
@@ -91,14 +91,10 @@ def link(st: ReplicaStage, mine: list[ReplicaClass]) -> list[tuple[int, int]] | 
 
 
 def class_order(classes: list[ReplicaClass], edges: list[tuple[int, int]], initial: np.ndarray,
-           capacity: int) -> list[int] | None:
+                capacity: int) -> list[int] | None:
     """Greedy class order (global_dag's rules), each class checked on every GPU; None if blocked."""
     n = len(classes)
-    succ: list[list[int]] = [[] for _ in range(n)]
-    indeg = [0] * n
-    for x, y in edges:
-        succ[x].append(y)
-        indeg[y] += 1
+    succ, indeg = adjacency(n, edges)
     try:  # classes only lead from Split/Extend to Merge/Destroy, so this cannot close a cycle; if it
         # ever did, the per-unit path (whose DAG is finer) decides
         level = bottom_levels(n, edges, [float(c.canon.moved_bytes + 1) for c in classes])
