@@ -3,8 +3,9 @@ and the workers (agent.worker), and the worker's state enum.
 
 Commands and replies are plain frozen data: pickled on local pipes, msgpack on the daemon plane.
 A worker obeys one command at a time and answers each with one ``Reply`` that carries the state it
-is left in. Every move of state is a ``RunDag`` (initial placement aside: ``InitUnits`` fills units
-with deterministic random state for tests and benchmarks; ``LoadCheckpoint`` restores them).
+is left in. Every move of state is a ``RunDag``, a restore from a checkpoint too (a DAG of restore
+nodes, ``transitions.restore_dag``, with ``drop_held``); ``InitUnits`` moves none: it fills new units
+with deterministic random state for tests and benchmarks.
 
 Worker states (torchelastic's WorkerState is the model): INIT until the first Join, then READY
 between commands and RUNNING during one; a command whose data channel fails leaves it BROKEN, where
@@ -82,6 +83,7 @@ class RunDag:
     kill_at: tuple[str, int] | None = None  # fault injection: SIGKILL self before (model_stage, round)
     in_place: bool | None = None  # None: the executor's default (transitions.executor.IN_PLACE, CPU only)
     fan_out: bool | None = None  # Extend fan-outs as broadcasts; None: the executor's default (large ones)
+    drop_held: bool = False  # drop every unit held first: a restore, whose DAG replaces them from a checkpoint
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -100,15 +102,6 @@ class SaveCheckpoint:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class LoadCheckpoint:
-    """Collective: replace what this worker holds by its shares of ``units``, read from the checkpoint."""
-
-    url: str
-    tag: str
-    units: tuple[EMU, ...]
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
 class Call:
     """Run ``fn(worker_context, **kwargs)`` in the worker (tests, benchmarks, engine hooks)."""
 
@@ -124,10 +117,10 @@ class Exit:
     pass
 
 
-Command = Join | InitUnits | RunDag | Dump | SaveCheckpoint | LoadCheckpoint | Call | Exit
+Command = Join | InitUnits | RunDag | Dump | SaveCheckpoint | Call | Exit
 
 # commands that move data over the generation's channel: refused unless the worker is READY
-NEEDS_GENERATION: tuple[type, ...] = (RunDag, SaveCheckpoint, LoadCheckpoint)
+NEEDS_GENERATION: tuple[type, ...] = (RunDag, SaveCheckpoint)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -7,7 +7,8 @@ agents) implements the same one later, so the executor never knows who drives it
 runs the workers as spawned processes on this machine, talks to them over pipes and hosts the
 generations' TCPStore: it is what tests, benchmarks and the local allocation source use.
 
-Every move of state is a DAG run (``run_dag``): each worker runs its nodes; if any fails, the
+Every move of state is a DAG run (``run_dag``; ``load_checkpoint`` runs a restore DAG,
+``transitions.restore_dag``): each worker runs its nodes; if any fails, the
 survivors re-form a generation without the dead and report the units they still hold, and the
 model-stages no held unit covers any more are reported as needing the checkpoint
 (``transitions.survival.uncovered_state``).
@@ -30,7 +31,6 @@ from agent.commands import (
     Exit,
     InitUnits,
     Join,
-    LoadCheckpoint,
     Reply,
     RunDag,
     SaveCheckpoint,
@@ -44,6 +44,7 @@ from transitions.cost import DEFAULT_COMMUNICATOR_SETUP_S, primitive_seconds
 from transitions.emu import EMU
 from transitions.executor import StepReport
 from transitions.global_dag import TransitionDAG
+from transitions.restore_dag import restore_dag
 from transitions.survival import uncovered_state
 from transitions.transfer_plan import DEFAULT_BUCKET_BYTES
 
@@ -178,8 +179,11 @@ class CommandDriver:
 
     def load_checkpoint(self, url: str, tag: str, units: Iterable[EMU],
                         workers: Iterable[int] | None = None) -> dict[int, Reply]:
-        """Every worker replaces what it holds by its shares of ``units``, read from the checkpoint."""
-        cmd = LoadCheckpoint(url=url, tag=tag, units=tuple(units))
+        """Every worker replaces what it holds by its shares of ``units`` (any plan's), read from the
+        checkpoint: a restore DAG (one restore node per unit) run by each worker's runner; a reply's
+        value is its StepReports, one per restore node it ran."""
+        dag = restore_dag(tuple(units), url, tag)
+        cmd = RunDag(dag=dag, predicted_s=(0.0,) * dag.num_nodes, drop_held=True)
         return self._check(self.request_all(cmd, workers), "checkpoint load")
 
     def call(self, fn: Callable[..., Any], workers: Iterable[int] | None = None,

@@ -58,31 +58,7 @@ from nereusd.wire import protocol
 from nereusd.wire.logs import configure_logging, get_logger
 from planner.errors import NereusError
 from planner.plan import GlobalPlan, Layout, StagePlan
-from transitions.layout import COUNTERS
-
-
-def logical_digests(dumps: dict[int, Any]) -> dict[str, str]:
-    """sha256 of every logical (model-stage, tensor, kind), assembled from every worker's shards
-    (``agent.commands.Dump`` replies): what a layout holds, independent of the layout."""
-    import hashlib
-
-    import torch
-
-    full: dict[tuple[str, str, str], torch.Tensor] = {}
-    for worker_dump in dumps.values():
-        for stage, shards in worker_dump.items():
-            for s in shards:
-                key = (stage, s["tensor"], s["kind"])
-                if key not in full:
-                    full[key] = torch.zeros(s["global_shape"], dtype=s["data"].dtype)
-                box = tuple(slice(o, o + k) for o, k in zip(s["offsets"], s["lengths"]))
-                full[key][box].copy_(s["data"])
-    out = {}
-    for key, t in sorted(full.items()):
-        if key[1] == COUNTERS:
-            t = t[1:]  # the plan version (counter 0) changes with the plan by design; steps and position stay
-        out["/".join(key)] = hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
-    return out
+from transitions.executor.logical import logical_digests
 
 
 def plan_from_part(data: dict[str, Any]) -> GlobalPlan:

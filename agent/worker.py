@@ -37,7 +37,6 @@ from agent.commands import (
     Exit,
     InitUnits,
     Join,
-    LoadCheckpoint,
     Reply,
     RunDag,
     SaveCheckpoint,
@@ -128,6 +127,8 @@ def _run_dag(ctx: WorkerContext, cmd: RunDag) -> Any:
         if cmd.kill_at == (model_stage, rnd):
             os.kill(os.getpid(), signal.SIGKILL)
 
+    if cmd.drop_held:
+        ctx.units.clear()  # a restore: the checkpoint's state replaces what was held
     return run_dag(cmd.dag, ctx.worker_id, ctx.units, ctx.channel, predicted_s=cmd.predicted_s,
                    max_bucket_bytes=cmd.max_bucket_bytes, on_round=on_round, in_place=cmd.in_place,
                    fan_out=cmd.fan_out, memo=ctx.memo)
@@ -154,13 +155,6 @@ def _save(ctx: WorkerContext, cmd: SaveCheckpoint) -> dict[str, Any]:
     return save_units(ctx.units, cmd.url, cmd.tag, ctx.channel)
 
 
-def _load(ctx: WorkerContext, cmd: LoadCheckpoint) -> list[str]:
-    from transitions.checkpoint import load_units
-
-    ctx.units = load_units(cmd.units, ctx.worker_id, cmd.url, cmd.tag, ctx.channel)
-    return held_units(ctx)
-
-
 def _call(ctx: WorkerContext, cmd: Call) -> Any:
     try:
         return cmd.fn(ctx, **cmd.kwargs)
@@ -171,8 +165,7 @@ def _call(ctx: WorkerContext, cmd: Call) -> Any:
 
 
 HANDLERS: dict[type, Callable[[WorkerContext, Any], Any]] = {
-    Join: _join, InitUnits: _init_units, RunDag: _run_dag, Dump: _dump, SaveCheckpoint: _save,
-    LoadCheckpoint: _load, Call: _call,
+    Join: _join, InitUnits: _init_units, RunDag: _run_dag, Dump: _dump, SaveCheckpoint: _save, Call: _call,
 }
 
 

@@ -29,7 +29,7 @@ class DagCycleError(NereusError):
 class CoverageError(NereusError):
     """A primitive's sources hold no copy of some rows of a target shard, so its pieces cannot be derived.
 
-    Raised by primitives (pieces, transfers, footprint) for a hand-built or corrupted primitive:
+    Raised by transitions.covers (pieces, transfers, footprint) for a hand-built or corrupted primitive:
     build_transition only picks sources that hold the state, or raises local_dag.LastCopyLostError.
     ``target`` is the unit's uid, ``key`` the (tensor, state kind) and ``rows`` the half-open row
     ranges along the shard's split dimension that no source holds on any GPU.
@@ -41,3 +41,8 @@ class CoverageError(NereusError):
         self.key = key
         self.rows = rows
         super().__init__(f"{target} on GPU {gpu}: {key} rows {list(rows)} held by no source")
+
+
+class CheckpointError(NereusError):
+    """A checkpoint is missing, uncommitted, or does not hold what a placement needs (transitions.checkpoint
+    saves them; the runner's restore nodes, transitions.executor.restore, read them)."""

@@ -35,14 +35,20 @@ class MemoryOrder:
     peak_bytes: dict[int, int]
 
 
-def bottom_levels(num_nodes: int, edges: list[tuple[int, int]], weight: list[float]) -> list[float]:
-    """Longest path (sum of ``weight``) from each node to a sink; nodes are not assumed sorted.
-    DagCycleError if ``edges`` close a cycle."""
+def adjacency(num_nodes: int, edges: list[tuple[int, int]]) -> tuple[list[list[int]], list[int]]:
+    """Successors and in-degree of every node of a DAG given by ``edges``."""
     succ: list[list[int]] = [[] for _ in range(num_nodes)]
     indeg = [0] * num_nodes
     for a, b in edges:
         succ[a].append(b)
         indeg[b] += 1
+    return succ, indeg
+
+
+def bottom_levels(num_nodes: int, edges: list[tuple[int, int]], weight: list[float]) -> list[float]:
+    """Longest path (sum of ``weight``) from each node to a sink; nodes are not assumed sorted.
+    DagCycleError if ``edges`` close a cycle."""
+    succ, indeg = adjacency(num_nodes, edges)
     topo = [i for i in range(num_nodes) if indeg[i] == 0]
     for i in topo:
         for j in succ[i]:
@@ -111,11 +117,7 @@ def _greedy(
     priority: str,
 ) -> MemoryOrder:
     n = len(fps)
-    succ: list[list[int]] = [[] for _ in range(n)]
-    indeg = [0] * n
-    for a, b in edges:
-        succ[a].append(b)
-        indeg[b] += 1
+    succ, indeg = adjacency(n, edges)
     level = bottom_levels(n, edges, [float(fp.moved_bytes + 1) for fp in fps])
     acquire = [bool(fp.alloc_bytes or fp.buffer_bytes) for fp in fps]
     demand = [max((fp.alloc_bytes.get(g, 0) + fp.buffer_bytes.get(g, 0) for g in fp.gpus), default=0)

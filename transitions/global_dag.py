@@ -16,7 +16,7 @@ How one worker runs its part (everything derived locally from the frozen DAG):
         prim = dag.nodes[i]
         allocate t.shards(gpu) for t in prim.targets (a Merge whose part on this GPU has
             ``final == prim.unit`` just renames that part's tensors);
-        copy the local pieces (primitives.pieces(prim, gpu), ``is_local``);
+        copy the local pieces (transitions.pieces.pieces(prim, gpu), ``is_local``);
         send / receive the messages of the rest (transitions.transfer_plan.messages: zero-copy runs
             and buckets, the bucketizer the memory check counts too), unpacking each piece;
         free u.shards(gpu) for u in prim.frees.
@@ -41,9 +41,10 @@ from planner.plan import GlobalPlan
 from planner.workflow import JobSpec, StageKind
 from transitions.emu import EMU, UnitState, job_states
 from transitions.feasibility import MemoryOrder, apply_footprint, order_by_memory
+from transitions.footprints import footprint
 from transitions.local_dag import LastCopyLostError, plan_stage, plan_units
 from transitions.planning_cache import DEFAULT_CACHE, PlanningCache
-from transitions.primitives import Footprint, Primitive, footprint
+from transitions.primitives import Footprint, Primitive
 from transitions.replica_classes import MIN_UNITS, ReplicaPlan, plan_replicas
 
 
@@ -155,7 +156,7 @@ class TransitionDAG:
                    ) -> TransitionDAG:
         """The same DAG run in another order (for comparisons; memory is not re-checked)."""
         body = replace(self.body, order=order, resource_edges=resource_edges,
-                       gpu_nodes=_gpu_index(list(self.body.footprints), order))
+                       gpu_nodes=gpu_index(list(self.body.footprints), order))
         return TransitionDAG(old_version=self.old_version, new_version=self.new_version,
                              capacity_bytes=self.capacity_bytes, body_=body)
 
@@ -379,7 +380,7 @@ def _ordered(states: Mapping[str, UnitState], local: _Local, intact: dict[str, l
         data_edges=tuple(edges), resource_edges=tuple(result.resource_edges), order=tuple(result.order),
         old_units=tuple(u for us in intact.values() for u in us), lost_units=tuple(lost),
         new_units=tuple(local.new_units), renamed=tuple(local.renamed), stale_units=tuple(local.stale_uids),
-        peak_bytes=result.peak_bytes, footprints=tuple(fps), gpu_nodes=_gpu_index(fps, result.order),
+        peak_bytes=result.peak_bytes, footprints=tuple(fps), gpu_nodes=gpu_index(fps, result.order),
     )
 
 
@@ -399,10 +400,10 @@ def _expand(plan: ReplicaPlan) -> DagBody:
     return DagBody(nodes=tuple(nodes), stage_order=tuple(stage_order), data_edges=tuple(data_edges(nodes)),
                    resource_edges=(), order=order, old_units=tuple(old_units), lost_units=(),
                    new_units=tuple(new_units), renamed=tuple(renamed), stale_units=(), peak_bytes=peak,
-                   footprints=tuple(fps), gpu_nodes=_gpu_index(fps, order))
+                   footprints=tuple(fps), gpu_nodes=gpu_index(fps, order))
 
 
-def _gpu_index(fps: list[Footprint], order: tuple[int, ...]) -> dict[int, tuple[int, ...]]:
+def gpu_index(fps: list[Footprint], order: tuple[int, ...]) -> dict[int, tuple[int, ...]]:
     index: dict[int, list[int]] = {}
     for i in order:
         for g in fps[i].gpus:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from transitions.dag_pieces import DagMemo, node_pieces, node_stage
 from transitions.early_builds import redirected
 from transitions.global_dag import TransitionDAG
@@ -16,13 +18,20 @@ def node_step(dag: TransitionDAG, node: int, worker: int, memo: DagMemo,
     With ``early`` (every worker of the run alike), the pieces a worker reads from a unit it builds
     early (``transitions.early_builds``) come from the new unit instead, and the building node's
     copies into it are left out (the build makes them)."""
+    step = memo.get(dag, ("step", node, worker, max_bucket_bytes, early),
+                    lambda: _node_step(dag, node, worker, memo, max_bucket_bytes, early))
+    return step if step.predicted_s == predicted_s else replace(step, predicted_s=predicted_s)
+
+
+def _node_step(dag: TransitionDAG, node: int, worker: int, memo: DagMemo, max_bucket_bytes: int,
+               early: bool) -> Step:
     prim = dag.nodes[node]
     out = list(node_pieces(dag, node, worker, memo))
     if early:
         out = redirected(dag, node, worker, out, memo)
     local = tuple(p for p in out if p.src_worker == p.dst_worker)
     return Step(model_stage=node_stage(prim), primitive=f"{prim.kind.value}#{node}", local=local,
-                messages=tuple(messages(out, max_bucket_bytes)), predicted_s=predicted_s)
+                messages=tuple(messages(out, max_bucket_bytes)), predicted_s=0.0)
 
 
 def dag_messages(dag: TransitionDAG, memo: DagMemo, max_bucket_bytes: int = DEFAULT_BUCKET_BYTES,

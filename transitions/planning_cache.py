@@ -13,7 +13,7 @@ daemon's planner binding (nereusd.planning, one per daemon, shared by its job co
 bench/transitions.py do. A lazily expanded DAG keeps its builder's cache for that expansion (not
 when pickled). ``DEFAULT_CACHE`` is the process's one default, documented and explicit: what a
 caller that passes none gets (one-off builds, tests), and what per-GPU derivation
-(``primitives.pieces`` as a worker runs its part of a DAG it did not build) uses.
+(``transitions.pieces.pieces`` for one GPU without a cache of its own) uses.
 
 Keys are values (relative shapes), except for the per-plan and per-pair memos: those are found by
 the identity of the plan objects (a planner hands the same objects back while it tries candidates;
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from transitions.primitives import Footprint
-    from transitions.replica_classes import ShapeEntry, StageClasses
+    from transitions.replica_plan import ShapeEntry, StageClasses
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")

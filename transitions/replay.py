@@ -23,8 +23,12 @@ import numpy as np
 
 from planner.errors import NereusError
 from transitions.emu import EMU, StateKey
+from transitions.footprints import wire_buffers
+from transitions.geometry import StateKind
 from transitions.global_dag import TransitionDAG
-from transitions.primitives import Destroy, Merge, Primitive, Transfer, pieces, wire_buffers
+from transitions.pieces import pieces
+from transitions.primitives import Destroy, Merge, Primitive
+from transitions.transfer_plan import Piece
 
 _INDEX_BITS = 36
 
@@ -198,20 +202,21 @@ def _replay_node(r: _Replay, i: int, prim: Primitive, report: ReplayReport, pend
         r.free(f, {r.domain(u) for u in pending.values()})
 
 
-def _copy_piece(r: _Replay, i: int, pc: Transfer, written: dict[tuple[str, int], dict[StateKey, np.ndarray]],
+def _copy_piece(r: _Replay, i: int, pc: Piece, written: dict[tuple[str, int], dict[StateKey, np.ndarray]],
                 report: ReplayReport) -> None:
     if pc.src_unit not in r.complete:
         raise ReplayError(f"node {i} reads {pc.src_unit}, which is not complete")
-    src = r.alive.get((pc.src_unit, pc.src_gpu))
-    if src is None or (pc.tensor, pc.kind) not in src:
-        raise ReplayError(f"node {i}: {pc.src_unit} holds no {pc.tensor}/{pc.kind} on GPU {pc.src_gpu}")
-    dst = r.alive[(pc.dst_unit, pc.dst_gpu)][(pc.tensor, pc.kind)]
-    src_arr = src[(pc.tensor, pc.kind)]
+    key: StateKey = (pc.tensor, StateKind(pc.kind))
+    src = r.alive.get((pc.src_unit, pc.src_worker))
+    if src is None or key not in src:
+        raise ReplayError(f"node {i}: {pc.src_unit} holds no {pc.tensor}/{pc.kind} on GPU {pc.src_worker}")
+    dst = r.alive[(pc.dst_unit, pc.dst_worker)][key]
+    src_arr = src[key]
     if any(o + k > n for o, k, n in zip(pc.src_offsets, pc.lengths, src_arr.shape)) or \
             any(o + k > n for o, k, n in zip(pc.dst_offsets, pc.lengths, dst.shape)):
         raise ReplayError(f"node {i}: piece {pc} outside its shards")
     dst[pc.dst_slices] = src_arr[pc.src_slices]
-    written[(pc.dst_unit, pc.dst_gpu)][(pc.tensor, pc.kind)][pc.dst_slices] += 1
+    written[(pc.dst_unit, pc.dst_worker)][key][pc.dst_slices] += 1
     if pc.is_local:
         report.pieces_local += 1
     else:

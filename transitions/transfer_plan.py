@@ -47,6 +47,44 @@ class Piece:
     def num_bytes(self) -> int:
         return math.prod(self.box[1]) * self.src_slot.element_bytes
 
+    @property
+    def tensor(self) -> str:
+        return self.dst_slot.tensor
+
+    @property
+    def kind(self) -> str:
+        """The state kind's name (a ``transitions.geometry.StateKind`` value, or the counters')."""
+        return self.dst_slot.kind
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        return self.box[0]
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        return self.box[1]
+
+    @property
+    def is_local(self) -> bool:
+        return self.src_worker == self.dst_worker
+
+    @property
+    def src_offsets(self) -> tuple[int, ...]:
+        """Where the box starts inside the source shard (local coordinates)."""
+        return tuple(o - so for o, so in zip(self.box[0], self.src_slot.offsets))
+
+    @property
+    def dst_offsets(self) -> tuple[int, ...]:
+        return tuple(o - do for o, do in zip(self.box[0], self.dst_slot.offsets))
+
+    @property
+    def src_slices(self) -> tuple[slice, ...]:
+        return tuple(slice(o, o + k) for o, k in zip(self.src_offsets, self.box[1]))
+
+    @property
+    def dst_slices(self) -> tuple[slice, ...]:
+        return tuple(slice(o, o + k) for o, k in zip(self.dst_offsets, self.box[1]))
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Message:

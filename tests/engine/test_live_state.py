@@ -41,6 +41,7 @@ from planner.errors import SpecError
 from planner.models import TINY_BYTE
 from planner.plan import GlobalPlan, Layout, StagePlan
 from planner.workflow import Role, StageKind
+from transitions.executor.logical import logical_state
 from transitions.geometry import StateKind
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.xdist_group("live-state")]  # one pool of 4 workers
@@ -178,27 +179,9 @@ def views_and_one_step(ctx: Any, *, cfg: RunConfig, plan: GlobalPlan) -> dict[st
 
 
 def logical(dumps: dict[int, Any], stages: set[str] | None = None) -> dict[tuple[str, str, str], torch.Tensor]:
-    """Every (stage, tensor, kind) reassembled from all workers' shards; copies must agree bitwise
-    and every element must be held."""
-    full: dict[tuple[str, str, str], torch.Tensor] = {}
-    seen: dict[tuple[str, str, str], torch.Tensor] = {}
-    for dump in dumps.values():
-        for stage, shards in dump.items():
-            if stages is not None and stage not in stages:
-                continue
-            for s in shards:
-                key = (stage, s["tensor"], s["kind"])
-                if key not in full:
-                    full[key] = torch.zeros(s["global_shape"], dtype=s["data"].dtype)
-                    seen[key] = torch.zeros(s["global_shape"], dtype=torch.bool)
-                box = tuple(slice(o, o + k) for o, k in zip(s["offsets"], s["lengths"]))
-                region, mask = full[key][box], seen[key][box]
-                if mask.any():
-                    assert torch.equal(region[mask], s["data"][mask]), f"{key}: copies disagree"
-                region.copy_(s["data"])
-                mask.fill_(True)
-    assert all(bool(m.all()) for m in seen.values()), "an element is held by no worker"
-    return full
+    """Every (stage, tensor, kind) reassembled from all workers' shards (transitions.executor.logical);
+    copies must agree bitwise and every element must be held."""
+    return logical_state(dumps, stages, strict=True)
 
 
 def assert_bitwise(a: dict[tuple[str, str, str], torch.Tensor], b: dict[tuple[str, str, str], torch.Tensor]) -> None:

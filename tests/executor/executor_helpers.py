@@ -10,6 +10,7 @@ import torch
 from agent.coordinator import LocalCoordinator, TransitionOutcome
 from planner.models import Head, ModelSpec
 from planner.plan import Layout
+from transitions.executor.logical import logical_state as assemble
 from transitions.geometry import INFERENCE_KINDS, TRAINING_KINDS
 from transitions.layout import StagePlacement
 from transitions.placement_dag import placement_cluster, placement_dag, placement_units
@@ -38,30 +39,10 @@ def move(pool: LocalCoordinator, old: list[StagePlacement], new: list[StagePlace
 
 
 def logical_state(dumps: dict[int, Any]) -> dict[tuple[str, str, str], torch.Tensor]:
-    """Reassemble every (stage, tensor, kind) from all workers' shards.
-
-    Fails if two copies of the same element differ or if any element is held by nobody.
-    """
-    full: dict[tuple[str, str, str], torch.Tensor] = {}
-    seen: dict[tuple[str, str, str], torch.Tensor] = {}
-    for worker_dump in dumps.values():
-        for stage, shards in worker_dump.items():
-            for s in shards:
-                key = (stage, s["tensor"], s["kind"])
-                if key not in full:
-                    full[key] = torch.zeros(s["global_shape"], dtype=s["data"].dtype)
-                    seen[key] = torch.zeros(s["global_shape"], dtype=torch.bool)
-                box = tuple(slice(o, o + k) for o, k in zip(s["offsets"], s["lengths"]))
-                region, mask = full[key][box], seen[key][box]
-                data = s["data"]
-                # copies of one element held on several ranks/replicas must agree bit for bit
-                if mask.any():
-                    assert torch.equal(region[mask], data[mask]), f"{key}: copies disagree"
-                region.copy_(data)
-                mask.fill_(True)
-    for key, mask in seen.items():
-        assert bool(mask.all()), f"{key}: {int((~mask).sum())} elements held by no worker"
-    return full
+    """Reassemble every (stage, tensor, kind) from all workers' shards (the one assembly,
+    transitions.executor.logical), strictly: fails if two copies of the same element differ or if
+    any element is held by nobody."""
+    return assemble(dumps, strict=True)
 
 
 def assert_same_state(a: dict[tuple[str, str, str], torch.Tensor],

@@ -15,12 +15,14 @@ from planner.workflow import ACTOR_GEN, ACTOR_TRAIN, REF_INF
 from transitions.cost import transition_cost
 from transitions.geometry import StateKind
 from transitions.global_dag import TransitionDAG, build_transition, build_weight_sync
+from transitions.layout import Slot
 from transitions.local_dag import LastCopyLostError
+from transitions.pieces import pieces, transfers
 from transitions.planning_cache import PlanningCache
-from transitions.primitives import Destroy, Extend, Merge, Split, Transfer, pieces, slot_pieces, transfers
+from transitions.primitives import Destroy, Extend, Merge, Split
 from transitions.replay import replay
 from transitions.scenarios import stage_plan, stage_states
-from transitions.transfer_plan import messages
+from transitions.transfer_plan import Piece, messages
 
 # 12 heads (MHA), 4 layers, vocab 10: TP 2, 3, 4 all valid; vocab 10 is uneven over 3 and 4.
 MHA = ModelSpec(name="mha12", num_layers=4, hidden_size=24, num_attention_heads=12, num_kv_heads=12,
@@ -46,8 +48,8 @@ def _remote(dag: TransitionDAG, tensor: str, kind: StateKind = StateKind.PARAM) 
     out = []
     for prim in dag.nodes:
         for t in transfers(prim):
-            if t.tensor == tensor and t.kind is kind:
-                out.append((t.src_gpu, t.dst_gpu, t.offsets, t.lengths, t.src_offsets, t.dst_offsets))
+            if t.tensor == tensor and StateKind(t.kind) is kind:
+                out.append((t.src_worker, t.dst_worker, t.offsets, t.lengths, t.src_offsets, t.dst_offsets))
     return sorted(out)
 
 
@@ -55,8 +57,8 @@ def _local(dag: TransitionDAG, tensor: str) -> list[tuple[int, tuple[int, ...], 
     out = []
     for prim in dag.nodes:
         for t in pieces(prim):
-            if t.tensor == tensor and t.kind is StateKind.PARAM and t.is_local:
-                out.append((t.dst_gpu, t.offsets, t.lengths))
+            if t.tensor == tensor and StateKind(t.kind) is StateKind.PARAM and t.is_local:
+                out.append((t.dst_worker, t.offsets, t.lengths))
     return sorted(out)
 
 
@@ -110,8 +112,8 @@ def test_pp_2_to_1() -> None:
     dag = build_transition(STATES, CLUSTER, old, new)
     replay(dag)
     # stage 1 (GPUs 2, 3) held layers 2-3, the final norm and the head; GPUs 0 and 1 pull them rank-aligned
-    moved = {(t.src_gpu, t.dst_gpu, t.tensor)
-             for p in dag.nodes for t in transfers(p) if t.kind is StateKind.PARAM}
+    moved = {(t.src_worker, t.dst_worker, t.tensor)
+             for p in dag.nodes for t in transfers(p) if StateKind(t.kind) is StateKind.PARAM}
     assert (2, 0, "lm_head.weight") in moved and (3, 1, "lm_head.weight") in moved
     assert (2, 0, "model.layers.3.mlp.up_proj.weight") in moved
     assert not any(".layers.0." in name or ".layers.1." in name or name == EMB for _, _, name in moved)
@@ -144,7 +146,7 @@ def test_messages_are_contiguous_aligned_and_per_pair() -> None:
     old, new = _plans((2, 1, [0, 1, 2, 3], 2), (4, 1, [0, 1, 2, 3], 1))
     dag = build_transition(STATES, CLUSTER, old, new)
     for prim in dag.nodes:
-        wire = messages(slot_pieces(prim, transfers(prim)))  # the executor's bucketizer
+        wire = messages(transfers(prim))  # the executor's bucketizer
         assert bool(wire) == bool(transfers(prim))
         for m in wire:
             assert all(p.src_worker == m.src_worker and p.dst_worker == m.dst_worker for p in m.pieces)
@@ -158,7 +160,7 @@ def test_messages_are_contiguous_aligned_and_per_pair() -> None:
         # one GPU derives only its own part, and it is exactly its share of the whole
         for g in range(4):
             mine = transfers(prim, g)
-            assert mine == [t for t in transfers(prim) if g in (t.src_gpu, t.dst_gpu)]
+            assert mine == [t for t in transfers(prim) if g in (t.src_worker, t.dst_worker)]
 
 
 def test_move_to_other_gpus_and_serialise() -> None:
@@ -197,7 +199,7 @@ def test_generation_replicas_rebuilt_from_training_after_loss() -> None:
     replay(dag)
     (ext,) = [p for p in dag.nodes if isinstance(p, Extend)]
     assert ext.sources[0].model_stage == "actor-train"
-    assert {t.kind for t in transfers(ext)} == {StateKind.PARAM}
+    assert {StateKind(t.kind) for t in transfers(ext)} == {StateKind.PARAM}
 
 
 def test_weight_sync_uses_the_same_primitives() -> None:
@@ -257,8 +259,13 @@ def test_shared_gpus_need_release_before_acquire() -> None:
 
 
 def test_transfer_slices() -> None:
-    t = Transfer(src_gpu=0, dst_gpu=1, src_unit="a", dst_unit="b", tensor="x", kind=StateKind.PARAM,
-                 offsets=(4, 0), lengths=(2, 3), src_offsets=(1, 0), dst_offsets=(0, 0), bytes_per_element=2)
+    def slot(offsets: tuple[int, ...]) -> Slot:
+        return Slot(tensor="x", kind=StateKind.PARAM.value, dtype="bfloat16", global_shape=(8, 3),
+                    offsets=offsets, lengths=(4, 3), byte_offset=0)
+
+    t = Piece(src_worker=0, dst_worker=1, src_slot=slot((3, 0)), dst_slot=slot((4, 0)), box=((4, 0), (2, 3)),
+              src_unit="a", dst_unit="b")
+    assert t.src_offsets == (1, 0) and t.dst_offsets == (0, 0) and t.offsets == (4, 0) and t.lengths == (2, 3)
     assert t.src_slices == (slice(1, 3), slice(0, 3)) and t.num_bytes == 12 and not t.is_local
     assert Merge and Split  # the four primitive types are public
 
@@ -297,7 +304,6 @@ def test_small_buckets_cut_items_and_bound_buffer_memory(monkeypatch: pytest.Mon
     row is bigger), the replay still fills every target exactly, and the memory check's buffer
     figure (two rounds in flight per worker, from the executor's own bucketizer) is what the replay
     measures."""
-    import transitions.primitives as prims
     from transitions import transfer_plan
 
     old, new = _plans((2, 1, [0, 1, 2, 3], 2), (4, 1, [0, 1, 2, 3], 1))
@@ -308,13 +314,13 @@ def test_small_buckets_cut_items_and_bound_buffer_memory(monkeypatch: pytest.Mon
     replay(dag)  # peaks per GPU equal the DAG's, which now count bounded buffers
     for prim in dag.nodes:
         whole = transfers(prim)
-        wire = transfer_plan.messages(prims.slot_pieces(prim, whole), 256)
+        wire = transfer_plan.messages(whole, 256)
         assert sum(p.num_bytes for m in wire for p in m.pieces) == sum(t.num_bytes for t in whole)
         for m in wire:
             assert m.num_bytes <= 256 or len(m.pieces) == 1 or m.num_bytes >= transfer_plan.DIRECT_MIN_BYTES
     # the largest piece that travels in buckets (not as one zero-copy run) is cut along its first
     # stored dim, into pieces of at most one bucket each
-    packed = [q for p in dag.nodes for q in prims.slot_pieces(p, transfers(p))
+    packed = [q for p in dag.nodes for q in transfers(p)
               if q.num_bytes < transfer_plan.DIRECT_MIN_BYTES]
     piece = max(packed, key=lambda q: q.num_bytes)
     assert piece.num_bytes > 256

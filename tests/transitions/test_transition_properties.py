@@ -18,7 +18,7 @@ from planner.errors import InfeasibleError
 from transitions.cost import schedule, transition_cost
 from transitions.global_dag import TransitionDAG, build_transition
 from transitions.local_dag import LastCopyLostError
-from transitions.primitives import transfers
+from transitions.pieces import transfers
 from transitions.replay import replay
 from transitions.scenarios import Scenario, random_scenario
 
@@ -102,5 +102,5 @@ def test_each_gpu_derives_its_own_share(seed: int) -> None:
     for prim in dag.nodes:
         everything = transfers(prim)
         for g in dag.footprints[dag.nodes.index(prim)].gpus:
-            assert transfers(prim, g) == [t for t in everything if g in (t.src_gpu, t.dst_gpu)]
+            assert transfers(prim, g) == [t for t in everything if g in (t.src_worker, t.dst_worker)]
         assert sum(t.num_bytes for t in everything) == dag.footprints[dag.nodes.index(prim)].moved_bytes

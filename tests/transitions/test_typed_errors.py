@@ -11,13 +11,15 @@ from planner.hardware import CPU, LOOPBACK, NVLINK4, ClusterSpec
 from planner.models import ModelSpec
 from planner.plan import GlobalPlan, Layout
 from planner.workflow import ACTOR_TRAIN
-from transitions import replica_classes
+from transitions import replica_order
 from transitions.errors import CoverageError, DagCycleError
 from transitions.feasibility import bottom_levels, order_by_memory
+from transitions.footprints import footprint
 from transitions.global_dag import build_transition
 from transitions.local_dag import plan_units, target_parts
+from transitions.pieces import pieces
 from transitions.planning_cache import PlanningCache
-from transitions.primitives import Extend, Footprint, footprint, pieces
+from transitions.primitives import Extend, Footprint
 from transitions.replay import ReplayError, replay
 from transitions.scenarios import PPO_STAGES, ppo_plan, stage_plan, stage_states
 
@@ -83,7 +85,7 @@ def test_the_fast_path_falls_back_on_a_class_cycle_and_on_nothing_else(monkeypat
     def cyclic(num_nodes: int, edges: list[tuple[int, int]], weight: list[float]) -> list[float]:
         raise DagCycleError(tuple(range(num_nodes)))
 
-    monkeypatch.setattr(replica_classes, "bottom_levels", cyclic)
+    monkeypatch.setattr(replica_order, "bottom_levels", cyclic)
     dag = build_transition(states, cluster, old, new, exact=False, cache=PlanningCache())
     assert dag.replicas is None  # the per-unit path took it
     assert dag.nodes == exact.nodes and dag.order == exact.order and dag.peak_bytes == exact.peak_bytes
@@ -91,6 +93,6 @@ def test_the_fast_path_falls_back_on_a_class_cycle_and_on_nothing_else(monkeypat
     def broken(num_nodes: int, edges: list[tuple[int, int]], weight: list[float]) -> list[float]:
         raise AssertionError("a bug")
 
-    monkeypatch.setattr(replica_classes, "bottom_levels", broken)
+    monkeypatch.setattr(replica_order, "bottom_levels", broken)
     with pytest.raises(AssertionError, match="a bug"):  # a bug is not taken for a reason to fall back
         build_transition(states, cluster, old, new, exact=False, cache=PlanningCache())

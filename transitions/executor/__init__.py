@@ -10,7 +10,9 @@ plan it runs is pure data derived from the DAG (``transitions.layout``, ``transi
 - ``rounds``: pipelined rounds of posted sends and receives for one node (``run_step``);
 - ``runner``: the DAG runner, one method per kind of node (``run_dag``);
 - ``fan_out``: Extend fan-outs as broadcasts;
-- ``in_place`` and ``early_build``: units built inside, or from the pages of, the unit they are cut from.
+- ``in_place`` and ``early_build``: units built inside, or from the pages of, the unit they are cut from;
+- ``restore``: restore nodes, a unit's shards read from a DCP checkpoint (``transitions.restore_dag``);
+- ``logical``: the logical state a set of workers holds, assembled from their dumps (and its digests).
 """
 
 from transitions.executor.buffers import RankState, alloc_bytes, allocate_unit

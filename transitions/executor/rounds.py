@@ -40,6 +40,7 @@ class StepReport:
     alongside: str = ""  # a local-only node run while this remote node's transfers were in flight
     in_place: bool = False  # built inside the buffer of the unit it was cut from, or from its pages
     bytes_remapped: int = 0  # of a unit built from another's pages: bytes that changed buffers uncopied
+    bytes_restored: int = 0  # of a Restore node: bytes read from the checkpoint
 
 
 @dataclass(slots=True)

@@ -6,8 +6,9 @@ node starts, sources freed by the node that frees them, Merges of parts already 
 relabel; local-only nodes right after a remote one run alongside its transfers. On CPU a unit cut
 from one the worker gives up is built from that unit's pages before the nodes sending from it
 (``early_build``), or else inside that unit's buffer once nothing reads it any more (``in_place``).
-A large Extend fan-out runs as one broadcast per unit rank (``fan_out``). Time per node is measured
-next to the cost model's prediction.
+A large Extend fan-out runs as one broadcast per unit rank (``fan_out``); a Restore node reads the
+worker's share of its unit from a checkpoint (``restore``). Time per node is measured next to the
+cost model's prediction.
 
 A run that stops halfway (a peer died, a timeout) loses no logical state unless its last copy died:
 ``transitions.survival.uncovered_state`` says what then needs the checkpoint.
@@ -30,13 +31,14 @@ from transitions.executor.buffers import RankState, allocate_unit
 from transitions.executor.early_build import Built, build_early
 from transitions.executor.fan_out import run_fan_out
 from transitions.executor.in_place import build_in_place
+from transitions.executor.restore import CheckpointReader
 from transitions.executor.rounds import BucketPool, OnRound, StepReport, run_step
 from transitions.fan_outs import FanOut, fan_outs
 from transitions.global_dag import TransitionDAG
 from transitions.in_place_plan import InPlace, in_place_plan
 from transitions.layout import unit_buffer_bytes
 from transitions.node_steps import node_step
-from transitions.primitives import Merge, Primitive, relabels
+from transitions.primitives import Merge, Primitive, Restore, relabels
 from transitions.transfer_plan import DEFAULT_BUCKET_BYTES, Piece, Step
 
 # CPU: a unit cut from another one on the same worker (a TP or PP Split/Merge keeping part of the
@@ -61,6 +63,7 @@ class _Prepared:
     builds: dict[int, EarlyBuild]  # early builds, by building node
     plans: dict[int, InPlace]  # in-place builds, by node
     fans: list[FanOut]
+    predicted_s: Sequence[float] | None  # per node, the cost model's
 
 
 def run_dag(dag: TransitionDAG, worker: int, units: dict[str, RankState], channel: DataChannel, *,
@@ -98,7 +101,7 @@ def _prepare(dag: TransitionDAG, worker: int, device: torch.device, predicted_s:
     early = (IN_PLACE if in_place is None else in_place) and device.type == "cpu"
     steps = {node: node_step(dag, node, worker, memo, max_bucket_bytes,
                              predicted_s[node] if predicted_s is not None else 0.0, early=early)
-             for node in dag.nodes_on(worker) if not relabels(dag.nodes[node])}
+             for node in dag.nodes_on(worker) if not _unstepped(dag.nodes[node])}
     order = list(dag.nodes_on(worker))
     builds = early_builds(dag, worker, memo) if early else {}
     if fan_out is None:  # where it helps: copies big enough to pay for forming the groups
@@ -113,7 +116,12 @@ def _prepare(dag: TransitionDAG, worker: int, device: torch.device, predicted_s:
                 if node in steps and node not in builds else None
             if plan is not None and plan.donor not in broadcast:
                 plans[node] = plan
-    return _Prepared(steps=steps, order=order, builds=builds, plans=plans, fans=fans)
+    return _Prepared(steps=steps, order=order, builds=builds, plans=plans, fans=fans, predicted_s=predicted_s)
+
+
+def _unstepped(prim: Primitive) -> bool:
+    """Nodes without a step of messages and copies: relabelling Merges and Restores (read, not sent)."""
+    return relabels(prim) or isinstance(prim, Restore)
 
 
 @dataclass(kw_only=True)
@@ -135,6 +143,7 @@ class _DagRun:
     carried: set[int] = field(default_factory=set)  # local-only nodes already run alongside a remote one
     deferred: dict[int, list[InPlace]] = field(default_factory=dict)  # node -> in-place builds after it
     relabel: list[Merge] = field(default_factory=list)
+    readers: dict[tuple[str, str], CheckpointReader] = field(default_factory=dict)  # (url, tag) -> reader
 
     def run(self) -> list[StepReport]:
         try:
@@ -155,6 +164,7 @@ class _DagRun:
         fan_of = {node: i for i, fan in enumerate(prep.fans) for node in fan.nodes}
         # every member is there before anything moves (and NCCL's communicator exists before p2p)
         self.channel.barrier(self.timeout_s)
+        self._check_restores()
         # Merges whose parts all arrive in final shape move nothing and touch no GPU's timeline, so
         # they are in no worker's node list: each worker relabels its share as soon as it holds it; so
         # are Merges that copy on other GPUs but only relabel here (a part that arrived in final shape
@@ -173,6 +183,8 @@ class _DagRun:
                     self.build_stats[f"{self.dag.nodes[build.node].kind.value}#{build.node}"] = made
             if node in fan_of:
                 self._fan_out(fan_of[node])
+            elif isinstance(self.dag.nodes[node], Restore):
+                self._restore(node)
             else:
                 self._node(index, node, pool, set(prep.plans) | set(build_before))
             _apply_relabels(self.relabel, self.worker, units)
@@ -194,6 +206,33 @@ class _DagRun:
             report.predicted_s = self.prepared.steps[int(report.primitive.split("#")[1])].predicted_s
             self.reports.append(report)
         self.carried.update(fan.nodes)
+
+    def _check_restores(self) -> None:
+        """Before any node runs: the checkpoint of every Restore node here is committed and holds its
+        unit's model-stage (CheckpointError otherwise), so a restore never stops half-done on that."""
+        for node in self.prepared.order:
+            prim = self.dag.nodes[node]
+            if isinstance(prim, Restore):
+                self._reader(prim).check(prim.target)
+
+    def _reader(self, prim: Restore) -> CheckpointReader:
+        return self.readers.setdefault((prim.url, prim.tag), CheckpointReader(url=prim.url, tag=prim.tag))
+
+    def _restore(self, node: int) -> None:
+        """A Restore node: this worker's share of the unit, allocated and read from the checkpoint;
+        nothing is stored if the read fails."""
+        prim = self.dag.nodes[node]
+        assert isinstance(prim, Restore)
+        start = time.perf_counter()
+        reader = self._reader(prim)
+        state = allocate_unit(prim.target, self.worker, self.channel.device)
+        read = reader.restore(state)
+        self.units[prim.target.uid] = state
+        predicted = self.prepared.predicted_s[node] if self.prepared.predicted_s is not None else 0.0
+        self.reports.append(StepReport(
+            model_stage=prim.target.model_stage, primitive=f"{prim.kind.value}#{node}", predicted_s=predicted,
+            measured_s=time.perf_counter() - start, bytes_sent=0, bytes_received=0, bytes_copied_locally=0,
+            peak_bucket_bytes=0, bytes_restored=read))
 
     def _in_place_plan(self, node: int) -> InPlace | None:
         """The node's in-place build if it still applies here (a unit missing or built already: None)."""

@@ -1,0 +1,156 @@
+"""Where every row of a target shard comes from, and the pieces that carry it. Pure.
+
+Every target shard on a GPU is covered, along its split dimension, first by what a source already
+holds on that same GPU (a local piece: never sent), then by the sources in order, starting at the
+rank-aligned holder so that each source rank feeds its own counterpart. ``derive_target`` turns a
+cover into pieces (``transitions.transfer_plan.Piece``: the one record of a box moved, placed in the
+units' slots); ``counter_pieces`` adds the units' counters. Both ends of a pair derive the same
+pieces in the same order without talking. A primitive whose sources do not hold all of a target
+shard raises transitions.errors.CoverageError.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from functools import lru_cache
+
+from planner.models import Parallel, TensorSpec
+from transitions.emu import EMU, Box, StateKey, UnitState
+from transitions.errors import CoverageError
+from transitions.geometry import Shard, tensor_stages
+from transitions.layout import COUNTERS, COUNTERS_KIND, NUM_COUNTERS, unit_slots
+from transitions.primitives import Merge, Primitive
+from transitions.transfer_plan import Piece
+
+Intervals = list[tuple[int, int]]
+Cover = list[tuple[EMU, int, Box, int, int]]  # (source unit, source GPU, source box, lo, hi)
+
+
+@lru_cache(maxsize=256)
+def _tensor_index(state: UnitState) -> dict[str, TensorSpec]:
+    return {t.name: t for t in state.model.tensors(state.head)}
+
+
+def _split_dim(t: TensorSpec) -> int:
+    return 1 if t.parallel is Parallel.ROW else 0
+
+
+def _subtract(need: Intervals, lo: int, hi: int) -> tuple[Intervals, Intervals]:
+    """Split intervals ``need`` by [lo, hi): (covered pieces, what is still needed)."""
+    got, rest = [], []
+    for a, b in need:
+        x, y = max(a, lo), min(b, hi)
+        if x >= y:
+            rest.append((a, b))
+            continue
+        got.append((x, y))
+        if a < x:
+            rest.append((a, x))
+        if y < b:
+            rest.append((y, b))
+    return got, rest
+
+
+def _remote_holders(src: EMU, tensor: TensorSpec, prefer_tp: int) -> Iterable[int]:
+    """Source GPUs holding ``tensor``, rank-aligned first (TP rank ``prefer_tp`` mod tp), then rotating."""
+    lay = src.layout
+    for stage in tensor_stages(tensor, src.state.model, lay.pp):
+        for i in range(lay.tp):
+            yield src.gpus[lay.rank_of((prefer_tp + i) % lay.tp, stage)]
+
+
+def _take(cover: Cover, need: Intervals, src: EMU, gpu: int, box: Box | None, dim: int) -> Intervals:
+    """What of ``need`` the source box ``box`` (of ``src`` on ``gpu``) covers goes into ``cover``;
+    returns what is still needed."""
+    if box is None:
+        return need
+    got, need = _subtract(need, box[0][dim], box[0][dim] + box[1][dim])
+    cover += [(src, gpu, box, lo, hi) for lo, hi in got]
+    return need
+
+
+def _tensor_cover(shard: Shard, dim: int, tensor: TensorSpec, sources: tuple[EMU, ...], gpu: int,
+                  local: list[tuple[EMU, dict[StateKey, Box]]], tp_rank: int) -> tuple[Cover, Intervals]:
+    """Where each row of ``shard`` comes from: same-GPU sources first, then remote ones rank-aligned."""
+    key = shard.key
+    cover: Cover = []
+    need = [(shard.offsets[dim], shard.offsets[dim] + shard.lengths[dim])]
+    for s, boxes in local:
+        need = _take(cover, need, s, gpu, boxes.get(key), dim)
+        if not need:
+            return cover, need
+    for s in sources:
+        for g in _remote_holders(s, tensor, tp_rank):
+            need = _take(cover, need, s, g, s.boxes(g).get(key), dim)
+            if not need:
+                return cover, need
+    return cover, need
+
+
+def covers(target: EMU, sources: tuple[EMU, ...], gpu: int) -> list[tuple[Shard, int, Cover]]:
+    """For every shard ``target`` holds on ``gpu``: its split dim and where each of its rows comes from.
+
+    The cover is computed once per tensor and reused for its other state kinds: sources hold every
+    kind the target holds (same model-stage, or a training stage feeding a parameters-only one).
+    CoverageError if no source holds some of a shard's rows.
+    """
+    index = _tensor_index(target.state)
+    owner = target.final if target.final is not None else target
+    tp_rank = owner.layout.coords(owner.rank_of(gpu))[0]
+    local = [(s, s.boxes(gpu)) for s in sources if s.holds(gpu)]
+    out: list[tuple[Shard, int, Cover]] = []
+    cover: Cover = []
+    cover_tensor = ""
+    dim = 0
+    for shard in target.shards(gpu):
+        if shard.key[0] != cover_tensor:
+            tensor = index[shard.key[0]]
+            dim = _split_dim(tensor)
+            cover_tensor = shard.key[0]
+            cover, need = _tensor_cover(shard, dim, tensor, sources, gpu, local, tp_rank)
+            if need:
+                raise CoverageError(target.uid, gpu, shard.key, tuple(need))
+        out.append((shard, dim, cover))
+    return out
+
+
+def _piece(src: EMU, src_gpu: int, dst: EMU, dst_gpu: int, dst_box: Box, key: tuple[str, str],
+           dim: int, lo: int, hi: int) -> Piece:
+    offsets, lengths = list(dst_box[0]), list(dst_box[1])
+    offsets[dim], lengths[dim] = lo, hi - lo
+    return Piece(src_worker=src_gpu, dst_worker=dst_gpu, src_slot=unit_slots(src, src_gpu)[key],
+                 dst_slot=unit_slots(dst, dst_gpu)[key], box=(tuple(offsets), tuple(lengths)),
+                 src_unit=src.uid, dst_unit=dst.uid)
+
+
+def derive_target(target: EMU, sources: tuple[EMU, ...], gpu: int, from_gpu: int | None = None) -> list[Piece]:
+    """Pieces (local and remote) that fill everything ``target`` holds on ``gpu`` from ``sources``;
+    with ``from_gpu``, only those read from that GPU."""
+    out: list[Piece] = []
+    for shard, dim, cover in covers(target, sources, gpu):
+        box: Box = (shard.offsets, shard.lengths)
+        key = (shard.key[0], shard.key[1].value)
+        out += [_piece(s, g, target, gpu, box, key, dim, lo, hi)
+                for s, g, _, lo, hi in cover if from_gpu is None or g == from_gpu]
+    return out
+
+
+def counter_pieces(prim: Primitive) -> list[Piece]:
+    """The unit counters (version, step, minibatch position) each new share copies: from a source on
+    the same GPU if any, else from the rank-aligned GPU of the first source. Derived for every target
+    GPU in one fixed order, so both ends of a pair agree on it."""
+    if not prim.sources:
+        return []
+    key = (COUNTERS, COUNTERS_KIND)
+    out = []
+    for target in prim.targets:
+        for g in target.gpus:
+            if isinstance(prim, Merge) and any(p.final == target and p.holds(g) for p in prim.parts):
+                continue  # relabelled: the part's buffer, counters included, becomes the unit's
+            local = [s for s in prim.sources if s.holds(g)]
+            src = local[0] if local else prim.sources[0]
+            src_gpu = g if local else src.gpus[target.gpus.index(g) % len(src.gpus)]
+            out.append(Piece(src_worker=src_gpu, dst_worker=g, src_slot=unit_slots(src, src_gpu)[key],
+                             dst_slot=unit_slots(target, g)[key], box=((0,), (NUM_COUNTERS,)),
+                             src_unit=src.uid, dst_unit=target.uid))
+    return out

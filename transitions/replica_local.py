@@ -1,0 +1,283 @@
+"""One model-stage's local plan over replica classes, computed with numpy over GPU arrays. Pure.
+
+The rules are transitions.local_dag's (reuse, Split, Extend from overlapping replicas, Merge,
+Destroy), applied to every DP replica at once over the plans' GPU arrays (``local_plan``); the
+primitives are then grouped into classes by relative shape (GPUs relabelled by first appearance, as
+transitions.footprints.canonical_footprint does), each with one canonical footprint memoised in the
+builder's PlanningCache (``classes_of``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import chain
+
+import numpy as np
+
+from planner.plan import Layout, StagePlan
+from transitions.emu import part_gpus, part_indices, parts_nest
+from transitions.footprints import canonical_footprint
+from transitions.local_dag import target_parts
+from transitions.planning_cache import PlanningCache
+from transitions.primitives import (
+    Destroy,
+    Extend,
+    Footprint,
+    Merge,
+    Primitive,
+    PrimitiveKind,
+    Split,
+    relabels,
+)
+from transitions.replica_plan import ReplicaClass, ReplicaStage, unit_emu
+
+_MIX = np.random.default_rng(12345).integers(1, 2**62, size=256, dtype=np.int64) | 1
+
+
+def gpu_array(gpu_sets: tuple[tuple[int, ...], ...], cache: PlanningCache) -> np.ndarray:
+    """The GPU sets of a stage plan as a (replicas x unit size) array; memoised per tuple object."""
+
+    def make() -> np.ndarray:
+        size = len(gpu_sets[0])
+        arr = np.fromiter(chain.from_iterable(gpu_sets), dtype=np.int64, count=size * len(gpu_sets))
+        return arr.reshape(len(gpu_sets), size)
+
+    return cache.gpu_arrays.get_or_make((id(gpu_sets),), (gpu_sets,), make)
+
+
+def group_rows(keys: np.ndarray) -> list[np.ndarray]:
+    """Row indices grouped by identical rows of ``keys`` (hashed, then verified row by row)."""
+    if len(keys) == 0:
+        return []
+    if (keys == keys[0]).all():  # the usual case: every replica alike
+        return [np.arange(len(keys))]
+    mix = _MIX if keys.shape[1] <= len(_MIX) else np.resize(_MIX, keys.shape[1])  # wider rows reuse the draws
+    h = keys @ mix[: keys.shape[1]]
+    uniq, inv = np.unique(h, return_inverse=True)
+    out = []
+    for k in range(len(uniq)):
+        idx = np.flatnonzero(inv == k) if len(uniq) > 1 else np.arange(len(keys))
+        sub = keys[idx]
+        if not (sub == sub[0]).all():  # hash collision: split exactly
+            for row in np.unique(sub, axis=0):
+                out.append(idx[(sub == row).all(1)])
+            continue
+        out.append(idx)
+    return out
+
+
+def _shape_groups(x: np.ndarray) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Rows of GPU sequences ``x`` grouped by relative shape: (row indices, label positions, first
+    appearance of each position)."""
+    seen: dict[int, int] = {}
+    first_list = [seen.setdefault(g, i) for i, g in enumerate(x[0].tolist())]  # small: plain Python
+    label_list = [i for i, f in enumerate(first_list) if f == i]
+    label_of = {p: k for k, p in enumerate(label_list)}
+    labels0, first0 = np.array(label_list, dtype=np.int64), np.array(first_list, dtype=np.int64)
+    lab = x[:, labels0]
+    if (lab[:, [label_of[f] for f in first_list]] == x).all():  # every row repeats row 0's pattern
+        srt = np.sort(lab, axis=1)
+        if (srt[:, 1:] != srt[:, :-1]).all():  # ... with distinct GPUs for distinct labels
+            return [(np.arange(len(x)), labels0, first0)]
+    first = (x[:, :, None] == x[:, None, :]).argmax(axis=2)
+    out = []
+    for idx in group_rows(first):
+        rep = first[idx[0]]
+        out.append((idx, np.flatnonzero(rep == np.arange(len(rep))), rep))
+    return out
+
+
+def part_columns(layout: Layout, sub: Layout) -> np.ndarray:
+    ident = tuple(range(layout.size))
+    return np.array([part_gpus(layout, ident, sub, a, b) for a, b in part_indices(layout, sub)], dtype=np.int64)
+
+
+@dataclass(kw_only=True, slots=True)
+class LocalArrays:
+    """One model-stage's primitives as member arrays per kind (before grouping by shape)."""
+
+    splits: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)  # (current unit, part ids)
+    extends: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)  # (part id, sources)
+    merges: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)  # (target unit, inputs)
+    destroys: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+
+
+def stage_owners(plan: StagePlan, num_gpus: int, cache: PlanningCache) -> tuple[np.ndarray, np.ndarray]:
+    """Per GPU: the replica of ``plan`` on it and its rank there (-1: none); memoised per plan, by
+    identity (the current plan stays the same while a planner tries candidates)."""
+
+    def make() -> tuple[np.ndarray, np.ndarray]:
+        cur = gpu_array(plan.gpu_sets, cache)
+        dc, sc = cur.shape
+        owner = np.full(num_gpus, -1, dtype=np.int64)
+        rank = np.full(num_gpus, -1, dtype=np.int64)
+        owner[cur.ravel()] = np.repeat(np.arange(dc), sc)
+        rank[cur.ravel()] = np.tile(np.arange(sc), dc)
+        return owner, rank
+
+    return cache.owners.get_or_make((id(plan), num_gpus), (plan,), make)
+
+
+def local_plan(st: ReplicaStage, num_gpus: int, cache: PlanningCache) -> LocalArrays | None:
+    """Every replica's primitives at once: each T_sub part is kept (a current unit reused whole),
+    split from the one current unit holding it, or extended from the replicas overlapping it; target
+    units of several parts are merged; current units nothing keeps are destroyed."""
+    owner, rank = stage_owners(st.current, num_gpus, cache)
+    own, rk = owner[st.parts], rank[st.parts]
+    reuse, split_c = _reuse_or_split(st, own, rk)
+    out = LocalArrays()
+    kept = np.zeros(len(st.cur), dtype=bool)
+    kept[own[reuse, 0]] = True
+    if st.nq == 1:
+        st.renamed = list(zip(own[reuse, 0].tolist(), np.flatnonzero(reuse).tolist()))
+    out.extends = _extends(np.flatnonzero(~reuse & (split_c < 0)), own, len(st.cur))
+    if st.nq > 1:  # every target unit made of several parts
+        inputs = np.where(reuse, -1 - own[:, 0], np.arange(len(st.parts))).reshape(-1, st.nq)
+        out.merges = [(idx, inputs[idx]) for idx in group_rows((inputs < 0).astype(np.int64))]
+    out.splits = _splits(np.flatnonzero(split_c >= 0), own, len(st.cur))
+    out.destroys = np.flatnonzero(~kept)
+    return out
+
+
+def _reuse_or_split(st: ReplicaStage, own: np.ndarray, rk: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per part: whether a current unit is reused as it, and else the column of the one current
+    unit it is split from (-1: none; it is extended)."""
+    sub, lc, lt = st.sub, st.current.layout, st.target.layout
+    one_owner = (own == own[:, :1]).all(1) & (own[:, 0] >= 0)
+    split_c = np.full(len(st.parts), -1, dtype=np.int64)
+    if lc == sub:
+        reuse = one_owner & (rk == np.arange(sub.size)).all(1)
+        if lt != sub and not parts_nest(st.state, sub, lt):
+            reuse[:] = False
+        return reuse, split_c
+    for k, cols in enumerate(part_columns(lc, sub)):
+        split_c[one_owner & (rk == cols).all(1)] = k
+    return np.zeros(len(st.parts), dtype=bool), split_c
+
+
+def _extends(e_ids: np.ndarray, own: np.ndarray, dc: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(part ids, sources) per group: the replicas overlapping each part, most shared GPUs first."""
+    out: list[tuple[np.ndarray, np.ndarray]] = []
+    if not len(e_ids):
+        return out
+    e_own = own[e_ids]
+    alone = (e_own < 0).all(1)
+    if alone.any():  # parts on GPUs no replica holds: one source each, round-robin (as local_dag)
+        rr = np.arange(int(alone.sum()), dtype=np.int64) % dc
+        out.append((e_ids[alone], rr[:, None]))
+        e_ids, e_own = e_ids[~alone], e_own[~alone]
+    if not len(e_ids):
+        return out
+    first = (e_own[:, :, None] == e_own[:, None, :]).argmax(axis=2)
+    pattern = np.concatenate([first, (e_own < 0).astype(np.int64)], axis=1)
+    for idx in group_rows(pattern):
+        rep, rep_own = first[idx[0]], e_own[idx[0]]
+        pos = [p for p in range(len(rep)) if rep[p] == p and rep_own[p] >= 0]
+        pos.sort(key=lambda p: (-int((rep == p).sum()), p))
+        out.append((e_ids[idx], e_own[idx][:, pos]))
+    return out
+
+
+def _splits(s_ids: np.ndarray, own: np.ndarray, dc: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(current units, their part ids in target order) per number of parts split from each."""
+    out: list[tuple[np.ndarray, np.ndarray]] = []
+    if not len(s_ids):
+        return out
+    s_unit = own[s_ids, 0]
+    order = np.lexsort((s_ids, s_unit))
+    s_unit, s_ids = s_unit[order], s_ids[order]
+    counts = np.bincount(s_unit, minlength=dc)
+    units = np.flatnonzero(counts)
+    for k in np.unique(counts[units]):
+        chosen = units[counts[units] == k]
+        rows = np.isin(s_unit, chosen)
+        out.append((chosen, s_ids[rows].reshape(-1, int(k))))
+    return out
+
+
+Group = tuple[PrimitiveKind, np.ndarray, np.ndarray, np.ndarray]  # kind, unit, refs, GPU sequences
+
+
+def classes_of(st: ReplicaStage, local: LocalArrays, order: int, cache: PlanningCache) -> list[ReplicaClass]:
+    """The stage's primitives grouped into classes by relative shape ([] if one would be empty: the
+    exact path deals with it)."""
+    out: list[ReplicaClass] = []
+    for kind, unit, refs, x in _groups(st, local):
+        # a Destroy's shape is its unit's GPUs in rank order: one class
+        shapes = _shape_groups(x) if kind is not PrimitiveKind.DESTROY else [
+            (np.arange(len(x)), np.arange(x.shape[1]), np.arange(x.shape[1]))]
+        for idx, labels, first in shapes:
+            g = (x if len(idx) == len(x) else x[idx])[:, labels]
+            canon, touched, empty = _class_shape(st, kind, unit, refs, idx, first, g, cache)
+            if empty:
+                return []
+            c = ReplicaClass(kind=kind, stage=st.name, stage_order=order, canon=canon, gpus=g, unit=unit[idx],
+                             refs=refs[idx], touched=touched, first=sum(x.size for x in out))
+            c._finish()
+            out.append(c)
+    return out
+
+
+def _groups(st: ReplicaStage, local: LocalArrays) -> list[Group]:
+    """Per kind and member arrays: the GPU sequence of every member (its units' GPUs in field order)."""
+    cur, tgt, parts, nq = st.cur, st.tgt, st.parts, st.nq
+
+    def part_seq(pid: np.ndarray) -> list[np.ndarray]:  # a part's GPUs, then its final unit's
+        return [parts[pid]] if nq == 1 else [parts[pid], tgt[pid // nq]]
+
+    groups: list[Group] = []
+    for u, refs in local.splits:
+        seq = [cur[u]] + [a for k in range(refs.shape[1]) for a in part_seq(refs[:, k])]
+        groups.append((PrimitiveKind.SPLIT, u, refs, np.concatenate(seq, axis=1)))
+    for pid, refs in local.extends:
+        seq = part_seq(pid) + [cur[refs[:, k]] for k in range(refs.shape[1])]
+        groups.append((PrimitiveKind.EXTEND, pid, refs, np.concatenate(seq, axis=1)))
+    for j, refs in local.merges:
+        seq = []
+        for k in range(refs.shape[1]):
+            seq += [cur[-1 - refs[:, k]]] if refs[0, k] < 0 else part_seq(refs[:, k])
+        seq.append(tgt[j])
+        groups.append((PrimitiveKind.MERGE, j, refs, np.concatenate(seq, axis=1)))
+    if len(local.destroys):
+        d = local.destroys
+        groups.append((PrimitiveKind.DESTROY, d, np.zeros((len(d), 0), dtype=np.int64), cur[d]))
+    return groups
+
+
+def _class_shape(st: ReplicaStage, kind: PrimitiveKind, unit: np.ndarray, refs: np.ndarray, idx: np.ndarray,
+                 first: np.ndarray, g: np.ndarray, cache: PlanningCache) -> tuple[Footprint, np.ndarray, bool]:
+    """(canonical footprint, touched labels, empty) of a class, memoised per relative shape: the
+    layouts come with the kind and the inputs' types (a kept current unit, or a T_sub part)."""
+    key = (kind, st.state, st.current.layout, st.target.layout, tuple((refs[idx[0]] < 0).tolist()),
+           first.tobytes())
+    hit = cache.class_shapes.get(key)
+    if hit is not None:
+        return hit
+    rep = _representative(st, kind, int(unit[idx[0]]), refs[idx[0]])
+    canon, gpus = canonical_footprint(rep, cache)
+    # invariant: _shape_groups labels GPUs by first appearance, as canonical_footprint does
+    assert gpus == g[0].tolist(), f"replica class labels disagree: {gpus} vs {g[0].tolist()}"
+    touched = np.array(sorted(canon.gpus), dtype=np.int64)
+    empty = not len(touched) and not (kind is PrimitiveKind.MERGE and relabels(rep))
+    return cache.class_shapes.put(key, (canon, touched, empty))
+
+
+def _representative(st: ReplicaStage, kind: PrimitiveKind, unit: int, refs: np.ndarray) -> Primitive:
+    """Member ``unit`` of a class as a real primitive (uids and versions do not change its shape)."""
+    old_version, new_version = 0, 1
+    cur = {int(i): unit_emu(st, old_version, int(i), True) for i in refs if kind is PrimitiveKind.EXTEND}
+    if kind in (PrimitiveKind.SPLIT, PrimitiveKind.DESTROY):
+        cur[unit] = unit_emu(st, old_version, unit, True)
+    if kind is PrimitiveKind.MERGE:
+        cur.update({-1 - int(r): unit_emu(st, old_version, -1 - int(r), True) for r in refs if r < 0})
+    pids = [unit] if kind is PrimitiveKind.EXTEND else [int(r) for r in refs if r >= 0]
+    tgt_ids = {p // st.nq for p in pids} | ({unit} if kind is PrimitiveKind.MERGE else set())
+    tgt = {j: unit_emu(st, new_version, j, False) for j in tgt_ids}
+    part_of = {p: target_parts(tgt[p // st.nq], st.sub)[p % st.nq] for p in pids}
+    if kind is PrimitiveKind.DESTROY:
+        return Destroy(unit=cur[unit])
+    if kind is PrimitiveKind.SPLIT:
+        return Split(unit=cur[unit], parts=tuple(part_of[int(r)] for r in refs))
+    if kind is PrimitiveKind.EXTEND:
+        return Extend(sources=tuple(cur[int(r)] for r in refs), target=part_of[unit])
+    return Merge(parts=tuple(part_of[int(r)] if r >= 0 else cur[-1 - int(r)] for r in refs), unit=tgt[unit])

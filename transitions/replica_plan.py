@@ -1,0 +1,175 @@
+"""The records of a transition planned over replica classes, and its expansion to units. Pure.
+
+A ``ReplicaClass`` is every primitive of one model-stage and kind with the same relative shape: one
+canonical footprint over GPU labels and the GPU of each label per member. ``StageClasses`` is one
+model-stage's classes and the edges between them; ``ReplicaPlan`` a whole transition's, with its
+checked class order, expanded to unit-level primitives on demand (``ReplicaPlan.expand``). Built by
+transitions.replica_classes; the schedule over classes is transitions.cost's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import numpy as np
+
+from planner.plan import Layout, StagePlan
+from transitions.emu import EMU, UnitState
+from transitions.local_dag import plan_units, target_parts, unit_uid
+from transitions.planning_cache import PlanningCache
+from transitions.primitives import Destroy, Extend, Footprint, Merge, Primitive, PrimitiveKind, Split
+
+
+@dataclass(kw_only=True, slots=True)
+class ReplicaClass:
+    """Primitives of one model-stage, kind and relative shape; member m's label l is on gpus[m, l].
+
+    Built once per pair of stage plans and shared by every DAG built from them: never mutated after
+    ``_finish`` (except ``seconds``, a per-cluster memo of transitions.cost)."""
+
+    kind: PrimitiveKind
+    stage: str
+    stage_order: int
+    canon: Footprint  # over labels
+    gpus: np.ndarray  # members x labels
+    unit: np.ndarray  # per member: current unit (Split, Destroy), part id (Extend), target unit (Merge)
+    refs: np.ndarray  # per member: Split parts, Extend sources, Merge inputs (part id, or -1-kept unit)
+    touched: np.ndarray  # labels the primitive occupies (its footprint's GPUs)
+    first: int = 0  # stage-local node id of member 0
+    g: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.int64))  # gpus[:, touched]
+    single: bool = True  # no GPU is touched by two members
+    alloc: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # per touched label
+    buf: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    delta: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # alloc - free
+    acquire: bool = False
+    preds: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.int64))  # stage-local, -1 pad
+    seconds: dict[int, tuple[object, float, tuple[np.ndarray, int, int]]] = field(default_factory=dict)
+
+    @property
+    def size(self) -> int:
+        return int(self.gpus.shape[0])
+
+    def _finish(self) -> None:
+        labels = self.touched.tolist()
+        fp = self.canon
+        self.alloc = np.array([fp.alloc_bytes.get(g, 0) for g in labels], dtype=np.int64)
+        self.buf = np.array([fp.buffer_bytes.get(g, 0) for g in labels], dtype=np.int64)
+        self.delta = self.alloc - np.array([fp.free_bytes.get(g, 0) for g in labels], dtype=np.int64)
+        self.acquire = bool(self.alloc.any() or self.buf.any())
+        self.g = self.gpus[:, self.touched]
+        self.single = not labels or bool(np.bincount(self.g.ravel()).max() <= 1)
+
+
+@dataclass(kw_only=True, slots=True)
+class ReplicaStage:
+    """One model-stage's current and target plans as GPU arrays (replicas x unit size), its T_sub
+    parts, and the current units kept as target units (renamed)."""
+
+    name: str
+    state: UnitState
+    current: StagePlan
+    target: StagePlan
+    sub: Layout
+    nq: int  # T_sub parts per target unit (1: the target layout is T_sub, parts are the units)
+    cur: np.ndarray
+    tgt: np.ndarray
+    parts: np.ndarray  # (target units * nq) x sub.size
+    renamed: list[tuple[int, int]]
+
+
+@dataclass(kw_only=True, slots=True)
+class StageClasses:
+    """One model-stage's class-level local plan (cached per pair of stage plans)."""
+
+    stage: ReplicaStage
+    classes: list[ReplicaClass]
+    edges: list[tuple[int, int]]  # between its classes (indices into ``classes``)
+    num_nodes: int
+
+
+@dataclass(kw_only=True, slots=True)
+class ReplicaPlan:
+    """The class-level DAG of one transition, its checked class order, and what expanding it needs.
+    Node ids: model-stages one after another, each stage's classes in order, members in order."""
+
+    old_version: int
+    new_version: int
+    stages: list[StageClasses]
+    classes: list[ReplicaClass]  # every stage's, flattened
+    class_stage: list[int]  # index into ``stages``
+    first: list[int]  # global node id of each class's member 0
+    stage_base: list[int]  # global node id of each stage's first node
+    class_order: list[int]
+    num_nodes: int
+    initial: np.ndarray  # bytes per GPU before the transition
+    cache: PlanningCache | None = None  # the builder's, for the expansion's footprints (None: the default)
+
+    def __getstate__(self) -> dict[str, object]:
+        """Pickled without ``cache``: the builder's memos stay with the builder (a worker that receives
+        the DAG expands it, if ever, with its own process's DEFAULT_CACHE)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "cache"}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        for name, value in state.items():
+            setattr(self, name, value)
+        self.cache = None
+
+    @property
+    def bytes_moved(self) -> int:
+        return sum(c.size * c.canon.moved_bytes for c in self.classes)
+
+    def order(self) -> list[int]:
+        out: list[int] = []
+        for k in self.class_order:
+            out += range(self.first[k], self.first[k] + self.classes[k].size)
+        return out
+
+    def expand(self) -> tuple[list[Primitive], list[int], list[EMU], list[EMU], list[tuple[str, str]]]:
+        """(nodes, stage order per node, old units, new units, renamed) at unit level."""
+        nodes: list[Primitive] = []
+        stage_order: list[int] = []
+        old_units: list[EMU] = []
+        new_units: list[EMU] = []
+        renamed: list[tuple[str, str]] = []
+        for sc in self.stages:
+            st = sc.stage
+            cur = plan_units(st.state, st.current, self.old_version)
+            tgt = plan_units(st.state, st.target, self.new_version)
+            parts = [p for u in tgt for p in target_parts(u, st.sub)]
+            old_units += cur
+            new_units += tgt
+            renamed += [(cur[i].uid, tgt[j].uid) for i, j in st.renamed]
+            for c in sc.classes:
+                nodes += [member(c, m, cur, tgt, parts) for m in range(c.size)]
+                stage_order += [c.stage_order] * c.size
+        return nodes, stage_order, old_units, new_units, renamed
+
+
+def member(c: ReplicaClass, m: int, cur: list[EMU], tgt: list[EMU], parts: list[EMU]) -> Primitive:
+    u = int(c.unit[m])
+    refs = [int(r) for r in c.refs[m]]
+    if c.kind is PrimitiveKind.DESTROY:
+        return Destroy(unit=cur[u])
+    if c.kind is PrimitiveKind.SPLIT:
+        return Split(unit=cur[u], parts=tuple(parts[r] for r in refs))
+    if c.kind is PrimitiveKind.EXTEND:
+        return Extend(sources=tuple(cur[r] for r in refs), target=parts[u])
+    return Merge(parts=tuple(parts[r] if r >= 0 else cur[-1 - r] for r in refs), unit=tgt[u])
+
+
+def unit_emu(st: ReplicaStage, version: int, index: int, current: bool) -> EMU:
+    plan = st.current if current else st.target
+    return EMU(uid=unit_uid(st.name, version, index), state=st.state, layout=plan.layout,
+               gpus=tuple(plan.gpu_sets[index]), version=version)
+
+
+@dataclass(kw_only=True, slots=True)
+class ShapeEntry:
+    """A stage's class-level plan over GPU labels (what ``_build_stage`` gives for every pair of
+    stage plans with the same relative shape): the plan built for the first such pair, and its
+    classes' and parts' GPUs as labels. Held in PlanningCache.shape_stages."""
+
+    built: StageClasses | None
+    labels: list[np.ndarray]  # per class: labels of ``gpus``
+    parts: np.ndarray  # labels of the stage's T_sub parts
+    gpu_of: np.ndarray  # the GPU of each label in ``built``
