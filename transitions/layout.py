@@ -30,7 +30,7 @@ ALIGN_BYTES = 16
 # padding per such slot (~0.3% of tiny-25m's buffers).
 PAGE_BYTES = mmap.PAGESIZE
 PAGE_ALIGN_MIN_BYTES = 64 << 10
-COUNTERS = "_meta.counters"  # per unit: version, optimizer step, minibatch position, spare
+COUNTERS = "_meta.counters"  # per unit: plan version, optimizer steps, RL steps done, data position
 COUNTERS_KIND = "counters"
 NUM_COUNTERS = 4
 # the element types a slot can hold, by name, and their sizes in bytes

@@ -14,8 +14,8 @@ as the daemon's ``build_weight_sync``); their parameters are views of the units 
 Gradients are transient: they exist only inside ``train_step`` and are dropped (None) at its end,
 so at every safe point (between steps, where the driver runs DAGs, checkpoints or re-binds) the
 whole training state is in the units. A unit's counters: [0] plan version, [1] optimizer steps
-(AdamW's ``step``, restored from it on bind), [2] RL steps done (the data position: step ``s`` of a
-resumed run takes the prompts of step ``s``), [3] spare; written after every step.
+(AdamW's ``step``, restored from it on bind), [2] RL steps done, [3] the data position (prompts
+consumed, so a resumed run reads on where the last step stopped); written after every step.
 
 The driver calls, through the worker's ``Call(fn, kwargs)`` command, on every member of a generation
 (the default process group IS the generation, ranks in ``spec.members`` order; plans name WORKER
@@ -63,7 +63,6 @@ from transitions.local_dag import plan_units
 from transitions.node_steps import dag_messages
 from transitions.placement_dag import placement_cluster
 
-# unit counters (transitions.layout.COUNTERS): plan version, optimizer steps, RL steps done, spare
 # the unit counters (transitions.layout.COUNTERS): plan version, AdamW steps, RL steps done, and the
 # data position (prompts consumed: agent.engine.data.DataPosition; steps x prompts per step for a
 # synthetic task, whose prompts derive from the step)
