@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.nereus-installed
 
-.PHONY: venv run whatif test lint typecheck bench clean
+.PHONY: venv run whatif test lint typecheck bench mutate clean
 
 $(STAMP): pyproject.toml etc/constraints-cpu.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -47,5 +47,11 @@ bench: $(STAMP)
 	$(BIN)/python bench/live_job.py > runs/bench/live_job.json
 	@echo "JSON in runs/bench/"
 
+# Mutation testing of planner/, the pure transitions/ modules and the controller (slow: hours on 2 cores;
+# resumable). JSON summary per module in runs/mutate/summary.json.
+mutate: $(STAMP)
+	$(BIN)/python -m pip install -q -c etc/constraints-cpu.txt -e '.[mutate]'
+	$(BIN)/python tests/mutate.py
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache mutants

@@ -1,0 +1,58 @@
+"""make mutate's summary (tests/mutate.py) reads mutmut's meta files: statuses per module and group,
+listed equivalents taken out of the share, timeouts counted as kills, the targets judged."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _mutate():  # tests/ is not a package: load the script by path
+    spec = importlib.util.spec_from_file_location("nereus_mutate", ROOT / "tests" / "mutate.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _meta(root: Path, module: str, codes: dict[str, int | None]) -> None:
+    path = root / (module + ".meta")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"exit_code_by_key": codes}))
+
+
+def test_summary_counts_statuses_equivalents_and_targets(tmp_path: Path) -> None:
+    m = _mutate()
+    mutants = tmp_path / "mutants"
+    _meta(mutants, "planner/a.py", {"planner.a.x_f__mutmut_1": 1, "planner.a.x_f__mutmut_2": 0,
+                                    "planner.a.x_f__mutmut_3": 36, "planner.a.x_f__mutmut_4": 0})
+    _meta(mutants, "nereusd/controller.py", {"nereusd.controller.x_g__mutmut_1": 1,
+                                             "nereusd.controller.x_g__mutmut_2": None})
+    eq_file = tmp_path / "eq.toml"
+    eq_file.write_text('[[equivalent]]\nmutant = "planner.a.x_f__mutmut_4"\nreason = "same value either way"\n'
+                       '[[equivalent]]\nmutant = "planner.gone.x__mutmut_1"\nreason = "function rewritten"\n')
+    summary = m.summarise(m.statuses(mutants), m.load_equivalents(eq_file))
+    a = summary["modules"]["planner/a.py"]
+    assert (a["mutants"], a["killed"], a["survived"], a["timeout"], a["equivalent"]) == (4, 1, 1, 1, 1)
+    planner = summary["groups"]["planner"]
+    assert planner["killed_share"] == pytest.approx(2 / 3) and not planner["met"]  # 1 kill + 1 timeout of 3
+    controller = summary["groups"]["controller"]
+    assert controller["killed_share"] == 1.0 and controller["met"]  # the unchecked one is not judged
+    assert summary["groups"]["transitions"]["killed_share"] is None
+    assert summary["survivors"] == [{"module": "planner/a.py", "mutant": "planner.a.x_f__mutmut_2"}]
+    assert summary["equivalents_not_found"] == ["planner.gone.x__mutmut_1"]
+
+
+def test_an_equivalent_without_a_reason_is_refused(tmp_path: Path) -> None:
+    m = _mutate()
+    bad = tmp_path / "eq.toml"
+    bad.write_text('[[equivalent]]\nmutant = "planner.a.x_f__mutmut_4"\nreason = " "\n')
+    with pytest.raises(SystemExit, match="one-line 'reason'"):
+        m.load_equivalents(bad)
