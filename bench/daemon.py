@@ -194,17 +194,24 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def scale(tmp: Path, agents: int, jobs: int, seconds: float) -> dict[str, Any]:
-    state = tmp / "scale-state"
-    cfg = tmp / "scale.toml"
-    _config(cfg, state, 1.0, 10.0)
+def _started(tmp: Path, name: str, timeout_s: float, admin: str, sim: str
+             ) -> tuple[subprocess.Popen[bytes], dict[str, str]]:
+    """A daemon of its own (state in ``tmp/NAME-state``) with an admin and a simulated agent key
+    bundle in ``tmp/ADMIN`` and ``tmp/SIM``; returns the process and its endpoints."""
+    state = tmp / f"{name}-state"
+    cfg = tmp / f"{name}.toml"
+    _config(cfg, state, 1.0, timeout_s)
     ks = KeyStore(state / "keys")
     ks.init()
-    ks.create_client(name="admin", user="root", role="admin", out_dir=tmp / "admin")
-    ks.create_client(name="sim", user="sim", role="agent", out_dir=tmp / "sim")
+    ks.create_client(name="admin", user="root", role="admin", out_dir=tmp / admin)
+    ks.create_client(name="sim", user="sim", role="agent", out_dir=tmp / sim)
     proc, _ = _spawn(cfg, tmp)
+    return proc, json.loads((state / "endpoints.json").read_text())
+
+
+def scale(tmp: Path, agents: int, jobs: int, seconds: float) -> dict[str, Any]:
+    proc, endpoints = _started(tmp, "scale", 10.0, "admin", "sim")
     daemon = psutil.Process(proc.pid)
-    endpoints = json.loads((state / "endpoints.json").read_text())
     admin = CurveClient(endpoints["admin"], load_bundle(tmp / "admin"))
     try:
         for j in range(jobs):  # no planner spec: the control plane is measured, not the search
@@ -298,15 +305,7 @@ def _first_request_s(endpoint: str, bundle: Any) -> float:
 
 
 def handshake_storm(tmp: Path, agents: int, rounds: int) -> dict[str, Any]:
-    state = tmp / "storm-state"
-    cfg = tmp / "storm.toml"
-    _config(cfg, state, 1.0, 30.0)
-    ks = KeyStore(state / "keys")
-    ks.init()
-    ks.create_client(name="admin", user="root", role="admin", out_dir=tmp / "storm-admin")
-    ks.create_client(name="sim", user="sim", role="agent", out_dir=tmp / "storm-sim")
-    proc, _ = _spawn(cfg, tmp)
-    endpoints = json.loads((state / "endpoints.json").read_text())
+    proc, endpoints = _started(tmp, "storm", 30.0, "storm-admin", "storm-sim")
     bundle = load_bundle(tmp / "storm-admin")
     go, started, done = mp.Event(), mp.Event(), mp.Event()
     storm = mp.Process(target=_storm, args=(endpoints["control"], str(tmp / "storm-sim"), agents, rounds, go,
