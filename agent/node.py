@@ -59,6 +59,7 @@ from nereusd.wire import protocol
 from nereusd.wire.client import AuthRefused, CurveClient
 from nereusd.wire.keys import ClientBundle, load_bundle
 from nereusd.wire.logs import configure_logging, get_logger
+from planner.errors import SpecError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_REFUSED = 0, 1, 2, 3
 OUTBOX_MAX = 4096  # reports held while unregistered; past this the oldest go (logged)
@@ -75,6 +76,21 @@ def _pid_running(pid: int) -> bool:
     except OSError:
         return False
     return stat.rpartition(")")[2].split()[:1] != ["Z"]
+
+
+# a Unix socket's path (sun_path) holds 108 bytes with its terminating NUL on Linux
+_SUN_PATH_MAX = 107
+
+
+def ipc_endpoint(ipc_dir: Path, name: str) -> str:
+    """``ipc://DIR/NAME``; a path Unix sockets cannot hold is one clear error naming the folder, not
+    ZeroMQ's 'File name too long' from deep inside the agent's start-up."""
+    path = f"{ipc_dir}/{name}"
+    if len(os.fsencode(path)) > _SUN_PATH_MAX:
+        raise SpecError("agent ipc folder", f"{path!r} is {len(os.fsencode(path))} bytes, a Unix socket's path "
+                        f"holds at most {_SUN_PATH_MAX}", "point TMPDIR at a shorter folder (the agent uses "
+                        "tempfile.gettempdir())")
+    return f"ipc://{path}"
 
 
 def clean_stale_ipc(ipc_dir: Path) -> list[Path]:
@@ -143,8 +159,8 @@ class NodeAgent:
                                   context=self.ctx, immediate=True)
         clean_stale_ipc(cfg.ipc_dir)
         tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.ipc_in = f"ipc://{cfg.ipc_dir}/nereus-agent-{tag}.in"
-        self.ipc_orders = f"ipc://{cfg.ipc_dir}/nereus-agent-{tag}.orders"
+        self.ipc_in = ipc_endpoint(cfg.ipc_dir, f"nereus-agent-{tag}.in")
+        self.ipc_orders = ipc_endpoint(cfg.ipc_dir, f"nereus-agent-{tag}.orders")
         self.relay_in = self.ctx.socket(zmq.PULL)
         self.relay_in.bind(self.ipc_in)
         self.orders_out = self.ctx.socket(zmq.PUB)
@@ -444,12 +460,16 @@ def main(argv: Sequence[str] | None = None) -> int:
               "NEREUS_JOB_ID)", file=sys.stderr)
         return EXIT_USAGE
     configure_logging(args.log_format)
-    cfg = AgentConfig(endpoint=args.endpoint, bundle=load_bundle(Path(args.keys)), job_id=args.job, node=args.node,
-                      slurm_job_id=args.slurm_job_id, devices=discover_devices(args.cpu_slots),
-                      worker_cmd=shlex.split(args.worker_cmd), max_restarts=args.max_restarts,
-                      ack_orders=args.ack_orders, driver=args.driver, driver_cmd=shlex.split(args.driver_cmd),
-                      keys_dir=Path(args.keys), leave_grace_s=args.leave_grace_s)
-    agent = NodeAgent(cfg)
+    try:
+        cfg = AgentConfig(endpoint=args.endpoint, bundle=load_bundle(Path(args.keys)), job_id=args.job,
+                          node=args.node, slurm_job_id=args.slurm_job_id, devices=discover_devices(args.cpu_slots),
+                          worker_cmd=shlex.split(args.worker_cmd), max_restarts=args.max_restarts,
+                          ack_orders=args.ack_orders, driver=args.driver, driver_cmd=shlex.split(args.driver_cmd),
+                          keys_dir=Path(args.keys), leave_grace_s=args.leave_grace_s)
+        agent = NodeAgent(cfg)
+    except SpecError as exc:  # a bad key bundle, an ipc folder too deep: one line, not a traceback
+        print(f"agent: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     signal.signal(signal.SIGTERM, agent.on_signal)
     signal.signal(signal.SIGINT, agent.on_signal)
     return agent.run()

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import signal
 import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -204,8 +208,8 @@ def test_agent_relays_one_report_per_node_from_standin_workers(daemon: DaemonHan
 
 def test_agents_remove_their_ipc_files_and_clean_stale_ones(daemon: DaemonHandle, tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    ipc = tmp_path / "ipc"
-    ipc.mkdir()
+    # a short folder of its own: tmp_path under xdist is too long for a Unix socket's path
+    ipc = Path(tempfile.mkdtemp(prefix="nipc-", dir="/tmp"))
     daemon.start()  # before TMPDIR is set: only the agents' files are to be in the folder
     monkeypatch.setenv("TMPDIR", str(ipc))  # the agents' ipc_dir (tempfile.gettempdir())
     dead = subprocess.Popen(["true"])
@@ -225,3 +229,32 @@ def test_agents_remove_their_ipc_files_and_clean_stale_ones(daemon: DaemonHandle
     refused = daemon.agent("bob", "j", "n2")  # another user's agent: refused, exit 3, nothing left behind
     assert refused.wait(60) == 3
     assert list(ipc.iterdir()) == []
+    shutil.rmtree(ipc)
+
+
+def test_an_ipc_folder_too_long_for_a_unix_socket_is_one_clear_error(tmp_path: Path) -> None:
+    from agent.node import ipc_endpoint
+    from planner.errors import SpecError
+
+    assert ipc_endpoint(Path("/tmp"), "nereus-agent-1-ab.in") == "ipc:///tmp/nereus-agent-1-ab.in"
+    deep = tmp_path / ("d" * 90)
+    deep.mkdir()  # tempfile.gettempdir() ignores a TMPDIR that does not exist
+    with pytest.raises(SpecError, match="TMPDIR"):
+        ipc_endpoint(deep, "nereus-agent-123456-0badc0de.orders")
+    from nereusd.wire.keys import KeyStore
+
+    store = KeyStore(tmp_path / "state" / "keys")
+    store.init()
+    store.create_client(name="a", user="alice", role="agent", out_dir=tmp_path / "agent")
+    (tmp_path / "empty").mkdir()
+
+    def agent(keys: Path, tmpdir: Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "agent.node", "--endpoint", "tcp://127.0.0.1:9", "--keys",
+                               str(keys), "--job", "j", "--cpu-slots", "1"], env={**os.environ, "TMPDIR": str(tmpdir)},
+                              capture_output=True, text=True, timeout=120)
+
+    too_deep = agent(tmp_path / "agent", deep)
+    assert too_deep.returncode == 2 and "a Unix socket's path holds at most 107" in too_deep.stderr, too_deep.stderr
+    no_keys = agent(tmp_path / "empty", Path("/tmp"))  # an incomplete bundle: one line too
+    assert no_keys.returncode == 2 and "incomplete key bundle" in no_keys.stderr, no_keys.stderr
+    assert "Traceback" not in too_deep.stderr + no_keys.stderr
