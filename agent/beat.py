@@ -4,7 +4,8 @@ The worker's main thread runs torch, whose blocking calls (a rendezvous, a colle
 slow peer) may hold the GIL for seconds on a loaded machine; a beat thread in the same process then
 falls silent and the driver would take a busy worker for a dead one. This process beats for worker
 PID every ``BEAT_S`` while PID lives, and exits when it does not (so the beats stop within a beat of
-the worker's death, however it died). CURVE keys (server, public, secret; z85, one a line) come on
+the worker's death, however it died). The hub may answer ``stop``: the worker is killed (SIGKILL) and
+the beats end; that is how a worker stuck in a collective with a dead peer is let go. CURVE keys (server, public, secret; z85, one a line) come on
 stdin, never in argv or the environment. Imports only zmq.
 """
 
@@ -12,12 +13,13 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import sys
-import time
 
 import zmq
 
 BEAT_S = 0.5
+STOP = b"stop"  # from the driver's hub: stop the worker (it is stuck)
 
 
 def _alive(pid: int) -> bool:
@@ -43,7 +45,11 @@ def main(argv: list[str]) -> int:
     try:
         while _alive(pid):
             sock.send_multipart([b"beat", body])
-            time.sleep(BEAT_S)  # the beat's period (a zmq poll with no sockets would not wait)
+            if sock.poll(int(BEAT_S * 1000)) and sock.recv_multipart()[0] == STOP:
+                # the driver gave up on the worker: stuck in a collective whose peer died (a blocked C++
+                # call cannot be interrupted from inside); its agent restarts it with nothing held
+                os.kill(pid, signal.SIGKILL)
+                break
     finally:
         sock.close(linger=0)
         ctx.term()

@@ -38,6 +38,7 @@ from nereusd.wire.keys import ClientBundle
 
 PUMP_MAX_FRAMES = 10_000
 HELLO, ASSIGN, BEAT, BYE = b"hello", b"assign", b"beat", b"bye"
+STOP = b"stop"  # to a worker's beat process (agent.beat.STOP)
 
 
 @dataclass(slots=True)
@@ -53,6 +54,7 @@ class Peer:
     worker_id: int | None = None
     ready: bool = False  # answered its assignment (its WorkerContext exists)
     resumed: bool = False  # it re-dialled from an earlier driver, with its worker id and units (failover)
+    beat_identity: bytes | None = None  # routing id of its beat process (agent.beat), which can stop it
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,10 +79,13 @@ class HubCoordinator(CommandDriver):
     """Drives the workers that dialled ``bind`` (``tcp://HOST:PORT``); hosts the generations' TCPStore."""
 
     def __init__(self, bind: str, bundle: ClientBundle | None, *, timeout_s: float = 60.0,
-                 dead_after_s: float = 10.0, store_host: str | None = None) -> None:
+                 dead_after_s: float = 10.0, store_host: str | None = None,
+                 stuck_after_s: float | None = None) -> None:
         import torch.distributed as dist
 
         self.timeout_s, self.dead_after_s = timeout_s, dead_after_s
+        # a collective's survivors get the channel's time-out and as long again to fail by themselves
+        self.stuck_after_s = 2 * timeout_s if stuck_after_s is None else stuck_after_s
         self.ctx = zmq.Context()
         self.auth: Any = None
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -140,7 +145,7 @@ class HubCoordinator(CommandDriver):
                 node, device, pid = pickle.loads(body)
                 beating = self.peers.get((node, device))
                 if beating is not None and beating.pid == pid:
-                    beating.last_beat = now
+                    beating.last_beat, beating.beat_identity = now, ident
             elif kind == b"reply":
                 sender = self._by_identity.get(ident)
                 if sender is None or sender.worker_id is None:
@@ -240,13 +245,18 @@ class HubCoordinator(CommandDriver):
             self.sock.send_multipart([peer.identity, b"cmd", str(seq).encode(),
                                       pickle.dumps(cmd, protocol=pickle.HIGHEST_PROTOCOL)])
             waiting[wid] = peer
+        collective = any(getattr(cmd, "collective", False) for cmd in commands.values())
+        stuck_at: float | None = None  # a peer of a collective died: the others get the channel's bound
         while waiting:
-            left = deadline - time.monotonic()
-            if left <= 0:
+            now = time.monotonic()
+            if deadline - now <= 0:
                 for wid in waiting:
                     replies[wid] = self._lost(wid, seq, "no reply before the timeout")
                 break
-            self.pump(min(left, 0.2))
+            if stuck_at is not None and now >= stuck_at:
+                self._stop_stuck(waiting, replies, seq)
+                break
+            self.pump(min(deadline - now, 0.2))
             for wid, peer in list(waiting.items()):
                 got = self._replies.get(wid)
                 if got is not None and got.seq == seq:
@@ -255,10 +265,25 @@ class HubCoordinator(CommandDriver):
                 elif self._peer(wid) is not peer or self._stale(peer):
                     replies[wid] = self._lost(wid, seq, f"worker died (no beat for {self.dead_after_s:g} s)")
                     del waiting[wid]
+                    if collective and stuck_at is None:
+                        stuck_at = time.monotonic() + self.stuck_after_s
         for wid, reply in replies.items():
             self.state[wid] = reply.state
             self.held[wid] = reply.units
         return replies
+
+    def _stop_stuck(self, waiting: dict[int, Peer], replies: dict[int, Reply], seq: int) -> None:
+        """Workers still in a collective ``stuck_after_s`` after a peer of it died: their channel's own
+        time-out did not free them (a blocked wait without a bound), so nothing they hold can be reached
+        any more. Their beat processes stop them (SIGKILL, on their own host); their agents restart them
+        with nothing held, and the job goes on from intact replicas or its checkpoint."""
+        for wid, peer in waiting.items():
+            if peer.beat_identity is not None:
+                self.sock.send_multipart([peer.beat_identity, STOP])
+            peer.last_beat = -float("inf")  # dead to this hub from now on (a new hello replaces it)
+            replies[wid] = Reply(worker=wid, seq=seq, ok=False, state=WorkerState.STOPPED, units=(),
+                                 error=f"stuck in a collective {self.stuck_after_s:g} s after a peer died: stopped")
+        waiting.clear()
 
     def _lost(self, worker: int, seq: int, error: str) -> Reply:
         peer = self._peer(worker)

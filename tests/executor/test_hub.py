@@ -117,3 +117,43 @@ def test_a_command_the_worker_cannot_decode_is_an_error_reply(hub: tuple[HubCoor
         coord.call(not_importable_there, workers=[0])
     assert coord.call(held_units, workers=[0]) == {0: []}  # and it lives on
     assert procs[0].poll() is None
+
+
+def sleep_as_if_stuck(ctx: object, *, seconds: float) -> None:
+    """Stands in for a C++ wait that ignores its channel's time-out (what a blocked p2p wait can do)."""
+    time.sleep(seconds)
+
+
+def test_survivors_stuck_in_a_collective_after_a_peer_died_are_stopped(keys: dict[str, Path]) -> None:
+    """A peer of a collective dies; the others never return by themselves. ``stuck_after_s`` after the
+    death the hub gives them up: the reply says so, holds nothing, and their beat processes stop them
+    (the agent would restart them), so the driver never waits out its step bound on them."""
+    from agent.commands import Call
+
+    hub = HubCoordinator("tcp://127.0.0.1:0", load_bundle(keys["alice"]), timeout_s=30, dead_after_s=3.0,
+                         stuck_after_s=2.0)
+    here = str(Path(__file__).resolve().parent)  # the workers unpickle sleep_as_if_stuck from this module
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    procs = [subprocess.Popen([sys.executable, "-m", "agent.worker", "--device", str(d)], cwd=ROOT,
+                              env={**env, "NEREUS_DRIVER": hub.endpoint, "NEREUS_KEYS": str(keys["alice"]),
+                                   "NEREUS_NODE": n}) for n, d in DEVICES]
+    try:
+        hub.assign(IDS, timeout_s=180)
+        procs[2].send_signal(signal.SIGKILL)
+        procs[2].wait(10)
+        t0 = time.monotonic()
+        replies = hub.request({w: Call(fn=sleep_as_if_stuck, kwargs={"seconds": 600}, collective=True)
+                               for w in (0, 1, 2)}, timeout_s=300)
+        took = time.monotonic() - t0
+        assert "beat" in (replies[2].error or "")
+        for w in (0, 1):
+            assert not replies[w].ok and "stuck in a collective" in (replies[w].error or "") and replies[w].units == ()
+        assert took < 120  # the dead-by-beat bound (3 s) + stuck_after_s (2 s), under load: not 300 or 600
+        assert [procs[w].wait(60) for w in (0, 1)] == [-signal.SIGKILL, -signal.SIGKILL]  # stopped by their beats
+        assert hub.alive == ()
+    finally:
+        hub.close()
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
