@@ -164,4 +164,22 @@ def test_nereusd_tracks_elastic_job_through_grow_shrink_and_node_down(lab: Slurm
     assert next(j["state"] for j in _ctl(d, "jobs", "--json") if j["job"] == "e2e") == "running"
     requeued = [a for a in _allocs(d) if a["source"] == "node_down"][-1]
     assert "requeued" in requeued["reason"], requeued
+
+    # a member's time limit comes near (cut to one minute from its start): the daemon sees its end time
+    # ahead and releases it through the graceful shrink before Slurm's SIGTERM, which would end it TIMEOUT
+    third_id = [e["slurm_job_id"] for e in _events(d, "allocation") if e["kind"] == "grown"][-1]
+    shrunk_before = len([a for a in _allocs(d) if a["source"] == "shrunk"])
+    h, m, sec = (int(x) for x in str(lab.job_field(third_id, "RunTime")).split("-")[-1].split(":"))
+    limit_min = h * 60 + m + 2  # ends 60-120 s from now: inside the daemon's 120 s lead
+    lab.run("scontrol", "update", f"JobId={third_id}", f"TimeLimit={limit_min}")
+    ahead = wait_for(lambda: _events(d, "time-limit-ahead"), 40, "the member's time limit seen ahead", 0.5)
+    assert ahead[0]["node"] == third_node and 0 < ahead[0]["ends_in_s"] <= 120, ahead
+    wait_for(lambda: len([a for a in _allocs(d) if a["source"] == "shrunk"]) > shrunk_before, 30,
+             "the member released ahead of its time limit", 0.5)
+    def ended() -> str | None:
+        state = lab.job_field(third_id, "JobState")
+        return None if state in ("RUNNING", "COMPLETING") else str(state)
+
+    end = wait_for(ended, 40, "the member job to end", 0.5)
+    assert end in ("CANCELLED", "COMPLETED", "None"), end  # released by the daemon, not TIMEOUT
     assert d["proc"].poll() is None  # the daemon kept serving throughout
