@@ -239,6 +239,7 @@ class JobDriver(Recovery):
             self.hub.call(bind, workers=sorted(new.gpus), timeout_s=self.dc.step_timeout_s, collective=True, cfg=self._cfg_now(),
                           plan=new)
             measured = time.perf_counter() - t0
+            self._verified_digests: dict[str, str] | None = None
             verified = self._verify(new) if old is not None else None
         except (WorkerDied, NereusError) as exc:
             self.event("transition-failed", transition=tid, error=str(exc)[:2000])
@@ -255,8 +256,9 @@ class JobDriver(Recovery):
                    bytes_sent=sum(sent.values()), dag_bytes=dag_bytes, lost=sorted(lost),
                    restored_from=self.checkpoint.tag if restored and self.checkpoint else None,
                    workers=sorted(new.gpus), verified=verified)
-        if self.dc.verify:
-            self._snapshot()
+        if self.dc.verify:  # the verification's digests are this step's state: no second dump
+            assert self.plan is not None
+            self._snapshot_of(sorted(self.plan.gpus), self._verified_digests)
 
     def _snapshot(self) -> None:
         """Keep the logical digests of the state now (after a step or transition): the latest, and
@@ -264,19 +266,26 @@ class JobDriver(Recovery):
         assert self.plan is not None
         self._snapshot_of(sorted(self.plan.gpus))
 
-    def _snapshot_of(self, workers: list[int]) -> None:
+    def _snapshot_of(self, workers: list[int], digests: dict[str, str] | None = None) -> None:
+        """``digests``: the state's, when the caller has just taken them (a transition's verification)."""
         keep = {self.checkpoint.step} if self.checkpoint is not None else set()
         self.snapshots = {s: d for s, d in self.snapshots.items() if s in keep}
-        self.snapshots[self.step] = logical_digests(self.hub.dump(workers))
+        if digests is None:
+            try:
+                digests = logical_digests(self.hub.dump(workers))
+            except WorkerDied as exc:  # a node went just now: the next step fails and recovery takes it
+                self.event("snapshot-skipped", step=self.step, error=str(exc))
+                return
+        self.snapshots[self.step] = digests
         # in the events too: a later driver's (failover) state is checked against them
-        self.event("snapshot", step=self.step, plan_version=self.version, digests=self.snapshots[self.step])
+        self.event("snapshot", step=self.step, plan_version=self.version, digests=digests)
 
     def _verify(self, new: GlobalPlan) -> dict[str, Any] | None:
         """Every logical tensor after the transition equals what the old layout held at this step."""
         if not self.dc.verify:
             return None
         want = self.snapshots.get(self.step)
-        got = logical_digests(self.hub.dump(sorted(new.gpus)))
+        got = self._verified_digests = logical_digests(self.hub.dump(sorted(new.gpus)))
         if want is None:
             return {"equal": None, "why": f"no snapshot of step {self.step}"}
         differ = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))

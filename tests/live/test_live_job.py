@@ -60,10 +60,17 @@ def test_every_act_played_and_the_job_finished(run: dict) -> None:
 
 def test_transitions_keep_every_logical_tensor(run: dict) -> None:
     moved = [e for e in _done(run) if e["verified"] is not None]
-    assert len(moved) >= 4, _done(run)
-    for e in moved:
+    # a node killed just after a step leaves no snapshot of that step (the driver says so): the transition
+    # that recovers from it has nothing to be compared with; every other one is compared, and equal
+    skipped = {e["step"] for e in run["driver_events"] if e["event"] == "snapshot-skipped"}
+    compared = [e for e in moved if e["verified"]["equal"] is not None]
+    assert len(compared) >= 4, _done(run)
+    for e in compared:
         assert e["verified"]["equal"] is True, e
         assert e["verified"]["tensors"] > 0
+    for e in moved:
+        if e["verified"]["equal"] is None:
+            assert skipped and "no snapshot" in e["verified"]["why"], (e, skipped)
 
 
 def test_transitions_move_exactly_the_dags_bytes_and_are_measured(run: dict) -> None:
