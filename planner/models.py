@@ -8,9 +8,12 @@ Hugging Face layout so safetensors checkpoints load by name.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 from functools import cached_property
+from typing import Any
 
 from planner.errors import SpecError, unknown_preset
 
@@ -48,6 +51,70 @@ class TensorSpec:
         return n
 
 
+ROPE_TYPES = ("llama3",)  # rope scalings the engine's rotary embedding applies
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RopeScaling:
+    """Llama 3.1's rope scaling (HF ``rope_type: llama3``): inverse frequencies whose wavelength is
+    longer than ``original_max_position_embeddings / low_freq_factor`` are divided by ``factor``, those
+    shorter than ``original_max_position_embeddings / high_freq_factor`` kept, those between smoothly
+    interpolated. Only the rotary embedding changes; parameter counts and memory do not."""
+
+    rope_type: str = "llama3"
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    def __post_init__(self) -> None:
+        _check_rope_scaling(self.rope_type, self.factor, self.low_freq_factor, self.high_freq_factor,
+                            self.original_max_position_embeddings, "model.rope_scaling")
+
+    @classmethod
+    def from_mapping(cls, d: Mapping[str, Any], where: str = "model.rope_scaling") -> RopeScaling:
+        """From a HF-style dict (``rope_type`` or the older ``type``); a missing or unknown key is refused."""
+        rope_type = d.get("rope_type", d.get("type"))
+        if rope_type not in ROPE_TYPES:
+            raise SpecError(f"{where}.rope_type", f"{rope_type!r} is not supported", ", ".join(ROPE_TYPES))
+        keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        missing = [k for k in keys if d.get(k) is None]
+        if missing:
+            raise SpecError(f"{where}.{missing[0]}", f"is missing (rope type {rope_type!r} needs {', '.join(keys)})")
+        unknown = sorted(set(d) - {"rope_type", "type", *keys})
+        if unknown:
+            raise SpecError(f"{where}.{unknown[0]}", f"is not a parameter of rope type {rope_type!r}",
+                            ", ".join(keys))
+        omax = d["original_max_position_embeddings"]
+        if isinstance(omax, float) and omax.is_integer():
+            omax = int(omax)  # 8192.0 from a JSON writer that does not keep ints
+        _check_rope_scaling(rope_type, d["factor"], d["low_freq_factor"], d["high_freq_factor"], omax, where)
+        return cls(rope_type=rope_type, factor=d["factor"], low_freq_factor=d["low_freq_factor"],
+                   high_freq_factor=d["high_freq_factor"], original_max_position_embeddings=omax)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The HF spelling (``rope_scaling`` of transformers 4, the extra keys of 5's ``rope_parameters``)."""
+        return {"rope_type": self.rope_type, "factor": self.factor, "low_freq_factor": self.low_freq_factor,
+                "high_freq_factor": self.high_freq_factor,
+                "original_max_position_embeddings": self.original_max_position_embeddings}
+
+
+def _check_rope_scaling(rope_type: Any, factor: Any, low: Any, high: Any, omax: Any, where: str) -> None:
+    if rope_type not in ROPE_TYPES:
+        raise SpecError(f"{where}.rope_type", f"{rope_type!r} is not supported", ", ".join(ROPE_TYPES))
+    for key, v in (("factor", factor), ("low_freq_factor", low), ("high_freq_factor", high)):
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+            raise SpecError(f"{where}.{key}", f"must be a finite number, got {v!r}")
+    if factor < 1:
+        raise SpecError(f"{where}.factor", f"must be >= 1, got {factor}")
+    if low <= 0:
+        raise SpecError(f"{where}.low_freq_factor", f"must be > 0, got {low}")
+    if high <= low:
+        raise SpecError(f"{where}.high_freq_factor", f"must be greater than low_freq_factor={low}, got {high}")
+    if isinstance(omax, bool) or not isinstance(omax, int) or omax < 1:
+        raise SpecError(f"{where}.original_max_position_embeddings", f"must be an integer >= 1, got {omax!r}")
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelSpec:
     name: str
@@ -61,6 +128,7 @@ class ModelSpec:
     tie_word_embeddings: bool = False
     qk_norm: bool = False  # Qwen3 normalises q and k per head
     rope_theta: float = 500_000.0
+    rope_scaling: RopeScaling | None = None  # None = plain RoPE; Llama 3.1/3.3 use RopeScaling (llama3)
     rms_norm_eps: float = 1e-5
     bytes_per_param: int = 2  # bf16 weights
     # gradient buffer of a training replica: 2 = bf16 (16 B/param with Adam); 4 = fp32 main grads as
@@ -72,6 +140,8 @@ class ModelSpec:
                       "ffn_hidden_size", "vocab_size"):
             if getattr(self, field) < 1:
                 raise SpecError(f"model.{field}", f"must be >= 1, got {getattr(self, field)}")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise SpecError("model.rope_scaling", f"must be a RopeScaling or None, got {type(self.rope_scaling).__name__}")
         if self.grad_bytes_per_param not in (2, 4):
             raise SpecError("model.grad_bytes_per_param", f"must be 2 (bf16) or 4 (fp32), got {self.grad_bytes_per_param}")
         if self.num_attention_heads % self.num_kv_heads:
@@ -159,8 +229,11 @@ def _divisors_text(n: int) -> str:
 
 
 # --- presets: architecture from each model's published config.json --------------------------------
+# Llama 3.1 and 3.3 (config.json "rope_scaling"): 8k pretraining context stretched to 128k
+LLAMA3_ROPE = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
 LLAMA_31_8B = ModelSpec(name="llama-3.1-8b", num_layers=32, hidden_size=4096, num_attention_heads=32,
-                        num_kv_heads=8, head_dim=128, ffn_hidden_size=14336, vocab_size=128256)
+                        num_kv_heads=8, head_dim=128, ffn_hidden_size=14336, vocab_size=128256,
+                        rope_scaling=LLAMA3_ROPE)
 QWEN3_14B = ModelSpec(name="qwen3-14b", num_layers=40, hidden_size=5120, num_attention_heads=40,
                       num_kv_heads=8, head_dim=128, ffn_hidden_size=17408, vocab_size=151936,
                       qk_norm=True, rope_theta=1_000_000.0, rms_norm_eps=1e-6)
@@ -168,7 +241,8 @@ QWEN3_32B = ModelSpec(name="qwen3-32b", num_layers=64, hidden_size=5120, num_att
                       num_kv_heads=8, head_dim=128, ffn_hidden_size=25600, vocab_size=151936,
                       qk_norm=True, rope_theta=1_000_000.0, rms_norm_eps=1e-6)
 LLAMA_33_70B = ModelSpec(name="llama-3.3-70b", num_layers=80, hidden_size=8192, num_attention_heads=64,
-                         num_kv_heads=8, head_dim=128, ffn_hidden_size=28672, vocab_size=128256)
+                         num_kv_heads=8, head_dim=128, ffn_hidden_size=28672, vocab_size=128256,
+                         rope_scaling=LLAMA3_ROPE)
 # Tiny real architectures for CPU runs (randomly initialised; no weights can be downloaded here).
 TINY_3M = ModelSpec(name="tiny-3m", num_layers=4, hidden_size=256, num_attention_heads=8, num_kv_heads=4,
                     head_dim=32, ffn_hidden_size=688, vocab_size=512, tie_word_embeddings=False,

@@ -8,9 +8,10 @@ the directory appears whole or not at all (written under a temporary name, then 
 tokenizer files of the source directory travel with it. ``full_state`` gathers a sharded stage
 (TP x PP) onto one rank for that.
 
-What the engine's architecture cannot express is refused by name, never approximated: attention or
-MLP biases (Qwen2), rope scaling (Llama 3.1's ``llama3`` rope), sliding-window attention, an
-activation other than SiLU.
+Llama 3.1's rope scaling (``rope_type: llama3``) is read into ``ModelSpec.rope_scaling`` and written
+back. What the engine's architecture cannot express is refused by name, never approximated: attention
+or MLP biases (Qwen2), another rope scaling (linear, dynamic, yarn, ...), partial rotary embeddings,
+sliding-window attention, an activation other than SiLU.
 
 Run: ``python -m agent.engine.hf_io DIR`` prints the ModelSpec read from DIR.
 """
@@ -30,7 +31,7 @@ from typing import Any
 import torch
 
 from planner.errors import SpecError
-from planner.models import ModelSpec
+from planner.models import ROPE_TYPES, ModelSpec, RopeScaling
 
 # model_type -> architecture class written on save; both are the engine's decoder (Qwen3 adds q/k norms)
 SUPPORTED = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -89,12 +90,7 @@ def spec_from_hf_config(cfg: Mapping[str, Any], name: str, where: str = "config.
         raise SpecError(f"{where}.hidden_act", f"{cfg['hidden_act']!r} is not supported", "silu")
     if cfg.get("use_sliding_window"):
         raise SpecError(f"{where}.use_sliding_window", "sliding-window attention is not supported")
-    # transformers 5 keeps rope settings in rope_parameters; 4 in rope_theta + rope_scaling
     rope = dict(cfg.get("rope_parameters") or {})
-    scaling = cfg.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if rope_type != "default":
-        raise SpecError(f"{where}.rope", f"rope type {rope_type!r} is not supported", "default")
     heads = int(_field(cfg, where, "num_attention_heads"))
     hidden = int(_field(cfg, where, "hidden_size"))
     dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16")
@@ -111,16 +107,46 @@ def spec_from_hf_config(cfg: Mapping[str, Any], name: str, where: str = "config.
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qk_norm=model_type == "qwen3",
         rope_theta=float(rope.get("rope_theta") or cfg.get("rope_theta") or 10_000.0),
+        rope_scaling=_rope_scaling(cfg, where),
         rms_norm_eps=float(cfg.get("rms_norm_eps") or 1e-6),
         bytes_per_param=4 if dtype == "float32" else 2,
     )
 
 
-def hf_config(spec: ModelSpec, *, dtype: str = "float32", max_position_embeddings: int = 4096,
+def _rope_scaling(cfg: Mapping[str, Any], where: str) -> RopeScaling | None:
+    """The rope scaling of a config: transformers 5 keeps it in ``rope_parameters`` (with
+    ``rope_theta``), 4 in ``rope_scaling`` (``rope_type``, or ``type`` in older files)."""
+    for key in ("rope_parameters", "rope_scaling"):
+        d = cfg.get(key)
+        if d is not None and not isinstance(d, Mapping):
+            raise SpecError(f"{where}.{key}", f"must be an object, got {d!r}")
+        d = dict(d or {})
+        if float(d.pop("partial_rotary_factor", 1.0) or 1.0) != 1.0:
+            raise SpecError(f"{where}.{key}.partial_rotary_factor", "partial rotary embeddings are not supported", "1.0")
+        d.pop("rope_theta", None)
+        rope_type = d.get("rope_type", d.get("type")) or "default"
+        if rope_type == "default":
+            continue
+        if rope_type not in ROPE_TYPES:
+            raise SpecError(f"{where}.{key}.rope_type", f"rope type {rope_type!r} is not supported",
+                            ", ".join(("default", *ROPE_TYPES)))
+        # as transformers: a top-level original_max_position_embeddings wins, max_position_embeddings is the fallback
+        omax = next((v for v in (cfg.get("original_max_position_embeddings"), d.get("original_max_position_embeddings"),
+                                 cfg.get("max_position_embeddings")) if v is not None), None)
+        return RopeScaling.from_mapping({**d, "original_max_position_embeddings": omax}, where=f"{where}.{key}")
+    return None
+
+
+def hf_config(spec: ModelSpec, *, dtype: str = "float32", max_position_embeddings: int | None = None,
               token_ids: Mapping[str, int | None] | None = None) -> dict[str, Any]:
-    """The ``config.json`` of ``spec``, readable by transformers 4 (``rope_theta``, ``torch_dtype``)
-    and 5 (``rope_parameters``, ``dtype``)."""
+    """The ``config.json`` of ``spec``, readable by transformers 4 (``rope_theta``, ``rope_scaling``,
+    ``torch_dtype``) and 5 (``rope_parameters``, ``dtype``). ``max_position_embeddings`` defaults to
+    4096, or to the stretched context ``factor * original_max_position_embeddings`` of a scaled rope."""
     model_type = "qwen3" if spec.qk_norm else "llama"
+    rs = spec.rope_scaling
+    if max_position_embeddings is None:
+        max_position_embeddings = 4096 if rs is None else int(rs.factor * rs.original_max_position_embeddings)
+    scaling = rs.to_dict() if rs is not None else None
     return {
         "architectures": [SUPPORTED[model_type]],
         "model_type": model_type,
@@ -133,7 +159,8 @@ def hf_config(spec: ModelSpec, *, dtype: str = "float32", max_position_embedding
         "vocab_size": spec.vocab_size,
         "rms_norm_eps": spec.rms_norm_eps,
         "rope_theta": spec.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta},
+        **({"rope_scaling": scaling} if scaling else {}),
+        "rope_parameters": {"rope_theta": spec.rope_theta, **(scaling or {"rope_type": "default"})},
         "tie_word_embeddings": spec.tie_word_embeddings,
         "max_position_embeddings": max_position_embeddings,
         "hidden_act": "silu",
@@ -175,7 +202,7 @@ def read_hf_dir(path: str | Path) -> HFModel:
 
 def save_hf_dir(path: str | Path, spec: ModelSpec, state: Mapping[str, torch.Tensor], *, dtype: str = "float32",
                 tokenizer_from: str | Path | None = None, token_ids: Mapping[str, int | None] | None = None,
-                max_position_embeddings: int = 4096) -> Path:
+                max_position_embeddings: int | None = None) -> Path:
     """Write ``state`` (full tensors by HF name, LM head) as a HF directory at ``path``, atomically.
 
     The files go to a hidden sibling first and are synced to disk, then the sibling is renamed onto

@@ -1,7 +1,7 @@
 """A Llama-style decoder built from ``planner.models.ModelSpec``, with parameter names exactly as
 ``ModelSpec.tensors()`` (Hugging Face layout), so safetensors checkpoints load by name.
 
-RMSNorm, RoPE (HF rotate-half), grouped-query attention, SwiGLU, tied or untied LM head, or a value
+RMSNorm, RoPE (HF rotate-half; Llama 3.1's ``llama3`` rope scaling), grouped-query attention, SwiGLU, tied or untied LM head, or a value
 head (``score.weight``) for critics and reward models. One class also builds a pipeline stage: it
 holds only the layers in ``layers`` plus the embedding (first stage) and norm + head (last stage), and
 keeps the global layer index in parameter names. Attention reshapes with ``view(B, T, -1, head_dim)``
@@ -12,6 +12,7 @@ Run: ``python -c "from agent.engine.model import *; print(Decoder(TINY_3M))"``
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Iterable, Mapping
 
@@ -64,11 +65,28 @@ class KVCache:
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
 
+def inv_freq(spec: ModelSpec, device: torch.device | None = None) -> torch.Tensor:
+    """RoPE inverse frequencies ``[head_dim / 2]``, float32, with ``spec.rope_scaling`` applied as
+    transformers does (``_compute_llama3_parameters``: same operations in the same order)."""
+    half = spec.head_dim // 2
+    inv = 1.0 / (spec.rope_theta ** (torch.arange(half, dtype=torch.float32, device=device) / half))
+    rs = spec.rope_scaling
+    if rs is None:
+        return inv
+    old_context = rs.original_max_position_embeddings
+    low_freq_wavelen = old_context / rs.low_freq_factor
+    high_freq_wavelen = old_context / rs.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_freq_wavelen, inv / rs.factor, inv)  # long wavelengths: / factor
+    smooth = (old_context / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
 def rope_tables(spec: ModelSpec, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin for positions ``[B, T]`` -> ``[B, 1, T, head_dim]`` (HF non-interleaved layout)."""
-    half = spec.head_dim // 2
-    inv = 1.0 / (spec.rope_theta ** (torch.arange(half, dtype=torch.float32, device=positions.device) / half))
-    ang = positions.float()[..., None] * inv  # [B, T, half]
+    ang = positions.float()[..., None] * inv_freq(spec, positions.device)  # [B, T, half]
     emb = torch.cat([ang, ang], dim=-1)[:, None]
     return emb.cos(), emb.sin()
 

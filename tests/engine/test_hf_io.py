@@ -4,6 +4,7 @@ export, and refusals of what the engine's decoder cannot express."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -11,9 +12,9 @@ import pytest
 import torch
 
 from agent.engine.hf_io import read_hf_dir, save_hf_dir, spec_from_hf_config
-from agent.engine.model import build_decoder, load_safetensors
+from agent.engine.model import build_decoder, inv_freq, load_safetensors
 from planner.errors import SpecError
-from planner.models import ModelSpec
+from planner.models import ModelSpec, RopeScaling
 
 transformers = pytest.importorskip("transformers")
 
@@ -130,8 +131,12 @@ def test_what_the_decoder_cannot_express_is_refused_by_name(tmp_path: Path) -> N
         spec_from_hf_config({**base, "model_type": "qwen2"}, "x")
     with pytest.raises(SpecError, match="attention_bias"):
         spec_from_hf_config({**base, "attention_bias": True}, "x")
-    with pytest.raises(SpecError, match="llama3"):
-        spec_from_hf_config({**base, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "x")
+    with pytest.raises(SpecError, match=r"rope_scaling\.rope_type: rope type 'yarn' is not supported "
+                                        r"\(allowed: default, llama3\)"):
+        spec_from_hf_config({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "x")
+    with pytest.raises(SpecError, match=r"rope_parameters\.rope_type: rope type 'linear'"):
+        spec_from_hf_config({**base, "rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}},
+                            "x")
     with pytest.raises(SpecError, match="intermediate_size.*missing"):
         spec_from_hf_config({k: v for k, v in base.items() if k != "intermediate_size"}, "x")
     with pytest.raises(SpecError, match="no config.json"):
@@ -160,3 +165,83 @@ def test_a_sequence_classification_reward_model_loads_with_its_score_head(tmp_pa
         theirs = hf(input_ids=ids).logits[:, 0]
         ours = model(ids, torch.ones_like(ids))[:, -1]
     assert theirs.abs().max() > 1e-3 and (theirs - ours).abs().max().item() < 1e-4
+
+
+# --- Llama 3.1's rope scaling (rope_type llama3) ----------------------------------------------------
+# original context 32 tokens, stretched 8x: wavelengths above 32 are divided by 8, those between
+# 32 / 4 = 8 and 32 interpolated; the sequences below run past 32 positions
+ROPE = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=32)
+LLAMA31 = dataclasses.replace(LLAMA, name="t-llama31", rope_theta=500_000.0, rope_scaling=ROPE)
+
+
+def test_llama3_rope_scaling_changes_the_frequencies() -> None:
+    scaled, plain = inv_freq(LLAMA31), inv_freq(dataclasses.replace(LLAMA31, rope_scaling=None))
+    changed = (scaled != plain).sum().item()
+    assert 0 < changed < len(plain)  # low frequencies changed, the highest kept
+    assert scaled[0] == plain[0] and torch.allclose(scaled[-1], plain[-1] / ROPE.factor)
+
+
+def test_llama31_dir_saved_by_transformers_loads_into_engine(tmp_path: Path) -> None:
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32}
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=16, vocab_size=300, rms_norm_eps=1e-6,
+                                   max_position_embeddings=256,
+                                   rope_parameters={**rope, "rope_theta": 500_000.0})
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.mul_(5.0)  # logits that differ between tokens, and between rope variants
+    hf.save_pretrained(tmp_path / "hf")
+    loaded = read_hf_dir(tmp_path / "hf")
+    assert loaded.spec.rope_scaling == ROPE and loaded.spec.rope_theta == 500_000.0
+    assert torch.equal(inv_freq(loaded.spec), hf.model.rotary_emb.inv_freq)  # bit for bit
+    names = [t.name for t in loaded.spec.tensors()]
+    model = build_decoder(loaded.spec, weights=load_safetensors(loaded.weight_files, names))
+    plain = build_decoder(dataclasses.replace(loaded.spec, rope_scaling=None),
+                          weights=load_safetensors(loaded.weight_files, names))
+    ids = _ids(300, b=2, t=80)
+    with torch.no_grad():
+        theirs = hf(input_ids=ids).logits
+    assert (theirs - _engine_logits(model, ids)).abs().max().item() < 1e-4
+    assert (theirs - _engine_logits(plain, ids)).abs().max().item() > 1e-2  # unscaled rope would not pass
+
+
+def test_llama31_actor_exported_loads_in_transformers_with_its_rope_scaling(tmp_path: Path) -> None:
+    model = _trained_like(LLAMA31)
+    out = save_hf_dir(tmp_path / "actor", LLAMA31, model.state_dict())
+    assert read_hf_dir(out).spec == dataclasses.replace(LLAMA31, name="actor", bytes_per_param=4)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert hf.config.rope_parameters["rope_type"] == "llama3" and hf.config.max_position_embeddings == 256
+    assert torch.equal(inv_freq(LLAMA31), hf.model.rotary_emb.inv_freq)
+    ids = _ids(LLAMA31.vocab_size, b=2, t=80)
+    with torch.no_grad():
+        theirs = hf(input_ids=ids).logits
+    assert theirs.std() > 0.1 and (theirs - _engine_logits(model, ids)).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize(("scaling", "match"), [
+    ({"rope_type": "dynamic", "factor": 2.0}, r"rope_scaling\.rope_type: rope type 'dynamic' is not supported"),
+    ({"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0},
+     r"rope_scaling\.original_max_position_embeddings: is missing"),
+    ({"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+     r"rope_scaling\.factor: is missing"),
+    ({**ROPE.to_dict(), "high_freq_factor": 1.0}, r"high_freq_factor: must be greater than low_freq_factor=1\.0"),
+    ({**ROPE.to_dict(), "factor": 0.5}, r"^x\.rope_scaling\.factor: must be >= 1"),
+    ({**ROPE.to_dict(), "factor": "8"}, r"factor: must be a finite number"),
+    ({**ROPE.to_dict(), "beta_fast": 32}, r"rope_scaling\.beta_fast: is not a parameter of rope type 'llama3'"),
+])
+def test_a_bad_rope_scaling_is_one_clear_error(scaling: dict, match: str) -> None:
+    base = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "vocab_size": 300}  # no max_position_embeddings to fall back on
+    with pytest.raises(SpecError, match=match):
+        spec_from_hf_config({**base, "rope_scaling": scaling}, "x", where="x")
+
+
+def test_a_rope_scaling_on_model_spec_is_validated() -> None:
+    with pytest.raises(SpecError, match=r"model\.rope_scaling\.rope_type: 'yarn' is not supported \(allowed: llama3\)"):
+        RopeScaling(rope_type="yarn", factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                    original_max_position_embeddings=4096)
+    with pytest.raises(SpecError, match=r"model\.rope_scaling: must be a RopeScaling"):
+        dataclasses.replace(LLAMA, rope_scaling=ROPE.to_dict())  # type: ignore[arg-type]
