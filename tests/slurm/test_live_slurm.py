@@ -40,7 +40,9 @@ from lab import SlurmLab, wait_for
 
 from nereusd.wire.keys import KeyStore
 
-pytestmark = [pytest.mark.slurm, pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.xdist_group("slurm")]
+# the story has many acts (a requeue waits on Slurm): its bound is the sum of theirs, not the 300 s default
+pytestmark = [pytest.mark.slurm, pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.xdist_group("slurm"),
+              pytest.mark.timeout(900)]
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 JOB = "live"
