@@ -619,6 +619,13 @@ class JobController:
         return kept[node]
 
     def _finish_transition(self, t: dict[str, Any], *, ok: bool, reason: str) -> None:
+        """The transition ends, in one commit with what follows from it (the plan version committed, the
+        job running again): a daemon killed in between comes back with all of it or none of it (a kill
+        between the transition's row and the plan's left a done transition under a job stuck transitioning)."""
+        with self.store.transaction():
+            self._finish_transition_rows(t, ok=ok, reason=reason)
+
+    def _finish_transition_rows(self, t: dict[str, Any], *, ok: bool, reason: str) -> None:
         self.store.set_transition_state(t["id"], "done" if ok else "failed", reason)
         self._orders.pop(int(t["id"]), None)
         self.metrics.transitions.labels(self.job_id, "done" if ok else "failed").inc()

@@ -150,6 +150,30 @@ def test_a_restarted_controller_rebuilds_an_open_order_once_for_all_its_nodes(tm
         assert order.transition_id == sent[node].transition_id and order.part == sent[node].part
 
 
+def test_a_transition_ends_in_one_commit_with_the_plan_it_commits(tmp_path: Path) -> None:
+    """A daemon that dies between the transition's row and the plan's (here: the plan commit raises, as a
+    kill -9 there would stop it) leaves neither: the transition is still ordered, the job still on v0
+    and transitioning, so a restarted daemon re-sends the order (the crash suite once found a done
+    transition under a job stuck transitioning on v0)."""
+    orders: list[tuple[str, protocol.TransitionOrder]] = []
+    ctl, store = _controller(tmp_path, orders)
+    _join(ctl, store, "n1")
+    ctl.step()
+    (node, order), = orders
+
+    def dies(*a: object, **k: object) -> None:
+        raise RuntimeError("killed here")
+
+    store.commit_plan_version = dies  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="killed here"):
+        ctl.on_transition_report(protocol.TransitionReport(job_id="j", node=node, transition_id=order.transition_id,
+                                                           ok=True, measured_s=0.1))
+    again = Store(tmp_path / "s.db")  # what a restarted daemon reads
+    assert again.transition(order.transition_id)["state"] == "ordered"  # type: ignore[index]
+    job = again.job("j")
+    assert job is not None and job["plan_version"] == 0 and job["state"] == "transitioning"
+
+
 def test_failed_part_fails_the_transition_and_keeps_the_old_plan(tmp_path: Path) -> None:
     orders: list[tuple[str, protocol.TransitionOrder]] = []
     ctl, store = _controller(tmp_path, orders)
