@@ -214,7 +214,7 @@ def _anchor_requeue(lab: SlurmLab, d: dict[str, Any], ev: DriverEvents, anchor_j
     assert adopted["workers"] == sorted(member_workers), adopted
     # from the step reached, not 0: the old driver's, or one more the member finished after it went unlogged
     assert not adopted["torn"] and adopted["step"] in (done, done + 1), (adopted, done)
-    kept = next(e for e in ev.seen[i:] if e["event"] == "snapshot")  # the survivors' logical state
+    _, kept = ev.wait("snapshot", "the adopted state's snapshot", since=i)  # the survivors' logical state
     before = [e for e in old if e["event"] == "snapshot" and e["step"] == adopted["step"]]
     if before:  # absent only where the old driver was killed before it logged that step
         assert kept["digests"] == before[-1]["digests"], "the member's replicas changed across the requeue"
