@@ -10,10 +10,19 @@ from __future__ import annotations
 import torch
 
 
+def vocab_logprobs(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log p over the vocabulary, in fp32 whatever the logits' dtype: [B, T, V]."""
+    return torch.log_softmax(logits.float() / temperature, dim=-1)
+
+
+def pick(logp: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+    """``logp[b, t, next_tokens[b, t]]``: [B, T]."""
+    return logp.gather(-1, next_tokens.long().unsqueeze(-1)).squeeze(-1)
+
+
 def token_logprobs(logits: torch.Tensor, next_tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log p(next_tokens[b, t] | prefix up to t) from ``logits[b, t]``; shapes [B, T, V], [B, T]."""
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    return logp.gather(-1, next_tokens.long().unsqueeze(-1)).squeeze(-1)
+    return pick(vocab_logprobs(logits, temperature), next_tokens)
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
@@ -122,8 +131,8 @@ class ActorLoss:
 
     def __call__(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         next_token, old_logp, adv, ref_logp, weight = target.unbind(-1)
-        logp_all = torch.log_softmax(logits.float() / self.temperature, dim=-1)
-        logp = logp_all.gather(-1, next_token.long().unsqueeze(-1)).squeeze(-1)
+        logp_all = vocab_logprobs(logits, self.temperature)  # kept for the entropy below
+        logp = pick(logp_all, next_token)
         loss = policy_loss(logp, old_logp, adv, weight, self.clip)
         kl = kl_k3(logp, ref_logp)
         if self.kl_coef:
@@ -131,8 +140,12 @@ class ActorLoss:
         with torch.no_grad():
             ratio = torch.exp(logp - old_logp)
             clipped = ((ratio > 1 + self.clip) & (adv > 0)) | ((ratio < 1 - self.clip) & (adv < 0))
-            lp = logp_all.detach()
-            entropy = lp.exp().mul_(lp).sum(-1).neg_()  # one [B, T, V] temporary
+            # the entropy of the tokens that count (weight != 0: responses, not prompts or padding), so the
+            # [N, V] temporary is as small as the step allows; the zero-weight rows add nothing to the sums
+            counted = weight != 0
+            lp = logp_all.detach()[counted]
+            entropy = torch.zeros_like(weight)
+            entropy[counted] = lp.exp().mul_(lp).sum(-1).neg_()
             self.stats.add(weight, clipped=clipped.float(), entropy=entropy, kl=kl.detach())
         return loss
 
