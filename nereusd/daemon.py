@@ -30,13 +30,8 @@ problems (state dir, store, key permissions, ports) raise ``StartupError``: one 
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import queue
-import resource
-import socket
-import sqlite3
 import threading
 import time
 from collections.abc import Callable
@@ -46,29 +41,33 @@ from typing import Any
 import zmq
 
 from nereusd.admin import AdminBackend, AdminError, AdminOps
+from nereusd.agent_sessions import TRANSIENT, AgentSessions
 from nereusd.allocation import (
-    Allocation,
     AllocationError,
-    AllocationEvent,
     AllocationSource,
     ElasticJob,
-    EventKind,
-    NodeAllocation,
 )
 from nereusd.connections import ConnectionGuard
 from nereusd.control import (
     ADMIN_DOMAIN,
     AGENT_DOMAIN,
     CurveRouter,
-    Session,
     SessionTable,
-    check_session,
     start_authenticator,
 )
 from nereusd.controller import JobController, PlannerPort
 from nereusd.metrics import Metrics
 from nereusd.settings import Settings
-from nereusd.store import TERMINAL_JOB_STATES, Store
+from nereusd.source_worker import _SourceWorker, replay_allocation  # noqa: F401 (re-exported)
+from nereusd.startup import (  # noqa: F401 (re-exported: the CLI, benches and tests import them here)
+    STORE_MARKER,
+    StartupError,
+    _open_store,
+    _write_atomic_json,
+    raise_fd_limit,
+    sd_notify,
+)
+from nereusd.store import TERMINAL_JOB_STATES
 from nereusd.wire import protocol
 from nereusd.wire.keys import KeyStore
 from nereusd.wire.logs import get_logger
@@ -81,96 +80,8 @@ AGENT_BATCH_S = 0.05  # agent messages served per pass before the admin socket i
 ADMIN_BATCH = 16
 RESTART_GRACE_S = 5.0  # added to the heartbeat time-out for nodes restored from the store
 LOST_PER_TICK = 64  # silent nodes marked lost per tick; the rest on the next ticks
-LEAVE_REASONS = {"preempt": "preemption notice", "time-limit": "time limit", "shutdown": "agent shutdown"}
-STORE_MARKER = "store.json"  # written next to the db when it is created: a missing db is then noticed
-_ADDS = frozenset({EventKind.GRANTED, EventKind.GROWN})
-_REMOVES = frozenset({EventKind.SHRUNK, EventKind.RELEASED, EventKind.NODE_DOWN, EventKind.PREEMPTED,
-                      EventKind.CANCELLED, EventKind.TIME_LIMIT, EventKind.FAILED, EventKind.COMPLETED})
 
 
-TRANSIENT = (sqlite3.OperationalError, OSError)  # a full disk, a locked db: retried, never "damaged"
-
-
-class StartupError(NereusError):
-    """The environment refuses start-up (state dir, store, keys, ports): one line; ``nereusd`` exits 3."""
-
-
-def _open_store(state_dir: Path, *, new_store: bool, log: Any) -> Store:
-    """The store, after the checks that turn a damaged or vanished store into a one-line refusal."""
-    db = state_dir / "nereusd.db"
-    marker = state_dir / STORE_MARKER
-    if db.is_dir():
-        raise StartupError(f"the store path {db} is a directory: move it away (daemon.state_dir holds the db)")
-    try:  # read-only or full: better one line now than a failed first write later
-        probe = state_dir / f".probe-{os.getpid()}"
-        with open(probe, "wb") as f:
-            f.write(b"\0" * 65536)
-            f.flush()
-            os.fsync(f.fileno())
-        probe.unlink()
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            probe.unlink(missing_ok=True)
-        raise StartupError(f"daemon.state_dir {state_dir} is not writable: {exc.strerror}") from None
-    empty = not db.exists() or db.stat().st_size == 0
-    # a daemon served from here before (its marker, or the endpoints.json of a daemon older than the marker)
-    evidence = next((p for p in (marker, state_dir / "endpoints.json") if p.exists()), None)
-    if empty and evidence is not None and not new_store:
-        what = "missing" if not db.exists() else "empty (0 bytes)"
-        raise StartupError(f"the store {db} is {what}, but {state_dir} held one ({evidence.name} says so): restore "
-                           "it from a backup, or start with `nereusd serve --new-store` to begin with no jobs")
-    if empty and evidence is not None:
-        log.warning("new-store", path=str(db), reason="--new-store: the previous store is gone; starting empty")
-    try:
-        store = Store(db)
-        check = store.db.execute("PRAGMA integrity_check").fetchall()
-        verdict = "; ".join(" ".join(str(next(iter(r.values()))).split()) for r in check[:3])  # one line
-        if verdict != "ok":
-            store.close()
-            raise StartupError(f"the store {db} fails integrity_check ({verdict[:200]}): restore it from a "
-                               "backup, or move it aside and start with --new-store")
-    except sqlite3.DatabaseError as exc:
-        raise StartupError(f"the store {db} cannot be opened ({exc}): restore it from a backup, or move it "
-                           "aside and start with --new-store") from None
-    except sqlite3.Error as exc:
-        raise StartupError(f"the store {db} cannot be opened: {exc}") from None
-    except OSError as exc:
-        raise StartupError(f"the store {db} cannot be opened: {exc.strerror or exc}") from None
-    if not marker.exists() or empty:
-        _write_atomic_json(marker, {"db": db.name, "created_at": time.time()})
-    return store
-
-
-def sd_notify(state: str) -> bool:
-    """systemd readiness protocol without a dependency: one datagram to $NOTIFY_SOCKET."""
-    addr = os.environ.get("NOTIFY_SOCKET")
-    if not addr:
-        return False
-    if addr.startswith("@"):
-        addr = "\0" + addr[1:]  # abstract namespace
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
-            s.connect(addr)
-            s.sendall(state.encode())
-    except OSError:  # the supervisor went away (or never listened): no reason to fail or to stop serving
-        return False
-    return True
-
-
-def raise_fd_limit(want: int = 65536) -> int:
-    """Every agent is a TCP connection: lift the soft open-files limit toward the hard one."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
-    if soft != resource.RLIM_INFINITY and soft < target:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-        return target
-    return soft
-
-
-def _write_atomic_json(path: Path, data: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
 
 
 def make_growth(d: Daemon) -> Any:
@@ -186,54 +97,7 @@ def make_growth(d: Daemon) -> Any:
                         shrink=lambda job, nodes, why: d.source_request("shrink", job, nodes))
 
 
-def replay_allocation(job_id: str, events: list[dict[str, Any]]) -> Allocation | None:
-    """The nodes a job holds after its stored allocation events (None: the source never granted any)."""
-    if not events:
-        return None
-    held: dict[str, NodeAllocation] = {}
-    for data in events:
-        kind = EventKind(data["kind"])
-        for n in data.get("nodes", ()):
-            node = NodeAllocation.from_dict(n)
-            if kind in _ADDS:
-                held[node.node] = node
-            elif kind in _REMOVES:
-                held.pop(node.node, None)
-    return Allocation(job_id=job_id, nodes=tuple(held.values()))
-
-
-class _SourceWorker(threading.Thread):
-    """Runs the allocation source off the serve loop: periodic poll() plus queued grow/shrink calls."""
-
-    def __init__(self, source: AllocationSource, interval_s: float, log: Any) -> None:
-        super().__init__(name="allocation-source", daemon=True)
-        self.source, self.interval_s, self.log = source, interval_s, log
-        self.requests: queue.Queue[tuple[str, tuple[Any, ...]]] = queue.Queue()
-        self.events: queue.Queue[AllocationEvent] = queue.Queue()
-        self.refused: queue.Queue[tuple[str, tuple[Any, ...], str]] = queue.Queue()  # (op, args, why)
-        self.stop_event = threading.Event()
-
-    def run(self) -> None:
-        while not self.stop_event.is_set():
-            try:
-                while True:
-                    op, args = self.requests.get_nowait()
-                    try:
-                        getattr(self.source, op)(*args)
-                    except Exception as exc:  # a request the checks let through but the source refused
-                        self.log.warning("allocation-request-failed", op=op, args=str(args), error=str(exc))
-                        self.refused.put((op, args, str(exc) or type(exc).__name__))
-            except queue.Empty:
-                pass
-            try:
-                for ev in self.source.poll():
-                    self.events.put(ev)
-            except Exception as exc:  # the source promises not to raise; if it does, log and keep going
-                self.log.error("allocation-poll-crashed", error=repr(exc))
-            self.stop_event.wait(self.interval_s)
-
-
-class Daemon:
+class Daemon(AgentSessions):
     agents: CurveRouter
     admin: CurveRouter
 
@@ -725,196 +589,6 @@ class Daemon:
         self.metrics.agents_connected.set(len(self.sessions))
 
     # --- agent messages -----------------------------------------------------------------------------
-    def _agent_message(self) -> None:
-        got = self.agents.receive()
-        if got is None:
-            return
-        inc, msg = got
-        try:
-            reply = self._on_agent(inc.identity, inc.user, inc.key, inc.encoding, msg)
-        except TRANSIENT as exc:  # a full disk: not stored, and the sender is told so
-            self.log.error("agent-message-not-stored", type=msg.type, error=str(exc))
-            reply = protocol.ErrorReply(code="internal", message=f"this {msg.type} was not stored ({exc}); "
-                                        "send it again later")
-        except Exception as exc:  # never no reply: the sender learns that this one was not taken
-            self.log.exception("agent-handler-failed", type=msg.type)
-            reply = protocol.ErrorReply(code="internal", message=f"the daemon failed on this {msg.type}: "
-                                        f"{type(exc).__name__} (logged); the daemon keeps serving")
-        if isinstance(reply, protocol.ErrorReply):
-            self.agents.reject(inc, reply.code, reply.message)
-        else:
-            self.metrics.messages.labels(msg.type).inc()
-            if reply is not None:
-                self.agents.send(inc.identity, reply, inc.encoding)
-        while self.resend_to:  # after the welcome: orders the node had not reported, sent again
-            job_id, node = self.resend_to.pop()
-            ctl = self.controllers.get(job_id)
-            if ctl is not None:
-                ctl.resend_orders(node)
-
-    def _on_agent(self, identity: bytes, user: str, key: str, enc: protocol.Encoding, msg: Any) -> Any:
-        if isinstance(msg, protocol.Register):
-            return self._register(identity, user, key, enc, msg)
-        if not isinstance(msg, (protocol.Heartbeat, protocol.Measurement, protocol.TransitionReport,
-                                protocol.Leaving)):
-            return protocol.ErrorReply(code="invalid", message=f"agents may not send {msg.type!r}")
-        denied = check_session(self.sessions, identity, key, msg.job_id, msg.node)
-        if denied is not None:
-            return protocol.ErrorReply(code=denied[0], message=denied[1])
-        if msg.job_id in self.damaged:
-            return protocol.ErrorReply(code="internal", message=f"job {msg.job_id!r} is damaged in the daemon's "
-                                       f"store ({self.damaged[msg.job_id]}); an admin must repair it")
-        node_key = (msg.job_id, msg.node)
-        self.last_seen[node_key] = time.monotonic()
-        self.heartbeats_to_flush[node_key] = time.time()
-        ctl = self.controllers.get(msg.job_id)
-        if self.node_state.get(node_key) == "lost":
-            self.store.set_node_state(msg.job_id, msg.node, "alive", "heartbeats resumed")
-            self.node_state[node_key] = "alive"
-            self.store.add_event("node-back", {"node": msg.node}, job_id=msg.job_id)
-            if ctl is not None:
-                ctl.on_node_joined(msg.node, "heartbeats resumed")
-        if ctl is None:
-            return protocol.ErrorReply(code="unknown-job", message=f"job {msg.job_id} has ended")
-        if isinstance(msg, protocol.Heartbeat):
-            workers = [w.model_dump() for w in msg.workers]
-            if self.worker_states.get(node_key) != workers:  # stored on change only: 1 Hz x 1,024 nodes otherwise
-                self.worker_states[node_key] = workers
-                self.store.add_event("workers", {"node": msg.node, "workers": workers}, job_id=msg.job_id)
-            return protocol.Ack(ref="heartbeat", seq=msg.seq)
-        if isinstance(msg, protocol.Leaving):
-            return self._on_leaving(ctl, msg)
-        if isinstance(msg, protocol.Measurement):
-            ctl.on_measurement(msg)
-            self.metrics.observe_step(msg)
-            if msg.rl is not None:
-                self.store.attach_rl(msg.job_id, msg.step, msg.rl.model_dump())
-            return protocol.Ack(ref="measurement", seq=msg.step)
-        ctl.on_transition_report(msg)
-        return protocol.Ack(ref="transition-report", seq=msg.transition_id)
-
-    def _on_leaving(self, ctl: JobController, msg: protocol.Leaving) -> Any:
-        """The first Leaving drains the node (state moves off it; the controller never drops a last copy);
-        every Leaving (the agent repeats it each beat) is answered Release once no plan uses the node, else
-        Ack. A drain the controller refuses is an ``alloc-refused`` event: the node goes at its grace end."""
-        key = (msg.job_id, msg.node)
-        reason = LEAVE_REASONS[msg.reason]
-        if key not in self.leaving:
-            self.store.add_event("node-leaving", {"node": msg.node, "reason": reason, "grace_s": msg.grace_s},
-                                 job_id=msg.job_id)
-            self.log.info("node-leaving", job=msg.job_id, node=msg.node, reason=reason, grace_s=msg.grace_s)
-            self.leaving[key] = "draining"
-            if ctl.drained(msg.node) or self.node_state.get(key) == "released":  # a shrink took it already
-                self._let_go(ctl, msg.node, reason, tell=False)
-                return protocol.Release(job_id=msg.job_id, node=msg.node, reason=reason)
-            try:
-                free_now = ctl.drain([msg.node], reason)
-            except AllocationError as exc:
-                self.leaving[key] = "refused"
-                self._record_refusal(msg.job_id, "leave", [msg.node], f"{exc}; it goes at its grace end")
-                free_now = []
-            if msg.node in free_now or (self.leaving[key] == "draining" and msg.node not in ctl.draining):
-                self._let_go(ctl, msg.node, reason, tell=False)  # no plan uses it: this reply says so
-        elif self.leaving[key] == "draining" and msg.node not in ctl.draining:
-            self.leaving[key] = "refused"  # the drain's replan ordered no transition (the controller's event)
-        if self.leaving[key] == "released":
-            return protocol.Release(job_id=msg.job_id, node=msg.node, reason=reason)
-        return protocol.Ack(ref="leaving", seq=0)
-
-    def _let_go(self, ctl: JobController, node: str, reason: str, *, tell: bool = True) -> None:
-        key = (ctl.job_id, node)
-        self.leaving[key] = "released"
-        ctl.on_node_left(node, f"left: {reason}")
-        self.node_state[key] = "released"
-        self.store.add_event("node-left", {"node": node, "reason": reason}, job_id=ctl.job_id)
-        self.log.info("node-left", job=ctl.job_id, node=node, reason=reason)
-        if tell:  # at once; the agent's next Leaving is answered Release as well (a lost frame costs a beat)
-            self._send_to_node(ctl.job_id, node, protocol.Release(job_id=ctl.job_id, node=node, reason=reason))
-
-    def node_limit(self, job: dict[str, Any]) -> tuple[int, str]:
-        """How many nodes the job may register, and where that bound comes from."""
-        elastic = (job.get("spec") or {}).get("elastic")
-        if isinstance(elastic, dict):
-            per_node = max(1, int(elastic.get("gpus_per_node") or 1))
-            return max(1, int(elastic.get("max_gpus") or 1) // per_node), "elastic.max_gpus / gpus_per_node"
-        return self.settings.control.max_nodes_per_job, "control.max_nodes_per_job"
-
-    def connection_limit(self, user: str) -> tuple[int, str]:
-        """How many agent connections one key of ``user`` may hold, and where that bound comes from."""
-        jobs = [j for j in self.store.jobs(include_terminal=False) if j["user"] == user]
-        nodes = sum(self.node_limit(j)[0] for j in jobs)
-        spare = self.settings.control.spare_connections_per_key
-        return nodes + spare, (f"{nodes} for the nodes of user {user!r}'s {len(jobs)} live job(s) + "
-                               f"control.spare_connections_per_key = {spare}")
-
-    def _register(self, identity: bytes, user: str, key: str, enc: protocol.Encoding,
-                  msg: protocol.Register) -> Any:
-        job = self.store.job(msg.job_id)
-        if job is None:
-            return protocol.ErrorReply(code="unknown-job", message=f"no job {msg.job_id!r}: add it first "
-                                       "(nereusctl job-add, or submit it through the Slurm tracker)")
-        if job["user"] != user:
-            self.store.add_event("register-forbidden", {"node": msg.node, "user": user}, job_id=msg.job_id)
-            return protocol.ErrorReply(code="forbidden",
-                                       message=f"user {user!r} may not act on job {msg.job_id!r}")
-        if job["state"] in TERMINAL_JOB_STATES:
-            return protocol.ErrorReply(code="unknown-job", message=f"job {msg.job_id!r} is {job['state']}")
-        if msg.job_id in self.damaged:
-            return protocol.ErrorReply(code="internal", message=f"job {msg.job_id!r} is damaged in the daemon's "
-                                       f"store ({self.damaged[msg.job_id]}); an admin must repair it")
-        node_key = (msg.job_id, msg.node)
-        mine = self.sessions.by_identity.get(identity)
-        if mine is not None and (mine.job_id, mine.node) != node_key:
-            return protocol.ErrorReply(code="forbidden", message=f"this connection already speaks for "
-                                       f"{mine.job_id}/{mine.node}: one node per connection")
-        holder = self.sessions.by_node.get(node_key)
-        if holder is not None and holder != identity and self.sessions.by_identity[holder].key != key:
-            return protocol.ErrorReply(code="forbidden", message=f"node {msg.node} of job {msg.job_id!r} is held "
-                                       "by another key's connection")
-        if self.node_state.get(node_key) != "alive":  # nodes lost or released do not count: others replace them
-            alive = sum(1 for (j, _), state in self.node_state.items() if j == msg.job_id and state == "alive")
-            limit, why = self.node_limit(job)
-            if alive >= limit:
-                return protocol.ErrorReply(code="forbidden", message=f"job {msg.job_id!r} has {alive} nodes alive, "
-                                           f"its limit ({why}); node {msg.node} is refused")
-        if msg.slurm_job_id is not None and isinstance(job["spec"].get("elastic"), dict):
-            held = ElasticJob.from_dict(job["spec"]["elastic"]).slurm_job_ids
-            if self.source is not None:
-                tracked = {j.job_id: j for j in self.source.jobs()}
-                if msg.job_id in tracked:
-                    held = tracked[msg.job_id].slurm_job_ids
-            if msg.slurm_job_id not in held:
-                return protocol.ErrorReply(code="forbidden", message=f"Slurm job {msg.slurm_job_id} is not part "
-                                           f"of job {msg.job_id!r} (its Slurm jobs: {', '.join(held)})")
-        with self.store.transaction():  # the node and its event: one commit
-            how = self.store.register_node(job_id=msg.job_id, node=msg.node,
-                                           devices=[d.model_dump() for d in msg.devices],
-                                           slurm_job_id=msg.slurm_job_id, host=msg.host, incarnation=msg.incarnation)
-            self.store.add_event("node-registered", {"node": msg.node, "how": how, "devices": len(msg.devices),
-                                                     "host": msg.host}, job_id=msg.job_id)
-        if self.node_state.get(node_key) == "released":
-            self.leaving.pop(node_key, None)  # a node given back and granted again: a new agent, a new leave
-        self.sessions.bind(identity, Session(job_id=msg.job_id, node=msg.node, user=user, key=key, encoding=enc))
-        self.node_state[node_key] = "alive"
-        self.last_seen[node_key] = time.monotonic()
-        self.log.info("agent-registered", job=msg.job_id, node=msg.node, how=how, devices=len(msg.devices))
-        ctl = self.controllers.get(msg.job_id) or self._start_controller(msg.job_id)
-        ctl.on_node_joined(msg.node, how)
-        if how != "new":
-            self.resend_to.append(node_key)
-        job = self.store.job(msg.job_id) or job
-        return protocol.Welcome(job_id=msg.job_id, node=msg.node, heartbeat_interval_s=self.settings.control.
-                                heartbeat_interval_s, plan_version=job["plan_version"], reconnected=how != "new")
-
-    def _send_to_node(self, job_id: str, node: str, msg: Any) -> bool:
-        ident = self.sessions.by_node.get((job_id, node))
-        if ident is None:
-            self.log.warning("order-undeliverable", job=job_id, node=node)
-            return False
-        self.agents.send(ident, msg, self.sessions.by_identity[ident].encoding)
-        return True
-
-    # --- admin messages -----------------------------------------------------------------------------
     def _admin_message(self) -> None:
         got = self.admin.receive()
         if got is None:
