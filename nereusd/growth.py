@@ -1,6 +1,7 @@
 """The daemon's growth policy: a Slurm job grows toward its ``max_gpus`` by itself, one member job at a time.
 
-Every ``interval_s`` per job (the throttle), for a job that runs a committed plan with nothing in flight
+Every ``interval_s`` per job (the throttle; settings: ``[slurm]`` ``grow``, ``grow_interval_s``,
+``grow_horizon_steps``, ``time_limit_lead_s``), for a job that runs a committed plan with nothing in flight
 (no open transition, no drain), holding fewer nodes than ``max_gpus / gpus_per_node``:
 
 - one node more is priced on the planner: the best plan on the pool plus one node's GPUs against the

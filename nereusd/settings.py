@@ -93,6 +93,11 @@ class SlurmSection(_Section):
     poll_backoff_max_s: float = _seconds(60.0)
     command_timeout_s: float = _seconds(20.0, le=3600.0)
     max_member_submissions_per_minute: int = Field(30, ge=1, le=100_000)
+    # the growth policy (nereusd/growth.py): a job grows toward its max_gpus by itself, one member at a time
+    grow: bool = True  # false: members are asked for only by `nereusctl alloc JOB --grow N`
+    grow_interval_s: float = _seconds(5.0, le=3600.0)  # per job, between two growth verdicts
+    grow_horizon_steps: float = Field(50.0, gt=0, le=1e7, allow_inf_nan=False)  # steps a grown pool serves, where the job file gives no `steps`
+    time_limit_lead_s: float = Field(120.0, ge=0, le=86400.0, allow_inf_nan=False)  # a member this close to its Slurm end time is drained first
 
 
 class PlannerSection(_Section):
