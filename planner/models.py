@@ -127,6 +127,7 @@ class ModelSpec:
     vocab_size: int
     tie_word_embeddings: bool = False
     qk_norm: bool = False  # Qwen3 normalises q and k per head
+    qkv_bias: bool = False  # Qwen2 / Qwen2.5: the q, k and v projections carry biases (o_proj and the MLP do not)
     rope_theta: float = 500_000.0
     rope_scaling: RopeScaling | None = None  # None = plain RoPE; Llama 3.1/3.3 use RopeScaling (llama3)
     rms_norm_eps: float = 1e-5
@@ -142,6 +143,9 @@ class ModelSpec:
                 raise SpecError(f"model.{field}", f"must be >= 1, got {getattr(self, field)}")
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
             raise SpecError("model.rope_scaling", f"must be a RopeScaling or None, got {type(self.rope_scaling).__name__}")
+        if self.qk_norm and self.qkv_bias:
+            raise SpecError("model.qkv_bias", "q/k norms (Qwen3) and q/k/v biases (Qwen2) together are no published "
+                            "architecture")
         if self.grad_bytes_per_param not in (2, 4):
             raise SpecError("model.grad_bytes_per_param", f"must be 2 (bf16) or 4 (fp32), got {self.grad_bytes_per_param}")
         if self.num_attention_heads % self.num_kv_heads:
@@ -162,13 +166,13 @@ class ModelSpec:
             p = f"model.layers.{i}."
             out += [
                 TensorSpec(p + "input_layernorm.weight", (h,), Parallel.REPLICATED, i),
-                TensorSpec(p + "self_attn.q_proj.weight", (q_out, h), Parallel.COLUMN, i,
-                           self.num_attention_heads),
-                TensorSpec(p + "self_attn.k_proj.weight", (kv_out, h), Parallel.COLUMN, i, self.num_kv_heads),
-                TensorSpec(p + "self_attn.v_proj.weight", (kv_out, h), Parallel.COLUMN, i, self.num_kv_heads),
-                TensorSpec(p + "self_attn.o_proj.weight", (h, q_out), Parallel.ROW, i,
-                           self.num_attention_heads),
             ]
+            for proj, rows, heads in (("q_proj", q_out, self.num_attention_heads), ("k_proj", kv_out, self.num_kv_heads),
+                                      ("v_proj", kv_out, self.num_kv_heads)):
+                out.append(TensorSpec(p + f"self_attn.{proj}.weight", (rows, h), Parallel.COLUMN, i, heads))
+                if self.qkv_bias:  # split over TP with its projection's output rows
+                    out.append(TensorSpec(p + f"self_attn.{proj}.bias", (rows,), Parallel.COLUMN, i, heads))
+            out.append(TensorSpec(p + "self_attn.o_proj.weight", (h, q_out), Parallel.ROW, i, self.num_attention_heads))
             if self.qk_norm:
                 out += [
                     TensorSpec(p + "self_attn.q_norm.weight", (hd,), Parallel.REPLICATED, i),
@@ -243,6 +247,13 @@ QWEN3_32B = ModelSpec(name="qwen3-32b", num_layers=64, hidden_size=5120, num_att
 LLAMA_33_70B = ModelSpec(name="llama-3.3-70b", num_layers=80, hidden_size=8192, num_attention_heads=64,
                          num_kv_heads=8, head_dim=128, ffn_hidden_size=28672, vocab_size=128256,
                          rope_scaling=LLAMA3_ROPE)
+# Qwen2.5 (config.json: q/k/v biases, no q/k norms)
+QWEN25_7B = ModelSpec(name="qwen2.5-7b", num_layers=28, hidden_size=3584, num_attention_heads=28,
+                      num_kv_heads=4, head_dim=128, ffn_hidden_size=18944, vocab_size=152064,
+                      qkv_bias=True, rope_theta=1_000_000.0, rms_norm_eps=1e-6)
+QWEN25_32B = ModelSpec(name="qwen2.5-32b", num_layers=64, hidden_size=5120, num_attention_heads=40,
+                       num_kv_heads=8, head_dim=128, ffn_hidden_size=27648, vocab_size=152064,
+                       qkv_bias=True, rope_theta=1_000_000.0, rms_norm_eps=1e-6)
 # Tiny real architectures for CPU runs (randomly initialised; no weights can be downloaded here).
 TINY_3M = ModelSpec(name="tiny-3m", num_layers=4, hidden_size=256, num_attention_heads=8, num_kv_heads=4,
                     head_dim=32, ffn_hidden_size=688, vocab_size=512, tie_word_embeddings=False,
@@ -255,14 +266,16 @@ TINY_25M = ModelSpec(name="tiny-25m", num_layers=8, hidden_size=512, num_attenti
 TINY_BYTE = ModelSpec(name="tiny-byte", num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_heads=2,
                       head_dim=16, ffn_hidden_size=128, vocab_size=264, rope_theta=10_000.0)
 
-MODELS: dict[str, ModelSpec] = {m.name: m for m in (LLAMA_31_8B, QWEN3_14B, QWEN3_32B, LLAMA_33_70B,
-                                                   TINY_3M, TINY_25M, TINY_BYTE)}
+MODELS: dict[str, ModelSpec] = {m.name: m for m in (LLAMA_31_8B, QWEN3_14B, QWEN3_32B, LLAMA_33_70B, QWEN25_7B,
+                                                   QWEN25_32B, TINY_3M, TINY_25M, TINY_BYTE)}
 # Published parameter counts (model cards), for the 1% check in the tests.
 PUBLISHED_PARAMS: dict[str, float] = {
     "llama-3.1-8b": 8.03e9,
     "qwen3-14b": 14.8e9,
     "qwen3-32b": 32.8e9,
     "llama-3.3-70b": 70.6e9,
+    "qwen2.5-7b": 7.61e9,
+    "qwen2.5-32b": 32.5e9,
 }
 
 

@@ -1,6 +1,6 @@
 """Hugging Face model directories in and out of the engine (``config.json`` + safetensors).
 
-``read_hf_dir`` maps a Llama or Qwen3 directory onto a ``ModelSpec`` and its weight files (one
+``read_hf_dir`` maps a Llama, Qwen2/Qwen2.5 or Qwen3 directory onto a ``ModelSpec`` and its weight files (one
 ``model.safetensors`` or shards listed in ``model.safetensors.index.json``); the engine's parameter
 names are already the HF names, so the weights load by name (``agent.engine.model.load_safetensors``).
 ``save_hf_dir`` writes the actor back as a directory that ``transformers`` loads and generates with;
@@ -9,8 +9,8 @@ tokenizer files of the source directory travel with it. ``full_state`` gathers a
 (TP x PP) onto one rank for that.
 
 Llama 3.1's rope scaling (``rope_type: llama3``) is read into ``ModelSpec.rope_scaling`` and written
-back. What the engine's architecture cannot express is refused by name, never approximated: attention
-or MLP biases (Qwen2), another rope scaling (linear, dynamic, yarn, ...), partial rotary embeddings,
+back. Qwen2's q/k/v biases are ``ModelSpec.qkv_bias``. What the engine's architecture cannot express is
+refused by name, never approximated: Llama's ``attention_bias`` (an o_proj bias too) or MLP biases, another rope scaling (linear, dynamic, yarn, ...), partial rotary embeddings,
 sliding-window attention, an activation other than SiLU.
 
 Run: ``python -m agent.engine.hf_io DIR`` prints the ModelSpec read from DIR.
@@ -33,8 +33,9 @@ import torch
 from planner.errors import SpecError
 from planner.models import ROPE_TYPES, ModelSpec, RopeScaling
 
-# model_type -> architecture class written on save; both are the engine's decoder (Qwen3 adds q/k norms)
-SUPPORTED = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# model_type -> architecture class written on save; all are the engine's decoder (Qwen2 adds q/k/v biases,
+# Qwen3 q/k norms)
+SUPPORTED = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 # files of a model directory that are not weights or config and belong with an exported actor
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "chat_template.jinja")
@@ -106,6 +107,7 @@ def spec_from_hf_config(cfg: Mapping[str, Any], name: str, where: str = "config.
         # both LlamaConfig and Qwen3Config default to untied heads
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qk_norm=model_type == "qwen3",
+        qkv_bias=model_type == "qwen2",
         rope_theta=float(rope.get("rope_theta") or cfg.get("rope_theta") or 10_000.0),
         rope_scaling=_rope_scaling(cfg, where),
         rms_norm_eps=float(cfg.get("rms_norm_eps") or 1e-6),
@@ -142,7 +144,7 @@ def hf_config(spec: ModelSpec, *, dtype: str = "float32", max_position_embedding
     """The ``config.json`` of ``spec``, readable by transformers 4 (``rope_theta``, ``rope_scaling``,
     ``torch_dtype``) and 5 (``rope_parameters``, ``dtype``). ``max_position_embeddings`` defaults to
     4096, or to the stretched context ``factor * original_max_position_embeddings`` of a scaled rope."""
-    model_type = "qwen3" if spec.qk_norm else "llama"
+    model_type = "qwen3" if spec.qk_norm else "qwen2" if spec.qkv_bias else "llama"
     rs = spec.rope_scaling
     if max_position_embeddings is None:
         max_position_embeddings = 4096 if rs is None else int(rs.factor * rs.original_max_position_embeddings)

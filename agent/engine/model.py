@@ -101,9 +101,9 @@ class Attention(nn.Module):
         super().__init__()
         self.spec, self.layer = spec, layer
         h, hd = spec.hidden_size, spec.head_dim
-        self.q_proj = nn.Linear(h, spec.num_attention_heads * hd, bias=False)
-        self.k_proj = nn.Linear(h, spec.num_kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(h, spec.num_kv_heads * hd, bias=False)
+        self.q_proj = nn.Linear(h, spec.num_attention_heads * hd, bias=spec.qkv_bias)
+        self.k_proj = nn.Linear(h, spec.num_kv_heads * hd, bias=spec.qkv_bias)
+        self.v_proj = nn.Linear(h, spec.num_kv_heads * hd, bias=spec.qkv_bias)
         self.o_proj = nn.Linear(spec.num_attention_heads * hd, h, bias=False)
         if spec.qk_norm:
             self.q_norm = RMSNorm(hd, spec.rms_norm_eps)

@@ -23,6 +23,8 @@ LLAMA = ModelSpec(name="t-llama", num_layers=2, hidden_size=64, num_attention_he
 QWEN3_TIED = ModelSpec(name="t-qwen3", num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_heads=1,
                        head_dim=32, ffn_hidden_size=96, vocab_size=300, tie_word_embeddings=True, qk_norm=True,
                        rope_theta=1_000_000.0, rms_norm_eps=1e-6)
+QWEN2 = ModelSpec(name="t-qwen2", num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_heads=2, head_dim=16,
+                  ffn_hidden_size=96, vocab_size=300, qkv_bias=True, rope_theta=1_000_000.0, rms_norm_eps=1e-6)
 
 
 def _ids(vocab: int, b: int = 3, t: int = 11) -> torch.Tensor:
@@ -53,12 +55,16 @@ def _trained_like(spec: ModelSpec) -> torch.nn.Module:
     return model
 
 
-@pytest.mark.parametrize("spec", [LLAMA, QWEN3_TIED], ids=["llama", "qwen3-tied"])
+@pytest.mark.parametrize("spec", [LLAMA, QWEN3_TIED, QWEN2], ids=["llama", "qwen3-tied", "qwen2-bias"])
 def test_actor_saved_as_hf_dir_loads_and_generates_in_transformers(tmp_path: Path, spec: ModelSpec) -> None:
     model = _trained_like(spec)
     out = save_hf_dir(tmp_path / "actor", spec, model.state_dict(), token_ids={"eos_token_id": 2})
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    assert type(hf).__name__ == ("Qwen3ForCausalLM" if spec.qk_norm else "LlamaForCausalLM")
+    assert type(hf).__name__ == ("Qwen3ForCausalLM" if spec.qk_norm else "Qwen2ForCausalLM" if spec.qkv_bias
+                                 else "LlamaForCausalLM")
+    if spec.qkv_bias:  # the biases travelled: transformers holds ours, not its zeros
+        ours_b = model.state_dict()["model.layers.1.self_attn.k_proj.bias"]
+        assert ours_b.abs().max() > 0 and torch.equal(hf.model.layers[1].self_attn.k_proj.bias, ours_b)
     ids = _ids(spec.vocab_size)
     with torch.no_grad():
         theirs = hf(input_ids=ids).logits
@@ -71,12 +77,14 @@ def test_actor_saved_as_hf_dir_loads_and_generates_in_transformers(tmp_path: Pat
     assert torch.equal(gen, _greedy(model, ids, 6))
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3-tied"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3-tied", "qwen2"])
 def test_dir_saved_by_transformers_loads_into_engine(tmp_path: Path, kind: str) -> None:
     common = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, vocab_size=300, rms_norm_eps=1e-6)
     if kind == "llama":
         cfg = transformers.LlamaConfig(**common, rope_theta=50_000.0)
+    elif kind == "qwen2":
+        cfg = transformers.Qwen2Config(**{k: v for k, v in common.items() if k != "head_dim"}, tie_word_embeddings=False)
     else:
         cfg = transformers.Qwen3Config(**common, tie_word_embeddings=True)
     torch.manual_seed(0)
@@ -85,10 +93,13 @@ def test_dir_saved_by_transformers_loads_into_engine(tmp_path: Path, kind: str) 
         for n, p in hf.named_parameters():
             if n.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
+            elif n.endswith(".bias"):  # transformers starts them at 0: a dropped bias would not show
+                p.uniform_(-0.5, 0.5)
     hf.save_pretrained(tmp_path / "hf")
     loaded = read_hf_dir(tmp_path / "hf")
     spec = loaded.spec
-    assert (spec.qk_norm, spec.tie_word_embeddings) == ((False, False) if kind == "llama" else (True, True))
+    assert (spec.qk_norm, spec.qkv_bias, spec.tie_word_embeddings) == {
+        "llama": (False, False, False), "qwen2": (False, True, False), "qwen3-tied": (True, False, True)}[kind]
     assert spec.num_kv_heads == 2 and spec.head_dim == 16
     model = build_decoder(spec, weights=load_safetensors(loaded.weight_files, [t.name for t in spec.tensors()]))
     ids = _ids(spec.vocab_size)
@@ -127,8 +138,8 @@ def test_what_the_decoder_cannot_express_is_refused_by_name(tmp_path: Path) -> N
     base = json.loads(json.dumps({"model_type": "llama", "hidden_size": 64, "intermediate_size": 96,
                                   "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 300}))
     assert spec_from_hf_config(base, "x").num_kv_heads == 4  # MHA default, head_dim from hidden / heads
-    with pytest.raises(SpecError, match="model_type.*'qwen2'.*llama, qwen3"):
-        spec_from_hf_config({**base, "model_type": "qwen2"}, "x")
+    with pytest.raises(SpecError, match="model_type.*'mistral'.*llama, qwen2, qwen3"):
+        spec_from_hf_config({**base, "model_type": "mistral"}, "x")
     with pytest.raises(SpecError, match="attention_bias"):
         spec_from_hf_config({**base, "attention_bias": True}, "x")
     with pytest.raises(SpecError, match=r"rope_scaling\.rope_type: rope type 'yarn' is not supported "

@@ -17,6 +17,9 @@ from transitions.geometry import tp_slice
 
 SPEC = ModelSpec(name="t", num_layers=4, hidden_size=64, num_attention_heads=4, num_kv_heads=2, head_dim=16,
                  ffn_hidden_size=128, vocab_size=272, rope_theta=10_000.0)
+# Qwen2's shape: q/k/v biases, split over TP with their projections' rows
+SPEC_BIAS = ModelSpec(name="t-bias", num_layers=4, hidden_size=64, num_attention_heads=4, num_kv_heads=2, head_dim=16,
+                      ffn_hidden_size=128, vocab_size=272, rope_theta=10_000.0, qkv_bias=True)
 B, T, MBS, ACCUM = 8, 12, 2, 4
 
 
@@ -36,14 +39,15 @@ def batch() -> dict[str, torch.Tensor]:
     return {"tokens": tokens, "mask": mask, "nxt": nxt, "actor": actor_target, "critic": critic_target}
 
 
-def run_layout(rank: int, world: int, tp: int, pp: int) -> dict[str, object]:
+def run_layout(rank: int, world: int, tp: int, pp: int, bias: bool = False) -> dict[str, object]:
+    spec = SPEC_BIAS if bias else SPEC
     lay = Layout(tp, pp)
     plan = StagePlan(model_stage="actor-train", layout=lay, gpu_sets=(tuple(range(lay.size)),),
                      micro_batch_size=MBS, grad_accum=ACCUM)
     d = batch()
     out: dict[str, object] = {}
     for head in (Head.LM, Head.VALUE):
-        eng = StageEngine("s", SPEC, head, plan, seed=3, lr=1e-3)
+        eng = StageEngine("s", spec, head, plan, seed=3, lr=1e-3)
         loss_fn = ActorLoss(clip=0.2, kl_coef=0.1) if head is Head.LM else CriticLoss(clip=0.2)
         target = d["actor"] if head is Head.LM else d["critic"]
 
@@ -54,14 +58,14 @@ def run_layout(rank: int, world: int, tp: int, pp: int) -> dict[str, object]:
         loss = eng.backward(d["tokens"], d["mask"], target, loss_fn)
         grads, shards_ok = {}, True
         assert eng.module is not None
-        full = build_decoder(SPEC, head, seed=3).state_dict()
-        specs = {t.name: t for t in SPEC.tensors(head)}
+        full = build_decoder(spec, head, seed=3).state_dict()
+        specs = {t.name: t for t in spec.tensors(head)}
         for n, p in eng.module.named_parameters():
             g = p.grad
             grads[n] = (g.full_tensor() if hasattr(g, "full_tensor") else g).clone()  # clone waits: clipping writes next
         for n, local in eng.local_tensors():
             assert eng.coord is not None
-            want = full[n][tp_slice(specs[n], SPEC, tp, eng.coord.tp_rank)]
+            want = full[n][tp_slice(specs[n], spec, tp, eng.coord.tp_rank)]
             shards_ok &= bool(torch.equal(local, want))
         # global-norm clipping over DTensor shards (TP) and plain replicated parameters (norms, heads)
         eng.max_grad_norm = 1e-3
@@ -83,8 +87,8 @@ def run_layout(rank: int, world: int, tp: int, pp: int) -> dict[str, object]:
     return out
 
 
-def reference() -> dict[str, object]:
-    return run_layout(0, 1, 1, 1)
+def reference(bias: bool = False) -> dict[str, object]:
+    return run_layout(0, 1, 1, 1, bias)
 
 
 def merged(results: list[dict[str, object]], key: str) -> dict[str, torch.Tensor]:
@@ -95,10 +99,13 @@ def merged(results: list[dict[str, object]], key: str) -> dict[str, torch.Tensor
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2), (2, 2)])
-def test_layout_matches_single_process(tp: int, pp: int) -> None:
-    ref = reference()
-    results = run_workers(run_layout, tp * pp, tp, pp)
+@pytest.mark.parametrize(("tp", "pp", "bias"), [(2, 1, False), (1, 2, False), (2, 2, False), (2, 2, True)],
+                         ids=["tp2", "pp2", "tp2xpp2", "tp2xpp2-qkv-bias"])
+def test_layout_matches_single_process(tp: int, pp: int, bias: bool) -> None:
+    ref = reference(bias)
+    if bias:  # the biases are parameters that train
+        assert any(n.endswith("q_proj.bias") for n in ref["lm"]["grads"])  # type: ignore[index]
+    results = run_workers(run_layout, tp * pp, tp, pp, bias)
     for head in ("lm", "value"):
         want = ref[head]
         loss = sum(r[head]["loss"] for r in results) / tp  # each TP rank of the last stage reports it
