@@ -12,8 +12,10 @@ file's ``[placement]`` section (the engine ignores it)::
 
 ``job_spec`` returns what ``nereusctl job-add --spec`` takes (``nereusctl job-add JOB --job-file PATH``
 calls it): model, algo, device, gpus_per_node, learned_reward, workload and elastic, whose
-``extra.job_file`` is the file's absolute path (the local source hands it to the job's driver). Only
-tomllib and the planner's pure presets: the daemon and nereusctl import this, never torch.
+``extra.job_file`` is the file's absolute path (the local source hands it to the job's driver). The model
+is ``[model] preset``, or the architecture read from ``[model] path``'s config.json (a HF directory: the
+engine loads its weights, the planner plans its shape). Only tomllib, json and the planner's pure
+modules: the daemon and nereusctl import this, never torch.
 Prompt and response lengths mirror the engine's (``RunConfig.prompt_tokens``/``response_tokens``): a
 prompt file gives ``data.max_prompt_tokens`` and ``rollout.max_new_tokens``; a synthetic task its
 longest prompt plus BOS and its longest answer plus EOS (agent/engine/tasks.py), unless
@@ -30,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from planner.errors import SpecError
+from planner.hf_config import model_to_mapping, spec_from_hf_config
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -101,6 +104,28 @@ def _placement(doc: dict[str, Any], where: str) -> dict[str, Any]:
     return out
 
 
+def _model(doc: dict[str, Any], file: Path, where: str) -> str | dict[str, Any]:
+    """The planner's model: a preset name, or the architecture of the HF directory ``[model] path``
+    (its config.json, read as the engine reads it; relative to the job file)."""
+    sec = doc.get("model", {})
+    if "path" not in sec:
+        return str(_get(doc, "model", "preset", str, "tiny-byte", where))
+    if "preset" in sec:
+        raise SpecError(f"{where}: model", "give path or preset, not both")
+    path = _get(doc, "model", "path", str, None, where)
+    cfg_file = (file.parent / str(path)).resolve() / "config.json"
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except FileNotFoundError:
+        raise SpecError(f"{where}: model.path", f"{cfg_file.parent} is not a Hugging Face model directory "
+                        "(no config.json)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise SpecError(f"{where}: model.path", f"cannot read {cfg_file}: {exc}") from None
+    if not isinstance(cfg, dict):
+        raise SpecError(str(cfg_file), "is not a JSON object")
+    return model_to_mapping(spec_from_hf_config(cfg, name=cfg_file.parent.name, where=str(cfg_file)))
+
+
 def job_spec(path: str | Path, *, anchor_job_id: str) -> dict[str, Any]:
     """The daemon's job spec of the job file at ``path`` (SpecError naming the file and key otherwise).
     ``anchor_job_id`` names the job's first node group (local) or its anchor Slurm job."""
@@ -123,10 +148,7 @@ def job_spec(path: str | Path, *, anchor_job_id: str) -> dict[str, Any]:
     algo = _get(doc, "", "algo", str, "ppo", where)
     if algo not in ALGOS:
         raise SpecError(f"{where}: algo", f"unknown {algo!r}", ", ".join(ALGOS))
-    if "path" in doc.get("model", {}):
-        raise SpecError(f"{where}: model.path", "a live job is planned from a model preset; give [model] preset "
-                        "(the planner has no preset for a Hugging Face directory yet)")
-    model = _get(doc, "model", "preset", str, "tiny-byte", where)
+    model = _model(doc, file, where)
     if doc.get("data") and doc.get("task"):
         raise SpecError(f"{where}: data", "give [data] (a prompt file) or [task] (synthetic), not both")
     max_new = _get(doc, "rollout", "max_new_tokens", int, None, where)

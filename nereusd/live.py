@@ -1,6 +1,6 @@
 """`make run`: the live elastic job on the embedded default (no Slurm, no GPU).
 
-    python -m nereusd.live [--job-file etc/jobs/live.toml] [--steps 26] [--out runs/live-STAMP]
+    python -m nereusd.live [--job-file etc/jobs/live.toml] [--steps 26] [--out runs/live-STAMP] [--acts none]
 
 Starts nereusd as a child with the local allocation source (virtual nodes of 2 CPU worker slots),
 registers a GRPO job of the tiny Llama-style model on a synthetic verifiable task, and lets the
@@ -19,6 +19,9 @@ bytes, verdict), written as report.json and report.png under the output folder, 
 driver's metrics (metrics/metrics.jsonl, metrics/tb/ for TensorBoard), the daemon's /metrics text
 (metrics.prom) and ``nereusctl plot``'s picture (job.png). Watch it with
 nereusctl while it runs (the command is printed at start).
+
+``--acts none`` plays nothing: the job file (yours, e.g. a ``[model] path`` HF directory) runs its steps
+under the daemon on the first grant, with the same display, report and metrics.
 """
 
 from __future__ import annotations
@@ -360,7 +363,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout-s", type=float, default=900.0, help="give up after this long")
     p.add_argument("--verify", action="store_true", help="hash every logical tensor around each transition")
     p.add_argument("--heartbeat-timeout-s", type=float, default=15.0, help="a silent node is lost after this")
+    p.add_argument("--acts", choices=("story", "none"), default="story",
+                   help="story: play growth, a response jump, a shrink, a preemption and a node loss; none: run "
+                        "the job file on its first grant (your own job under the daemon, nothing scripted)")
     args = p.parse_args(argv)
+    if args.steps < 1:
+        p.error(f"--steps must be >= 1, got {args.steps}")
     out = args.out or ROOT / "runs" / time.strftime("live-%Y%m%d-%H%M%S")
     if out.exists():
         shutil.rmtree(out)
@@ -372,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
             Act("shrink", round(n * 0.35), LiveRun.shrink),
             Act("grow", round(n * 0.45), LiveRun.grow), Act("preempt", round(n * 0.55), LiveRun.preempt),
             Act("grow", round(n * 0.65), LiveRun.grow), Act("node loss", round(n * 0.8), LiveRun.kill_node)]
+    if args.acts == "none":
+        acts = []
     run.setup()
     run.start_daemon()
     print(f"nereusd up ({socket.gethostname()}), state in {run.state}")
@@ -398,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
                 code = 0 if ev["event"] == "done" else code
             done_steps = len(run.steps_done)
             if not pending and not ending and run.settled(played) and run.in_flight() == 0:
-                ending = max(run.steps, done_steps + TAIL_STEPS)  # the story is told: a few steps more, then end
+                ending = max(run.steps, done_steps + (TAIL_STEPS if acts else 0))  # the story is told: a few more, then end
                 run.workload(steps=ending)
                 print(f"[{time.monotonic() - run.t0:6.1f}s] >>> every change played: the run ends at step {ending}",
                       flush=True)

@@ -6,6 +6,9 @@ A job spec (stored with the job) names presets and the workload:
     {"model": "tiny-3m", "algo": "grpo", "device": "cpu", "gpus_per_node": 2,
      "workload": {"prompts_per_step": 8, "prompt_tokens": 32, "response_tokens": 64}}
 
+(``model`` may instead be an architecture object, planner.hf_config.model_to_mapping of a HF directory's
+config.json.)
+
 GPU ids are the controller's: node rank * gpus_per_node + device index, so the cluster handed to the
 planner has as many nodes as the highest node rank in the pool (lost nodes are simply absent).
 """
@@ -22,6 +25,7 @@ from nereusd.wire import protocol
 from planner import admission
 from planner.errors import InfeasibleError, SpecError
 from planner.hardware import ClusterSpec, cluster_preset
+from planner.hf_config import model_from_mapping
 from planner.models import model_preset
 from planner.plan import GlobalPlan
 from planner.transition_calibration import TransitionCalibrator, TransitionSample
@@ -39,8 +43,10 @@ def _job(spec_json: str) -> JobSpec:
     for key in ("model", "algo", "workload"):
         if key not in spec:
             raise SpecError(f"job.spec.{key}", "is required to plan the job")
-    return same_model_job(workflow_preset(spec["algo"], bool(spec.get("learned_reward", True))),
-                          model_preset(spec["model"]), Workload(**spec["workload"]))
+    model = spec["model"]
+    model = model_preset(model) if isinstance(model, str) else model_from_mapping(model, "job.spec.model")
+    return same_model_job(workflow_preset(spec["algo"], bool(spec.get("learned_reward", True))), model,
+                          Workload(**spec["workload"]))
 
 
 def job_spec(spec: dict[str, Any]) -> JobSpec:

@@ -304,6 +304,38 @@ class WorkloadSpec(_Args):
     train_mini_batches_per_step: Positive = 1
 
 
+class RopeScalingSpec(_Args):
+    """Llama 3.1's rope scaling (planner.models.RopeScaling checks the relations)."""
+
+    rope_type: Literal["llama3"] = "llama3"
+    factor: Annotated[float, Strict(), Field(ge=1, le=1e4, allow_inf_nan=False)]
+    low_freq_factor: Annotated[float, Strict(), Field(gt=0, le=1e4, allow_inf_nan=False)]
+    high_freq_factor: Annotated[float, Strict(), Field(gt=0, le=1e4, allow_inf_nan=False)]
+    original_max_position_embeddings: Positive
+
+
+class ArchitectureSpec(_Args):
+    """A model given by its architecture (a job whose model is a HF directory: planner.hf_config reads its
+    config.json) instead of a preset name; planner.models.ModelSpec checks the relations (heads, TP)."""
+
+    name: Annotated[str, Strict(), StringConstraints(min_length=1, max_length=128)]
+    num_layers: Positive
+    hidden_size: Positive
+    num_attention_heads: Positive
+    num_kv_heads: Positive
+    head_dim: Positive
+    ffn_hidden_size: Positive
+    vocab_size: Positive
+    tie_word_embeddings: Annotated[bool, Strict()] = False
+    qk_norm: Annotated[bool, Strict()] = False
+    qkv_bias: Annotated[bool, Strict()] = False
+    rope_theta: Annotated[float, Strict(), Field(gt=0, le=1e12, allow_inf_nan=False)] = 500_000.0
+    rope_scaling: RopeScalingSpec | None = None
+    rms_norm_eps: Annotated[float, Strict(), Field(gt=0, lt=1, allow_inf_nan=False)] = 1e-5
+    bytes_per_param: Literal[2, 4] = 2
+    grad_bytes_per_param: Literal[2, 4] = 2
+
+
 class ElasticSpec(_Args):
     """An elastic job's allocation (nereusd.allocation.ElasticJob checks the relations)."""
 
@@ -323,7 +355,7 @@ class JobSpecModel(_Args):
     """What ``job-add`` stores. Planned jobs give model, algo and workload (the planner resolves the
     presets before the job is stored); a job without them is only tracked (tests, agents-only runs)."""
 
-    model: Name | None = None
+    model: Name | ArchitectureSpec | None = None  # a planner preset, or the architecture of a HF directory
     algo: Name | None = None
     device: Name | None = None
     gpus_per_node: int | None = Field(default=None, ge=1, le=1024, strict=True)
