@@ -45,7 +45,9 @@ def test_grpo_raises_reward() -> None:
 def test_ppo_raises_reward() -> None:
     cfg = RunConfig(algo="ppo", task=SortDigits(num_digits=3), prompts_per_step=32, actor_lr=3e-3, critic_lr=3e-3,
                     train_mini_batches_per_step=4, seed=0)
-    runs = train(cfg, 100)
+    # 140 steps: at 100 the last ten steps' accuracy sat on the 0.1 line (seed 0: 0.099 on this machine's
+    # kernels, above it on others); by 140, seeds 0-2 reach 0.14, 0.27 and 0.15
+    runs = train(cfg, 140)
     assert_learns(runs)
     assert all(r.critic_loss is not None for r in runs)
 
