@@ -38,8 +38,8 @@ test: $(STAMP) lint typecheck
 # Every benchmark, JSON into runs/bench/ (each compares its own figures side by side as ratios).
 bench: $(STAMP)
 	mkdir -p runs/bench
-	$(BIN)/python bench/planner.py --quick > runs/bench/planner.json
-	$(BIN)/python bench/transitions.py --quick > runs/bench/transitions.json
+	$(BIN)/python bench/decisions.py --quick > runs/bench/decisions.json
+	$(BIN)/python bench/transition_dag.py --quick > runs/bench/transition_dag.json
 	$(BIN)/python bench/executor.py > runs/bench/executor.json
 	$(BIN)/python bench/rl_step.py > runs/bench/rl_step.json
 	$(BIN)/python bench/daemon.py --seconds 15 > runs/bench/daemon.json

@@ -1,6 +1,6 @@
 """Benchmark of transition planning; prints one JSON document.
 
-    .venv/bin/python bench/transitions.py [--quick]
+    .venv/bin/python bench/transition_dag.py [--quick]
 
 - plan_time: DAG build (local plans, footprints, memory order) + schedule (L_tran) for PPO plan
   changes of Llama-3.1-8B and Llama-3.3-70B on H200 clusters of 32 .. 4,096 GPUs, side by side over

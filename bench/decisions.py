@@ -1,6 +1,6 @@
 """Benchmark of the planner: decision time at scale, and plan quality against exhaustive search. JSON.
 
-    .venv/bin/python bench/planner.py [--out FILE] [--repeats 5] [--quick]
+    .venv/bin/python bench/decisions.py [--out FILE] [--repeats 5] [--quick]
 
 1. Decision time: replan (planner.search) + admission (planner.admission.decide, payback rule, with the
    transition time given as an input) for PPO on Llama-3.1-8B and Llama-3.3-70B at 8, 32, 128, 512,
