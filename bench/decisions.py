@@ -174,7 +174,7 @@ def daemon_first_decision(model: str) -> dict[str, Any]:
     code = ("import json, sys, time; sys.path.insert(0, '.'); from pathlib import Path; "
             "t0 = time.perf_counter(); from bench.daemon_path import DaemonJob; "
             "from nereusd.planning import PlannerBinding; b = PlannerBinding(); "
-            "t1 = time.perf_counter(); w = b.warm_up(); t2 = time.perf_counter(); "
+            "import gc; t1 = time.perf_counter(); w = b.warm_up(); gc.freeze(); t2 = time.perf_counter(); "
             f"j = DaemonJob({model!r}, 0, b, Path({str(job.dir)!r})); row = j.new_length(5000); "
             "print(json.dumps({'imports_ms': round((t1 - t0) * 1e3, 1), 'warm_up_ms': round((t2 - t1) * 1e3, 1), "
             "'warm_up': w, **row}))")

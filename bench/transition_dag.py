@@ -33,7 +33,6 @@ from planner.errors import InfeasibleError  # noqa: E402
 from planner.hardware import ClusterSpec  # noqa: E402
 from planner.models import LLAMA_31_8B, LLAMA_33_70B, ModelSpec  # noqa: E402
 from planner.plan import GlobalPlan, Layout  # noqa: E402
-from transitions import emu, primitives  # noqa: E402
 from transitions.cost import (  # noqa: E402
     DEFAULT_COMMUNICATOR_SETUP_S,
     primitive_seconds,
@@ -70,10 +69,13 @@ CHANGES: dict[str, tuple[ModelSpec, dict[str, Layout], dict[str, Layout]]] = {
 
 
 def _cold_start() -> None:
-    """Empty the run's planning cache and the functools memos of the pure geometry functions in
-    transitions.emu and transitions.primitives (keyed by value, no planner's to own): cold is cold."""
+    """Empty the run's planning cache and every functools memo of the pure geometry functions in
+    transitions.* (keyed by value, no planner's to own: the shards, slots and boxes of each layout):
+    cold is cold."""
     CACHE.clear()
-    for module in (emu, primitives):
+    for name, module in list(sys.modules.items()):
+        if not name.startswith(("transitions.", "planner.")) or module is None:
+            continue
         for fn in vars(module).values():
             if callable(getattr(fn, "cache_clear", None)) and getattr(fn, "__module__", "") == module.__name__:
                 fn.cache_clear()

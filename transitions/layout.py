@@ -21,7 +21,7 @@ from planner.errors import SpecError
 from planner.models import Head, ModelSpec, Parallel
 from planner.plan import Layout
 from transitions.emu import EMU
-from transitions.geometry import StateKind, check_layout, unit_shards
+from transitions.geometry import StateKind, check_layout, rank_shard_tuple
 
 ALIGN_BYTES = 16
 # slots this big start on a page boundary (CPU pages; harmless padding on GPUs): a run kept by a new
@@ -159,7 +159,7 @@ def _layout_slots(model: ModelSpec, head: Head, layout: Layout, rank: int,
     entries: list[tuple[str, str, str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = [
         (COUNTERS, COUNTERS_KIND, "int64", (NUM_COUNTERS,), (0,), (NUM_COUNTERS,))
     ]
-    for s in unit_shards(model, head, layout, rank, kinds):
+    for s in rank_shard_tuple(model, head, layout, rank, kinds):
         entries.append((s.tensor, s.kind.value, dtype_of(s.kind, model), s.global_shape, s.offsets, s.lengths))
     orders = _storage_orders(model, head)
     for tensor, kind, dtype, shape, offs, lens in entries:
