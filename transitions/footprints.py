@@ -31,8 +31,8 @@ from transitions.primitives import (
 )
 from transitions.transfer_plan import in_flight_bytes, messages
 
-
-Covered = dict[tuple[int, int], list[tuple[Shard, int, Cover]]]  # (target index, GPU) -> covers(target, prim.sources, GPU)
+# (target index, GPU) -> covers(target, prim.sources, GPU)
+Covered = dict[tuple[int, int], list[tuple[Shard, int, Cover]]]
 
 
 def wire_buffers(prim: Primitive, max_bucket_bytes: int | None = None, covered: Covered | None = None

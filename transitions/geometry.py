@@ -18,8 +18,8 @@ A unit's ranks are ``pp_rank * tp + tp_rank`` (planner.plan.Layout). Pure: no to
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 from enum import Enum
+from functools import lru_cache
 
 from planner.errors import SpecError
 from planner.models import Head, ModelSpec, Parallel, TensorSpec
