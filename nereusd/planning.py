@@ -177,12 +177,7 @@ class PlannerBinding:
         dag = build_transition(job_spec(job), cluster, old, new, lost_gpus=old.gpus - pool,
                                cache=self.planning_cache)
         cost = transition_cost(dag, cluster)
-        parts = {}
-        for gpu in sorted(new.gpus | (old.gpus & pool)):
-            node = node_of_gpu(gpu)
-            part = parts.setdefault(node, {"gpus": [], "dag_nodes": []})
-            part["gpus"].append(gpu)
-            part["dag_nodes"] = sorted(set(part["dag_nodes"]) | set(dag.nodes_on(gpu)))
+        parts = _parts(dag.gpu_nodes, sorted(new.gpus | (old.gpus & pool)), node_of_gpu)
         summary: dict[str, Any] = {"kind": "transition", **dag.to_dict()}
         summary["cost"] = cost.to_dict()  # the model's figures, uncorrected
         summary["primitives"] = _count(p["kind"] for p in summary["nodes"])
@@ -190,6 +185,21 @@ class PlannerBinding:
         summary["l_tran"] = correction.explain(cost.seconds)
         return TransitionSketch(predicted_s=summary["l_tran"]["corrected_s"], bytes_moved=dag.bytes_moved,
                                 dag=summary, parts=parts)
+
+
+def _parts(gpu_nodes: dict[int, tuple[int, ...]], gpus: list[int], node_of_gpu: Callable[[int], str]
+           ) -> dict[str, dict[str, Any]]:
+    """Each node's part: its GPUs, and the ids of the DAG nodes that touch any of them."""
+    nodes: dict[str, set[int]] = {}
+    parts: dict[str, dict[str, Any]] = {}
+    for gpu in gpus:
+        node = node_of_gpu(gpu)
+        part = parts.setdefault(node, {"gpus": [], "dag_nodes": []})
+        part["gpus"].append(gpu)
+        nodes.setdefault(node, set()).update(gpu_nodes.get(gpu, ()))
+    for node, part in parts.items():
+        part["dag_nodes"] = sorted(nodes[node])
+    return parts
 
 
 def _transition_key(spec: dict[str, Any]) -> str:

@@ -9,7 +9,7 @@ from typing import Any
 
 from transitions.emu import EMU
 from transitions.feasibility import apply_footprint
-from transitions.footprints import footprint
+from transitions.footprints import on_gpus
 from transitions.primitives import Footprint, Primitive
 from transitions.replica_classes import ReplicaPlan
 
@@ -136,9 +136,11 @@ class TransitionDAG:
         units: dict[str, dict[str, object]] = {}
         for prim in self.nodes:
             for u in (*prim.sources, *prim.targets, *prim.frees):
-                units.setdefault(u.uid, u.describe())
+                if u.uid not in units:  # described once, not once per mention
+                    units[u.uid] = u.describe()
         for u in (*self.old_units, *self.new_units, *self.lost_units):
-            units.setdefault(u.uid, u.describe())
+            if u.uid not in units:
+                units[u.uid] = u.describe()
         return {
             "old_version": self.old_version,
             "new_version": self.new_version,
@@ -191,7 +193,9 @@ def _expand(plan: ReplicaPlan) -> DagBody:
     """The unit-level DAG of a class-level plan: members of each class back to back, in class order;
     edges re-derived from the primitives, peaks replayed exactly (the class check bounds them)."""
     nodes, stage_order, old_units, new_units, renamed = plan.expand()
-    fps = [footprint(p, plan.cache) for p in nodes]  # the builder's cache (None once pickled: the default)
+    # each member's footprint is its class's over its own GPUs (what footprint(member) derives, without
+    # relabelling every member to look it up): node ids run stage by stage, class by class
+    fps = [on_gpus(c.canon, gpus) for sc in plan.stages for c in sc.classes for gpus in c.gpus.tolist()]
     order = tuple(plan.order())
     used: dict[int, int] = {}
     for u in old_units:

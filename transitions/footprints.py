@@ -187,17 +187,17 @@ def canonical_footprint(prim: Primitive, cache: PlanningCache, buffers: bool = T
 
 def traffic(prim: Primitive, cache: PlanningCache) -> Footprint:
     """``prim``'s footprint without bucket memory, on its own GPUs (memoised like ``footprint``)."""
-    return _on_gpus(*canonical_footprint(prim, cache, buffers=False))
+    return on_gpus(*canonical_footprint(prim, cache, buffers=False))
 
 
 def footprint(prim: Primitive, cache: PlanningCache | None = None) -> Footprint:
     """Per-GPU memory and traffic of ``prim`` (exact: derived from its pieces and buckets); ``cache``:
     whose footprint memo serves it (None: transitions.planning_cache.DEFAULT_CACHE, the documented
     default of callers that own none)."""
-    return _on_gpus(*canonical_footprint(prim, DEFAULT_CACHE if cache is None else cache))
+    return on_gpus(*canonical_footprint(prim, DEFAULT_CACHE if cache is None else cache))
 
 
-def _on_gpus(fp: Footprint, gpus: list[int]) -> Footprint:
+def on_gpus(fp: Footprint, gpus: list[int]) -> Footprint:
     """A footprint over labels mapped onto the GPU of each label."""
     return Footprint(
         alloc_bytes={gpus[g]: v for g, v in fp.alloc_bytes.items()},
