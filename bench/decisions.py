@@ -255,6 +255,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="search-only rows at 32 and 1,024 GPUs only")
     args = ap.parse_args()
+    t0, c0 = time.perf_counter(), time.process_time()
     path = daemon_path(args.repeats)
     fresh = [daemon_first_decision(m) for m in DECISION_MODELS]
     decisions = [decision_time(m, g, args.repeats) for m in DECISION_MODELS
@@ -281,6 +282,7 @@ def main() -> int:
         "plan_quality_targets": {"share_optimal": 0.9, "max_gap": 0.02},
         "paper_plan_quality": {"share_optimal": 0.611, "max_gap": 0.05, "p95_gap": 0.041},
     }
+    result["bench_s"] = {"wall": round(time.perf_counter() - t0, 1), "cpu": round(time.process_time() - c0, 1)}
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:
