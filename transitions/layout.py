@@ -197,6 +197,17 @@ def contiguous_range(slot: Slot, box: Box) -> tuple[int, int] | None:
     """Byte range [start, end) of ``box`` inside the flat buffer holding ``slot``, if contiguous."""
     offsets, lens = box
     full, base = slot.lengths, slot.offsets
+    if len(lens) == 2:  # most tensors: the same test unrolled (a hot path of the DAG's derivation)
+        if slot.order:
+            d0, d1 = slot.order
+        else:
+            d0, d1 = 0, 1
+        n0, n1, k0, k1 = full[d0], full[d1], lens[d0], lens[d1]
+        if k1 != n1 and k0 != 1:  # a partial inner dim needs a single outer row
+            return None
+        size = slot.element_bytes
+        start = slot.byte_offset + ((offsets[d0] - base[d0]) * n1 + offsets[d1] - base[d1]) * size
+        return start, start + k0 * k1 * size
     if slot.order:  # the same question in storage order
         offsets, lens = tuple(offsets[d] for d in slot.order), tuple(lens[d] for d in slot.order)
         full, base = slot.storage_lengths, tuple(base[d] for d in slot.order)
