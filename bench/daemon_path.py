@@ -123,7 +123,10 @@ class DaemonJob:
 
     def grow(self, nodes: int) -> dict[str, Any]:
         """``nodes`` new agents register: a GPU count never seen."""
-        return self._timed("new-gpu-count", lambda: [self.join() for _ in range(nodes)])
+        def event() -> None:
+            for _ in range(nodes):
+                self.join()
+        return self._timed("new-gpu-count", event)
 
     def lose(self, node: str) -> dict[str, Any]:
         """One node's heartbeats stop: its units' state is gone, the DAG rebuilds from the survivors."""

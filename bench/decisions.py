@@ -171,12 +171,15 @@ def daemon_first_decision(model: str) -> dict[str, Any]:
 
     job = DaemonJob(model, 128, PlannerBinding())
     job.place()
-    code = ("import json, sys, time; sys.path.insert(0, '.'); from pathlib import Path; "
+    # as nereusd starts: imports, the store and the job's controller restored, then the planner's warm-up
+    # over the running plans (nereusd.daemon._warm_up_planner) and gc.freeze, then the first decision
+    code = ("import json, sys, time, gc; sys.path.insert(0, '.'); from pathlib import Path; "
             "t0 = time.perf_counter(); from bench.daemon_path import DaemonJob; "
             "from nereusd.planning import PlannerBinding; b = PlannerBinding(); "
-            "import gc; t1 = time.perf_counter(); w = b.warm_up(); gc.freeze(); t2 = time.perf_counter(); "
-            f"j = DaemonJob({model!r}, 0, b, Path({str(job.dir)!r})); row = j.new_length(5000); "
-            "print(json.dumps({'imports_ms': round((t1 - t0) * 1e3, 1), 'warm_up_ms': round((t2 - t1) * 1e3, 1), "
+            f"j = DaemonJob({model!r}, 0, b, Path({str(job.dir)!r})); t1 = time.perf_counter(); "
+            "w = b.warm_up(running=[(j.ctl._spec_now(), j.ctl.plan)]); gc.freeze(); t2 = time.perf_counter(); "
+            "row = j.new_length(5000); "
+            "print(json.dumps({'start_ms': round((t1 - t0) * 1e3, 1), 'warm_up_ms': round((t2 - t1) * 1e3, 1), "
             "'warm_up': w, **row}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     return {"model": model, **json.loads(out.stdout.strip().splitlines()[-1])}

@@ -287,13 +287,14 @@ class Daemon(AgentSessions):
                 "planner_warm_up_ms": self.warm_up_ms}
 
     def _warm_up_planner(self) -> None:
-        """The planner's bounded warm-up (imports, one small decision: under 1 s), run before the first
-        pass so the first decision pays none of it; then everything alive so far is moved out of the
+        """The planner's bounded warm-up (imports, one small decision, the running plans' geometry: under
+        1 s), run before the first pass so the first decision pays none of it; then everything alive so far is moved out of the
         cyclic collector's reach (gc.freeze: start-up objects and the planner's caches are not scanned
         again by every full collection). Its time is logged and shown by ``status``."""
         warm_up = getattr(self.planner, "warm_up", None)
         t0 = time.monotonic()
-        steps = warm_up() if warm_up is not None else None
+        running = [(ctl._spec_now(), ctl.plan) for ctl in self.controllers.values() if ctl.plan is not None]
+        steps = warm_up(running=running) if warm_up is not None else None
         gc.freeze()
         self.warm_up_ms = round((time.monotonic() - t0) * 1e3, 1)
         self.log.info("planner-warm-up", ms=self.warm_up_ms, steps=steps)

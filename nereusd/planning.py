@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from functools import lru_cache
 from typing import Any
 
@@ -68,11 +68,14 @@ class PlannerBinding:
         # replanning the same job again costs lookups; bounded, so it lives as long as the daemon
         self.planning_cache = PlanningCache()
 
-    def warm_up(self, budget_s: float = WARM_UP_BUDGET_S) -> dict[str, float]:
-        """Run at daemon start-up, before the first pass (nereusd.daemon): import the numerical modules
-        (numpy, search, DAG, cost), then, while within ``budget_s``, one small decision end to end
-        (search, a transition DAG and its cost on a tiny CPU job: every code path's lazy set-up, none
-        of a real job's shapes). Returns the ms of each step (what the daemon logs)."""
+    def warm_up(self, budget_s: float = WARM_UP_BUDGET_S,
+                running: Iterable[tuple[dict[str, Any], GlobalPlan]] = ()) -> dict[str, float]:
+        """Run at daemon start-up, before the first pass (nereusd.daemon), within ``budget_s``: import
+        the numerical modules (numpy, search, DAG, cost); one small decision end to end (search, a
+        transition DAG and its cost on a tiny CPU job: every code path's lazy set-up); then the
+        geometry of the ``running`` jobs' plans (each unit rank's shards, boxes and buffer slots: the
+        old side of any transition away from them), plan by plan while time is left. Returns the ms
+        of each step (what the daemon logs)."""
         t0 = time.perf_counter()
         import planner.prediction  # noqa: F401
         import planner.search  # noqa: F401
@@ -89,6 +92,14 @@ class PlannerBinding:
             new = self.search(spec, pool, 2).plan
             self.transition(spec, old, new, pool, lambda g: f"n{g // 2}")
             took["small_decision_ms"] = round((time.perf_counter() - t1) * 1e3, 1)
+        t2, plans = time.perf_counter(), 0
+        for spec, plan in running:
+            if time.perf_counter() - t0 > budget_s or not _warm_geometry(spec, plan, t0 + budget_s):
+                break
+            plans += 1
+        if plans:
+            took["running_plans"] = plans
+            took["running_plans_ms"] = round((time.perf_counter() - t2) * 1e3, 1)
         return took
 
     def _eff(self, spec: dict[str, Any]) -> Any:
@@ -185,6 +196,25 @@ class PlannerBinding:
         summary["l_tran"] = correction.explain(cost.seconds)
         return TransitionSketch(predicted_s=summary["l_tran"]["corrected_s"], bytes_moved=dag.bytes_moved,
                                 dag=summary, parts=parts)
+
+
+def _warm_geometry(spec: dict[str, Any], plan: GlobalPlan, deadline: float) -> bool:
+    """Derive the shards, boxes and slots of every unit rank of ``plan`` (memoised by value in
+    transitions.emu and transitions.layout); False if ``deadline`` (perf_counter) came first."""
+    from transitions.emu import job_states
+    from transitions.layout import unit_slots
+    from transitions.local_dag import plan_units
+
+    states = job_states(job_spec(spec))
+    for sp in plan.stages:
+        for unit in plan_units(states[sp.model_stage], sp, plan.version)[:1]:  # replicas share the geometry
+            for gpu in unit.gpus:
+                if time.perf_counter() > deadline:
+                    return False
+                unit.boxes(gpu)
+                unit.bytes_on(gpu)
+                unit_slots(unit, gpu)
+    return True
 
 
 def _parts(gpu_nodes: dict[int, tuple[int, ...]], gpus: list[int], node_of_gpu: Callable[[int], str]

@@ -202,7 +202,7 @@ def contiguous_range(slot: Slot, box: Box) -> tuple[int, int] | None:
             d0, d1 = slot.order
         else:
             d0, d1 = 0, 1
-        n0, n1, k0, k1 = full[d0], full[d1], lens[d0], lens[d1]
+        n1, k0, k1 = full[d1], lens[d0], lens[d1]
         if k1 != n1 and k0 != 1:  # a partial inner dim needs a single outer row
             return None
         size = slot.element_bytes
