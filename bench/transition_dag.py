@@ -192,18 +192,10 @@ def _memory_ok(dag: TransitionDAG, order: tuple[int, ...]) -> bool:
     return True
 
 
-def _initial(dag: TransitionDAG) -> dict[int, int]:
-    initial: dict[int, int] = {}
-    for u in dag.old_units:
-        for g in u.gpus:
-            initial[g] = initial.get(g, 0) + u.bytes_on(g)
-    return initial
-
-
 def _greedy_order(dag: TransitionDAG) -> tuple[int, ...]:
     """The memory-only greedy order (transitions.feasibility), as the builder chose it before the exact
     search on small DAGs."""
-    return order_by_memory(list(dag.footprints), list(dag.data_edges), list(dag.stage_order), _initial(dag),
+    return order_by_memory(list(dag.footprints), list(dag.data_edges), list(dag.stage_order), dag.initial_bytes,
                            dag.capacity_bytes).order
 
 
@@ -237,7 +229,7 @@ def greedy_vs_optimum(instances: int, max_nodes: int, brute_force: int) -> dict[
         durations = [primitive_seconds(fp, sc.cluster, DEFAULT_COMMUNICATOR_SETUP_S) for fp in dag.footprints]
         shipped = _makespan(dag, dag.order, durations)
         greedy = _makespan(dag, _greedy_order(dag), durations)
-        best_order = fastest_order(list(dag.footprints), list(dag.data_edges), _initial(dag), capacity, durations)
+        best_order = fastest_order(list(dag.footprints), list(dag.data_edges), dag.initial_bytes, capacity, durations)
         best = min(greedy, shipped) if best_order is None else _makespan(dag, best_order, durations)
         if len(greedy_gaps) < brute_force:
             brute = min((_makespan(dag, perm, durations) for perm in itertools.permutations(range(n))

@@ -127,6 +127,11 @@ class TransitionDAG:
                              capacity_bytes=self.capacity_bytes, body_=body)
 
     @property
+    def initial_bytes(self) -> dict[int, int]:
+        """Per GPU, the bytes its intact old units hold before the transition (where the timeline starts)."""
+        return held_bytes(self.old_units)
+
+    @property
     def bytes_moved(self) -> int:
         if self.body_ is None and self.replicas is not None:
             return self.replicas.bytes_moved
@@ -197,10 +202,7 @@ def _expand(plan: ReplicaPlan) -> DagBody:
     # relabelling every member to look it up): node ids run stage by stage, class by class
     fps = [on_gpus(c.canon, gpus) for sc in plan.stages for c in sc.classes for gpus in c.gpus.tolist()]
     order = tuple(plan.order())
-    used: dict[int, int] = {}
-    for u in old_units:
-        for g in u.gpus:
-            used[g] = used.get(g, 0) + u.bytes_on(g)
+    used = held_bytes(old_units)
     peak = dict(used)
     for i in order:
         apply_footprint(fps[i], used, peak)
@@ -208,6 +210,15 @@ def _expand(plan: ReplicaPlan) -> DagBody:
                    resource_edges=(), order=order, old_units=tuple(old_units), lost_units=(),
                    new_units=tuple(new_units), renamed=tuple(renamed), stale_units=(), peak_bytes=peak,
                    footprints=tuple(fps), gpu_nodes=gpu_index(fps, order))
+
+
+def held_bytes(units: list[EMU] | tuple[EMU, ...]) -> dict[int, int]:
+    """Bytes ``units`` hold per GPU."""
+    out: dict[int, int] = {}
+    for u in units:
+        for g in u.gpus:
+            out[g] = out.get(g, 0) + u.bytes_on(g)
+    return out
 
 
 def gpu_index(fps: list[Footprint], order: tuple[int, ...]) -> dict[int, tuple[int, ...]]:

@@ -38,7 +38,14 @@ from planner.errors import SpecError
 from planner.hardware import ClusterSpec
 from planner.plan import GlobalPlan
 from planner.workflow import JobSpec, StageKind
-from transitions.dag_record import DagBody, TransitionDAG, _expand, data_edges, gpu_index  # noqa: F401 (re-exported)
+from transitions.dag_record import (  # noqa: F401 (re-exported)
+    DagBody,
+    TransitionDAG,
+    _expand,
+    data_edges,
+    gpu_index,
+    held_bytes,
+)
 from transitions.emu import EMU, UnitState, job_states
 from transitions.exact_order import EXACT_MAKESPAN_NODES, fastest_order, makespan
 from transitions.feasibility import MemoryOrder, order_by_memory, replay_order
@@ -206,11 +213,7 @@ def _ordered(states: Mapping[str, UnitState], local: _Local, intact: dict[str, l
     nodes = local.nodes
     edges = data_edges(nodes)
     fps = [footprint(p, cache) for p in nodes]
-    initial: dict[int, int] = {}
-    for units in intact.values():
-        for u in units:
-            for g in u.gpus:
-                initial[g] = initial.get(g, 0) + u.bytes_on(g)
+    initial = held_bytes([u for units in intact.values() for u in units])
     stage_order = [_stage_of(p, states) for p in nodes]
     result: MemoryOrder = order_by_memory(fps, edges, stage_order, initial, capacity, policy=policy)
     if policy == "global" and 1 < len(nodes) <= EXACT_MAKESPAN_NODES:

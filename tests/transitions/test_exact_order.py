@@ -17,16 +17,8 @@ from transitions.planning_cache import PlanningCache
 from transitions.scenarios import random_scenario
 
 
-def _initial(dag: TransitionDAG) -> dict[int, int]:
-    out: dict[int, int] = {}
-    for u in dag.old_units:
-        for g in u.gpus:
-            out[g] = out.get(g, 0) + u.bytes_on(g)
-    return out
-
-
 def _fits(dag: TransitionDAG, order: tuple[int, ...]) -> bool:
-    used = _initial(dag)
+    used = dag.initial_bytes
     for i in order:
         fp = dag.footprints[i]
         for g in fp.gpus:
@@ -71,7 +63,7 @@ def _spans(dag: TransitionDAG, cluster: ClusterSpec) -> tuple[list[float], float
     """(durations, shipped makespan, greedy makespan, greedy order)."""
     durations = [primitive_seconds(fp, cluster, DEFAULT_COMMUNICATOR_SETUP_S) for fp in dag.footprints]
     fps, edges = list(dag.footprints), list(dag.data_edges)
-    greedy = order_by_memory(fps, edges, list(dag.stage_order), _initial(dag), dag.capacity_bytes).order
+    greedy = order_by_memory(fps, edges, list(dag.stage_order), dag.initial_bytes, dag.capacity_bytes).order
     return durations, makespan(fps, edges, dag.order, durations), makespan(fps, edges, greedy, durations), greedy
 
 
@@ -104,11 +96,11 @@ def test_fastest_order_respects_its_bound_and_memory() -> None:
     dag, _ = next(_small_tight_dags(3))
     fps, edges = list(dag.footprints), list(dag.data_edges)
     durations = [1.0 + i for i in range(len(fps))]
-    best = fastest_order(fps, edges, _initial(dag), dag.capacity_bytes, durations)
+    best = fastest_order(fps, edges, dag.initial_bytes, dag.capacity_bytes, durations)
     assert best is not None and sorted(best) == list(range(len(fps))) and _fits(dag, best)
     span = makespan(fps, edges, best, durations)
     assert abs(span - _brute(dag, durations)) <= 1e-9 * span
     # nothing beats the optimum: bounded by it, the search finds no order
-    assert fastest_order(fps, edges, _initial(dag), dag.capacity_bytes, durations, bound=span) is None
+    assert fastest_order(fps, edges, dag.initial_bytes, dag.capacity_bytes, durations, bound=span) is None
     # with no room for any acquisition, no order fits
-    assert fastest_order(fps, edges, _initial(dag), 0, durations) is None
+    assert fastest_order(fps, edges, dag.initial_bytes, 0, durations) is None
