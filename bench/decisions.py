@@ -177,9 +177,9 @@ def daemon_first_decision(model: str) -> dict[str, Any]:
             "t0 = time.perf_counter(); from bench.daemon_path import DaemonJob; "
             "from nereusd.planning import PlannerBinding; b = PlannerBinding(); "
             f"j = DaemonJob({model!r}, 0, b, Path({str(job.dir)!r})); t1 = time.perf_counter(); "
-            "running = [(j.ctl._spec_now(), j.ctl.plan)]; "
-            "w = b.warm_up(running=running) if 'running' in b.warm_up.__code__.co_varnames else b.warm_up(); "
-            "gc.freeze(); t2 = time.perf_counter(); "
+            "running = [(j.ctl._spec_now(), j.ctl.plan)]; new = 'running' in b.warm_up.__code__.co_varnames; "
+            "w = b.warm_up(running=running) if new else b.warm_up(); "
+            "gc.freeze() if new else None; t2 = time.perf_counter(); "  # an older daemon froze nothing
             "row = j.new_length(5000); "
             "print(json.dumps({'start_ms': round((t1 - t0) * 1e3, 1), 'warm_up_ms': round((t2 - t1) * 1e3, 1), "
             "'warm_up': w, **row}))")
