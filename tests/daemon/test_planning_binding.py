@@ -15,7 +15,8 @@ def test_warm_up_does_what_its_budget_allows() -> None:
     binding = PlannerBinding()
     plan = binding.search(SPEC, frozenset(range(4)), 1).plan
     steps = binding.warm_up(budget_s=600.0, running=[(SPEC, plan)])  # a budget no machine runs out of
-    assert set(steps) == {"imports_ms", "small_decision_ms", "running_plans", "running_plans_ms"}
+    assert set(steps) == {"imports_ms", "small_decision_ms", "running_plans", "running_ranks", "running_plans_ms"}
+    assert steps["running_ranks"] == sum(sp.layout.size for sp in plan.stages)  # one unit's ranks per stage
     # (the imports may all be done already: 0 ms)
     assert steps["running_plans"] == 1 and steps["small_decision_ms"] > 0 and steps["running_plans_ms"] > 0
     # over budget from the start: the imports only (what a daemon on an overloaded machine does)
