@@ -45,6 +45,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/daemon.py --seconds 15 > runs/bench/daemon.json
 	$(BIN)/python bench/slurm_poll.py > runs/bench/slurm_poll.json
 	$(BIN)/python bench/live_job.py > runs/bench/live_job.json
+	$(BIN)/python bench/fidelity.py > runs/bench/fidelity.json
 	@echo "JSON in runs/bench/"
 
 # Mutation testing of planner/, the pure transitions/ modules and the controller (slow: hours on 2 cores;
