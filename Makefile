@@ -38,13 +38,14 @@ test: $(STAMP) lint typecheck
 # Every benchmark, JSON into runs/bench/ (each compares its own figures side by side as ratios).
 bench: $(STAMP)
 	mkdir -p runs/bench
-	$(BIN)/python bench/planner.py --quick > runs/bench/planner.json
-	$(BIN)/python bench/transitions.py --quick > runs/bench/transitions.json
+	$(BIN)/python bench/decisions.py --quick > runs/bench/decisions.json
+	$(BIN)/python bench/transition_dag.py --quick > runs/bench/transition_dag.json
 	$(BIN)/python bench/executor.py > runs/bench/executor.json
 	$(BIN)/python bench/rl_step.py > runs/bench/rl_step.json
 	$(BIN)/python bench/daemon.py --seconds 15 > runs/bench/daemon.json
 	$(BIN)/python bench/slurm_poll.py > runs/bench/slurm_poll.json
 	$(BIN)/python bench/live_job.py > runs/bench/live_job.json
+	$(BIN)/python bench/fidelity.py > runs/bench/fidelity.json
 	@echo "JSON in runs/bench/"
 
 # Mutation testing of planner/, the pure transitions/ modules and the controller (slow: hours on 2 cores;

@@ -16,7 +16,8 @@ planner has as many nodes as the highest node rank in the pool (lost nodes are s
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
 from functools import lru_cache
 from typing import Any
 
@@ -31,6 +32,9 @@ from planner.plan import GlobalPlan
 from planner.transition_calibration import TransitionCalibrator, TransitionSample
 from planner.workflow import JobSpec, Workload, same_model_job, workflow_preset
 
+# the start-up warm-up stops starting new work past this (issue 17: reported, < 1 s; the step under
+# way when it runs out still finishes, so the margin)
+WARM_UP_BUDGET_S = 0.8
 SPEC_KEYS = ("model", "algo", "device", "gpus_per_node", "workload", "learned_reward", "elastic")
 
 
@@ -72,13 +76,41 @@ class PlannerBinding:
         # replanning the same job again costs lookups; bounded, so it lives as long as the daemon
         self.planning_cache = PlanningCache()
 
-    def warm_up(self) -> None:
-        """Import the numerical modules (numpy, search, DAG) ahead of the first decision; run in a thread
-        after READY, so neither start-up nor the first replan pays for it in the serve loop."""
+    def warm_up(self, budget_s: float = WARM_UP_BUDGET_S,
+                running: Iterable[tuple[dict[str, Any], GlobalPlan]] = ()) -> dict[str, float]:
+        """Run at daemon start-up, before the first pass (nereusd.daemon), within ``budget_s``: import
+        the numerical modules (numpy, search, DAG, cost); one small decision end to end (search, a
+        transition DAG and its cost on a tiny CPU job: every code path's lazy set-up); then the
+        geometry of the ``running`` jobs' plans (each unit rank's shards, boxes and buffer slots: the
+        old side of any transition away from them), plan by plan while time is left. Returns the ms
+        of each step (what the daemon logs)."""
+        t0 = time.perf_counter()
         import planner.prediction  # noqa: F401
         import planner.search  # noqa: F401
         import transitions.cost  # noqa: F401
         import transitions.global_dag  # noqa: F401
+
+        took = {"imports_ms": round((time.perf_counter() - t0) * 1e3, 1)}
+        if time.perf_counter() - t0 < budget_s / 2:
+            t1 = time.perf_counter()
+            spec = {"model": "tiny-3m", "algo": "grpo", "device": "cpu", "gpus_per_node": 2,
+                    "workload": {"prompts_per_step": 8, "prompt_tokens": 32, "response_tokens": 64}}
+            pool = frozenset(range(4))
+            old = self.search(spec, frozenset(range(2)), 1).plan
+            new = self.search(spec, pool, 2).plan
+            self.transition(spec, old, new, pool, lambda g: f"n{g // 2}")
+            took["small_decision_ms"] = round((time.perf_counter() - t1) * 1e3, 1)
+        t2, plans, ranks = time.perf_counter(), 0, 0
+        for spec, plan in running:
+            done, n = _warm_geometry(spec, plan, t0 + budget_s)
+            ranks += n
+            if not done:
+                break
+            plans += 1
+        if ranks:
+            took.update(running_plans=plans, running_ranks=ranks,
+                        running_plans_ms=round((time.perf_counter() - t2) * 1e3, 1))
+        return took
 
     def _eff(self, spec: dict[str, Any]) -> Any:
         from planner.cost import PRIORS
@@ -166,12 +198,7 @@ class PlannerBinding:
         dag = build_transition(job_spec(job), cluster, old, new, lost_gpus=old.gpus - pool,
                                cache=self.planning_cache)
         cost = transition_cost(dag, cluster)
-        parts = {}
-        for gpu in sorted(new.gpus | (old.gpus & pool)):
-            node = node_of_gpu(gpu)
-            part = parts.setdefault(node, {"gpus": [], "dag_nodes": []})
-            part["gpus"].append(gpu)
-            part["dag_nodes"] = sorted(set(part["dag_nodes"]) | set(dag.nodes_on(gpu)))
+        parts = _parts(dag.gpu_nodes, sorted(new.gpus | (old.gpus & pool)), node_of_gpu)
         summary: dict[str, Any] = {"kind": "transition", **dag.to_dict()}
         summary["cost"] = cost.to_dict()  # the model's figures, uncorrected
         summary["primitives"] = _count(p["kind"] for p in summary["nodes"])
@@ -179,6 +206,42 @@ class PlannerBinding:
         summary["l_tran"] = correction.explain(cost.seconds)
         return TransitionSketch(predicted_s=summary["l_tran"]["corrected_s"], bytes_moved=dag.bytes_moved,
                                 dag=summary, parts=parts)
+
+
+def _warm_geometry(spec: dict[str, Any], plan: GlobalPlan, deadline: float) -> tuple[bool, int]:
+    """Derive the shards, boxes and slots of every unit rank of ``plan`` (memoised by value in
+    transitions.emu and transitions.layout): (all done before ``deadline`` (perf_counter), ranks done)."""
+    from transitions.emu import job_states
+    from transitions.layout import unit_slots
+    from transitions.local_dag import plan_units
+
+    states = job_states(job_spec(spec))
+    ranks = 0
+    for sp in plan.stages:
+        for unit in plan_units(states[sp.model_stage], sp, plan.version)[:1]:  # replicas share the geometry
+            for gpu in unit.gpus:
+                if time.perf_counter() > deadline:
+                    return False, ranks
+                unit.boxes(gpu)
+                unit.bytes_on(gpu)
+                unit_slots(unit, gpu)
+                ranks += 1
+    return True, ranks
+
+
+def _parts(gpu_nodes: dict[int, tuple[int, ...]], gpus: list[int], node_of_gpu: Callable[[int], str]
+           ) -> dict[str, dict[str, Any]]:
+    """Each node's part: its GPUs, and the ids of the DAG nodes that touch any of them."""
+    nodes: dict[str, set[int]] = {}
+    parts: dict[str, dict[str, Any]] = {}
+    for gpu in gpus:
+        node = node_of_gpu(gpu)
+        part = parts.setdefault(node, {"gpus": [], "dag_nodes": []})
+        part["gpus"].append(gpu)
+        nodes.setdefault(node, set()).update(gpu_nodes.get(gpu, ()))
+    for node, part in parts.items():
+        part["dag_nodes"] = sorted(nodes[node])
+    return parts
 
 
 def _transition_key(spec: dict[str, Any]) -> str:

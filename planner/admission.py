@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import asdict, dataclass, field, is_dataclass, replace
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 from enum import Enum
 from types import MappingProxyType
 from typing import Any, Protocol
@@ -308,17 +308,20 @@ class NoReachablePlan(InfeasibleError):
         super().__init__(str(cause).splitlines()[0] + tried, cause.reasons)
 
 
-def _plain(obj: Any) -> Any:
+def _plain(obj: Any, by_fields: bool = False) -> Any:
+    """Plain data (enums as values, mapping keys as strings, sets sorted, non-finite floats as None). A
+    dataclass goes through its ``to_dict`` if it has one, else field by field, and so does everything
+    inside it (as ``_plain(dataclasses.asdict(obj))`` gave, without asdict's deep copy of every leaf)."""
     if is_dataclass(obj) and not isinstance(obj, type):
-        if hasattr(obj, "to_dict"):
+        if not by_fields and hasattr(obj, "to_dict"):
             return _plain(obj.to_dict())
-        return _plain(asdict(obj))
+        return {f.name: _plain(getattr(obj, f.name), True) for f in fields(obj)}
     if isinstance(obj, Enum):
         return obj.value
     if isinstance(obj, Mapping):
-        return {(_plain(k) if isinstance(k, Enum) else str(k)): _plain(v) for k, v in obj.items()}
+        return {(_plain(k, by_fields) if isinstance(k, Enum) else str(k)): _plain(v, by_fields) for k, v in obj.items()}
     if isinstance(obj, (list, tuple, set, frozenset)):
-        items = [_plain(v) for v in obj]
+        items = [_plain(v, by_fields) for v in obj]
         return sorted(items) if isinstance(obj, (set, frozenset)) else items
     if isinstance(obj, float) and not math.isfinite(obj):
         return None

@@ -2,7 +2,7 @@
 
 Same candidates (planner.options), same objective (sum over waves of the slowest member) and the same
 memory rule as planner.search, but no frontier, no bounds and no caps: exponential, so only for the
-small settings where bench/planner.py and the tests compare the two.
+small settings where bench/decisions.py and the tests compare the two.
 """
 
 from __future__ import annotations

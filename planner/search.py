@@ -19,7 +19,7 @@
 5. GPU sets are assigned from the pool (whole nodes first, larger units first so TP stays in a node),
    and the plan is scored with planner.prediction.predict.
 Urgent path: when nothing fits, recomputation, then TP across nodes are allowed.
-planner.exhaustive tries every combination; bench/planner.py compares the two.
+planner.exhaustive tries every combination; bench/decisions.py compares the two.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from planner.models import Parallel, TensorSpec
 from transitions.emu import EMU, Box, StateKey, UnitState
 from transitions.errors import CoverageError
 from transitions.geometry import Shard, tensor_stages
-from transitions.layout import COUNTERS, COUNTERS_KIND, NUM_COUNTERS, unit_slots
+from transitions.layout import COUNTERS, COUNTERS_KIND, NUM_COUNTERS, Slot, unit_slots
 from transitions.primitives import Merge, Primitive
 from transitions.transfer_plan import Piece
 
@@ -69,7 +69,34 @@ def _take(cover: Cover, need: Intervals, src: EMU, gpu: int, box: Box | None, di
     return need
 
 
-def _tensor_cover(shard: Shard, dim: int, tensor: TensorSpec, sources: tuple[EMU, ...], gpu: int,
+class _Boxes:
+    """One ``covers`` call's memo of the sources' boxes per GPU and their holders per PP stage: a unit's
+    ``boxes`` and ``tensor_stages`` are lru-cached by value, and hashing a unit's state per shard cost
+    more than the cover itself. Keyed by the source's position, alive for one call only."""
+
+    __slots__ = ("boxes", "holders", "sources")
+
+    def __init__(self, sources: tuple[EMU, ...]) -> None:
+        self.sources = sources
+        self.boxes: dict[tuple[int, int], dict[StateKey, Box]] = {}
+        self.holders: dict[tuple[int, int | None, str, int], tuple[int, ...]] = {}
+
+    def of(self, k: int, gpu: int) -> dict[StateKey, Box]:
+        got = self.boxes.get((k, gpu))
+        if got is None:
+            got = self.boxes[(k, gpu)] = self.sources[k].boxes(gpu)
+        return got
+
+    def holders_of(self, k: int, tensor: TensorSpec, tp_rank: int) -> tuple[int, ...]:
+        # tensors of one layer (or the same non-layer tensor) sit on the same stages
+        key = (k, tensor.layer, tensor.name if tensor.layer is None else "", tp_rank)
+        got = self.holders.get(key)
+        if got is None:
+            got = self.holders[key] = tuple(_remote_holders(self.sources[k], tensor, tp_rank))
+        return got
+
+
+def _tensor_cover(shard: Shard, dim: int, tensor: TensorSpec, memo: _Boxes, gpu: int,
                   local: list[tuple[EMU, dict[StateKey, Box]]], tp_rank: int) -> tuple[Cover, Intervals]:
     """Where each row of ``shard`` comes from: same-GPU sources first, then remote ones rank-aligned."""
     key = shard.key
@@ -79,9 +106,9 @@ def _tensor_cover(shard: Shard, dim: int, tensor: TensorSpec, sources: tuple[EMU
         need = _take(cover, need, s, gpu, boxes.get(key), dim)
         if not need:
             return cover, need
-    for s in sources:
-        for g in _remote_holders(s, tensor, tp_rank):
-            need = _take(cover, need, s, g, s.boxes(g).get(key), dim)
+    for k, s in enumerate(memo.sources):
+        for g in memo.holders_of(k, tensor, tp_rank):
+            need = _take(cover, need, s, g, memo.of(k, g).get(key), dim)
             if not need:
                 return cover, need
     return cover, need
@@ -97,7 +124,8 @@ def covers(target: EMU, sources: tuple[EMU, ...], gpu: int) -> list[tuple[Shard,
     index = _tensor_index(target.state)
     owner = target.final if target.final is not None else target
     tp_rank = owner.layout.coords(owner.rank_of(gpu))[0]
-    local = [(s, s.boxes(gpu)) for s in sources if s.holds(gpu)]
+    memo = _Boxes(sources)
+    local = [(s, memo.of(k, gpu)) for k, s in enumerate(sources) if s.holds(gpu)]
     out: list[tuple[Shard, int, Cover]] = []
     cover: Cover = []
     cover_tensor = ""
@@ -107,31 +135,36 @@ def covers(target: EMU, sources: tuple[EMU, ...], gpu: int) -> list[tuple[Shard,
             tensor = index[shard.key[0]]
             dim = _split_dim(tensor)
             cover_tensor = shard.key[0]
-            cover, need = _tensor_cover(shard, dim, tensor, sources, gpu, local, tp_rank)
+            cover, need = _tensor_cover(shard, dim, tensor, memo, gpu, local, tp_rank)
             if need:
                 raise CoverageError(target.uid, gpu, shard.key, tuple(need))
         out.append((shard, dim, cover))
     return out
 
 
-def _piece(src: EMU, src_gpu: int, dst: EMU, dst_gpu: int, dst_box: Box, key: tuple[str, str],
-           dim: int, lo: int, hi: int) -> Piece:
-    offsets, lengths = list(dst_box[0]), list(dst_box[1])
-    offsets[dim], lengths[dim] = lo, hi - lo
-    return Piece(src_worker=src_gpu, dst_worker=dst_gpu, src_slot=unit_slots(src, src_gpu)[key],
-                 dst_slot=unit_slots(dst, dst_gpu)[key], box=(tuple(offsets), tuple(lengths)),
-                 src_unit=src.uid, dst_unit=dst.uid)
-
-
-def derive_target(target: EMU, sources: tuple[EMU, ...], gpu: int, from_gpu: int | None = None) -> list[Piece]:
+def derive_target(target: EMU, sources: tuple[EMU, ...], gpu: int, from_gpu: int | None = None,
+                  covered: list[tuple[Shard, int, Cover]] | None = None) -> list[Piece]:
     """Pieces (local and remote) that fill everything ``target`` holds on ``gpu`` from ``sources``;
-    with ``from_gpu``, only those read from that GPU."""
+    with ``from_gpu``, only those read from that GPU. ``covered``: ``covers(target, sources, gpu)``
+    when the caller has it already."""
     out: list[Piece] = []
-    for shard, dim, cover in covers(target, sources, gpu):
-        box: Box = (shard.offsets, shard.lengths)
+    dst_slots = unit_slots(target, gpu)
+    src_slots: dict[tuple[int, int], dict[tuple[str, str], Slot]] = {}  # by (id(unit), GPU): no hashing
+    uid = target.uid
+    for shard, dim, cover in covers(target, sources, gpu) if covered is None else covered:
+        offsets, lengths = shard.offsets, shard.lengths
         key = (shard.key[0], shard.key[1].value)
-        out += [_piece(s, g, target, gpu, box, key, dim, lo, hi)
-                for s, g, _, lo, hi in cover if from_gpu is None or g == from_gpu]
+        dst_slot = dst_slots[key]
+        for s, g, _, lo, hi in cover:
+            if from_gpu is not None and g != from_gpu:
+                continue
+            slots = src_slots.get((id(s), g))
+            if slots is None:
+                slots = src_slots[(id(s), g)] = unit_slots(s, g)
+            offs, lens = list(offsets), list(lengths)
+            offs[dim], lens[dim] = lo, hi - lo
+            out.append(Piece(src_worker=g, dst_worker=gpu, src_slot=slots[key], dst_slot=dst_slot,
+                             box=(tuple(offs), tuple(lens)), src_unit=s.uid, dst_unit=uid))
     return out
 
 

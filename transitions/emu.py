@@ -21,7 +21,7 @@ from planner.errors import SpecError
 from planner.models import Head, ModelSpec
 from planner.plan import Layout
 from planner.workflow import JobSpec, Role, StageKind
-from transitions.geometry import Shard, StateKind, check_layout, state_kinds, unit_shards
+from transitions.geometry import Shard, StateKind, check_layout, rank_shard_tuple, state_kinds
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, lengths) in global coordinates
 StateKey = tuple[str, StateKind]  # (tensor name, state kind)
@@ -125,7 +125,7 @@ class EMU:
 
 @lru_cache(maxsize=65536)
 def rank_shards(state: UnitState, layout: Layout, rank: int) -> tuple[Shard, ...]:
-    return tuple(unit_shards(state.model, state.head, layout, rank, state.kinds))
+    return rank_shard_tuple(state.model, state.head, layout, rank, state.kinds)
 
 
 @lru_cache(maxsize=65536)

@@ -104,7 +104,7 @@ def order_by_memory(
     if len(fps) <= EXACT_NODE_LIMIT:
         order = _exact_order(fps, edges, initial_bytes, capacity_bytes)
         if order is not None:
-            return _replay_order(fps, order, initial_bytes, capacity_bytes)
+            return replay_order(fps, order, initial_bytes, capacity_bytes)
     raise first
 
 
@@ -221,7 +221,7 @@ def _exact_order(fps: list[Footprint], edges: list[tuple[int, int]], initial_byt
     return None
 
 
-def _replay_order(fps: list[Footprint], order: list[int], initial_bytes: dict[int, int],
+def replay_order(fps: list[Footprint], order: list[int], initial_bytes: dict[int, int],
                   capacity_bytes: int) -> MemoryOrder:
     """Peaks of a given order, and a resource edge from each GPU's latest release to any acquisition
     that needed the bytes it freed."""

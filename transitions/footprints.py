@@ -13,8 +13,9 @@ derivation. ``traffic`` is the same without bucket memory: all a GPU deriving it
 from __future__ import annotations
 
 from transitions import transfer_plan
-from transitions.covers import counter_pieces, covers, derive_target
+from transitions.covers import Cover, counter_pieces, covers, derive_target
 from transitions.emu import EMU
+from transitions.geometry import Shard
 from transitions.planning_cache import DEFAULT_CACHE, PlanningCache
 from transitions.primitives import (
     Destroy,
@@ -30,8 +31,12 @@ from transitions.primitives import (
 )
 from transitions.transfer_plan import in_flight_bytes, messages
 
+# (target index, GPU) -> covers(target, prim.sources, GPU)
+Covered = dict[tuple[int, int], list[tuple[Shard, int, Cover]]]
 
-def wire_buffers(prim: Primitive, max_bucket_bytes: int | None = None) -> dict[int, int]:
+
+def wire_buffers(prim: Primitive, max_bucket_bytes: int | None = None, covered: Covered | None = None
+                 ) -> dict[int, int]:
     """Per GPU, the bucket memory the executor holds at once running ``prim``: its packed messages
     of two consecutive rounds (``transitions.transfer_plan``), derived by the executor's own
     bucketizer from every piece, counters included. With early builds on CPU (a unit built from its
@@ -40,7 +45,8 @@ def wire_buffers(prim: Primitive, max_bucket_bytes: int | None = None) -> dict[i
         max_bucket_bytes = transfer_plan.DEFAULT_BUCKET_BYTES
     if moves_nothing(prim):
         return {}
-    every = [p for t in prim.targets for g in target_gpus(prim, t) for p in derive_target(t, prim.sources, g)]
+    every = [p for k, t in enumerate(prim.targets) for g in target_gpus(prim, t)
+             for p in derive_target(t, prim.sources, g, covered=None if covered is None else covered[(k, g)])]
     wire = messages([*counter_pieces(prim), *every], max_bucket_bytes)
     gpus = {g for m in wire for g in (m.src_worker, m.dst_worker)}
     held = {g: in_flight_bytes(wire, g) for g in sorted(gpus)}
@@ -97,15 +103,18 @@ def _memory(prim: Primitive) -> tuple[dict[int, int], dict[int, int]]:
     return alloc, free
 
 
-def _traffic(prim: Primitive) -> tuple[dict[int, int], dict[tuple[int, int], int]]:
-    """Bytes copied within each GPU and sent per (src, dst) pair."""
+def _traffic(prim: Primitive, covered: Covered | None = None) -> tuple[dict[int, int], dict[tuple[int, int], int]]:
+    """Bytes copied within each GPU and sent per (src, dst) pair; the covers derived go into ``covered``."""
     local: dict[int, int] = {}
     pair: dict[tuple[int, int], int] = {}
     if moves_nothing(prim):
         return local, pair
-    for target in prim.targets:
+    for k, target in enumerate(prim.targets):
         for dst in target_gpus(prim, target):
-            for shard, dim, cover in covers(target, prim.sources, dst):
+            cov = covers(target, prim.sources, dst)
+            if covered is not None:
+                covered[(k, dst)] = cov
+            for shard, dim, cover in cov:
                 row_bytes = shard.num_bytes // shard.lengths[dim]
                 for _, src, _, lo, hi in cover:
                     nbytes = row_bytes * (hi - lo)
@@ -118,8 +127,9 @@ def _traffic(prim: Primitive) -> tuple[dict[int, int], dict[tuple[int, int], int
 
 def _canonical_footprint(prim: Primitive, buffers: bool = True) -> Footprint:
     alloc, free = _memory(prim)
-    local, pair = _traffic(prim)
-    buffer = wire_buffers(prim) if pair and buffers else {}
+    covered: Covered = {}
+    local, pair = _traffic(prim, covered)
+    buffer = wire_buffers(prim, covered=covered) if pair and buffers else {}
     return Footprint(alloc_bytes={g: v for g, v in alloc.items() if v},
                      free_bytes={g: v for g, v in free.items() if v},
                      buffer_bytes=buffer, local_bytes=local, pair_bytes=pair)
@@ -177,17 +187,17 @@ def canonical_footprint(prim: Primitive, cache: PlanningCache, buffers: bool = T
 
 def traffic(prim: Primitive, cache: PlanningCache) -> Footprint:
     """``prim``'s footprint without bucket memory, on its own GPUs (memoised like ``footprint``)."""
-    return _on_gpus(*canonical_footprint(prim, cache, buffers=False))
+    return on_gpus(*canonical_footprint(prim, cache, buffers=False))
 
 
 def footprint(prim: Primitive, cache: PlanningCache | None = None) -> Footprint:
     """Per-GPU memory and traffic of ``prim`` (exact: derived from its pieces and buckets); ``cache``:
     whose footprint memo serves it (None: transitions.planning_cache.DEFAULT_CACHE, the documented
     default of callers that own none)."""
-    return _on_gpus(*canonical_footprint(prim, DEFAULT_CACHE if cache is None else cache))
+    return on_gpus(*canonical_footprint(prim, DEFAULT_CACHE if cache is None else cache))
 
 
-def _on_gpus(fp: Footprint, gpus: list[int]) -> Footprint:
+def on_gpus(fp: Footprint, gpus: list[int]) -> Footprint:
     """A footprint over labels mapped onto the GPU of each label."""
     return Footprint(
         alloc_bytes={gpus[g]: v for g, v in fp.alloc_bytes.items()},

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from functools import lru_cache
 
 from planner.errors import SpecError
 from planner.models import Head, ModelSpec, Parallel, TensorSpec
@@ -97,6 +98,7 @@ class Shard:
 # --- pipeline parallelism -------------------------------------------------------------------------
 
 
+@lru_cache(maxsize=1024)
 def layer_stages(num_layers: int, pp: int) -> tuple[int, ...]:
     """PP stage of each decoder layer: contiguous runs, the first ``num_layers % pp`` stages one longer."""
     if pp < 1 or pp > num_layers:
@@ -190,21 +192,39 @@ def unit_shards(
 
     Empty chunks of uneven splits (e.g. vocab 5 over tp 4) hold no bytes and are left out.
     """
+    return list(rank_shard_tuple(model, head, layout, rank, kinds))
+
+
+@lru_cache(maxsize=8192)
+def rank_shard_tuple(model: ModelSpec, head: Head, layout: Layout, rank: int,
+                     kinds: tuple[StateKind, ...] = INFERENCE_KINDS) -> tuple[Shard, ...]:
+    """``unit_shards`` memoised by value (a pure function of frozen specs; bounded): the units' shards
+    (transitions.emu) and their buffers' slots (transitions.layout) both read it."""
     check_layout(model, layout)
     if not 0 <= rank < layout.size:
         raise SpecError("rank", f"{rank} outside unit of {layout.size} GPUs ({layout})")
     tp_rank, pp_rank = layout.coords(rank)
+    stages = layer_stages(model.num_layers, layout.pp)
+    per_element = [kind.bytes_per_element(model) for kind in kinds]
     out: list[Shard] = []
-    for tensor in model.tensors(head):
-        if pp_rank not in tensor_stages(tensor, model, layout.pp):
+    for tensor in _tensors(model, head):
+        if tensor.layer is not None:
+            if stages[tensor.layer] != pp_rank:
+                continue
+        elif pp_rank not in tensor_stages(tensor, model, layout.pp):
             continue
         offsets, lengths = tp_box(tensor, model, layout.tp, tp_rank)
         if 0 in lengths:
             continue
-        for kind in kinds:
+        for kind, nbytes in zip(kinds, per_element):
             out.append(Shard(tensor=tensor.name, kind=kind, global_shape=tensor.shape, offsets=offsets,
-                             lengths=lengths, bytes_per_element=kind.bytes_per_element(model)))
-    return out
+                             lengths=lengths, bytes_per_element=nbytes))
+    return tuple(out)
+
+
+@lru_cache(maxsize=256)
+def _tensors(model: ModelSpec, head: Head) -> tuple[TensorSpec, ...]:
+    return model.tensors(head)
 
 
 def unit_rank_bytes(model: ModelSpec, head: Head, layout: Layout, rank: int,

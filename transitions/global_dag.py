@@ -32,193 +32,28 @@ transitions.planning_cache for who owns one). Pure: no torch, no I/O.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import dataclass, field
 
 from planner.errors import SpecError
 from planner.hardware import ClusterSpec
 from planner.plan import GlobalPlan
 from planner.workflow import JobSpec, StageKind
+from transitions.dag_record import (  # noqa: F401 (re-exported)
+    DagBody,
+    TransitionDAG,
+    _expand,
+    data_edges,
+    gpu_index,
+    held_bytes,
+)
 from transitions.emu import EMU, UnitState, job_states
-from transitions.feasibility import MemoryOrder, apply_footprint, order_by_memory
+from transitions.exact_order import EXACT_MAKESPAN_NODES, fastest_order, makespan
+from transitions.feasibility import MemoryOrder, order_by_memory, replay_order
 from transitions.footprints import footprint
 from transitions.local_dag import LastCopyLostError, plan_stage, plan_units
 from transitions.planning_cache import DEFAULT_CACHE, PlanningCache
 from transitions.primitives import Footprint, Primitive
-from transitions.replica_classes import MIN_UNITS, ReplicaPlan, plan_replicas
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class DagBody:
-    """The unit-level DAG: primitives, edges, the checked order and its memory peaks."""
-
-    nodes: tuple[Primitive, ...]
-    stage_order: tuple[int, ...]  # per node: 0 generation, 1 inference, 2 training
-    data_edges: tuple[tuple[int, int], ...]
-    resource_edges: tuple[tuple[int, int], ...]
-    order: tuple[int, ...]
-    old_units: tuple[EMU, ...]  # intact units before the transition
-    lost_units: tuple[EMU, ...]  # units that had a GPU on a lost GPU
-    new_units: tuple[EMU, ...]
-    renamed: tuple[tuple[str, str], ...]  # (old uid, new uid) of units that stay as they are
-    stale_units: tuple[str, ...]  # old units dropped unread (refreshed by a weight sync)
-    peak_bytes: dict[int, int]  # per GPU touched: the highest point of its timeline
-    footprints: tuple[Footprint, ...]
-    gpu_nodes: dict[int, tuple[int, ...]]  # GPU -> node ids in order
-
-
-@dataclass(frozen=True, kw_only=True, slots=True, eq=False, weakref_slot=True)
-class TransitionDAG:
-    """Frozen plan of a transition. Built either unit by unit (``body`` given) or over replica classes
-    (``replicas``, transitions.replica_classes): then the unit-level DAG is expanded on first use of
-    any unit-level attribute, and the schedule (transitions.cost) runs on the classes."""
-
-    old_version: int
-    new_version: int
-    capacity_bytes: int
-    replicas: ReplicaPlan | None = field(default=None, repr=False)
-    body_: DagBody | None = field(default=None, repr=False)
-
-    @property
-    def body(self) -> DagBody:
-        body = self.body_
-        if body is None:
-            assert self.replicas is not None
-            body = _expand(self.replicas)
-            object.__setattr__(self, "body_", body)  # a cache of what ``replicas`` determines
-        return body
-
-    @property
-    def expanded(self) -> bool:
-        return self.body_ is not None
-
-    @property
-    def nodes(self) -> tuple[Primitive, ...]:
-        return self.body.nodes
-
-    @property
-    def stage_order(self) -> tuple[int, ...]:
-        return self.body.stage_order
-
-    @property
-    def data_edges(self) -> tuple[tuple[int, int], ...]:
-        return self.body.data_edges
-
-    @property
-    def resource_edges(self) -> tuple[tuple[int, int], ...]:
-        return self.body.resource_edges
-
-    @property
-    def order(self) -> tuple[int, ...]:
-        return self.body.order
-
-    @property
-    def old_units(self) -> tuple[EMU, ...]:
-        return self.body.old_units
-
-    @property
-    def lost_units(self) -> tuple[EMU, ...]:
-        return self.body.lost_units
-
-    @property
-    def new_units(self) -> tuple[EMU, ...]:
-        return self.body.new_units
-
-    @property
-    def renamed(self) -> tuple[tuple[str, str], ...]:
-        return self.body.renamed
-
-    @property
-    def stale_units(self) -> tuple[str, ...]:
-        return self.body.stale_units
-
-    @property
-    def peak_bytes(self) -> dict[int, int]:
-        return self.body.peak_bytes
-
-    @property
-    def footprints(self) -> tuple[Footprint, ...]:
-        return self.body.footprints
-
-    @property
-    def gpu_nodes(self) -> dict[int, tuple[int, ...]]:
-        return self.body.gpu_nodes
-
-    @property
-    def num_nodes(self) -> int:
-        return self.replicas.num_nodes if self.body_ is None and self.replicas else len(self.body.nodes)
-
-    def nodes_on(self, gpu: int) -> list[int]:
-        """Node ids that touch ``gpu``, in execution order (what one worker runs)."""
-        return list(self.gpu_nodes.get(gpu, ()))
-
-    def with_order(self, order: tuple[int, ...], resource_edges: tuple[tuple[int, int], ...] = ()
-                   ) -> TransitionDAG:
-        """The same DAG run in another order (for comparisons; memory is not re-checked)."""
-        body = replace(self.body, order=order, resource_edges=resource_edges,
-                       gpu_nodes=gpu_index(list(self.body.footprints), order))
-        return TransitionDAG(old_version=self.old_version, new_version=self.new_version,
-                             capacity_bytes=self.capacity_bytes, body_=body)
-
-    @property
-    def bytes_moved(self) -> int:
-        if self.body_ is None and self.replicas is not None:
-            return self.replicas.bytes_moved
-        return sum(fp.moved_bytes for fp in self.footprints)
-
-    def to_dict(self) -> dict[str, Any]:
-        units: dict[str, dict[str, object]] = {}
-        for prim in self.nodes:
-            for u in (*prim.sources, *prim.targets, *prim.frees):
-                units.setdefault(u.uid, u.describe())
-        for u in (*self.old_units, *self.new_units, *self.lost_units):
-            units.setdefault(u.uid, u.describe())
-        return {
-            "old_version": self.old_version,
-            "new_version": self.new_version,
-            "nodes": [
-                {"id": i, "kind": p.kind.value, "sources": [u.uid for u in p.sources],
-                 "targets": [u.uid for u in p.targets], "frees": [u.uid for u in p.frees],
-                 "bytes_moved": self.footprints[i].moved_bytes}
-                for i, p in enumerate(self.nodes)
-            ],
-            "data_edges": [list(e) for e in self.data_edges],
-            "resource_edges": [list(e) for e in self.resource_edges],
-            "order": list(self.order),
-            "units": units,
-            "old_units": [u.uid for u in self.old_units],
-            "lost_units": [u.uid for u in self.lost_units],
-            "new_units": [u.uid for u in self.new_units],
-            "renamed": [list(r) for r in self.renamed],
-            "stale_units": list(self.stale_units),
-            "capacity_bytes": self.capacity_bytes,
-            "peak_bytes": {str(g): b for g, b in sorted(self.peak_bytes.items())},
-            "bytes_moved": self.bytes_moved,
-        }
-
-
-def data_edges(nodes: list[Primitive]) -> list[tuple[int, int]]:
-    producer: dict[str, int] = {}
-    readers: dict[str, list[int]] = {}
-    for i, p in enumerate(nodes):
-        for u in p.targets:
-            producer[u.uid] = i
-        for u in p.sources:
-            readers.setdefault(u.uid, []).append(i)
-    edges: set[tuple[int, int]] = set()
-    for i, p in enumerate(nodes):
-        for u in p.sources:
-            j = producer.get(u.uid)
-            if j is not None:
-                edges.add((j, i))
-        for u in p.frees:
-            j = producer.get(u.uid)
-            if j is not None and j != i:
-                edges.add((j, i))
-            for r in readers.get(u.uid, ()):
-                if r != i:
-                    edges.add((r, i))
-    return sorted(edges)
+from transitions.replica_classes import MIN_UNITS, plan_replicas
 
 
 def _states(job_or_models: JobSpec | Mapping[str, UnitState]) -> Mapping[str, UnitState]:
@@ -286,8 +121,17 @@ def build_transition(
     _check_gpus(states, cluster, old, new, lost_gpus)
     intact, lost = _old_units(states, old, old_version, lost_gpus)
     local = _stage_transitions(states, old, new, intact, refresh, lost_gpus)
-    body = _ordered(states, local, intact, lost, capacity, policy, cache)
+    body = _ordered(states, local, intact, lost, capacity, policy, cache, cluster)
     return TransitionDAG(old_version=old_version, new_version=new.version, capacity_bytes=capacity, body_=body)
+
+
+def primitive_count(job_or_models: JobSpec | Mapping[str, UnitState], old: GlobalPlan | None, new: GlobalPlan,
+                    lost_gpus: frozenset[int] = frozenset()) -> int:
+    """How many nodes ``build_transition`` plans unit by unit for this change (local plans only: no
+    footprint, no order; what a caller sizing the DAG asks before building it)."""
+    states = _states(job_or_models)
+    intact, _ = _old_units(states, old, old.version if old is not None else -1, lost_gpus)
+    return len(_stage_transitions(states, old, new, intact, {}, lost_gpus).nodes)
 
 
 def _check_gpus(states: Mapping[str, UnitState], cluster: ClusterSpec, old: GlobalPlan | None, new: GlobalPlan,
@@ -363,18 +207,17 @@ def _stage_transitions(states: Mapping[str, UnitState], old: GlobalPlan | None, 
 
 
 def _ordered(states: Mapping[str, UnitState], local: _Local, intact: dict[str, list[EMU]], lost: list[EMU],
-             capacity: int, policy: str, cache: PlanningCache) -> DagBody:
-    """The unit-level DAG: edges, footprints and the order checked on every GPU's memory timeline."""
+             capacity: int, policy: str, cache: PlanningCache, cluster: ClusterSpec) -> DagBody:
+    """The unit-level DAG: edges, footprints and the order checked on every GPU's memory timeline (on a
+    DAG of at most EXACT_MAKESPAN_NODES nodes, the fastest such order: transitions.exact_order)."""
     nodes = local.nodes
     edges = data_edges(nodes)
     fps = [footprint(p, cache) for p in nodes]
-    initial: dict[int, int] = {}
-    for units in intact.values():
-        for u in units:
-            for g in u.gpus:
-                initial[g] = initial.get(g, 0) + u.bytes_on(g)
+    initial = held_bytes([u for units in intact.values() for u in units])
     stage_order = [_stage_of(p, states) for p in nodes]
     result: MemoryOrder = order_by_memory(fps, edges, stage_order, initial, capacity, policy=policy)
+    if policy == "global" and 1 < len(nodes) <= EXACT_MAKESPAN_NODES:
+        result = _fastest(fps, edges, initial, capacity, cluster, result)
     return DagBody(
         nodes=tuple(nodes), stage_order=tuple(stage_order),
         data_edges=tuple(edges), resource_edges=tuple(result.resource_edges), order=tuple(result.order),
@@ -384,31 +227,15 @@ def _ordered(states: Mapping[str, UnitState], local: _Local, intact: dict[str, l
     )
 
 
-def _expand(plan: ReplicaPlan) -> DagBody:
-    """The unit-level DAG of a class-level plan: members of each class back to back, in class order;
-    edges re-derived from the primitives, peaks replayed exactly (the class check bounds them)."""
-    nodes, stage_order, old_units, new_units, renamed = plan.expand()
-    fps = [footprint(p, plan.cache) for p in nodes]  # the builder's cache (None once pickled: the default)
-    order = tuple(plan.order())
-    used: dict[int, int] = {}
-    for u in old_units:
-        for g in u.gpus:
-            used[g] = used.get(g, 0) + u.bytes_on(g)
-    peak = dict(used)
-    for i in order:
-        apply_footprint(fps[i], used, peak)
-    return DagBody(nodes=tuple(nodes), stage_order=tuple(stage_order), data_edges=tuple(data_edges(nodes)),
-                   resource_edges=(), order=order, old_units=tuple(old_units), lost_units=(),
-                   new_units=tuple(new_units), renamed=tuple(renamed), stale_units=(), peak_bytes=peak,
-                   footprints=tuple(fps), gpu_nodes=gpu_index(fps, order))
+def _fastest(fps: list[Footprint], edges: list[tuple[int, int]], initial: dict[int, int], capacity: int,
+             cluster: ClusterSpec, greedy: MemoryOrder) -> MemoryOrder:
+    """The greedy order, or a strictly faster memory-feasible one (durations as transition_cost
+    prices them by default)."""
+    from transitions.cost import DEFAULT_COMMUNICATOR_SETUP_S, primitive_seconds  # cost imports this module
 
-
-def gpu_index(fps: list[Footprint], order: tuple[int, ...]) -> dict[int, tuple[int, ...]]:
-    index: dict[int, list[int]] = {}
-    for i in order:
-        for g in fps[i].gpus:
-            index.setdefault(g, []).append(i)
-    return {g: tuple(nodes) for g, nodes in index.items()}
+    durations = [primitive_seconds(fp, cluster, DEFAULT_COMMUNICATOR_SETUP_S) for fp in fps]
+    order = fastest_order(fps, edges, initial, capacity, durations, makespan(fps, edges, greedy.order, durations))
+    return greedy if order is None else replay_order(fps, list(order), initial, capacity)
 
 
 def _stage_of(prim: Primitive, states: Mapping[str, UnitState]) -> int:

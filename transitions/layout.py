@@ -21,7 +21,7 @@ from planner.errors import SpecError
 from planner.models import Head, ModelSpec, Parallel
 from planner.plan import Layout
 from transitions.emu import EMU
-from transitions.geometry import StateKind, check_layout, unit_shards
+from transitions.geometry import StateKind, check_layout, rank_shard_tuple
 
 ALIGN_BYTES = 16
 # slots this big start on a page boundary (CPU pages; harmless padding on GPUs): a run kept by a new
@@ -159,7 +159,7 @@ def _layout_slots(model: ModelSpec, head: Head, layout: Layout, rank: int,
     entries: list[tuple[str, str, str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = [
         (COUNTERS, COUNTERS_KIND, "int64", (NUM_COUNTERS,), (0,), (NUM_COUNTERS,))
     ]
-    for s in unit_shards(model, head, layout, rank, kinds):
+    for s in rank_shard_tuple(model, head, layout, rank, kinds):
         entries.append((s.tensor, s.kind.value, dtype_of(s.kind, model), s.global_shape, s.offsets, s.lengths))
     orders = _storage_orders(model, head)
     for tensor, kind, dtype, shape, offs, lens in entries:
@@ -197,6 +197,17 @@ def contiguous_range(slot: Slot, box: Box) -> tuple[int, int] | None:
     """Byte range [start, end) of ``box`` inside the flat buffer holding ``slot``, if contiguous."""
     offsets, lens = box
     full, base = slot.lengths, slot.offsets
+    if len(lens) == 2:  # most tensors: the same test unrolled (a hot path of the DAG's derivation)
+        if slot.order:
+            d0, d1 = slot.order
+        else:
+            d0, d1 = 0, 1
+        n1, k0, k1 = full[d1], lens[d0], lens[d1]
+        if k1 != n1 and k0 != 1:  # a partial inner dim needs a single outer row
+            return None
+        size = slot.element_bytes
+        start = slot.byte_offset + ((offsets[d0] - base[d0]) * n1 + offsets[d1] - base[d1]) * size
+        return start, start + k0 * k1 * size
     if slot.order:  # the same question in storage order
         offsets, lens = tuple(offsets[d] for d in slot.order), tuple(lens[d] for d in slot.order)
         full, base = slot.storage_lengths, tuple(base[d] for d in slot.order)

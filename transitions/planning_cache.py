@@ -10,7 +10,7 @@ pays a lookup for what it derived before. What is in it never changes a DAG, onl
 Who owns one: whoever builds repeatedly keeps one PlanningCache for its lifetime, passes it to every
 ``build_transition(..., cache=...)`` and empties it (``clear()``) when it wants a cold start: the
 daemon's planner binding (nereusd.planning, one per daemon, shared by its job controllers) and
-bench/transitions.py do. A lazily expanded DAG keeps its builder's cache for that expansion (not
+bench/transition_dag.py do. A lazily expanded DAG keeps its builder's cache for that expansion (not
 when pickled). ``DEFAULT_CACHE`` is the process's one default, documented and explicit: what a
 caller that passes none gets (one-off builds, tests), and what per-GPU derivation
 (``transitions.pieces.pieces`` for one GPU without a cache of its own) uses.

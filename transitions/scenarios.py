@@ -1,6 +1,6 @@
 """Plan changes to exercise and measure transitions: hand-made PPO plans and seeded random ones.
 
-Used by tests/transitions and bench/transitions.py. Random scenarios are driven by a
+Used by tests/transitions and bench/transition_dag.py. Random scenarios are driven by a
 ``random.Random`` so every case is reproducible from its seed. Pure: no torch, no I/O.
 """
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from transitions.layout import Box, Slot, align, contiguous_range, slot_start
 
@@ -153,7 +153,25 @@ def _back_to_back(prev: tuple[int, int], prev_slot: Slot, nxt: tuple[int, int], 
             and nxt[0] == slot_start(prev[1], nxt_slot.num_bytes))
 
 
-def _adjacent(pieces: list[Piece], side: str) -> tuple[int, tuple[int, ...], int] | None:
+class _Ranges:
+    """One ``messages`` call's memo of each piece's byte range on either side (``contiguous_range``,
+    asked up to five times per piece), keyed by the piece's identity (each entry keeps its piece alive,
+    so no id is reused while the memo lives): alive for that call only."""
+
+    __slots__ = ("got",)
+
+    def __init__(self) -> None:
+        self.got: dict[int, tuple[Piece, tuple[int, int] | None, tuple[int, int] | None]] = {}
+
+    def of(self, p: Piece) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
+        got = self.got.get(id(p))
+        if got is None:
+            got = self.got[id(p)] = (p, contiguous_range(p.src_slot, p.box), contiguous_range(p.dst_slot, p.box))
+        return got[1], got[2]
+
+
+def _adjacent(pieces: list[Piece], side: str, ranges_: _Ranges | None = None
+              ) -> tuple[int, tuple[int, ...], int] | None:
     """(start, offsets relative to start, length) if ``pieces`` lie back to back in one flat buffer
     on ``side`` ("src" or "dst"), in order; None otherwise."""
     units = {p.src_unit if side == "src" else p.dst_unit for p in pieces}
@@ -162,7 +180,7 @@ def _adjacent(pieces: list[Piece], side: str) -> tuple[int, tuple[int, ...], int
     ranges: list[tuple[tuple[int, int], Slot]] = []
     for p in pieces:
         slot = p.src_slot if side == "src" else p.dst_slot
-        r = contiguous_range(slot, p.box)
+        r = contiguous_range(slot, p.box) if ranges_ is None else ranges_.of(p)[0 if side == "src" else 1]
         if r is None:
             return None
         if ranges and not _back_to_back(ranges[-1][0], ranges[-1][1], r, slot):
@@ -172,12 +190,11 @@ def _adjacent(pieces: list[Piece], side: str) -> tuple[int, tuple[int, ...], int
     return start, tuple(r[0] - start for r, _ in ranges), ranges[-1][0][1] - start
 
 
-def _coalesce(pieces: list[Piece]) -> list[tuple[Run | None, list[Piece]]]:
+def _coalesce(pieces: list[Piece], ranges_: _Ranges) -> list[tuple[Run | None, list[Piece]]]:
     """Merge pieces contiguous on both sides into byte runs; a piece that is not stays alone (None)."""
     out: list[tuple[Run | None, list[Piece]]] = []
     for p in pieces:
-        src = contiguous_range(p.src_slot, p.box)
-        dst = contiguous_range(p.dst_slot, p.box)
+        src, dst = ranges_.of(p)
         if src is None or dst is None:
             out.append((None, [p]))
             continue
@@ -221,25 +238,27 @@ def messages(pieces: Iterable[Piece], max_bucket_bytes: int = DEFAULT_BUCKET_BYT
         if p.src_worker != p.dst_worker:
             by_pair[(p.src_worker, p.dst_worker)].append(p)
     out: list[Message] = []
+    ranges_ = _Ranges()
     for (src, dst), pair_pieces in sorted(by_pair.items()):
         direct: list[tuple[Run, list[Piece]]] = []
         packed: list[Piece] = []
-        for run, members in _coalesce(pair_pieces):
+        for run, members in _coalesce(pair_pieces, ranges_):
             if run is not None and run[0][1] - run[0][0] >= DIRECT_MIN_BYTES:
                 direct.append((run, members))
             else:
                 for p in members:
                     packed.extend(_split_piece(p, max_bucket_bytes))
         for tag, (run, members) in enumerate(direct):
-            layout = tuple(contiguous_range(p.src_slot, p.box)[0] - run[0][0] for p in members)  # type: ignore[index]
+            layout = tuple(ranges_.of(p)[0][0] - run[0][0] for p in members)  # type: ignore[index]
             out.append(Message(src_worker=src, dst_worker=dst, round=0, tag=tag, pieces=tuple(members),
                                layout=layout, length=run[0][1] - run[0][0], src_start=run[0][0],
                                dst_start=run[1][0]))
-        out += _rounds(src, dst, _buckets(packed, max_bucket_bytes), max_bucket_bytes, first_tag=len(direct))
+        out += _rounds(src, dst, _buckets(packed, max_bucket_bytes, ranges_), max_bucket_bytes,
+                       first_tag=len(direct), ranges_=ranges_)
     return out
 
 
-def _buckets(packed: list[Piece], max_bucket_bytes: int) -> list[list[Piece]]:
+def _buckets(packed: list[Piece], max_bucket_bytes: int, ranges_: _Ranges) -> list[list[Piece]]:
     """``packed`` cut into buckets of at most ``max_bucket_bytes`` (each piece 16-byte aligned). A
     bucket also closes where its pieces stop lying back to back in the destination (a direct run
     sits in between): the destination then receives each bucket in place instead of unpacking it,
@@ -248,7 +267,7 @@ def _buckets(packed: list[Piece], max_bucket_bytes: int) -> list[list[Piece]]:
     size = 0
     adjacent, last = False, None  # whether the open bucket lies back to back in the destination
     for p in packed:
-        here = contiguous_range(p.dst_slot, p.box)
+        here = ranges_.of(p)[1]
         follows = (here is not None and last is not None and adjacent and last[2] == p.dst_unit
                    and _back_to_back(last[0], last[1], here, p.dst_slot))
         gap = bool(buckets[-1]) and size >= SPLIT_MIN_BYTES and not follows
@@ -262,24 +281,26 @@ def _buckets(packed: list[Piece], max_bucket_bytes: int) -> list[list[Piece]]:
     return [b for b in buckets if b]
 
 
-def _rounds(src: int, dst: int, buckets: list[list[Piece]], max_bucket_bytes: int, first_tag: int) -> list[Message]:
+def _rounds(src: int, dst: int, buckets: list[list[Piece]], max_bucket_bytes: int, first_tag: int,
+            ranges_: _Ranges | None = None) -> list[Message]:
     """The buckets' messages in rounds by volume: each carries at most ``max_bucket_bytes`` per pair."""
     out: list[Message] = []
     rnd, volume = 0, 0
     for tag, bucket in enumerate(buckets, start=first_tag):
-        message = _bucket_message(src, dst, rnd, tag, bucket)
+        message = _bucket_message(src, dst, rnd, tag, bucket, ranges_)
         if volume and volume + message.length > max_bucket_bytes:
             rnd, volume = rnd + 1, 0
-            message = _bucket_message(src, dst, rnd, tag, bucket)
+            message = replace(message, round=rnd)
         volume += message.length
         out.append(message)
     return out
 
 
-def _bucket_message(src: int, dst: int, rnd: int, tag: int, bucket: list[Piece]) -> Message:
+def _bucket_message(src: int, dst: int, rnd: int, tag: int, bucket: list[Piece], ranges_: _Ranges | None = None
+                    ) -> Message:
     """A packed bucket, laid out as the destination (else the source) holds it when its pieces sit
     back to back there, so that side skips its copy."""
-    on_dst, on_src = _adjacent(bucket, "dst"), _adjacent(bucket, "src")
+    on_dst, on_src = _adjacent(bucket, "dst", ranges_), _adjacent(bucket, "src", ranges_)
     if on_dst is not None:
         start, layout, length = on_dst
         same = on_src is not None and on_src[1:] == (layout, length)

@@ -1,8 +1,17 @@
 """Benchmark of the planner: decision time at scale, and plan quality against exhaustive search. JSON.
 
-    .venv/bin/python bench/planner.py [--out FILE] [--repeats 5] [--quick]
+    .venv/bin/python bench/decisions.py [--out FILE] [--repeats 5] [--quick]
 
-1. Decision time: replan (planner.search) + admission (planner.admission.decide, payback rule, with the
+0. Decision as the daemon pays it (the headline; bench/daemon_path.py): nereusd's JobController on a
+   SQLite store with the daemon's PlannerBinding, PPO on Llama-3.1-8B and Llama-3.3-70B, 1,024 prompts
+   of 1,024 + 3,072 tokens, nodes of 8 H200s around 1,024 GPUs. From the event arriving (a measurement
+   with a response length never seen; agents registering: a GPU count never seen; a node lost) to the
+   last order ready: trigger, search, admission, the transition DAG with every node's part, the
+   decision, plan and transition rows committed. Samples interleave the cases and the two jobs
+   (medians of ``--repeats``); beside them the first decision of a fresh daemon process on a stored
+   job (a new response length), after the daemon's start-up warm-up, whose time is reported too.
+   Target <= 30 ms for every case.
+1. Search only (secondary): replan (planner.search) + admission (planner.admission.decide, payback rule, with the
    transition time given as an input) for PPO on Llama-3.1-8B and Llama-3.3-70B at 8, 32, 128, 512,
    1,024 and 4,096 H200 GPUs, 1,024 prompts of 1,024 + 4,096 tokens; the running plan is the one chosen
    for 3,072-token responses (a sequence-length drift trigger). Wall and CPU time (CPU time is the
@@ -42,6 +51,8 @@ from planner.search import search  # noqa: E402
 from planner.workflow import JobSpec, Workload, same_model_job, workflow_preset  # noqa: E402
 
 DECISION_GPUS = (8, 32, 128, 512, 1024, 4096)
+QUICK_GPUS = (32, 1024)
+DAEMON_NODES = 120  # 960 GPUs at the start; +3 nodes and -1 per round: 984, 976, 1,000, ... 1,048, 1,040
 DECISION_MODELS = ("llama-3.1-8b", "llama-3.3-70b")
 
 
@@ -123,6 +134,59 @@ def fallback_time(model: str, gpus: int, repeats: int) -> dict[str, Any]:
             "note": "the replan itself is outside: this is the walk (one more search per plan tried)"}
 
 
+def daemon_path(repeats: int) -> dict[str, Any]:
+    """The controller's path, interleaved: each round, per job, a new response length, a node loss and
+    three nodes joining (every GPU count stays new: +24 and -8 per round)."""
+    from bench.daemon_path import DaemonJob
+    from nereusd.planning import PlannerBinding
+
+    binding = PlannerBinding()
+    jobs = {m: DaemonJob(m, DAEMON_NODES, binding) for m in DECISION_MODELS}
+    rows: list[dict[str, Any]] = [{"model": m, **job.place()} for m, job in jobs.items()]
+    for k in range(repeats):
+        for model, job in jobs.items():
+            # alternately up and down by > 30% (the drift threshold), and never a length seen before
+            length = (5200 if k % 2 == 0 else 3000) + 16 * k
+            rows.append({"model": model, "round": k, **job.new_length(length)})
+            rows.append({"model": model, "round": k, **job.lose(f"n{k:04d}")})
+            rows.append({"model": model, "round": k, **job.grow(3)})
+    summary = {}
+    for model in DECISION_MODELS:
+        for case in ("new-response-length", "node-loss", "new-gpu-count"):
+            got = [r for r in rows if r["model"] == model and r["case"] == case]
+            summary[f"{model}/{case}"] = {
+                "median_ms": round(statistics.median(r["ms"] for r in got), 2),
+                "max_ms": round(max(r["ms"] for r in got), 2),
+                "median_cpu_ms": round(statistics.median(r["cpu_ms"] for r in got), 2),
+                "admitted": sum(r["admitted"] for r in got), "samples": len(got),
+                "gpus": [r["gpus"] for r in got]}
+    return {"summary": summary, "rows": rows}
+
+
+def daemon_first_decision(model: str) -> dict[str, Any]:
+    """A fresh daemon process on a stored, running job: its start-up warm-up, then the first decision
+    (a measurement with a new response length)."""
+    from bench.daemon_path import DaemonJob
+    from nereusd.planning import PlannerBinding
+
+    job = DaemonJob(model, 128, PlannerBinding())
+    job.place()
+    # as nereusd starts: imports, the store and the job's controller restored, then the planner's warm-up
+    # over the running plans (nereusd.daemon._warm_up_planner) and gc.freeze, then the first decision
+    code = ("import json, sys, time, gc; sys.path.insert(0, '.'); from pathlib import Path; "
+            "t0 = time.perf_counter(); from bench.daemon_path import DaemonJob; "
+            "from nereusd.planning import PlannerBinding; b = PlannerBinding(); "
+            f"j = DaemonJob({model!r}, 0, b, Path({str(job.dir)!r})); t1 = time.perf_counter(); "
+            "running = [(j.ctl._spec_now(), j.ctl.plan)]; new = 'running' in b.warm_up.__code__.co_varnames; "
+            "w = b.warm_up(running=running) if new else b.warm_up(); "
+            "gc.freeze() if new else None; t2 = time.perf_counter(); "  # an older daemon froze nothing
+            "row = j.new_length(5000); "
+            "print(json.dumps({'start_ms': round((t1 - t0) * 1e3, 1), 'warm_up_ms': round((t2 - t1) * 1e3, 1), "
+            "'warm_up': w, **row}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    return {"model": model, **json.loads(out.stdout.strip().splitlines()[-1])}
+
+
 def first_in_process(model: str, gpus: int) -> dict[str, Any]:
     """The very first decision of a fresh interpreter (imports done, every cache and lazy import cold)."""
     code = ("import json, importlib.util as u; "
@@ -146,7 +210,7 @@ def quality_settings(quick: bool) -> list[tuple[str, str, int, int, int, int]]:
         out.append(("ppo", "llama-3.1-8b", 32, 1, 2, response))  # infeasible: both searches must agree
         for gpus in (4, 8):
             out.append(("remax", "llama-3.1-8b", 32, 1, gpus, response))
-    return out[::5] if quick else out
+    return out
 
 
 def plan_quality(quick: bool) -> dict[str, Any]:
@@ -194,15 +258,23 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--quick", action="store_true", help="fewer settings (a smoke run)")
+    ap.add_argument("--quick", action="store_true", help="search-only rows at 32 and 1,024 GPUs only")
     args = ap.parse_args()
+    t0, c0 = time.perf_counter(), time.process_time()
+    path = daemon_path(args.repeats)
+    fresh = [daemon_first_decision(m) for m in DECISION_MODELS]
     decisions = [decision_time(m, g, args.repeats) for m in DECISION_MODELS
-                 for g in (DECISION_GPUS[:3] if args.quick else DECISION_GPUS)]
+                 for g in (QUICK_GPUS if args.quick else DECISION_GPUS)]
     at_1024 = [d["median_ms"] for d in decisions if d["gpus"] == 1024]
     cpu_1024 = {k: max((d[k] for d in decisions if d["gpus"] == 1024), default=None)
                 for k in ("median_cpu_ms", "cold_cpu_ms", "new_workload_median_cpu_ms")}
     result = {
         "machine": {"cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0]},
+        "daemon_decision": path["summary"],
+        "daemon_decision_max_median_ms": max(v["median_ms"] for v in path["summary"].values()),
+        "daemon_first_decision": fresh,
+        "daemon_decision_target_ms": 30,
+        "daemon_decision_rows": path["rows"],
         "decision_time": decisions,
         "decision_ms_at_1024_gpus_max_of_models": max(at_1024) if at_1024 else None,
         "decision_cpu_ms_at_1024_gpus_max_of_models": cpu_1024,
@@ -215,6 +287,7 @@ def main() -> int:
         "plan_quality_targets": {"share_optimal": 0.9, "max_gap": 0.02},
         "paper_plan_quality": {"share_optimal": 0.611, "max_gap": 0.05, "p95_gap": 0.041},
     }
+    result["bench_s"] = {"wall": round(time.perf_counter() - t0, 1), "cpu": round(time.process_time() - c0, 1)}
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:

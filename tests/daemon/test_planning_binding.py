@@ -1,0 +1,47 @@
+"""The daemon's planner binding: its start-up warm-up (bounded, logged, in ``status``) and each node's
+part of a transition (the DAG nodes touching that node's GPUs)."""
+
+from __future__ import annotations
+
+from nereusd.planning import PlannerBinding, cluster_for, job_spec
+from tests.daemon.conftest import DaemonHandle, wait_for
+from transitions.global_dag import build_transition
+
+SPEC = {"model": "tiny-3m", "algo": "grpo", "device": "cpu", "gpus_per_node": 2,
+        "workload": {"prompts_per_step": 8, "prompt_tokens": 32, "response_tokens": 64}}
+
+
+def test_warm_up_does_what_its_budget_allows() -> None:
+    binding = PlannerBinding()
+    plan = binding.search(SPEC, frozenset(range(4)), 1).plan
+    steps = binding.warm_up(budget_s=600.0, running=[(SPEC, plan)])  # a budget no machine runs out of
+    assert set(steps) == {"imports_ms", "small_decision_ms", "running_plans", "running_ranks", "running_plans_ms"}
+    assert steps["running_ranks"] == sum(sp.layout.size for sp in plan.stages)  # one unit's ranks per stage
+    # (the imports may all be done already: 0 ms)
+    assert steps["running_plans"] == 1 and steps["small_decision_ms"] > 0 and steps["running_plans_ms"] > 0
+    # over budget from the start: the imports only (what a daemon on an overloaded machine does)
+    assert set(PlannerBinding().warm_up(budget_s=0.0, running=[(SPEC, plan)])) == {"imports_ms"}
+
+
+def test_each_node_part_lists_the_dag_nodes_on_its_gpus() -> None:
+    binding = PlannerBinding()
+    old = binding.search(SPEC, frozenset(range(2)), 1).plan
+    pool = frozenset(range(6))
+    new = binding.search(SPEC, pool, 2).plan
+    sketch = binding.transition(SPEC, old, new, pool, lambda g: f"n{g // 2}")
+    dag = build_transition(job_spec(SPEC), cluster_for(SPEC, pool), old, new)  # deterministic: the same DAG
+    expected: dict[str, set[int]] = {}
+    for g in sorted(new.gpus | old.gpus):
+        expected.setdefault(f"n{g // 2}", set()).update(dag.nodes_on(g))
+    assert {n: p["dag_nodes"] for n, p in sketch.parts.items()} == {n: sorted(s) for n, s in expected.items()}
+    assert {n: p["gpus"] for n, p in sketch.parts.items()} == {
+        n: sorted(g for g in new.gpus | old.gpus if f"n{g // 2}" == n) for n in expected}
+    assert sketch.dag["nodes"] and len(sketch.dag["nodes"]) == len(dag.nodes)
+
+
+def test_the_daemon_reports_its_planner_warm_up(daemon: DaemonHandle) -> None:
+    daemon.start()
+    took = wait_for(lambda: daemon.admin("status").get("planner_warm_up_ms"), 20, "the warm-up's time in status")
+    assert took > 0
+    logged = [line for line in daemon.log().splitlines() if "planner-warm-up" in line]
+    assert logged and "imports_ms" in logged[0]
