@@ -10,13 +10,13 @@ once per mini-batch.
 
 Where the device runs operators eagerly from the host (the CPU preset: one gloo worker per core, no
 kernel queue to hide behind), every operator also costs a fixed dispatch time that no FLOP or byte
-count sees: the launch classes, whose work is the number of operator launches (per layer per pass, per
-decode step's sampling, per parameter tensor of the optimizer step) at the device's launch rate
-(LAUNCH_OVERHEAD_S), one class per path that issues them (forward passes, the decode loop, autograd's
-backward with the optimizer step: their per-launch costs differ by 2-3x on CPU). For a small model
-they are most of the time, and they scale with micro-batches and decode steps, not with FLOPs: without
-them one GEMM efficiency had to explain launch-bound decode, inference and training at once and missed
-each by 30-60%. GPU presets launch asynchronously (CUDA graphs in decode), so they have no launch terms.
+count sees: the launch classes, whose work is the number of operator launches (planner.eager: per
+layer per pass, per decode step's sampling, per parameter tensor of the optimizer step, and the host
+work of distributed calls, DTensor linears, gloo collectives, pipeline schedule steps, in launch
+units) at the device's launch rate, one class per path that issues them (forward passes, the decode
+loop, autograd's backward with the optimizer step: their per-launch costs differ by 2-3x on CPU). For
+a small model they are most of the time, and they scale with micro-batches and decode steps, not with
+FLOPs. GPU presets launch asynchronously (CUDA graphs in decode), so they have no launch terms.
 """
 
 from __future__ import annotations
@@ -27,6 +27,15 @@ from dataclasses import dataclass
 from enum import Enum
 from types import MappingProxyType
 
+from planner.eager import (
+    COLLECTIVE_LAUNCHES,
+    LAUNCHES_PER_SAMPLE,
+    decode_step_collectives,
+    distributed_pass_launches,
+    launch_overhead_s,
+    optimizer_launches,
+    pass_launches,
+)
 from planner.errors import SpecError
 from planner.hardware import ClusterSpec, LinkSpec
 from planner.memory import (
@@ -61,22 +70,6 @@ class OpClass(str, Enum):
     STEP_OVERHEAD = "step_overhead"  # fixed seconds per RL step (ClusterSpec.step_overhead_s) at "peak" 1/s
     DECODE_OVERHEAD = "decode_overhead"  # engine CPU time per live sequence per decode step (seconds)
     HOST_COPY = "host_copy"  # bytes between host and device (sleep mode: weights out and back), per GPU
-
-
-# Host time per operator launch that the device's own work does not hide, by device preset name:
-# eager PyTorch on a CPU core: ~2 us per dispatched op at best (the prior efficiency, 0.2, makes it 10 us). GPU presets
-# queue kernels asynchronously (and decode runs as CUDA graphs), so they have none.
-LAUNCH_OVERHEAD_S: Mapping[str, float] = MappingProxyType({"cpu": 2e-6})
-# Operator launches of the engine's decoder (agent/engine/model.py), counted once from its forward:
-# per layer (2 RMSNorms, q/k/v/o, RoPE on q and k, GQA repeat, attention, SwiGLU, residuals), per
-# forward pass outside the layers (embedding, positions, RoPE tables, mask, final norm, head, the
-# stage's output function), per decode step's sampling (softmax, top-p sort/cumsum/search, masks), and
-# per parameter tensor of an optimizer step (non-foreach AdamW, grad-norm clipping, zeroing, the DP
-# bucket's copies). Backward launches about twice the forward's, like its FLOPs.
-LAUNCHES_PER_LAYER = 48
-LAUNCHES_PER_PASS = 30
-LAUNCHES_PER_SAMPLE = 15
-LAUNCHES_PER_PARAM_TENSOR = 16
 
 
 # classes whose work is a time in seconds (peak 1/s), not FLOPs or bytes
@@ -312,7 +305,7 @@ def microbatch_raw(model: ModelSpec, ms: ModelStage, layout: Layout, workload: W
         if pp > 1:
             terms.append(pp_sends(1 + r, b * (p + r)))  # the prompt once, then one token per step
         # r forward passes (the prefill's yields the first token), each followed by sampling
-        terms += _launch(cluster, OpClass.LAUNCH_DECODE, r * (_pass_launches(layers) + LAUNCHES_PER_SAMPLE))
+        terms += _launch(cluster, OpClass.LAUNCH_DECODE, r * _decode_step_launches(layout, layers))
         return terms
     s = workload.tokens_per_sequence
     # forward-pass equivalents: fwd + bwd (2x) (+ recomputed fwd) (+ the old-log-prob fwd)
@@ -327,26 +320,26 @@ def microbatch_raw(model: ModelSpec, ms: ModelStage, layout: Layout, workload: W
         n_sends = 1 if ms.kind is StageKind.INFERENCE else 2 + extra  # activations fwd, gradients bwd
         terms.append(pp_sends(n_sends, n_sends * b * s))
     forward = 1 if passes == 1 else passes - 2  # training: fwd (+ refwd); backward launches ~2x the forward's
-    terms += _launch(cluster, OpClass.LAUNCH_FORWARD, forward * _pass_launches(layers))
+    # distributed calls (DTensor dispatch, collectives, schedule steps) are Python host work in either
+    # direction: the backward's count as two more forward passes', in the forward class
+    dist = distributed_pass_launches(layout, layers)
+    terms += _launch(cluster, OpClass.LAUNCH_FORWARD, (forward + (2 if passes > 1 else 0)) * dist
+                     + forward * pass_launches(layers))
     if passes > 1:
-        terms += _launch(cluster, OpClass.LAUNCH_BACKWARD, 2 * _pass_launches(layers))
+        terms += _launch(cluster, OpClass.LAUNCH_BACKWARD, 2 * pass_launches(layers))
     return terms
 
 
-def _pass_launches(layers: int) -> float:
-    return float(layers * LAUNCHES_PER_LAYER + LAUNCHES_PER_PASS)
+def _decode_step_launches(layout: Layout, layers: int) -> float:
+    """Launches of one decode step on one rank: the pass, its distributed calls, the sampling."""
+    return (pass_launches(layers) + distributed_pass_launches(layout, layers) + LAUNCHES_PER_SAMPLE
+            + decode_step_collectives(layout) * COLLECTIVE_LAUNCHES)
 
 
 def _launch(cluster: ClusterSpec, cls: OpClass, launches: float) -> list[RawTerm]:
     """The launch term of ``launches`` operator launches; none on a device that hides them."""
-    overhead = LAUNCH_OVERHEAD_S.get(cluster.device.name, 0.0)
+    overhead = launch_overhead_s(cluster)
     return [(cls, launches, 1.0 / overhead, 0.0, 0.0)] if overhead > 0 else []
-
-
-def _param_tensors(model: ModelSpec, layout: Layout) -> int:
-    """Parameter tensors on the most loaded PP rank: its layers' plus embedding, final norm and head."""
-    per_layer = sum(1 for t in model.tensors() if t.layer == 0)
-    return stage_layer_counts(model.num_layers, layout.pp)[0] * per_layer + 3
 
 
 def backward_seconds(model: ModelSpec, ms: ModelStage, layout: Layout, workload: Workload,
@@ -401,7 +394,7 @@ def fixed_raw(model: ModelSpec, ms: ModelStage, layout: Layout, workload: Worklo
             terms.append((pp_cls, float(tail * BYTES_BF16 * model.hidden_size), pp_link.bytes_per_s,
                           float(tail * (layout.pp - 1)), pp_link.latency_s))
         # each tail step is a decode forward with its sampling (eager devices launch every operator)
-        terms += _launch(cluster, OpClass.LAUNCH_DECODE, tail * (_pass_launches(layers) + LAUNCHES_PER_SAMPLE))
+        terms += _launch(cluster, OpClass.LAUNCH_DECODE, tail * _decode_step_launches(layout, layers))
     if ms.role is Role.ACTOR:
         link = cluster.intra_node_link if links.tp_intra and links.pp_intra else cluster.inter_node_link
         n = params_per_gpu(model, ms.role.head, layout)
@@ -434,8 +427,8 @@ def sync_raw(model: ModelSpec, ms: ModelStage, layout: Layout, dp: int, cluster:
     n = params_per_gpu(model, ms.role.head, layout)
     terms: list[RawTerm] = [(OpClass.MEMORY_BOUND, 2.0 * n * training_bytes_per_param(model),
                              cluster.device.hbm_bytes_per_s, 0.0, 0.0)]
-    if LAUNCH_OVERHEAD_S.get(cluster.device.name, 0.0) > 0:  # counting tensors is not free: only where launches cost
-        terms += _launch(cluster, OpClass.LAUNCH_BACKWARD, float(_param_tensors(model, layout) * LAUNCHES_PER_PARAM_TENSOR))
+    if launch_overhead_s(cluster) > 0:  # counting tensors is not free: only where launches cost
+        terms += _launch(cluster, OpClass.LAUNCH_BACKWARD, optimizer_launches(model, layout))
     if dp > 1:  # last: the option tables read the DP all-reduce as sync_raw(...)[-1]
         link = cluster.intra_node_link if links.dp_intra else cluster.inter_node_link
         cls = OpClass.DP_ALLREDUCE_INTRA if links.dp_intra else OpClass.DP_ALLREDUCE_INTER
