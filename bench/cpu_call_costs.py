@@ -71,7 +71,7 @@ def _rank(rank: int, world: int, repeats: int) -> dict[str, float]:
         out["tp_linear_pair_s"] = _median_s(lambda: tp(h), repeats)
         small = torch.randn(16, 256)
         out["plain_op_s"] = _median_s(lambda: small.mul_(1.0), repeats)
-        w = tp[0].weight
+        w = next(tp[0].parameters())  # a DTensor
         out["dtensor_op_s"] = _median_s(lambda: w.mul_(1.0), repeats)
     out.update(_pipeline(rank, world, repeats))
     return out

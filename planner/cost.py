@@ -66,6 +66,9 @@ class OpClass(str, Enum):
     LAUNCH_FORWARD = "launch_forward"  # forward passes (inference, training's forward, recompute)
     LAUNCH_DECODE = "launch_decode"  # decode steps: a one-token forward plus sampling, from a Python loop
     LAUNCH_BACKWARD = "launch_backward"  # autograd's backward (its C++ engine) and the optimizer step
+    # host work of distributed calls (DTensor dispatch, gloo collectives, pipeline schedule steps), in
+    # plain-launch units (planner.eager): learned from TP/PP plans, the prior elsewhere
+    LAUNCH_DISTRIBUTED = "launch_distributed"
     WEIGHT_SYNC = "weight_sync"  # train -> generation weight refit, bytes per generation GPU over its link
     STEP_OVERHEAD = "step_overhead"  # fixed seconds per RL step (ClusterSpec.step_overhead_s) at "peak" 1/s
     DECODE_OVERHEAD = "decode_overhead"  # engine CPU time per live sequence per decode step (seconds)
@@ -100,6 +103,7 @@ PRIOR_EFFICIENCY: Mapping[OpClass, float] = MappingProxyType({
     OpClass.LAUNCH_FORWARD: 0.2,
     OpClass.LAUNCH_DECODE: 0.2,
     OpClass.LAUNCH_BACKWARD: 0.2,
+    OpClass.LAUNCH_DISTRIBUTED: 0.2,
     # verl issue tracker (weight sync): NCCL broadcast from one sender ~25 GB/s, ~90 GB/s from all senders
     # on H100 NVLink (450 GB/s): 0.2 of the link.
     OpClass.WEIGHT_SYNC: 0.2,
@@ -305,7 +309,7 @@ def microbatch_raw(model: ModelSpec, ms: ModelStage, layout: Layout, workload: W
         if pp > 1:
             terms.append(pp_sends(1 + r, b * (p + r)))  # the prompt once, then one token per step
         # r forward passes (the prefill's yields the first token), each followed by sampling
-        terms += _launch(cluster, OpClass.LAUNCH_DECODE, r * _decode_step_launches(layout, layers))
+        terms += _decode_launches(cluster, layout, layers, float(r))
         return terms
     s = workload.tokens_per_sequence
     # forward-pass equivalents: fwd + bwd (2x) (+ recomputed fwd) (+ the old-log-prob fwd)
@@ -321,19 +325,24 @@ def microbatch_raw(model: ModelSpec, ms: ModelStage, layout: Layout, workload: W
         terms.append(pp_sends(n_sends, n_sends * b * s))
     forward = 1 if passes == 1 else passes - 2  # training: fwd (+ refwd); backward launches ~2x the forward's
     # distributed calls (DTensor dispatch, collectives, schedule steps) are Python host work in either
-    # direction: the backward's count as two more forward passes', in the forward class
-    dist = distributed_pass_launches(layout, layers)
-    terms += _launch(cluster, OpClass.LAUNCH_FORWARD, (forward + (2 if passes > 1 else 0)) * dist
-                     + forward * pass_launches(layers))
+    # direction: the backward's count as two more forward passes'
+    dist = (forward + (2 if passes > 1 else 0)) * distributed_pass_launches(layout, layers)
+    terms += _launch(cluster, OpClass.LAUNCH_FORWARD, forward * pass_launches(layers))
+    if dist > 0:
+        terms += _launch(cluster, OpClass.LAUNCH_DISTRIBUTED, dist)
     if passes > 1:
         terms += _launch(cluster, OpClass.LAUNCH_BACKWARD, 2 * pass_launches(layers))
     return terms
 
 
-def _decode_step_launches(layout: Layout, layers: int) -> float:
-    """Launches of one decode step on one rank: the pass, its distributed calls, the sampling."""
-    return (pass_launches(layers) + distributed_pass_launches(layout, layers) + LAUNCHES_PER_SAMPLE
-            + decode_step_collectives(layout) * COLLECTIVE_LAUNCHES)
+def _decode_launches(cluster: ClusterSpec, layout: Layout, layers: int, steps: float) -> list[RawTerm]:
+    """Launches of ``steps`` decode steps on one rank: the pass and its sampling in the decode loop's
+    class; the distributed calls' host work (DTensor dispatch, collectives, schedule steps, the logits
+    broadcast) in the forward class, whose unit is one plain dispatched op as bench/cpu_call_costs.py
+    counts them (the decode class's unit also carries the loop's own Python per step)."""
+    dist = distributed_pass_launches(layout, layers) + decode_step_collectives(layout) * COLLECTIVE_LAUNCHES
+    terms = _launch(cluster, OpClass.LAUNCH_DECODE, steps * (pass_launches(layers) + LAUNCHES_PER_SAMPLE))
+    return terms + (_launch(cluster, OpClass.LAUNCH_DISTRIBUTED, steps * dist) if dist > 0 else [])
 
 
 def _launch(cluster: ClusterSpec, cls: OpClass, launches: float) -> list[RawTerm]:
@@ -394,7 +403,7 @@ def fixed_raw(model: ModelSpec, ms: ModelStage, layout: Layout, workload: Worklo
             terms.append((pp_cls, float(tail * BYTES_BF16 * model.hidden_size), pp_link.bytes_per_s,
                           float(tail * (layout.pp - 1)), pp_link.latency_s))
         # each tail step is a decode forward with its sampling (eager devices launch every operator)
-        terms += _launch(cluster, OpClass.LAUNCH_DECODE, tail * _decode_step_launches(layout, layers))
+        terms += _decode_launches(cluster, layout, layers, float(tail))
     if ms.role is Role.ACTOR:
         link = cluster.intra_node_link if links.tp_intra and links.pp_intra else cluster.inter_node_link
         n = params_per_gpu(model, ms.role.head, layout)
@@ -428,7 +437,10 @@ def sync_raw(model: ModelSpec, ms: ModelStage, layout: Layout, dp: int, cluster:
     terms: list[RawTerm] = [(OpClass.MEMORY_BOUND, 2.0 * n * training_bytes_per_param(model),
                              cluster.device.hbm_bytes_per_s, 0.0, 0.0)]
     if launch_overhead_s(cluster) > 0:  # counting tensors is not free: only where launches cost
-        terms += _launch(cluster, OpClass.LAUNCH_BACKWARD, optimizer_launches(model, layout))
+        plain, dist = optimizer_launches(model, layout)
+        terms += _launch(cluster, OpClass.LAUNCH_BACKWARD, plain)
+        if dist > 0:
+            terms += _launch(cluster, OpClass.LAUNCH_DISTRIBUTED, dist)
     if dp > 1:  # last: the option tables read the DP all-reduce as sync_raw(...)[-1]
         link = cluster.intra_node_link if links.dp_intra else cluster.inter_node_link
         cls = OpClass.DP_ALLREDUCE_INTRA if links.dp_intra else OpClass.DP_ALLREDUCE_INTER

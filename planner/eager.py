@@ -89,15 +89,15 @@ def param_tensors(model: ModelSpec, layout: Layout) -> int:
     return stage_layer_counts(model.num_layers, layout.pp)[0] * per_layer + 3
 
 
-def optimizer_launches(model: ModelSpec, layout: Layout) -> float:
-    """Launches of one optimizer step on the most loaded rank: LAUNCHES_PER_PARAM_TENSOR per tensor, each
-    a DTensor op (DTENSOR_OP_LAUNCHES) on a TP-sharded parameter; grad-norm clipping's collectives over
-    the TP and PP groups, and the result gather of the step's statistics."""
-    tensors = param_tensors(model, layout)
-    launches = tensors * LAUNCHES_PER_PARAM_TENSOR
+def optimizer_launches(model: ModelSpec, layout: Layout) -> tuple[float, float]:
+    """(plain, distributed) launches of one optimizer step on the most loaded rank: LAUNCHES_PER_PARAM_TENSOR
+    per tensor; on a TP-sharded parameter each of them a DTensor op (DTENSOR_OP_LAUNCHES), and grad-norm
+    clipping's collectives over the TP and PP groups."""
+    plain = float(param_tensors(model, layout) * LAUNCHES_PER_PARAM_TENSOR)
+    dist = 0.0
     if layout.tp > 1:
         layers = stage_layer_counts(model.num_layers, layout.pp)[0]
         sharded = TP_LINEARS_PER_LAYER * layers + TP_LINEARS_AT_ENDS / layout.pp
-        launches += sharded * LAUNCHES_PER_PARAM_TENSOR * (DTENSOR_OP_LAUNCHES - 1)
+        dist += sharded * LAUNCHES_PER_PARAM_TENSOR * (DTENSOR_OP_LAUNCHES - 1)
     collectives = (layout.tp > 1) + (layout.pp > 1)
-    return float(launches + collectives * COLLECTIVE_LAUNCHES)
+    return plain, dist + collectives * COLLECTIVE_LAUNCHES
