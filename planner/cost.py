@@ -326,10 +326,11 @@ def microbatch_raw(model: ModelSpec, ms: ModelStage, layout: Layout, workload: W
     forward = 1 if passes == 1 else passes - 2  # training: fwd (+ refwd); backward launches ~2x the forward's
     # distributed calls (DTensor dispatch, collectives, schedule steps) are Python host work in either
     # direction: the backward's count as two more forward passes'
-    dist = (forward + (2 if passes > 1 else 0)) * distributed_pass_launches(layout, layers)
-    terms += _launch(cluster, OpClass.LAUNCH_FORWARD, forward * pass_launches(layers))
-    if dist > 0:
-        terms += _launch(cluster, OpClass.LAUNCH_DISTRIBUTED, dist)
+    if launch_overhead_s(cluster) > 0:  # GPU presets hide launches: nothing to count
+        dist = (forward + (2 if passes > 1 else 0)) * distributed_pass_launches(layout, layers)
+        terms += _launch(cluster, OpClass.LAUNCH_FORWARD, forward * pass_launches(layers))
+        if dist > 0:
+            terms += _launch(cluster, OpClass.LAUNCH_DISTRIBUTED, dist)
     if passes > 1:
         terms += _launch(cluster, OpClass.LAUNCH_BACKWARD, 2 * pass_launches(layers))
     return terms
@@ -338,8 +339,10 @@ def microbatch_raw(model: ModelSpec, ms: ModelStage, layout: Layout, workload: W
 def _decode_launches(cluster: ClusterSpec, layout: Layout, layers: int, steps: float) -> list[RawTerm]:
     """Launches of ``steps`` decode steps on one rank: the pass and its sampling in the decode loop's
     class; the distributed calls' host work (DTensor dispatch, collectives, schedule steps, the logits
-    broadcast) in the forward class, whose unit is one plain dispatched op as bench/cpu_call_costs.py
+    broadcast) in their own class, whose unit is one plain dispatched op as bench/cpu_call_costs.py
     counts them (the decode class's unit also carries the loop's own Python per step)."""
+    if launch_overhead_s(cluster) <= 0:
+        return []
     dist = distributed_pass_launches(layout, layers) + decode_step_collectives(layout) * COLLECTIVE_LAUNCHES
     terms = _launch(cluster, OpClass.LAUNCH_DECODE, steps * (pass_launches(layers) + LAUNCHES_PER_SAMPLE))
     return terms + (_launch(cluster, OpClass.LAUNCH_DISTRIBUTED, steps * dist) if dist > 0 else [])
