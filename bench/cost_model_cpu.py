@@ -1,7 +1,14 @@
 """Out-of-sample check of the calibrated cost model on the live CPU engine. JSON.
 
-    .venv/bin/python bench/rl_step.py --steps 3 > /tmp/rl_step.json
-    .venv/bin/python bench/cost_model_cpu.py /tmp/rl_step.json [--anchor "1proc TP1xPP1"]
+    .venv/bin/python bench/cost_model_cpu.py --measure [--rounds 3 --steps 3] [--save FILE]
+    .venv/bin/python bench/cost_model_cpu.py FILE [--anchor "1proc TP1xPP1"]
+
+``--measure`` runs bench/rl_step.py's layouts itself, interleaved (every layout once per round), so
+that the layouts share the machine's load: on 2 cores shared with other sessions the same layout's
+step swung 2-3x minutes apart, and layouts measured one after another then compare loads, not
+layouts. Each round's times are scaled by that round's anchor-layout step against the anchor's median
+(ratios side by side), and the stage times are medians over rounds of the rounds' median steps. A
+FILE is rl_step.py's JSON (or a saved one).
 
 bench/rl_step.py measures one PPO job (tiny-3m for every role) under several layouts on local gloo
 ranks. This calibrates the planner's efficiencies on the ANCHOR layout's measured model-stage times
@@ -24,25 +31,87 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import dataclasses  # noqa: E402
+import os  # noqa: E402
+
 from agent.engine.loop import uniform_plan  # noqa: E402
 from bench.rl_step import CFG, LAYOUTS  # noqa: E402
 from planner.calibration import fit_from_stage_times  # noqa: E402
 from planner.cost import Efficiencies  # noqa: E402
 from planner.hardware import cluster_preset  # noqa: E402
+from planner.plan import GlobalPlan, StagePlan  # noqa: E402
 from planner.prediction import predict  # noqa: E402
-from planner.workflow import Workload, same_model_job  # noqa: E402
+from planner.workflow import (  # noqa: E402
+    StageKind,  # noqa: E402
+    Workload,
+    same_model_job,
+)
 
 
 def _job():  # type: ignore[no-untyped-def]
     w = Workload(prompts_per_step=CFG.prompts_per_step, samples_per_prompt=CFG.samples_per_prompt,
                  prompt_tokens=CFG.prompt_tokens, response_tokens=CFG.response_tokens,
                  train_mini_batches_per_step=CFG.train_mini_batches_per_step)
-    return same_model_job(CFG.workflow, CFG.model, w)
+    # the engine trains on the rollout's behaviour log-probs: no old-log-prob pass (agent/engine/loop.py)
+    wf = CFG.workflow
+    wf = dataclasses.replace(wf, model_stages=tuple(dataclasses.replace(ms, old_logprob_pass=False)
+                                                    for ms in wf.model_stages))
+    return same_model_job(wf, CFG.model, w)
 
 
-def _plan(name: str):  # type: ignore[no-untyped-def]
+def _plan(name: str) -> GlobalPlan:
+    """The layout's plan as the engine runs it: generation decodes every row of a replica as one wave
+    (agent/engine/loop.py _generate), inference runs the rows in micro-batches of ``micro_batch_size``
+    (all of them: uniform_plan leaves grad_accum at 1 for non-training stages, which under PP would
+    price half the rows)."""
     world, layout, overrides = LAYOUTS[name]
-    return uniform_plan(CFG, layout, tuple(range(world)), overrides=overrides)
+    plan = uniform_plan(CFG, layout, tuple(range(world)), overrides=overrides)
+    stages = []
+    for sp in plan:
+        ms = CFG.workflow.stage(sp.model_stage)
+        if ms.kind is not StageKind.TRAINING:
+            rows = (CFG.sequences_per_step if not ms.greedy else CFG.prompts_per_step) // sp.dp
+            b, g = (rows, 1) if ms.kind is StageKind.GENERATION else (sp.micro_batch_size, rows // sp.micro_batch_size)
+            sp = StagePlan(model_stage=sp.model_stage, layout=sp.layout, gpu_sets=sp.gpu_sets, micro_batch_size=b,
+                           grad_accum=g, recompute=sp.recompute)
+        stages.append(sp)
+    return GlobalPlan(version=plan.version, stages=tuple(stages))
+
+
+def measure(rounds: int, steps: int) -> list[dict[str, Any]]:
+    """Every layout of bench/rl_step.py once per round, interleaved; stage times: median over rounds of
+    each round's median step (rl_step.summarise)."""
+    import torch
+
+    from agent.engine.launch import run_local
+    from bench.rl_step import run as run_layout
+    from bench.rl_step import summarise
+
+    per: dict[str, list[dict[str, Any]]] = {name: [] for name in LAYOUTS}
+    loads = []
+    for _ in range(rounds):
+        for name, (world, _, _) in LAYOUTS.items():
+            loads.append(os.getloadavg()[0])
+            if world == 1:
+                torch.set_num_threads(1)
+                per_rank = [run_layout(0, 1, name, steps)]
+            else:
+                per_rank = run_local(run_layout, world, name, steps, timeout_s=600)
+            per[name].append(summarise(name, per_rank))
+    # the machine's load drifts within minutes: each round's times are scaled by the anchor (the first
+    # layout) of the same round against its median, so the layouts compare at one load
+    anchor = [float(r["step_s_median"]) for r in per[next(iter(LAYOUTS))]]
+    scale = [statistics.median(anchor) / a for a in anchor]
+    out = []
+    for name, rs in per.items():
+        stages = {k: round(statistics.median(r["stage_s_median"][k] * f for r, f in zip(rs, scale)), 4)
+                  for k in rs[0]["stage_s_median"]}
+        out.append({"layout": name, "rounds": len(rs),
+                    "step_s_median": statistics.median(float(r["step_s_median"]) * f for r, f in zip(rs, scale)),
+                    "stage_s_median": stages,
+                    "step_s_rounds_raw": [round(float(r["step_s_median"]), 4) for r in rs]})
+    out[0]["load_1min"] = {"min": min(loads), "max": max(loads)}
+    return out
 
 
 def run(rows: list[dict[str, Any]], anchor: str, passes: int = 8) -> dict[str, Any]:
@@ -95,10 +164,21 @@ def leave_one_out(rows: list[dict[str, Any]], rounds: int = 4) -> dict[str, Any]
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("rl_step_json", type=Path)
+    ap.add_argument("rl_step_json", type=Path, nargs="?")
     ap.add_argument("--anchor", default="1proc TP1xPP1")
+    ap.add_argument("--measure", action="store_true", help="measure the layouts here, interleaved")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--save", type=Path, default=None, help="write the measured rows (rl_step.py's format)")
     args = ap.parse_args()
-    rows = json.loads(args.rl_step_json.read_text())["results"]
+    if args.measure:
+        rows = measure(args.rounds, args.steps)
+        if args.save:
+            args.save.write_text(json.dumps({"bench": "cost_model_cpu", "results": rows}, indent=1) + "\n")
+    elif args.rl_step_json is not None:
+        rows = json.loads(args.rl_step_json.read_text())["results"]
+    else:
+        ap.error("give rl_step.py's JSON or --measure")
     print(json.dumps({**run(rows, args.anchor), "leave_one_out": leave_one_out(rows)}, indent=2))
     return 0
 

@@ -141,9 +141,12 @@ def measurements_from_stage(terms: Sequence[OpTerm], eff: Mapping[OpClass, float
 # The joint fit of stage times (StageFit).
 STAGE_WINDOW = 64  # stage observations kept (about 20 RL steps of a 3-stage workflow)
 HALF_LIFE_STEPS = 4.0  # an observation's weight halves every 4 steps: the fit follows drifting load
-# pull toward the prior per class, in squared log-efficiency per unit of observation weight: it only
-# settles what the observations leave open (stronger, it biases identified classes too)
-PRIOR_WEIGHT = 1e-5
+# pull toward the prior per class, in squared log-efficiency per unit of observation weight: it settles
+# what the observations leave open. At 1e-5 a class the window cannot tell apart from another wandered
+# to absurd values (the TP all-reduce's bandwidth efficiency to 0.0008 to explain gloo's per-call cost
+# in decode, which then priced inference's TP all-reduces 8x slow: bench/cost_model_cpu.py leave-one-out,
+# TP2 held out); at 1e-3 a factor e away from the prior costs as much as a 3% mean log residual.
+PRIOR_WEIGHT = 1e-3
 FIT_ITERATIONS = 40
 # Huber threshold in noise scales: near a median (stage times on shared CPUs swing by 30% step to step)
 STAGE_HUBER_K = 0.3

@@ -10,24 +10,30 @@ once per mini-batch.
 
 Where the device runs operators eagerly from the host (the CPU preset: one gloo worker per core, no
 kernel queue to hide behind), every operator also costs a fixed dispatch time that no FLOP or byte
-count sees: the launch classes, whose work is the number of operator launches (per layer per pass, per
-decode step's sampling, per parameter tensor of the optimizer step) at the device's launch rate
-(LAUNCH_OVERHEAD_S), one class per path that issues them (forward passes, the decode loop, autograd's
-backward with the optimizer step: their per-launch costs differ by 2-3x on CPU). For a small model
-they are most of the time, and they scale with micro-batches and decode steps, not with FLOPs: without
-them one GEMM efficiency had to explain launch-bound decode, inference and training at once and missed
-each by 30-60%. GPU presets launch asynchronously (CUDA graphs in decode), so they have no launch terms.
+count sees: the launch classes, whose work is the number of operator launches (planner.eager: per
+layer per pass, per decode step's sampling, per parameter tensor of the optimizer step, and the host
+work of distributed calls, DTensor linears, gloo collectives, pipeline schedule steps, in launch
+units) at the device's launch rate, one class per path that issues them (forward passes, the decode
+loop, autograd's backward with the optimizer step: their per-launch costs differ by 2-3x on CPU). For
+a small model they are most of the time, and they scale with micro-batches and decode steps, not with
+FLOPs. GPU presets launch asynchronously (CUDA graphs in decode), so they have no launch terms.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from enum import Enum
-from types import MappingProxyType
 
-from planner.errors import SpecError
+from planner.eager import (
+    COLLECTIVE_LAUNCHES,
+    LAUNCHES_PER_SAMPLE,
+    decode_step_collectives,
+    distributed_pass_launches,
+    launch_overhead_s,
+    optimizer_launches,
+    pass_launches,
+)
 from planner.hardware import ClusterSpec, LinkSpec
 from planner.memory import (
     BYTES_BF16,
@@ -38,84 +44,13 @@ from planner.memory import (
     training_bytes_per_param,
 )
 from planner.models import ModelSpec
+from planner.op_classes import PRIOR_EFFICIENCY as PRIOR_EFFICIENCY  # re-exported: callers import them here
+from planner.op_classes import PRIORS as PRIORS
+from planner.op_classes import TIME_CLASSES as TIME_CLASSES
+from planner.op_classes import Efficiencies as Efficiencies
+from planner.op_classes import OpClass
 from planner.plan import Layout
 from planner.workflow import ModelStage, Role, StageKind, Workload
-
-
-class OpClass(str, Enum):
-    GEMM = "gemm"  # FLOPs at the device's peak (the attainable peak of the GEMM's per-GPU shape)
-    ATTENTION_PREFILL = "attention_prefill"  # FLOPs (flash attention over whole sequences)
-    ATTENTION_DECODE = "attention_decode"  # KV-cache bytes read at HBM bandwidth
-    MEMORY_BOUND = "memory_bound"  # weight bytes read per decode step, optimizer update, at HBM bandwidth
-    TP_ALLREDUCE_INTRA = "tp_allreduce_intra"  # bytes per GPU over the intra-node link
-    TP_ALLREDUCE_INTER = "tp_allreduce_inter"
-    PP_SEND_INTRA = "pp_send_intra"
-    PP_SEND_INTER = "pp_send_inter"
-    DP_ALLREDUCE_INTRA = "dp_allreduce_intra"
-    DP_ALLREDUCE_INTER = "dp_allreduce_inter"
-    # operator launches at the device's launch rate (eager host dispatch), by the path that issues them:
-    LAUNCH_FORWARD = "launch_forward"  # forward passes (inference, training's forward, recompute)
-    LAUNCH_DECODE = "launch_decode"  # decode steps: a one-token forward plus sampling, from a Python loop
-    LAUNCH_BACKWARD = "launch_backward"  # autograd's backward (its C++ engine) and the optimizer step
-    WEIGHT_SYNC = "weight_sync"  # train -> generation weight refit, bytes per generation GPU over its link
-    STEP_OVERHEAD = "step_overhead"  # fixed seconds per RL step (ClusterSpec.step_overhead_s) at "peak" 1/s
-    DECODE_OVERHEAD = "decode_overhead"  # engine CPU time per live sequence per decode step (seconds)
-    HOST_COPY = "host_copy"  # bytes between host and device (sleep mode: weights out and back), per GPU
-
-
-# Host time per operator launch that the device's own work does not hide, by device preset name:
-# eager PyTorch on a CPU core: ~2 us per dispatched op at best (the prior efficiency, 0.2, makes it 10 us). GPU presets
-# queue kernels asynchronously (and decode runs as CUDA graphs), so they have none.
-LAUNCH_OVERHEAD_S: Mapping[str, float] = MappingProxyType({"cpu": 2e-6})
-# Operator launches of the engine's decoder (agent/engine/model.py), counted once from its forward:
-# per layer (2 RMSNorms, q/k/v/o, RoPE on q and k, GQA repeat, attention, SwiGLU, residuals), per
-# forward pass outside the layers (embedding, positions, RoPE tables, mask, final norm, head, the
-# stage's output function), per decode step's sampling (softmax, top-p sort/cumsum/search, masks), and
-# per parameter tensor of an optimizer step (non-foreach AdamW, grad-norm clipping, zeroing, the DP
-# bucket's copies). Backward launches about twice the forward's, like its FLOPs.
-LAUNCHES_PER_LAYER = 48
-LAUNCHES_PER_PASS = 30
-LAUNCHES_PER_SAMPLE = 15
-LAUNCHES_PER_PARAM_TENSOR = 16
-
-
-# classes whose work is a time in seconds (peak 1/s), not FLOPs or bytes
-TIME_CLASSES = frozenset({OpClass.STEP_OVERHEAD, OpClass.DECODE_OVERHEAD})
-
-
-# Priors: every one set from a public measurement (below the best tuned figures, so an uncalibrated
-# plan is not optimistic); a class never measured keeps its prior.
-PRIOR_EFFICIENCY: Mapping[OpClass, float] = MappingProxyType({
-    # Megatron-LM README: GPT models reach 41-48% MFU on H100 at scale (weak-scaling table, 2023); the
-    # shape factor below already charges small per-GPU GEMMs, so the class itself sits at 0.45.
-    OpClass.GEMM: 0.45,
-    # FlashAttention-2 (Dao 2023): 50-73% of A100 peak forward, lower backward; 0.35 of dense peak.
-    OpClass.ATTENTION_PREFILL: 0.35,
-    # vLLM decode: ~50-70% of HBM bandwidth at realistic batch (PagedAttention paper, Kwon et al. 2023).
-    OpClass.ATTENTION_DECODE: 0.5,
-    # Weight-read bound decode: Llama-3.1-8B bf16 on one H100 runs ~6.5-7 ms/token at batch 1 in
-    # vLLM's latency benchmark, 16 GB / 3.35 TB/s = 4.8 ms: ~0.7; 0.6 is the conservative side.
-    OpClass.MEMORY_BOUND: 0.6,
-    # nccl-tests all_reduce_perf on DGX H100: ~360-480 GB/s bus bandwidth of 450 GB/s NVLink per
-    # direction at large messages (0.8+); 0.6 leaves room for mid-sized (per-layer) buffers.
-    OpClass.TP_ALLREDUCE_INTRA: 0.6,
-    OpClass.TP_ALLREDUCE_INTER: 0.5,  # nccl-tests over 8x NDR400: ~40 GB/s of 50 per GPU at large sizes
-    OpClass.PP_SEND_INTRA: 0.6,
-    OpClass.PP_SEND_INTER: 0.5,
-    OpClass.DP_ALLREDUCE_INTRA: 0.6,
-    OpClass.DP_ALLREDUCE_INTER: 0.5,
-    OpClass.LAUNCH_FORWARD: 0.2,
-    OpClass.LAUNCH_DECODE: 0.2,
-    OpClass.LAUNCH_BACKWARD: 0.2,
-    # verl issue tracker (weight sync): NCCL broadcast from one sender ~25 GB/s, ~90 GB/s from all senders
-    # on H100 NVLink (450 GB/s): 0.2 of the link.
-    OpClass.WEIGHT_SYNC: 0.2,
-    OpClass.STEP_OVERHEAD: 1.0,  # a time, not a rate: the configured overhead is taken as it is
-    OpClass.DECODE_OVERHEAD: 1.0,  # a time: DECODE_SEQUENCE_OVERHEAD_S per sequence per step
-    # pinned host <-> device copies reach ~80% of the PCIe link (nvbandwidth / bandwidthTest: ~26 of 32
-    # GB/s on Gen4 x16, ~50-55 of 64 on Gen5); sleep mode's offload may use pageable memory: 0.5.
-    OpClass.HOST_COPY: 0.5,
-})
 
 # Inference engines spend CPU time per decode step on scheduling, sampling and output processing,
 # growing with the batch: vLLM's multi-step scheduling RFC (vllm-project/vllm issue 6854) measured
@@ -135,49 +70,6 @@ DP_OVERLAP = 1.0  # share of the last backward the all-reduce can hide behind
 # Weight refit train -> generation: its set-up (communicators / IPC handles, format conversion, the
 # engine's weight reload) is ClusterSpec.refit_setup_s, a framework figure like the step overhead:
 # planner.hardware.GPU_REFIT_SETUP_S on GPU systems, 0 on the CPU development system.
-
-
-class Efficiencies(Mapping[OpClass, float]):
-    """Immutable op class -> efficiency (0, 1.5]; classes never learned read as their prior."""
-
-    __slots__ = ("_learned",)
-
-    def __init__(self, learned: Mapping[OpClass, float] | None = None) -> None:
-        values = dict(learned or {})
-        for cls, e in values.items():
-            if not isinstance(cls, OpClass):
-                raise SpecError("efficiencies", f"unknown op class {cls!r}", ", ".join(c.value for c in OpClass))
-            if not (math.isfinite(e) and 0 < e <= 1.5):
-                raise SpecError(f"efficiencies.{cls.value}", f"must be in (0, 1.5], got {e}")
-        self._learned: Mapping[OpClass, float] = MappingProxyType(values)
-
-    def __getitem__(self, cls: OpClass) -> float:
-        return self._learned.get(cls, PRIOR_EFFICIENCY[cls])
-
-    def __iter__(self) -> Iterator[OpClass]:
-        return iter(OpClass)
-
-    def __len__(self) -> int:
-        return len(OpClass)
-
-    @property
-    def learned(self) -> Mapping[OpClass, float]:
-        return self._learned
-
-    def updated(self, values: Mapping[OpClass, float]) -> Efficiencies:
-        return Efficiencies({**self._learned, **values})
-
-    def __repr__(self) -> str:
-        return "Efficiencies(" + ", ".join(f"{c.value}={self[c]:.3g}" for c in OpClass) + ")"
-
-    def __hash__(self) -> int:
-        return hash(tuple(sorted((c.value, v) for c, v in self._learned.items())))
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Efficiencies) and dict(self._learned) == dict(other._learned)
-
-
-PRIORS = Efficiencies()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -312,7 +204,7 @@ def microbatch_raw(model: ModelSpec, ms: ModelStage, layout: Layout, workload: W
         if pp > 1:
             terms.append(pp_sends(1 + r, b * (p + r)))  # the prompt once, then one token per step
         # r forward passes (the prefill's yields the first token), each followed by sampling
-        terms += _launch(cluster, OpClass.LAUNCH_DECODE, r * (_pass_launches(layers) + LAUNCHES_PER_SAMPLE))
+        terms += _decode_launches(cluster, layout, layers, float(r))
         return terms
     s = workload.tokens_per_sequence
     # forward-pass equivalents: fwd + bwd (2x) (+ recomputed fwd) (+ the old-log-prob fwd)
@@ -327,26 +219,34 @@ def microbatch_raw(model: ModelSpec, ms: ModelStage, layout: Layout, workload: W
         n_sends = 1 if ms.kind is StageKind.INFERENCE else 2 + extra  # activations fwd, gradients bwd
         terms.append(pp_sends(n_sends, n_sends * b * s))
     forward = 1 if passes == 1 else passes - 2  # training: fwd (+ refwd); backward launches ~2x the forward's
-    terms += _launch(cluster, OpClass.LAUNCH_FORWARD, forward * _pass_launches(layers))
+    # distributed calls (DTensor dispatch, collectives, schedule steps) are Python host work in either
+    # direction: the backward's count as two more forward passes'
+    if launch_overhead_s(cluster) > 0:  # GPU presets hide launches: nothing to count
+        dist = (forward + (2 if passes > 1 else 0)) * distributed_pass_launches(layout, layers)
+        terms += _launch(cluster, OpClass.LAUNCH_FORWARD, forward * pass_launches(layers))
+        if dist > 0:
+            terms += _launch(cluster, OpClass.LAUNCH_DISTRIBUTED, dist)
     if passes > 1:
-        terms += _launch(cluster, OpClass.LAUNCH_BACKWARD, 2 * _pass_launches(layers))
+        terms += _launch(cluster, OpClass.LAUNCH_BACKWARD, 2 * pass_launches(layers))
     return terms
 
 
-def _pass_launches(layers: int) -> float:
-    return float(layers * LAUNCHES_PER_LAYER + LAUNCHES_PER_PASS)
+def _decode_launches(cluster: ClusterSpec, layout: Layout, layers: int, steps: float) -> list[RawTerm]:
+    """Launches of ``steps`` decode steps on one rank: the pass and its sampling in the decode loop's
+    class; the distributed calls' host work (DTensor dispatch, collectives, schedule steps, the logits
+    broadcast) in their own class, whose unit is one plain dispatched op as bench/cpu_call_costs.py
+    counts them (the decode class's unit also carries the loop's own Python per step)."""
+    if launch_overhead_s(cluster) <= 0:
+        return []
+    dist = distributed_pass_launches(layout, layers) + decode_step_collectives(layout) * COLLECTIVE_LAUNCHES
+    terms = _launch(cluster, OpClass.LAUNCH_DECODE, steps * (pass_launches(layers) + LAUNCHES_PER_SAMPLE))
+    return terms + (_launch(cluster, OpClass.LAUNCH_DISTRIBUTED, steps * dist) if dist > 0 else [])
 
 
 def _launch(cluster: ClusterSpec, cls: OpClass, launches: float) -> list[RawTerm]:
     """The launch term of ``launches`` operator launches; none on a device that hides them."""
-    overhead = LAUNCH_OVERHEAD_S.get(cluster.device.name, 0.0)
+    overhead = launch_overhead_s(cluster)
     return [(cls, launches, 1.0 / overhead, 0.0, 0.0)] if overhead > 0 else []
-
-
-def _param_tensors(model: ModelSpec, layout: Layout) -> int:
-    """Parameter tensors on the most loaded PP rank: its layers' plus embedding, final norm and head."""
-    per_layer = sum(1 for t in model.tensors() if t.layer == 0)
-    return stage_layer_counts(model.num_layers, layout.pp)[0] * per_layer + 3
 
 
 def backward_seconds(model: ModelSpec, ms: ModelStage, layout: Layout, workload: Workload,
@@ -401,7 +301,7 @@ def fixed_raw(model: ModelSpec, ms: ModelStage, layout: Layout, workload: Worklo
             terms.append((pp_cls, float(tail * BYTES_BF16 * model.hidden_size), pp_link.bytes_per_s,
                           float(tail * (layout.pp - 1)), pp_link.latency_s))
         # each tail step is a decode forward with its sampling (eager devices launch every operator)
-        terms += _launch(cluster, OpClass.LAUNCH_DECODE, tail * (_pass_launches(layers) + LAUNCHES_PER_SAMPLE))
+        terms += _decode_launches(cluster, layout, layers, float(tail))
     if ms.role is Role.ACTOR:
         link = cluster.intra_node_link if links.tp_intra and links.pp_intra else cluster.inter_node_link
         n = params_per_gpu(model, ms.role.head, layout)
@@ -434,8 +334,11 @@ def sync_raw(model: ModelSpec, ms: ModelStage, layout: Layout, dp: int, cluster:
     n = params_per_gpu(model, ms.role.head, layout)
     terms: list[RawTerm] = [(OpClass.MEMORY_BOUND, 2.0 * n * training_bytes_per_param(model),
                              cluster.device.hbm_bytes_per_s, 0.0, 0.0)]
-    if LAUNCH_OVERHEAD_S.get(cluster.device.name, 0.0) > 0:  # counting tensors is not free: only where launches cost
-        terms += _launch(cluster, OpClass.LAUNCH_BACKWARD, float(_param_tensors(model, layout) * LAUNCHES_PER_PARAM_TENSOR))
+    if launch_overhead_s(cluster) > 0:  # counting tensors is not free: only where launches cost
+        plain, dist = optimizer_launches(model, layout)
+        terms += _launch(cluster, OpClass.LAUNCH_BACKWARD, plain)
+        if dist > 0:
+            terms += _launch(cluster, OpClass.LAUNCH_DISTRIBUTED, dist)
     if dp > 1:  # last: the option tables read the DP all-reduce as sync_raw(...)[-1]
         link = cluster.intra_node_link if links.dp_intra else cluster.inter_node_link
         cls = OpClass.DP_ALLREDUCE_INTRA if links.dp_intra else OpClass.DP_ALLREDUCE_INTER

@@ -73,10 +73,13 @@ MI250X_GCD = DeviceSpec(
     name="mi250x-gcd-64gb", memory_bytes=64 * GB, peak_flops_bf16=191.5e12, hbm_bytes_per_s=1.6e12,
     host_bytes_per_s=36e9,
 )
-# A CPU worker slot on the project's development machine (2 cores): measured in
-# shared/notes/torch-cpu.md (memcpy 15 GB/s; the tiny GPT's AdamW step implies ~50 GFLOP/s fp32).
+# A CPU worker slot on the project's development machine (2 cores of an AMD EPYC Zen 5, AVX-512):
+# peak fp32 (the engine's dtype on CPU) of one core from the core's design: two 512-bit FMA pipes,
+# 2 x 16 x 2 = 64 FLOP/cycle at the 2.6 GHz base clock (lscpu BogoMIPS 5,192) = 166 GFLOP/s; the old
+# figure, 50 GFLOP/s implied by the tiny GPT's AdamW step, left the calibrated GEMM efficiency pinned at
+# its 1.5 bound. Memory: memcpy 15 GB/s (shared/notes/torch-cpu.md).
 # no tile/wave quantisation on a CPU worker: no GEMM shape factor (the calibration learns its one figure)
-CPU = DeviceSpec(name="cpu", memory_bytes=8 * GiB, peak_flops_bf16=5e10, hbm_bytes_per_s=15e9, host_bytes_per_s=15e9,
+CPU = DeviceSpec(name="cpu", memory_bytes=8 * GiB, peak_flops_bf16=1.66e11, hbm_bytes_per_s=15e9, host_bytes_per_s=15e9,
                  gemm_half_tokens=0.0, gemm_half_width=0.0)
 
 DEVICES: dict[str, DeviceSpec] = {d.name: d for d in (H100, H200, A100_64G, MI250X_GCD, CPU)}
