@@ -170,6 +170,8 @@ def job_spec(path: str | Path, *, anchor_job_id: str) -> dict[str, Any]:
                 "train_mini_batches_per_step": _get(doc, "train", "mini_batches_per_step", int, 1, where)}
     return {"model": model, "algo": algo, "device": placement["device"], "gpus_per_node": placement["gpus_per_node"],
             "learned_reward": "reward_path" in doc.get("model", {}), "workload": workload,
+            # the engine takes the old policy's log-probs from the rollout: no recompute pass to price
+            "old_logprob_pass": False,
             "elastic": {"anchor_job_id": anchor_job_id, "min_gpus": placement["min_gpus"],
                         "max_gpus": placement["max_gpus"], "gpus_per_node": placement["gpus_per_node"],
                         "extra": {"job_file": where}}}

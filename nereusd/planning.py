@@ -30,12 +30,12 @@ from planner.hf_config import model_from_mapping
 from planner.models import model_preset
 from planner.plan import GlobalPlan
 from planner.transition_calibration import TransitionCalibrator, TransitionSample
-from planner.workflow import JobSpec, Workload, same_model_job, workflow_preset
+from planner.workflow import JobSpec, Workload, same_model_job, without_old_logprob_pass, workflow_preset
 
 # the start-up warm-up stops starting new work past this (issue 17: reported, < 1 s; the step under
 # way when it runs out still finishes, so the margin)
 WARM_UP_BUDGET_S = 0.8
-SPEC_KEYS = ("model", "algo", "device", "gpus_per_node", "workload", "learned_reward", "elastic")
+SPEC_KEYS = ("model", "algo", "device", "gpus_per_node", "workload", "learned_reward", "old_logprob_pass", "elastic")
 
 
 @lru_cache(maxsize=256)
@@ -49,8 +49,10 @@ def _job(spec_json: str) -> JobSpec:
             raise SpecError(f"job.spec.{key}", "is required to plan the job")
     model = spec["model"]
     model = model_preset(model) if isinstance(model, str) else model_from_mapping(model, "job.spec.model")
-    return same_model_job(workflow_preset(spec["algo"], bool(spec.get("learned_reward", True))), model,
-                          Workload(**spec["workload"]))
+    workflow = workflow_preset(spec["algo"], bool(spec.get("learned_reward", True)))
+    if spec.get("old_logprob_pass") is False:  # the engine reuses the rollout's log-probs (no extra forward)
+        workflow = without_old_logprob_pass(workflow)
+    return same_model_job(workflow, model, Workload(**spec["workload"]))
 
 
 def job_spec(spec: dict[str, Any]) -> JobSpec:

@@ -6,6 +6,7 @@ Stages run in the synchronous order generation -> inference -> training each RL 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -111,6 +112,12 @@ def remax(learned_reward: bool = True) -> Workflow:
 
 
 WORKFLOWS = {"ppo": ppo, "grpo": grpo, "remax": remax}
+
+
+def without_old_logprob_pass(wf: Workflow) -> Workflow:
+    """``wf`` for an engine that keeps the rollout's behaviour log-probs as the old policy's (Nereus's own
+    engine: agent/engine/loop.py) instead of recomputing them under the training weights."""
+    return Workflow(wf.name, tuple(dataclasses.replace(ms, old_logprob_pass=False) for ms in wf.model_stages))
 
 
 def workflow_preset(name: str, learned_reward: bool = True) -> Workflow:

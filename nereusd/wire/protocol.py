@@ -361,6 +361,8 @@ class JobSpecModel(_Args):
     gpus_per_node: int | None = Field(default=None, ge=1, le=1024, strict=True)
     workload: WorkloadSpec | None = None
     learned_reward: Annotated[bool, Strict()] | None = None
+    # false: the engine keeps the rollout's log-probs as the old policy's (no recompute pass is priced)
+    old_logprob_pass: Annotated[bool, Strict()] | None = None
     elastic: ElasticSpec | None = None
 
     @model_validator(mode="after")

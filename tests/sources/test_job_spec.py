@@ -29,6 +29,7 @@ def test_the_live_job_file_as_a_spec() -> None:
     spec = job_spec(LIVE, anchor_job_id="local-live")
     assert spec == {
         "model": "tiny-byte", "algo": "grpo", "device": "cpu", "gpus_per_node": 2, "learned_reward": False,
+        "old_logprob_pass": False,
         "workload": {"prompts_per_step": 8, "samples_per_prompt": 2, "prompt_tokens": 5, "response_tokens": 4,
                      "train_mini_batches_per_step": 2},
         "elastic": {"anchor_job_id": "local-live", "min_gpus": 2, "max_gpus": 4, "gpus_per_node": 2,
