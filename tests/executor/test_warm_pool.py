@@ -18,9 +18,9 @@ from planner.plan import GlobalPlan, Layout, StagePlan
 from planner.workflow import ACTOR_TRAIN
 from transitions.executor import alloc_bytes, warm_pool
 from transitions.executor.warm_pool import WarmPool
+from transitions.global_dag import build_transition
 from transitions.layout import unit_buffer_bytes
 from transitions.local_dag import plan_units
-from transitions.global_dag import build_transition
 from transitions.scenarios import stage_states
 
 MIB = 1 << 20
