@@ -106,6 +106,13 @@ def set_pool(ctx: Any, *, nbytes: int) -> int:
     return warm_pool.POOL.held_bytes
 
 
+def last_run(ctx: Any) -> dict[str, float]:
+    """The worker's spans of its last run_dag (planning, groups, barrier, nodes), where recorded."""
+    from transitions.executor import runner
+
+    return dict(getattr(runner, "LAST_RUN", {}))
+
+
 def pool_stats(ctx: Any) -> dict[str, int]:
     from transitions.executor import warm_pool
 
@@ -152,6 +159,7 @@ def live_sample(pool: LocalCoordinator, cfg: RunConfig, old: GlobalPlan, new: Gl
     t1 = time.perf_counter()
     cluster = live_cluster(cfg, old, new)
     dag = live_dag(cfg, old, new, cluster=cluster)
+    t1b = time.perf_counter()
     sum(m.num_bytes for m in dag_messages(dag, DagMemo(), early=IN_PLACE))  # as JobDriver.apply does
     t2 = time.perf_counter()
     pool.call(release, workers=needed, timeout_s=TIMEOUT_S)
@@ -163,11 +171,15 @@ def live_sample(pool: LocalCoordinator, cfg: RunConfig, old: GlobalPlan, new: Gl
     pairs, local = dag_bytes(dag)
     node_s = max(sum(r.measured_s for r in reps) for reps in outcome.reports.values())
     fig: dict[str, Any] = {
-        "transition_s": t4 - t2, "run_dag_s": t4 - t3, "release_s": t3 - t2, "dag_build_s": t2 - t1,
+        "transition_s": t4 - t2, "run_dag_s": t4 - t3, "release_s": t3 - t2, "dag_build_s": t1b - t1,
+        "dag_bytes_s": t2 - t1b,
         "nodes_s": node_s, "wire_bytes": sum(pairs.values()), "local_bytes": sum(local.values()),
         "local_bytes_max_worker": max(local.values(), default=0),
         "executor_copied_bytes": sum(r.bytes_copied_locally for reps in outcome.reports.values() for r in reps),
         "executor_remapped_bytes": sum(r.bytes_remapped for reps in outcome.reports.values() for r in reps)}
+    spans = pool.call(last_run, workers=needed)
+    fig["worker_spans_max_s"] = {k: max(sp.get(k, 0.0) for sp in spans.values()) for k in next(iter(spans.values()))} \
+        if all(spans.values()) else {}
     # the baselines, right after, between the same processes (the generation of ``needed``); not timed
     wire = pairs or {(needed[0], needed[1]): 1}
     fig["wire_s"] = max(pool.call(raw_exchange, workers=needed, timeout_s=TIMEOUT_S, pairs=wire, warm=True).values())
@@ -244,9 +256,11 @@ def summary(raw: dict[str, Any]) -> dict[str, Any]:
             figs = raw[mode][name]
             ratios = [f["transition_s"] / max(f["wire_s"] + f["local_s"], 1e-9) for f in figs]
             cold = [f["transition_s"] / max(f["wire_cold_s"] + f["local_s"], 1e-9) for f in figs]
-            keys = ("transition_s", "apply_s", "run_dag_s", "release_s", "nodes_s", "dag_build_s", "bind_s",
-                    "generation_s", "wire_s", "wire_cold_s", "local_s")
-            m = {k: med(f[k] for f in figs) for k in keys}
+            keys = ("transition_s", "apply_s", "run_dag_s", "release_s", "nodes_s", "dag_build_s", "dag_bytes_s",
+                    "bind_s", "generation_s", "wire_s", "wire_cold_s", "local_s")
+            m = {k: med(f[k] for f in figs if k in f) for k in keys if any(k in f for f in figs)}
+            spans = [f["worker_spans_max_s"] for f in figs if f.get("worker_spans_max_s")]
+            m["worker_spans_max_s"] = {k: med(sp[k] for sp in spans) for k in spans[0]} if spans else {}
             case[f"pool {mode}"] = {
                 "samples": len(figs), "ratio": med(ratios), "cold_ratio": med(cold), **m,
                 "limit_s": m["wire_s"] + m["local_s"],
