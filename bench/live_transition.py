@@ -52,7 +52,7 @@ from agent.engine.jobfile import load_job  # noqa: E402
 from agent.engine.live import bind, live_cluster, live_dag, release, train_step  # noqa: E402
 from agent.engine.loop import RunConfig  # noqa: E402
 from bench import live_job as lj  # noqa: E402
-from bench.executor import clear_caches, raw_exchange  # noqa: E402
+from bench.executor import clear_caches  # noqa: E402
 from planner.models import ModelSpec, model_preset  # noqa: E402
 from planner.plan import GlobalPlan  # noqa: E402
 
@@ -119,15 +119,52 @@ def pool_stats(ctx: Any) -> dict[str, int]:
     return dataclasses.asdict(warm_pool.POOL.stats) | {"held_bytes": warm_pool.POOL.held_bytes}
 
 
-def memcpy_local(ctx: Any, *, local: dict[int, int]) -> float:
-    """A memcpy of this worker's local bytes between warm buffers, timed after a barrier."""
-    n = local.get(ctx.worker_id, 0)
-    src = torch.ones(max(n, 1), dtype=torch.uint8)
-    dst = torch.zeros(max(n, 1), dtype=torch.uint8)
+CHUNK_BYTES = 256 << 20  # the baselines move and copy in chunks of this size through the same buffers
+
+
+def pair_exchange(ctx: Any, *, pairs: dict[tuple[int, int], int], warm: bool) -> float:
+    """In a worker: every pair's bytes it is part of, in rounds of one batch_isend_irecv per chunk of
+    at most CHUNK_BYTES per pair, timed after a barrier. Warm: through buffers allocated and touched
+    beforehand (gloo's limit into warm memory); cold: a fresh receive buffer per chunk (torch.empty,
+    freshly mapped), as the old bench/executor.py baseline. Chunks bound the bench's own memory."""
+    from transitions.channel import P2POp
+
+    mine = {pair: n for pair, n in pairs.items() if ctx.worker_id in pair}
+    rounds = max((-(-n // CHUNK_BYTES) for n in mine.values()), default=0)
+    size = min(CHUNK_BYTES, max(mine.values(), default=1))
+    send = torch.ones(size, dtype=torch.uint8)
+    recv = {pair: torch.zeros(size, dtype=torch.uint8) for pair in mine if pair[1] == ctx.worker_id} if warm else {}
     ctx.channel.barrier()
     start = time.perf_counter()
-    if n:
-        dst.copy_(src)
+    for r in range(rounds):
+        ops = []
+        for (src, dst), n in mine.items():
+            k = min(CHUNK_BYTES, n - r * CHUNK_BYTES)
+            if k <= 0:
+                continue
+            if src == ctx.worker_id:
+                ops.append(P2POp(peer=dst, tensor=send[:k], is_send=True))
+            else:
+                buf = recv[(src, dst)][:k] if warm else torch.empty(k, dtype=torch.uint8)
+                ops.append(P2POp(peer=src, tensor=buf, is_send=False))
+        ctx.channel.exchange(ops)
+    return time.perf_counter() - start
+
+
+def memcpy_local(ctx: Any, *, local: dict[int, int]) -> float:
+    """A memcpy of this worker's local bytes between warm buffers (chunks of CHUNK_BYTES), timed
+    after a barrier, every worker at once."""
+    n = local.get(ctx.worker_id, 0)
+    size = max(1, min(n, CHUNK_BYTES))
+    src = torch.ones(size, dtype=torch.uint8)
+    dst = torch.zeros(size, dtype=torch.uint8)
+    ctx.channel.barrier()
+    start = time.perf_counter()
+    done = 0
+    while done < n:
+        k = min(size, n - done)
+        dst[:k].copy_(src[:k])
+        done += k
     return time.perf_counter() - start
 
 
@@ -182,8 +219,9 @@ def live_sample(pool: LocalCoordinator, cfg: RunConfig, old: GlobalPlan, new: Gl
         if all(spans.values()) else {}
     # the baselines, right after, between the same processes (the generation of ``needed``); not timed
     wire = pairs or {(needed[0], needed[1]): 1}
-    fig["wire_s"] = max(pool.call(raw_exchange, workers=needed, timeout_s=TIMEOUT_S, pairs=wire, warm=True).values())
-    fig["wire_cold_s"] = max(pool.call(raw_exchange, workers=needed, timeout_s=TIMEOUT_S, pairs=wire).values())
+    fig["wire_s"] = max(pool.call(pair_exchange, workers=needed, timeout_s=TIMEOUT_S, pairs=wire, warm=True).values())
+    fig["wire_cold_s"] = max(pool.call(pair_exchange, workers=needed, timeout_s=TIMEOUT_S, pairs=wire,
+                                       warm=False).values())
     fig["local_s"] = max(pool.call(memcpy_local, workers=needed, timeout_s=TIMEOUT_S, local=local).values())
     if not pairs:
         fig["wire_s"] = fig["wire_cold_s"] = 0.0
@@ -198,8 +236,8 @@ def live_sample(pool: LocalCoordinator, cfg: RunConfig, old: GlobalPlan, new: Gl
     return fig
 
 
-def rounds(cfg: RunConfig, samples: int, pool_bytes: int, restart_samples: int,
-           train: bool) -> dict[str, dict[str, list[dict[str, Any]]]]:
+def rounds(cfg: RunConfig, samples: int, pool_bytes: int, restart_samples: int, train: bool,
+           restart_after: bool = False) -> dict[str, dict[str, list[dict[str, Any]]]]:
     """``2 * samples`` rounds of the chain on one pool, the warm pool on and off in turn; after each
     round, the next restart twin of every reported case while restart samples remain."""
     raw: dict[str, dict[str, list[dict[str, Any]]]] = {m: {n: [] for n in REPORTED} for m in ("on", "off")}
@@ -232,17 +270,17 @@ def rounds(cfg: RunConfig, samples: int, pool_bytes: int, restart_samples: int,
             if mode == "on":
                 stats = pool.call(pool_stats)
                 raw[mode][REPORTED[0]][-1]["pool_stats"] = stats
-            if mode != "warm-up" and len(restarts[RESTART_CASES[0]]) < restart_samples:
+            if mode != "warm-up" and not restart_after and len(restarts[RESTART_CASES[0]]) < restart_samples:
                 for name, (old, new) in plans.items():
                     if name not in RESTART_CASES:
                         continue
                     restarts[name].append(lj.restart(cfg, old, new, f"r{rnd}"))
                 lj.log(f"{cfg.model.name} round {rnd + 1} restarts: "
                        + ", ".join(f"{restarts[n][-1]['restart_s']:.2f}" for n in RESTART_CASES))
-        while len(restarts[RESTART_CASES[0]]) < restart_samples:  # more restart samples than rounds
-            for name in RESTART_CASES:
-                old, new = plans[name]
-                restarts[name].append(lj.restart(cfg, old, new, f"x{len(restarts[name])}"))
+    while len(restarts[RESTART_CASES[0]]) < restart_samples:  # the rest (all with --restart-after), the live pool closed
+        for name in RESTART_CASES:
+            old, new = plans[name]
+            restarts[name].append(lj.restart(cfg, old, new, f"x{len(restarts[name])}"))
     raw["restart"] = restarts  # type: ignore[assignment]
     return raw
 
@@ -295,9 +333,14 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=5, help="rounds per pool mode (interleaved)")
     parser.add_argument("--restart-samples", type=int, default=5)
     parser.add_argument("--pool-gib", type=float, default=8.0, help="the warm pool's bound when on")
+    parser.add_argument("--restart-cases", type=int, default=len(RESTART_CASES),
+                        help=f"how many of {RESTART_CASES} get restart twins")
+    parser.add_argument("--restart-after", action="store_true",
+                        help="the restart twins after the live rounds, the live pool closed (memory)")
     parser.add_argument("--no-train", action="store_true", help="no train step between changes")
     args = parser.parse_args()
     base, _ = load_job(str(lj.JOB_FILE))
+    del RESTART_CASES[args.restart_cases:]
     torch.set_num_threads(1)
     started = time.perf_counter()
     result: dict[str, Any] = {"benchmark": "live_transition", "cpus": os.cpu_count(), "backend": "gloo",
@@ -307,7 +350,8 @@ def main() -> None:
         cfg = dataclasses.replace(base, model=model_of(name))
         params = sum(t.numel for t in cfg.model.tensors())
         lj.log(f"{name}: {params / 1e6:.1f} M parameters")
-        raw = rounds(cfg, args.samples, int(args.pool_gib * (1 << 30)), args.restart_samples, not args.no_train)
+        raw = rounds(cfg, args.samples, int(args.pool_gib * (1 << 30)), args.restart_samples, not args.no_train,
+                     args.restart_after)
         result["models"][name] = {"parameters": params, "load_average": os.getloadavg(), "cases": summary(raw),
                                   "pool_stats_last_round": next((f["pool_stats"] for f in reversed(raw["on"][REPORTED[0]])
                                                                  if "pool_stats" in f), None)}
