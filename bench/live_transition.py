@@ -182,8 +182,10 @@ def dag_bytes(dag: Any) -> tuple[dict[tuple[int, int], int], dict[int, int]]:
     return dict(pairs), dict(local)
 
 
-def live_sample(pool: LocalCoordinator, cfg: RunConfig, old: GlobalPlan, new: GlobalPlan) -> dict[str, Any]:
-    """One change as JobDriver.apply makes it (caches emptied first), then its baselines."""
+def live_sample(pool: LocalCoordinator, cfg: RunConfig, old: GlobalPlan, new: GlobalPlan,
+                bind_after: bool = True) -> dict[str, Any]:
+    """One change as JobDriver.apply makes it (caches emptied first), then its baselines; without
+    ``bind_after`` the engine is not bound on the new plan (the next edge then releases nothing)."""
     from transitions.dag_pieces import DagMemo
     from transitions.executor import IN_PLACE
     from transitions.node_steps import dag_messages
@@ -229,9 +231,10 @@ def live_sample(pool: LocalCoordinator, cfg: RunConfig, old: GlobalPlan, new: Gl
     if tuple(sorted(new.gpus)) != tuple(needed):
         pool.form_generation(sorted(new.gpus))
     t6 = time.perf_counter()
-    pool.call(bind, workers=sorted(new.gpus), timeout_s=TIMEOUT_S, collective=True, cfg=cfg, plan=new)
+    if bind_after:
+        pool.call(bind, workers=sorted(new.gpus), timeout_s=TIMEOUT_S, collective=True, cfg=cfg, plan=new)
     t7 = time.perf_counter()
-    fig.update({"bind_s": t7 - t6, "generation_s": (t1 - t0) + (t6 - t5)})
+    fig.update({"bind_s": t7 - t6, "bound_after": bind_after, "generation_s": (t1 - t0) + (t6 - t5)})
     fig["apply_s"] = (t4 - t0) + (t7 - t5)
     return fig
 
@@ -254,11 +257,14 @@ def rounds(cfg: RunConfig, samples: int, pool_bytes: int, restart_samples: int, 
             mode = ("warm-up", "off", "on")[min(rnd, 1 + (rnd - 1) % 2)]
             pool.call(set_pool, nbytes=0 if mode == "off" else pool_bytes)
             plans: dict[str, tuple[GlobalPlan, GlobalPlan]] = {}
-            for name, _, layout in CHAIN:
+            for i, (name, _, layout) in enumerate(CHAIN):
                 version += 1
                 new = make_plan(cfg, version, layout)
-                fig = live_sample(pool, cfg, plan, new)
-                if train:
+                # bound where the next edge is reported (its release is real) or its apply is compared
+                # with restart (which binds); --no-train: elsewhere not (each bind costs seconds)
+                after = CHAIN[(i + 1) % len(CHAIN)][0] in REPORTED or name in RESTART_CASES or train
+                fig = live_sample(pool, cfg, plan, new, bind_after=after)
+                if train and after:
                     pool.call(train_step, workers=sorted(new.gpus), timeout_s=TIMEOUT_S, collective=True, step=step)
                     step += 1
                 if name in REPORTED and mode != "warm-up":
@@ -300,7 +306,7 @@ def summary(raw: dict[str, Any]) -> dict[str, Any]:
             spans = [f["worker_spans_max_s"] for f in figs if f.get("worker_spans_max_s")]
             m["worker_spans_max_s"] = {k: med(sp[k] for sp in spans) for k in spans[0]} if spans else {}
             case[f"pool {mode}"] = {
-                "samples": len(figs), "ratio": med(ratios), "cold_ratio": med(cold), **m,
+                "samples": len(figs), "apply_includes_bind": all(f.get("bound_after", True) for f in figs), "ratio": med(ratios), "cold_ratio": med(cold), **m,
                 "limit_s": m["wire_s"] + m["local_s"],
                 "wire_GBps": figs[0]["wire_bytes"] / m["wire_s"] / 1e9 if m["wire_s"] else None,
                 "transition_share": {"wire": m["wire_s"] / m["transition_s"], "local": m["local_s"] / m["transition_s"],
