@@ -52,6 +52,9 @@ IN_PLACE = True
 # 1-15 ms (every worker calls new_group); DP1 -> DP4 of 382 MB: gloo broadcast 0.60 s vs three
 # point-to-point copies 0.73-0.78 s here, and NCCL pipelines broadcasts along a ring.
 FAN_OUT_MIN_BYTES = 32 << 20
+# this process's last run_dag in spans (seconds): planning (``_prepare``), forming the fan-out groups,
+# the opening barrier, the nodes, destroying the groups; read by benchmarks (bench/live_transition.py)
+LAST_RUN: dict[str, float] = {}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -83,17 +86,24 @@ def run_dag(dag: TransitionDAG, worker: int, units: dict[str, RankState], channe
     point (old units are only freed after their readers).
     """
     memo = memo if memo is not None else DagMemo()
+    t0 = time.perf_counter()
     prepared = _prepare(dag, worker, channel.device, predicted_s, max_bucket_bytes, in_place, fan_out, memo)
+    t1 = time.perf_counter()
     # every worker of the generation forms every group, in the same order (new_group is collective)
     groups = [[channel.new_group(tuple(sorted({src, *copies}))) for src, copies in fan.ranks]
               for fan in prepared.fans]
     run = _DagRun(dag=dag, worker=worker, units=units, channel=channel, prepared=prepared, groups=groups,
                   timeout_s=timeout_s, on_round=on_round, memo=memo)
+    t2 = time.perf_counter()
     try:
         return run.run()
     finally:
+        t3 = time.perf_counter()
         for group in (g for per_fan in groups for g in per_fan):
             channel.destroy_group(group)
+        LAST_RUN.clear()
+        LAST_RUN.update(prepare_s=t1 - t0, groups_s=t2 - t1, barrier_s=run.barrier_s, nodes_s=t3 - t2 - run.barrier_s,
+                        destroy_groups_s=time.perf_counter() - t3)
 
 
 def _prepare(dag: TransitionDAG, worker: int, device: torch.device, predicted_s: Sequence[float] | None,
@@ -144,6 +154,7 @@ class _DagRun:
     deferred: dict[int, list[InPlace]] = field(default_factory=dict)  # node -> in-place builds after it
     relabel: list[Merge] = field(default_factory=list)
     readers: dict[tuple[str, str], CheckpointReader] = field(default_factory=dict)  # (url, tag) -> reader
+    barrier_s: float = 0.0  # the opening barrier's wait
 
     def run(self) -> list[StepReport]:
         try:
@@ -163,7 +174,9 @@ class _DagRun:
             build_before[build.readers[0]].append(build)
         fan_of = {node: i for i, fan in enumerate(prep.fans) for node in fan.nodes}
         # every member is there before anything moves (and NCCL's communicator exists before p2p)
+        start = time.perf_counter()
         self.channel.barrier(self.timeout_s)
+        self.barrier_s = time.perf_counter() - start
         self._check_restores()
         # Merges whose parts all arrive in final shape move nothing and touch no GPU's timeline, so
         # they are in no worker's node list: each worker relabels its share as soon as it holds it; so
