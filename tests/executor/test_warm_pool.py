@@ -123,3 +123,19 @@ def test_a_transition_into_reused_stale_memory_is_exact(pool: LocalCoordinator) 
     assert_same_state(before, after)
     took = {w: n - start[w] for w, n in pool.call(reused).items()}
     assert took[2] >= 1 and took[3] >= 1  # the receivers' new units came out of the stale memory
+
+
+def test_the_bound_comes_from_the_environment_or_the_hosts_memory() -> None:
+    import subprocess
+    import sys
+
+    import psutil
+
+    code = "from transitions.executor import warm_pool as w; print(w.WARM_POOL_BYTES)"
+    run = lambda env: subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,  # noqa: E731
+                                     timeout=120)
+    base = {k: v for k, v in __import__("os").environ.items() if k != "NEREUS_WARM_POOL_BYTES"}
+    assert int(run(base).stdout) == min(8 << 30, psutil.virtual_memory().total // 16)
+    assert int(run({**base, "NEREUS_WARM_POOL_BYTES": "0"}).stdout) == 0
+    bad = run({**base, "NEREUS_WARM_POOL_BYTES": "lots"})
+    assert bad.returncode != 0 and "NEREUS_WARM_POOL_BYTES must be a byte count" in bad.stderr

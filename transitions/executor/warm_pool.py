@@ -10,7 +10,8 @@ of it takes the best-fitting one. Pages an early build moved out of it (``pages.
 ``release_tail`` gave back are simply touched again when written.
 
 The pool holds at most ``WARM_POOL_BYTES`` (a mapping that does not fit is unmapped), so a worker
-keeps at most that much beyond its live state; ``trim`` unmaps everything held. 0 turns it off.
+keeps at most that much beyond its live state; ``trim`` unmaps everything held. 0 turns it off. The
+bound is $NEREUS_WARM_POOL_BYTES, else 1/16 of the host's memory (at most 8 GiB).
 """
 
 from __future__ import annotations
@@ -18,14 +19,33 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import mmap
+import os
 import threading
 import weakref
 from dataclasses import dataclass, field
 
+import psutil
 import torch
 
+
+def _default_bound() -> int:
+    """$NEREUS_WARM_POOL_BYTES, else 1/16 of the host's memory up to 8 GiB: several workers share a host
+    (a CPU node runs one per slot), and what the pool holds stays resident between transitions."""
+    env = os.environ.get("NEREUS_WARM_POOL_BYTES")
+    if env is not None:
+        try:
+            value = int(env)
+        except ValueError:
+            raise ValueError(f"NEREUS_WARM_POOL_BYTES must be a byte count (0 turns the pool off), got {env!r}") \
+                from None
+        if value < 0:
+            raise ValueError(f"NEREUS_WARM_POOL_BYTES must be >= 0, got {value}")
+        return value
+    return min(8 << 30, psutil.virtual_memory().total // 16)
+
+
 # most bytes a worker keeps mapped for reuse beyond what its tensors hold
-WARM_POOL_BYTES = 8 << 30
+WARM_POOL_BYTES = _default_bound()
 
 _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 _LIBC.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
