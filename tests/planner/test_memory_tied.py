@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from planner.memory import params_per_gpu, resident_bytes
-from planner.models import TINY_3M, Head
+from planner.models import TINY_3M, Head, ModelSpec
 from planner.plan import Layout
 from planner.workflow import ACTOR_TRAIN, REF_INF
 from transitions.geometry import unit_rank_bytes
@@ -19,7 +19,7 @@ TIED = dataclasses.replace(TINY_3M, name="tiny-3m-tied", tie_word_embeddings=Tru
 @pytest.mark.parametrize("model", [TINY_3M, TIED], ids=lambda m: m.name)
 @pytest.mark.parametrize("head", [Head.LM, Head.VALUE])
 @pytest.mark.parametrize("tp,pp", [(1, 1), (1, 2), (2, 2), (1, 3), (4, 4), (2, 4)])
-def test_worst_gpu_matches_the_shards_each_rank_holds(model, head: Head, tp: int, pp: int) -> None:  # type: ignore[no-untyped-def]
+def test_worst_gpu_matches_the_shards_each_rank_holds(model: ModelSpec, head: Head, tp: int, pp: int) -> None:
     layout = Layout(tp, pp)
     held = max(unit_rank_bytes(model, head, layout, r) for r in range(layout.size))  # bf16 params
     assert params_per_gpu(model, head, layout) * model.bytes_per_param == held
