@@ -39,7 +39,7 @@ import signal
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -152,12 +152,17 @@ def _child(module: str, tests: list[str], max_children: int, names: list[str]) -
     return 0
 
 
-def run_module(module: str, tests: list[str], max_children: int, rerun_survivors: bool) -> int:
+def run_module(module: str, tests: list[str], max_children: int, rerun_survivors: bool,
+               functions: Sequence[str] = ()) -> int:
+    """mutmut on ``module`` with ``tests``; only the survivors (re-tested), or only the mutants of
+    ``functions`` (mutmut's names without the module and ``__mutmut_N``, e.g. ``xǁJobControllerǁstep``)."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unlink mutants/ on the way out
     with module_tree(module) as tree:
-        names: list[str] = []
+        prefix = slug(module) + "."
+        names = [f"{prefix}{f}__mutmut_*" for f in functions]
         if rerun_survivors:
-            names = sorted(n for n, st in statuses(tree).get(module, {}).items() if st == "survived")
+            names = sorted(n for n, st in statuses(tree).get(module, {}).items() if st == "survived"
+                           and (not functions or any(n.startswith(f"{prefix}{f}__mutmut_") for f in functions)))
             if not names:
                 print(f"mutate: no survivors of {module} to rerun")
                 return 0
@@ -166,9 +171,14 @@ def run_module(module: str, tests: list[str], max_children: int, rerun_survivors
         return subprocess.run(cmd, cwd=ROOT, check=False).returncode
 
 
-def module_row(module: str, trees: Path = TREES, equivalents: dict[str, Equivalent] | None = None) -> dict[str, Any]:
-    """One module's counts from its own tree, with the killed share (timeouts count as killed)."""
+def module_row(module: str, trees: Path = TREES, equivalents: dict[str, Equivalent] | None = None,
+               functions: Sequence[str] = ()) -> dict[str, Any]:
+    """One module's counts from its own tree (only ``functions``' mutants, if named), with the killed
+    share (timeouts count as killed)."""
     found = statuses(trees / slug(module)).get(module, {})
+    if functions:
+        found = {n: st for n, st in found.items()
+                 if any(n.startswith(f"{slug(module)}.{f}__mutmut_") for f in functions)}
     equivalents = load_equivalents() if equivalents is None else equivalents
     counts = Counter("equivalent" if st == "survived" and n in equivalents else st for n, st in found.items())
     judged = len(found) - counts["equivalent"] - counts["not_checked"] - counts["skipped"]
@@ -230,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --module: the tests mutmut may run (repeatable; default: the module's package)")
     ap.add_argument("--label", help="with --module: also write runs/mutate/<module>.<label>.json")
     ap.add_argument("--rerun-survivors", action="store_true", help="with --module: re-test its survivors only")
+    ap.add_argument("--function", action="append", default=[], dest="functions",
+                    help="with --module: only this function's mutants (mutmut's name, e.g. xǁJobControllerǁstep)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("names", nargs="*", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -242,11 +254,11 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--module {args.module}: no such file")
         tests = args.tests or [f"tests/{args.module.split('/')[0].replace('nereusd', 'daemon')}"]
         if not args.summary_only:
-            rc = run_module(args.module, tests, args.max_children, args.rerun_survivors)
+            rc = run_module(args.module, tests, args.max_children, args.rerun_survivors, args.functions)
             if rc not in (0, 1):
                 print(f"mutate: mutmut run failed with exit code {rc}", file=sys.stderr)
                 return rc
-        row = {**module_row(args.module), "tests": tests}
+        row = {**module_row(args.module, functions=args.functions), "tests": tests, "functions": args.functions}
         if args.label:
             out = ROOT / "runs" / "mutate" / f"{slug(args.module)}.{args.label}.json"
             out.parent.mkdir(parents=True, exist_ok=True)

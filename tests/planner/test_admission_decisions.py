@@ -128,3 +128,10 @@ def test_a_refused_best_plan_alone_keeps_its_own_reason() -> None:
     d = _decide((Bare(Plan("best"), Pred(10.0)), Bare(Plan("second"), Pred(25.0))), {"best": 500.0, "second": 1.0})
     assert not d.verdict.admitted and d.verdict.reason.startswith("L_tran/dL = 500 s / 10 s = 50 steps > gamma*H_x")
     assert d.current_plan_version == 1 and d.current_prediction == NOW and d.candidate_plan_version == 2
+
+
+def test_a_plan_without_a_version_is_recorded_without_one() -> None:
+    d = admission.decide(trigger=DRIFT, current_plan={"stages": "running"}, current_prediction=NOW,
+                         replan=lambda: Bare({"stages": "best"}, Pred(10.0)),  # type: ignore[arg-type]
+                         transition_s=lambda old, new: 5.0)
+    assert d.verdict.admitted and d.current_plan_version is None and d.candidate_plan_version is None
