@@ -198,3 +198,20 @@ def test_a_plan_on_gpus_outside_the_pool_is_not_predicted(tmp_path: Path) -> Non
     assert ctl._predict(plan) is not None and planner.predicted == before + 1
     ctl.pool = frozenset(sorted(plan.gpus)[1:])  # one of its GPUs is gone
     assert ctl._predict(plan) is None and planner.predicted == before + 1  # not even asked
+
+
+class Unpredictable(Recording):
+    def predict(self, job: dict[str, Any], pool: frozenset[int], plan: Any) -> Any:
+        self.predicted += 1
+        return None  # the committed plan no longer fits the model of today (say)
+
+
+def test_a_restarted_controller_predicts_its_committed_plan_once(tmp_path: Path) -> None:
+    ctl, store, _ = _running(tmp_path)
+    planner = Unpredictable()
+    again = JobController(job_id="j", store=store, metrics=Metrics(), planner=planner, gamma=0.5,
+                          thresholds=dict(admission.DEFAULT_THRESHOLDS), log=get_logger("test"),
+                          send_order=lambda node, order: True)
+    assert again.plan == ctl.plan and again.prediction is None
+    assert again.step() is None and again.step() is None
+    assert planner.predicted == 1  # once after the restart, not on every pass
