@@ -9,21 +9,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from admission_stubs import Plan, Pred
 
 from planner import admission
 from planner.admission import Policy, Rule, Signal, Trigger, TriggerKind, admit
 from planner.errors import InfeasibleError, SpecError
-
-
-@dataclass(frozen=True)
-class Pred:
-    step_latency_s: float
-
-
-@dataclass(frozen=True)
-class Plan:
-    name: str
-    version: int = 2
 
 
 @dataclass(frozen=True)
