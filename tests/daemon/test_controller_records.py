@@ -215,3 +215,42 @@ def test_a_restarted_controller_predicts_its_committed_plan_once(tmp_path: Path)
     assert again.plan == ctl.plan and again.prediction is None
     assert again.step() is None and again.step() is None
     assert planner.predicted == 1  # once after the restart, not on every pass
+
+
+def test_a_decision_is_stored_counted_and_logged_with_its_versions_and_time(tmp_path: Path) -> None:
+    with structlog.testing.capture_logs() as logs:
+        ctl, store, _ = _running(tmp_path)
+        _measure(ctl, 3, tokens=64.0)
+        _measure(ctl, 4, tokens=400.0)  # a drift: a second decision, from v1
+        second = ctl.step()
+    assert second is not None
+    first_row, second_row = store.decisions("j")
+    assert (first_row["from_version"], first_row["to_version"]) == (None, 1)  # the initial placement
+    assert (second_row["from_version"], second_row["to_version"]) == (1, 2)  # a candidate, admitted or not
+    for row in (first_row, second_row):
+        assert 0 < row["decision_ms"] < 60_000  # milliseconds of real planning, not seconds or microseconds
+    logged = [e for e in logs if e["event"] == "decision"]
+    assert [(e["id"], e["trigger"], e["admitted"], e["rule"], e["reason"]) for e in logged] == [
+        (r["id"], r["trigger"], bool(r["admitted"]), r["rule"], r["reason"]) for r in (first_row, second_row)]
+    assert all(e["decision_ms"] == round(r["decision_ms"], 3) for e, r in zip(logged, (first_row, second_row)))
+    admitted = sum(bool(r["admitted"]) for r in (first_row, second_row))
+    assert ctl.metrics.decisions.labels("j", "true")._value.get() == admitted
+    assert ctl.metrics.decisions.labels("j", "false")._value.get() == 2 - admitted
+    assert store.plan("j", 1)["prediction"]["step_latency_s"] > 0  # type: ignore[index]
+    assert not ctl.memory_violation
+
+
+def test_without_a_planner_the_decision_says_so(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s.db")
+    store.add_job(job_id="j", user="alice", spec=SPEC)
+    ctl = JobController(job_id="j", store=store, metrics=Metrics(), planner=None, gamma=0.5,
+                        thresholds=dict(admission.DEFAULT_THRESHOLDS), log=get_logger("test"),
+                        send_order=lambda node, order: True)
+    devices = [{"index": i, "kind": "cpu", "name": "cpu", "memory_bytes": 1 << 33} for i in range(2)]
+    store.register_node(job_id="j", node="n1", devices=devices, slurm_job_id=None, host="h", incarnation="n1")
+    ctl.on_node_joined("n1", "new")
+    did = ctl.step()
+    assert did is not None
+    dec = store.decision(did)
+    assert dec is not None and not dec["admitted"] and dec["rule"] == "checkpoint-restart"
+    assert "(no planner is bound to the daemon (planner.search missing))" in dec["reason"]
