@@ -15,20 +15,32 @@ A run over everything takes hours on 2 cores (planner/ alone is ~5,200 mutants);
 results in mutants/ by function hash, so an interrupted run resumes where it stopped, and a later
 run re-tests only the functions that changed.
 
+One module at a time, with the tests of its package only (what pays on a shared machine): each such
+run keeps its own mutants tree (runs/mutate/trees/<module>, linked as mutants/ while it runs, so its
+results survive runs of other modules with other test selections: mutmut resets every cached verdict
+when the test selection changes), and the summary merges the trees, a module's own tree winning over
+the full run's mutants/.
+
 Usage:
     make mutate                            # installs the mutate extra, then this script
     python tests/mutate.py                 # mutmut run, then the summary
     python tests/mutate.py --summary-only  # summarise the last run (mutants/ as mutmut left it)
     python tests/mutate.py --max-children 2
+    python tests/mutate.py --module planner/admission.py --tests tests/planner [--label before]
+    python tests/mutate.py --module planner/admission.py --tests tests/planner --rerun-survivors
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import signal
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +53,7 @@ else:  # pragma: no cover - Python 3.10
 ROOT = Path(__file__).resolve().parent.parent
 EQUIVALENTS = ROOT / "etc" / "mutation-equivalents.toml"
 TARGETS = {"planner": 0.90, "transitions": 0.90, "controller": 0.80}
+TREES = ROOT / "runs" / "mutate" / "trees"
 
 # mutmut's exit codes of a mutant's test run (mutmut/stats.py, status_by_exit_code): read here so
 # that the summary needs only the JSON meta files mutmut writes, not mutmut's internals.
@@ -87,6 +100,91 @@ def statuses(mutants_dir: Path) -> dict[str, dict[str, str]]:
         codes = json.loads(meta.read_text()).get("exit_code_by_key", {})
         out[module] = {name: _STATUS.get(code, "suspicious") for name, code in codes.items()}
     return out
+
+
+def slug(module: str) -> str:
+    return module.removesuffix(".py").replace("/", ".")
+
+
+def merged_statuses(root: Path = ROOT) -> dict[str, dict[str, str]]:
+    """The full run's statuses (``mutants/``), each module replaced by its own tree's where it has one."""
+    mutants = root / "mutants"
+    out = statuses(mutants) if mutants.is_dir() and not mutants.is_symlink() else {}
+    trees = root / "runs" / "mutate" / "trees"
+    for tree in sorted(trees.iterdir()) if trees.is_dir() else ():
+        for module, mutants_of in statuses(tree).items():
+            if slug(module) == tree.name:
+                out[module] = mutants_of
+    return dict(sorted(out.items()))
+
+
+@contextmanager
+def module_tree(module: str) -> Iterator[Path]:
+    """Link ``mutants/`` to the module's own tree for one run (a full run's folder is parked meanwhile)."""
+    link, tree, parked = ROOT / "mutants", TREES / slug(module), TREES / "_full-run"
+    tree.mkdir(parents=True, exist_ok=True)
+    if link.is_symlink():
+        link.unlink()
+    elif link.exists():
+        if parked.exists():
+            raise SystemExit(f"mutate: {parked} exists: move it back to mutants/ or remove it")
+        link.rename(parked)
+    link.symlink_to(tree, target_is_directory=True)
+    try:
+        yield tree
+    finally:
+        link.unlink()
+        if parked.exists():
+            parked.rename(link)
+
+
+def _child(module: str, tests: list[str], max_children: int, names: list[str]) -> int:
+    """In a child process: mutmut run with the configuration narrowed to one module and its tests."""
+    import mutmut.configuration as mc
+    from mutmut.__main__ import cli
+
+    mc._config = dataclasses.replace(mc._load_config(), only_mutate=[module],
+                                     pytest_add_cli_args_test_selection=tests)
+    try:
+        cli(["run", "--max-children", str(max_children), *names], standalone_mode=False)
+    except SystemExit as e:
+        return int(e.code or 0)
+    return 0
+
+
+def run_module(module: str, tests: list[str], max_children: int, rerun_survivors: bool,
+               functions: Sequence[str] = ()) -> int:
+    """mutmut on ``module`` with ``tests``; only the survivors (re-tested), or only the mutants of
+    ``functions`` (mutmut's names without the module and ``__mutmut_N``, e.g. ``xǁJobControllerǁstep``)."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unlink mutants/ on the way out
+    with module_tree(module) as tree:
+        prefix = slug(module) + "."
+        names = [f"{prefix}{f}__mutmut_*" for f in functions]
+        if rerun_survivors:
+            names = sorted(n for n, st in statuses(tree).get(module, {}).items() if st == "survived"
+                           and (not functions or any(n.startswith(f"{prefix}{f}__mutmut_") for f in functions)))
+            if not names:
+                print(f"mutate: no survivors of {module} to rerun")
+                return 0
+        cmd = [sys.executable, __file__, "--child", "--module", module, "--max-children", str(max_children)]
+        cmd += [f"--tests={t}" for t in tests] + ["--", *names]
+        return subprocess.run(cmd, cwd=ROOT, check=False).returncode
+
+
+def module_row(module: str, trees: Path = TREES, equivalents: dict[str, Equivalent] | None = None,
+               functions: Sequence[str] = ()) -> dict[str, Any]:
+    """One module's counts from its own tree (only ``functions``' mutants, if named), with the killed
+    share (timeouts count as killed)."""
+    found = statuses(trees / slug(module)).get(module, {})
+    if functions:
+        found = {n: st for n, st in found.items()
+                 if any(n.startswith(f"{slug(module)}.{f}__mutmut_") for f in functions)}
+    equivalents = load_equivalents() if equivalents is None else equivalents
+    counts = Counter("equivalent" if st == "survived" and n in equivalents else st for n, st in found.items())
+    judged = len(found) - counts["equivalent"] - counts["not_checked"] - counts["skipped"]
+    share = (counts["killed"] + counts["timeout"]) / judged if judged else None
+    return {"module": module, "mutants": len(found), **dict(sorted(counts.items())), "killed_share": share,
+            "survivors": sorted(n for n, st in found.items() if st == "survived" and n not in equivalents)}
 
 
 def summarise(by_module: dict[str, dict[str, str]], equivalents: dict[str, Equivalent]) -> dict[str, Any]:
@@ -137,9 +235,37 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--summary-only", action="store_true", help="summarise the last mutmut run")
     ap.add_argument("--max-children", type=int, default=2, help="mutants tested at once (default 2)")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "mutate" / "summary.json")
+    ap.add_argument("--module", help="mutate this one file only (e.g. planner/admission.py), in its own tree")
+    ap.add_argument("--tests", action="append", default=[],
+                    help="with --module: the tests mutmut may run (repeatable; default: the module's package)")
+    ap.add_argument("--label", help="with --module: also write runs/mutate/<module>.<label>.json")
+    ap.add_argument("--rerun-survivors", action="store_true", help="with --module: re-test its survivors only")
+    ap.add_argument("--function", action="append", default=[], dest="functions",
+                    help="with --module: only this function's mutants (mutmut's name, e.g. xǁJobControllerǁstep)")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("names", nargs="*", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.max_children < 1:
         ap.error("--max-children must be >= 1")
+    if args.child:
+        return _child(args.module, args.tests, args.max_children, args.names)
+    if args.module is not None:
+        if not (ROOT / args.module).is_file():
+            ap.error(f"--module {args.module}: no such file")
+        tests = args.tests or [f"tests/{args.module.split('/')[0].replace('nereusd', 'daemon')}"]
+        if not args.summary_only:
+            rc = run_module(args.module, tests, args.max_children, args.rerun_survivors, args.functions)
+            if rc not in (0, 1):
+                print(f"mutate: mutmut run failed with exit code {rc}", file=sys.stderr)
+                return rc
+        row = {**module_row(args.module, functions=args.functions), "tests": tests, "functions": args.functions}
+        if args.label:
+            out = ROOT / "runs" / "mutate" / f"{slug(args.module)}.{args.label}.json"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(row, indent=1) + "\n")
+        print(json.dumps({k: v for k, v in row.items() if k != "survivors"}))
+        print(f"survivors: {len(row['survivors'])}")
+        return 0
     equivalents = load_equivalents()
     if not args.summary_only:
         run = subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", str(args.max_children)],
@@ -147,11 +273,11 @@ def main(argv: list[str] | None = None) -> int:
         if run.returncode not in (0, 1):
             print(f"mutate: mutmut run failed with exit code {run.returncode}", file=sys.stderr)
             return run.returncode
-    mutants_dir = ROOT / "mutants"
-    if not mutants_dir.is_dir():
-        print("mutate: no mutants/ folder: run without --summary-only first", file=sys.stderr)
+    by_module = merged_statuses()
+    if not by_module:
+        print("mutate: no mutants/ folder nor module trees: run without --summary-only first", file=sys.stderr)
         return 2
-    summary = summarise(statuses(mutants_dir), equivalents)
+    summary = summarise(by_module, equivalents)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(summary, indent=1) + "\n")
     print(_table(summary))

@@ -30,11 +30,13 @@ def _run_chain(pool: LocalCoordinator, chain: list, seed: int, bucket: int = 32 
         outcome = move(pool, old, new, old_version=version, max_bucket_bytes=bucket)
         assert outcome.committed, outcome.errors
         assert_same_state(start, logical_state(pool.dump()))
-        held = {w for p in new for w in p.workers}
-        for worker, dump in pool.dump().items():
+        dumps = pool.dump()
+        assert set(dumps) == {0, 1, 2, 3}  # every worker of the pool answered, holding state or not
+        for worker, dump in dumps.items():
             # every worker holds exactly the stages the new placement gives it (Destroy really frees)
             assert set(dump) == {p.model_stage for p in new if worker in p.workers}, worker
-        assert held
+        # the workers left holding state are the new placement's, no more (an old one freed nothing)
+        assert {w for w, dump in dumps.items() if dump} == {w for p in new for w in p.workers}
 
 
 CASES = {

@@ -56,3 +56,20 @@ def test_an_equivalent_without_a_reason_is_refused(tmp_path: Path) -> None:
     bad.write_text('[[equivalent]]\nmutant = "planner.a.x_f__mutmut_4"\nreason = " "\n')
     with pytest.raises(SystemExit, match="one-line 'reason'"):
         m.load_equivalents(bad)
+
+
+def test_a_modules_own_tree_wins_over_the_full_run(tmp_path: Path) -> None:
+    """--module runs keep a tree per module (runs/mutate/trees/<module>): the summary takes the
+    module's statuses from there, and everything else from the full run's mutants/."""
+    m = _mutate()
+    _meta(tmp_path / "mutants", "planner/a.py", {"planner.a.x_f__mutmut_1": 0, "planner.a.x_f__mutmut_2": 0})
+    _meta(tmp_path / "mutants", "planner/b.py", {"planner.b.x_g__mutmut_1": 1})
+    tree = tmp_path / "runs" / "mutate" / "trees" / m.slug("planner/a.py")
+    _meta(tree, "planner/a.py", {"planner.a.x_f__mutmut_1": 1, "planner.a.x_f__mutmut_2": 0})
+    _meta(tree, "planner/b.py", {"planner.b.x_g__mutmut_1": None})  # copied unmutated there: not its module
+    merged = m.merged_statuses(tmp_path)
+    assert merged == {"planner/a.py": {"planner.a.x_f__mutmut_1": "killed", "planner.a.x_f__mutmut_2": "survived"},
+                      "planner/b.py": {"planner.b.x_g__mutmut_1": "killed"}}
+    eq = {"planner.a.x_f__mutmut_2": m.Equivalent("planner.a.x_f__mutmut_2", "same either way")}
+    row = m.module_row("planner/a.py", trees=tree.parent, equivalents=eq)
+    assert (row["mutants"], row["killed"], row["equivalent"], row["killed_share"], row["survivors"]) == (2, 1, 1, 1.0, [])

@@ -51,9 +51,17 @@ def test_recovers_hidden_efficiencies_within_2_percent() -> None:
 
 
 def test_huber_ignores_outliers_the_mean_does_not() -> None:
-    values = [0.0] * 18 + [3.0, 3.0]
+    values = [0.0] * 18 + [3.0, 3.0]  # mean 0.3
     assert abs(huber_location(values)) < 0.05
-    assert float(np.mean(values)) == pytest.approx(0.3)
+    # without outliers (every residual within k MAD-scales) it is the mean, not the median (0.5)
+    clean = [0.0, 0.1, 0.5, 0.6, 1.0]
+    assert huber_location(clean) == pytest.approx(0.44, abs=1e-9)
+    # a far point's influence is bounded: moving it 100x further moves the estimate by nothing
+    # (the mean would move by 200), yet it is down-weighted, not dropped: the estimate stays above the
+    # mean of the other four (0.3), which rejecting it outright would give
+    far, farther = huber_location([*clean[:4], 11.0]), huber_location([*clean[:4], 1011.0])
+    assert far == pytest.approx(farther, abs=1e-9) and 0.4 < far < 0.6
+    assert huber_location([v + 2.0 for v in values]) == pytest.approx(2.0 + huber_location(values))
 
 
 def test_unseen_classes_keep_their_priors_and_window_is_bounded() -> None:

@@ -4,10 +4,10 @@ and recorded with why; checkpoint/restart only when no plan can be reached."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from admission_stubs import Plan, Pred
 
 from nereusd.planning import PlannerBinding
 from planner import admission
@@ -18,17 +18,6 @@ from planner.models import model_preset
 from planner.prediction import predict
 from planner.search import search, usable_bytes
 from planner.workflow import Workload, same_model_job, workflow_preset
-
-
-@dataclass(frozen=True)
-class Pred:
-    step_latency_s: float
-
-
-@dataclass(frozen=True)
-class Plan:
-    name: str
-    version: int = 2
 
 
 def cand(name: str, seconds: float) -> admission.Candidate:

@@ -105,6 +105,10 @@ def test_tp_4_to_3_uneven_vocab() -> None:
     assert [type(dag.nodes[i]).__name__ for i in dag.order] == ["Split", "Merge", "Destroy"]
     split = next(p for p in dag.nodes if isinstance(p, Split))
     assert [p.gpus for p in split.parts] == [(0,), (1,), (2,)]
+    # the Merge reads exactly the parts the Split made, frees them, and makes the TP3 unit on GPUs 0-2
+    merge = next(p for p in dag.nodes if isinstance(p, Merge))
+    assert merge.sources == merge.frees == split.parts
+    assert merge.unit.gpus == (0, 1, 2) and merge.unit.layout == Layout(3, 1)
 
 
 def test_pp_2_to_1() -> None:
@@ -267,7 +271,6 @@ def test_transfer_slices() -> None:
               src_unit="a", dst_unit="b")
     assert t.src_offsets == (1, 0) and t.dst_offsets == (0, 0) and t.offsets == (4, 0) and t.lengths == (2, 3)
     assert t.src_slices == (slice(1, 3), slice(0, 3)) and t.num_bytes == 12 and not t.is_local
-    assert Merge and Split  # the four primitive types are public
 
 
 def test_job_spec_input_and_cost_depends_on_links() -> None:
