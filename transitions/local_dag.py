@@ -19,7 +19,6 @@ its state is gone and only a checkpoint can restore it (LastCopyLostError). Pure
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import lru_cache
 
 from planner.errors import InfeasibleError
 from planner.plan import Layout, StagePlan
@@ -45,16 +44,8 @@ def unit_uid(model_stage: str, version: int, index: int) -> str:
 
 
 def plan_units(state: UnitState, plan: StagePlan, version: int) -> list[EMU]:
-    """The units of ``plan`` at ``version`` (a fresh list of shared, immutable units)."""
-    return list(_plan_units(state, plan, version))
-
-
-@lru_cache(maxsize=64)
-def _plan_units(state: UnitState, plan: StagePlan, version: int) -> tuple[EMU, ...]:
-    # memoised by value: a transition's old units are the previous one's new units, and a decision,
-    # its expansion and the daemon's warm-up all ask for the same ones
-    return tuple(EMU(uid=unit_uid(state.model_stage, version, i), state=state, layout=plan.layout,
-                     gpus=tuple(g), version=version) for i, g in enumerate(plan.gpu_sets))
+    return [EMU(uid=unit_uid(state.model_stage, version, i), state=state, layout=plan.layout, gpus=tuple(g),
+                version=version) for i, g in enumerate(plan.gpu_sets)]
 
 
 @dataclass(kw_only=True, slots=True)
