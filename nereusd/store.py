@@ -431,7 +431,8 @@ class Store:
                              measured_s: float | None = None, parts_pending: list[str] | None = None) -> None:
         now = self._clock()
         with self._tx():
-            row = self.transition(transition_id)
+            # only the columns updated (the row's DAG record is large: parsing it was most of an order's cost)
+            row = self._one("SELECT state, measured_s, parts_pending FROM transitions WHERE id=?", transition_id)
             if row is None:
                 raise SpecError("transition", f"no transition {transition_id}")
             if row["state"] != state:

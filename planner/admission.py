@@ -312,6 +312,9 @@ def _plain(obj: Any, by_fields: bool = False) -> Any:
     """Plain data (enums as values, mapping keys as strings, sets sorted, non-finite floats as None). A
     dataclass goes through its ``to_dict`` if it has one, else field by field, and so does everything
     inside it (as ``_plain(dataclasses.asdict(obj))`` gave, without asdict's deep copy of every leaf)."""
+    kind = type(obj)
+    if kind is int or kind is str or kind is bool or obj is None:  # most leaves (GPU ids): no class checks
+        return obj
     if is_dataclass(obj) and not isinstance(obj, type):
         if not by_fields and hasattr(obj, "to_dict"):
             return _plain(obj.to_dict())

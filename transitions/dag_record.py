@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from transitions.emu import EMU
+from transitions.emu import EMU, rank_bytes
 from transitions.feasibility import apply_footprint
 from transitions.footprints import on_gpus
 from transitions.primitives import Footprint, Primitive
@@ -213,11 +213,21 @@ def _expand(plan: ReplicaPlan) -> DagBody:
 
 
 def held_bytes(units: list[EMU] | tuple[EMU, ...]) -> dict[int, int]:
-    """Bytes ``units`` hold per GPU."""
+    """Bytes ``units`` hold per GPU. A unit's ranks hold ``rank_bytes`` of its state and layout, looked up
+    once per (state, layout) object pair: replicas share both, and hashing a state per unit is dear."""
     out: dict[int, int] = {}
+    per_rank: dict[tuple[int, int], tuple[int, ...]] = {}
     for u in units:
-        for g in u.gpus:
-            out[g] = out.get(g, 0) + u.bytes_on(g)
+        if u.final is not None:  # a T_sub part holds its final unit's shards
+            for g in u.gpus:
+                out[g] = out.get(g, 0) + u.bytes_on(g)
+            continue
+        key = (id(u.state), id(u.layout))
+        held = per_rank.get(key)
+        if held is None:
+            held = per_rank[key] = rank_bytes(u.state, u.layout)
+        for g, n in zip(u.gpus, held):
+            out[g] = out.get(g, 0) + n
     return out
 
 

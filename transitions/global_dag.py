@@ -141,7 +141,10 @@ def _check_gpus(states: Mapping[str, UnitState], cluster: ClusterSpec, old: Glob
         if sp.model_stage not in states:
             raise SpecError("plan.model_stage", f"{sp.model_stage!r} has no state description",
                             ", ".join(states))
-        for g in sp.gpus:
+        gpus = sp.gpus
+        if gpus and min(gpus) >= 0 and max(gpus) < cluster.num_gpus:
+            continue  # all inside: no need to find the first one outside
+        for g in gpus:
             if not 0 <= g < cluster.num_gpus:
                 raise SpecError(f"{sp.model_stage}.gpu_sets", f"GPU {g} outside the cluster",
                                 f"0..{cluster.num_gpus - 1}")
@@ -158,7 +161,7 @@ def _old_units(states: Mapping[str, UnitState], old: GlobalPlan | None, old_vers
     lost: list[EMU] = []
     for sp in old or ():
         for u in plan_units(states[sp.model_stage], sp, old_version):
-            if lost_gpus.intersection(u.gpus):
+            if not lost_gpus.isdisjoint(u.gpus):
                 lost.append(u)
             else:
                 intact.setdefault(sp.model_stage, []).append(u)
