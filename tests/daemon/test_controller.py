@@ -20,17 +20,18 @@ SPEC = {"model": "tiny-3m", "algo": "grpo", "device": "cpu", "gpus_per_node": 2,
         "workload": {"prompts_per_step": 8, "prompt_tokens": 32, "response_tokens": 64}}
 
 
-def _controller(tmp_path: Path, orders: list[tuple[str, protocol.TransitionOrder]]) -> tuple[JobController, Store]:
+def _controller(tmp_path: Path, orders: list[tuple[str, protocol.TransitionOrder]],
+                spec: dict | None = None) -> tuple[JobController, Store]:
     store = Store(tmp_path / "s.db")
-    store.add_job(job_id="j", user="alice", spec=SPEC)
+    store.add_job(job_id="j", user="alice", spec=spec or SPEC)
     ctl = JobController(job_id="j", store=store, metrics=Metrics(), planner=PlannerBinding(), gamma=0.5,
                         thresholds=dict(admission.DEFAULT_THRESHOLDS), log=get_logger("test"),
                         send_order=lambda node, order: orders.append((node, order)) is None)
     return ctl, store
 
 
-def _join(ctl: JobController, store: Store, node: str) -> None:
-    devices = [{"index": i, "kind": "cpu", "name": "cpu", "memory_bytes": 1 << 33} for i in range(2)]
+def _join(ctl: JobController, store: Store, node: str, gpus: int = 2) -> None:
+    devices = [{"index": i, "kind": "cpu", "name": "cpu", "memory_bytes": 1 << 33} for i in range(gpus)]
     store.register_node(job_id="j", node=node, devices=devices, slurm_job_id=None, host="h", incarnation=node)
     ctl.on_node_joined(node, "new")
 
@@ -54,11 +55,19 @@ def test_plan_round_trips_through_storage() -> None:
         job_spec({**SPEC, "modle": "x"})
 
 
+# Four 1-GPU nodes: on 4 GPUs the planner gives the reference GPUs 0-1 and the reward model GPUs 2-3
+# (tiny-3m, 64 tokens), so a lost node leaves a copy of every model. On two 2-GPU nodes the same plan
+# puts each frozen model on one node only, and a node loss is a checkpoint restore
+# (tests/daemon/test_live_orders.py covers that path).
+SPEC_1_GPU = {**SPEC, "gpus_per_node": 1}
+NODES = ("n1", "n2", "n3", "n4")
+
+
 def test_initial_placement_drift_and_node_loss_are_decided_and_recorded(tmp_path: Path) -> None:
     orders: list[tuple[str, protocol.TransitionOrder]] = []
-    ctl, store = _controller(tmp_path, orders)
-    _join(ctl, store, "n1")
-    _join(ctl, store, "n2")
+    ctl, store = _controller(tmp_path, orders, SPEC_1_GPU)
+    for node in NODES:
+        _join(ctl, store, node, gpus=1)
     assert store.job("j")["state"] == "running"  # type: ignore[index]
 
     d1 = ctl.step()
@@ -66,13 +75,13 @@ def test_initial_placement_drift_and_node_loss_are_decided_and_recorded(tmp_path
     dec = store.decision(d1)
     assert dec is not None and dec["admitted"] and dec["rule"] == "urgent-feasibility"
     assert "initial placement on 4 GPUs" in str(dec["inputs"]["trigger"]["reasons"])
-    assert {n for n, _ in orders} == {"n1", "n2"}  # every node gets its part of the DAG
+    assert {n for n, _ in orders} == set(NODES)  # every node gets its part of the DAG
     t1 = store.transitions("j")[0]
     assert t1["state"] == "ordered" and store.job("j")["state"] == "transitioning"  # type: ignore[index]
     assert all(o.part["plan"]["version"] == 1 for _, o in orders)
     assert ctl.step() is None  # nothing is decided while a transition is in flight
-    assert [n for n, _ in orders] == ["n1", "n2"]
-    _ack_all(ctl, orders, measured_s={"n1": 0.5, "n2": 0.2})  # the slowest node reports first
+    assert [n for n, _ in orders] == list(NODES)
+    _ack_all(ctl, orders, measured_s={"n1": 0.5, "n2": 0.2, "n3": 0.1, "n4": 0.3})  # the slowest reports first
     t1 = store.transitions("j")[0]
     # a transition takes as long as its slowest node, not the last to report
     assert t1["state"] == "done" and t1["measured_s"] == 0.5 and t1["parts_pending"] == []
@@ -95,19 +104,19 @@ def test_initial_placement_drift_and_node_loss_are_decided_and_recorded(tmp_path
     assert not orders and store.job("j")["plan_version"] == 1  # type: ignore[index]  # nothing moves
 
     # a node is lost: urgent replan onto what is left, admitted on feasibility alone
-    store.set_node_state("j", "n2", "lost", "test")
-    ctl.on_node_lost("n2", "test")
+    store.set_node_state("j", "n4", "lost", "test")
+    ctl.on_node_lost("n4", "test")
     d3 = ctl.step()
     assert d3 is not None
     dec3 = store.decision(d3)
     assert dec3 is not None and dec3["urgent"] and dec3["admitted"] and dec3["rule"] == "urgent-feasibility"
-    assert "GPU pool changed: 4 -> 2 GPUs" in str(dec3["inputs"]["trigger"]["reasons"])
-    assert {n for n, _ in orders} == {"n1"}  # only the survivor is ordered
+    assert "GPU pool changed: 4 -> 3 GPUs" in str(dec3["inputs"]["trigger"]["reasons"])
+    assert {n for n, _ in orders} == {"n1", "n2", "n3"}  # only the survivors are ordered
     last = store.transitions("j")[-1]
     assert last["dag"]["lost_units"] or last["dag"]["nodes"]  # the DAG rebuilds from intact units
     _ack_all(ctl, orders, measured_s=0.2)
     plan = plan_from_dict(store.plan("j")["plan"])  # type: ignore[index]
-    assert plan.gpus <= {0, 1}
+    assert plan.gpus <= {0, 1, 2}
     assert [d["id"] for d in store.decisions("j")] == [d1, d2, d3]
 
     # a restarted daemon's controller resumes the monitor state (H_x, references) and the plan

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import structlog
 
 from nereusd.controller import JobController
@@ -130,14 +131,17 @@ def test_reports_of_unknown_or_finished_transitions_are_ignored_and_logged(tmp_p
 
 def test_each_part_done_is_recorded_by_node(tmp_path: Path) -> None:
     ctl, store, orders = _running(tmp_path)
-    ctl.on_node_lost("n2", "test")
-    store.set_node_state("j", "n2", "lost", "test")
-    assert ctl.step() is not None and orders
-    node, order = orders[0]
-    ctl.on_transition_report(protocol.TransitionReport(job_id="j", node=node, transition_id=order.transition_id,
-                                                       ok=True, measured_s=0.1, bytes_moved=0))
-    t = store.transition(order.transition_id)
-    assert t is not None and t["state"] == "done" and t["measured_s"] == 0.1 and t["parts_pending"] == []
+    devices = [{"index": i, "kind": "cpu", "name": "cpu", "memory_bytes": 1 << 33} for i in range(2)]
+    store.register_node(job_id="j", node="n3", devices=devices, slurm_job_id=None, host="h", incarnation="n3")
+    ctl.on_node_joined("n3", "new")  # 4 -> 6 GPUs: one transition, a part for each node
+    assert ctl.step() is not None and sorted(n for n, _ in orders) == ["n1", "n2", "n3"]
+    for i, (node, order) in enumerate(orders):
+        ctl.on_transition_report(protocol.TransitionReport(job_id="j", node=node, transition_id=order.transition_id,
+                                                           ok=True, measured_s=0.1 * (i + 1), bytes_moved=0))
+        t = store.transition(order.transition_id)
+        assert t is not None and sorted(t["parts_pending"]) == sorted(n for n, _ in orders[i + 1:])
+        assert t["state"] == ("done" if i == 2 else "ordered")
+    assert t["measured_s"] == pytest.approx(0.3)  # the slowest part
 
 
 def test_the_monitor_uses_the_controllers_thresholds(tmp_path: Path) -> None:

@@ -18,7 +18,10 @@ from nereusd.wire import protocol
 from nereusd.wire.logs import get_logger
 from planner import admission
 
-SPEC = {"model": "tiny-3m", "algo": "grpo", "device": "cpu", "gpus_per_node": 2,
+# One GPU per node: on 4 GPUs the planner gives the reference GPUs 0-1 and the reward model GPUs 2-3
+# (tiny-3m, 64 tokens), so a node loss leaves a copy of every model to rebuild from (with two 2-GPU nodes
+# each frozen model sits on one node, and a loss is a checkpoint restore: test_live_orders.py).
+SPEC = {"model": "tiny-3m", "algo": "grpo", "device": "cpu", "gpus_per_node": 1,
         "workload": {"prompts_per_step": 8, "prompt_tokens": 32, "response_tokens": 64}}
 SLOW_DOWN = 2.5  # what bench/executor.py measured on the CPU box against the model
 
@@ -31,7 +34,7 @@ def _controller(store: Store, planner: Any, orders: list[tuple[str, protocol.Tra
 
 
 def _join(ctl: JobController, store: Store, node: str) -> None:
-    devices = [{"index": i, "kind": "cpu", "name": "cpu", "memory_bytes": 1 << 33} for i in range(2)]
+    devices = [{"index": 0, "kind": "cpu", "name": "cpu", "memory_bytes": 1 << 33}]
     store.register_node(job_id="j", node=node, devices=devices, slurm_job_id=None, host="h", incarnation=node)
     ctl.on_node_joined(node, "new")
 
@@ -53,18 +56,20 @@ def _finish(ctl: JobController, store: Store, orders: list[tuple[str, protocol.T
 
 def _history(tmp_path: Path, name: str, planner: Any, slow_down: float,
              gamma: float = 0.5) -> tuple[JobController, Store, list[dict[str, Any]]]:
-    """Initial placement on n1, n2 joins (2 -> 4 GPUs), n2 is lost, n3 joins: four transitions, every
-    one measured at ``slow_down`` x the model. Returns the transition rows as ordered."""
+    """Initial placement on n1-n4, n4 is lost (4 -> 3 GPUs), n5 joins (3 -> 4), n5 is lost, n6 joins: five
+    transitions, every one measured at ``slow_down`` x the model. Returns the transition rows as ordered."""
     store = Store(tmp_path / f"{name}.db")
     store.add_job(job_id="j", user="alice", spec=SPEC)
     orders: list[tuple[str, protocol.TransitionOrder]] = []
     ctl = _controller(store, planner, orders, gamma)
     rows = []
-    for event in ("join n1", "join n2", "lose n2", "join n3"):
-        verb, node = event.split()
+    for node in ("n1", "n2", "n3", "n4"):
+        _join(ctl, store, node)
+    for event in ("place", "lose n4", "join n5", "lose n5", "join n6"):
+        verb, _, node = event.partition(" ")
         if verb == "join":
             _join(ctl, store, node)
-        else:
+        elif verb == "lose":
             store.set_node_state("j", node, "lost", "test")
             ctl.on_node_lost(node, "test")
         assert ctl.step() is not None, event
@@ -88,14 +93,16 @@ def _drift(ctl: JobController, store: Store) -> dict[str, Any]:
 
 def test_measured_slow_down_prices_the_next_transition_and_flips_admission(tmp_path: Path) -> None:
     slow, slow_store, slow_rows = _history(tmp_path, "slow", PlannerBinding(), SLOW_DOWN)
-    grow = slow_rows[1]["dag"]["l_tran"]
-    assert grow["factor"] == 1.0 and grow["samples"] == 0  # nothing measured yet (placement teaches nothing)
-    assert slow_rows[1]["predicted_s"] == pytest.approx(grow["model_s"]) and grow["model_s"] > 0
-    regrow = slow_rows[3]["dag"]["l_tran"]  # the same move again, after one measured 2.5x slower
-    assert regrow["model_s"] == pytest.approx(grow["model_s"])
-    assert regrow["factor"] == pytest.approx(SLOW_DOWN) and regrow["samples"] == 1
-    assert slow_rows[3]["predicted_s"] == pytest.approx(SLOW_DOWN * grow["model_s"])
-    assert slow_rows[3]["dag"]["cost"]["seconds"] == pytest.approx(grow["model_s"])  # the raw model, kept
+    grow = slow_rows[2]["dag"]["l_tran"]  # 3 -> 4 GPUs, after the shrink was measured 2.5x slower
+    assert grow["factor"] == pytest.approx(SLOW_DOWN) and grow["samples"] == 1
+    shrink = slow_rows[1]["dag"]["l_tran"]
+    assert shrink["factor"] == 1.0 and shrink["samples"] == 0  # nothing measured yet (placement teaches nothing)
+    assert slow_rows[1]["predicted_s"] == pytest.approx(shrink["model_s"]) and shrink["model_s"] > 0
+    regrow = slow_rows[4]["dag"]["l_tran"]  # the same move again, after three measured 2.5x slower
+    assert regrow["model_s"] == pytest.approx(grow["model_s"]) and grow["model_s"] > 0
+    assert regrow["factor"] == pytest.approx(SLOW_DOWN) and regrow["samples"] == 3
+    assert slow_rows[4]["predicted_s"] == pytest.approx(SLOW_DOWN * grow["model_s"])
+    assert slow_rows[4]["dag"]["cost"]["seconds"] == pytest.approx(grow["model_s"])  # the raw model, kept
 
     # A twin job measured exactly as predicted keeps the model's figure: a probe gives dL, H_x and L_tran.
     probe_ctl, probe_store, _ = _history(tmp_path, "probe", PlannerBinding(), 1.0)
@@ -125,7 +132,7 @@ def test_correction_survives_a_daemon_restart(tmp_path: Path) -> None:
     pool = frozenset(range(4))
 
     def price(binding: PlannerBinding) -> float:
-        return binding.transition(SPEC, old, new, pool, lambda gpu: f"n{gpu // 2 + 1}").predicted_s
+        return binding.transition(SPEC, old, new, pool, lambda gpu: f"n{gpu + 1}").predicted_s
 
     model_s = price(PlannerBinding())  # a binding that never saw this job: the raw model
     assert model_s == pytest.approx(rows[1]["dag"]["l_tran"]["model_s"])
@@ -134,7 +141,7 @@ def test_correction_survives_a_daemon_restart(tmp_path: Path) -> None:
     assert price(restarted) == pytest.approx(SLOW_DOWN * model_s)
     _controller(store, restarted, [])  # and a second controller over the same store counts them once
     key = next(iter(restarted.transition_calibration))
-    assert len(restarted.transition_calibration[key].samples) == 2  # the two moves that moved bytes
+    assert len(restarted.transition_calibration[key].samples) == 4  # the four moves (placement moves nothing)
 
 
 class _PortWithoutFeedback:
@@ -150,8 +157,8 @@ def test_a_port_without_feedback_still_drives_the_job(tmp_path: Path) -> None:
     port = _PortWithoutFeedback()
     assert not isinstance(port, TransitionObserver) and isinstance(PlannerBinding(), TransitionObserver)
     _, store, rows = _history(tmp_path, "fake", port, SLOW_DOWN)
-    assert [t["state"] for t in store.transitions("j")] == ["done"] * 4
-    assert rows[3]["dag"]["l_tran"]["factor"] == 1.0  # nothing fed back, nothing corrected
+    assert [t["state"] for t in store.transitions("j")] == ["done"] * 5
+    assert rows[4]["dag"]["l_tran"]["factor"] == 1.0  # nothing fed back, nothing corrected
     assert port.binding.transition_calibration == {}
 
 
