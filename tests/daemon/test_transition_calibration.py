@@ -79,11 +79,11 @@ def _history(tmp_path: Path, name: str, planner: Any, slow_down: float,
 
 
 def _drift(ctl: JobController, store: Store) -> dict[str, Any]:
-    """Responses grow 64 -> 400 tokens: an opportunistic replan judged by the payback rule."""
+    """Responses grow 64 -> 400 tokens: an opportunistic replan judged by the payback rule (no stage
+    times: the step moves the length signal only, not the step-time fit)."""
     assert ctl.plan is not None
     ctl.on_measurement(protocol.Measurement(job_id="j", node="n1", step=5, plan_version=ctl.plan.version,
-                                            step_latency_s=0.4, stage_times_s={"actor-gen": 0.1},
-                                            response_tokens=400))
+                                            step_latency_s=0.4, response_tokens=400))
     did = ctl.step()
     assert did is not None
     dec = store.decision(did)
