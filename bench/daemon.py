@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-# bench/ holds scripts named like packages (bench/planner.py): keep this script's folder off the path
+# a bench script named like a package would shadow it: keep this script's folder off the path
 if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
     sys.path.pop(0)
 

@@ -27,8 +27,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-# run as a script, bench/ itself lands first on sys.path, where bench/planner.py would shadow the
-# planner package (in this process and in every spawned worker, which re-imports this file)
+# run as a script, bench/ itself lands first on sys.path, where a script named like a package shadows the
+# package (in this process and in every spawned worker, which re-imports this file)
 _HERE = str(Path(__file__).resolve().parent)
 sys.path[:] = [p for p in sys.path if str(Path(p or ".").resolve()) != _HERE]
 

@@ -35,8 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-# run as a script, bench/ itself lands first on sys.path, where bench/planner.py would shadow the
-# planner package (here and in every spawned worker, which gets this sys.path)
+# run as a script, bench/ itself lands first on sys.path, where a script named like a package shadows the
+# package (here and in every spawned worker, which gets this sys.path)
 _HERE = str(Path(__file__).resolve().parent)
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:] = [str(ROOT)] + [p for p in sys.path if str(Path(p or ".").resolve()) not in (_HERE, str(ROOT))]

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # bench/planner.py must not shadow the planner package
+sys.path.insert(0, str(ROOT))  # the packages first: a bench script named like one must not shadow it
 
 from nereusd.planning import cluster_for, job_spec  # noqa: E402
 from nereusd.sim.report import plot, table  # noqa: E402

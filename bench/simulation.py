@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # bench/planner.py must not shadow the planner package
+sys.path.insert(0, str(ROOT))  # the packages first: a bench script named like one must not shadow it
 
 from nereusd.sim.runner import SimJob, simulate  # noqa: E402
 from nereusd.sim.trace import Trace, TraceRow  # noqa: E402
