@@ -407,8 +407,8 @@ def decide(*, trigger: Trigger, current_plan: Any, current_prediction: Predictio
             break  # no faster than the running plan (or it is the running plan): the rest are slower still
         first = first or (c, verdict, rank)
         passed.append(_passed(rank, c, PassOver.NO_PAYBACK, verdict.reason, l_tran))
-    if first is None:  # no plan's DAG could be built
-        raise NoReachablePlan(error[0] if error else InfeasibleError("no transition reaches any plan"), tuple(passed))
+    if first is None:  # no plan's DAG could be built, the best-ranked one's included: its error is kept
+        raise NoReachablePlan(error[0], tuple(passed))
     c, verdict, rank = first
     return _decision(trigger, cur_version, current_prediction, c, verdict, rank, passed)
 

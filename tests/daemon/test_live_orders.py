@@ -313,28 +313,25 @@ def test_the_controller_drains_before_it_releases_and_fails_late_orders(tmp_path
 def test_a_lost_last_copy_is_ordered_as_a_restore_from_the_checkpoint(tmp_path: Path) -> None:
     """No DAG can reach the new plan (the last copy of some state died with a node): the daemon does not
     stop at a checkpoint/restart decision, it orders the plan as a restore (the driver loads it from
-    its checkpoint), admitted, and L_tran learns nothing from it."""
+    its checkpoint), admitted, and L_tran learns nothing from it. The real planner: on two 2-GPU nodes
+    it gives tiny-3m's reference GPUs 0-1 and its reward model GPUs 2-3, so n2's loss takes the reward
+    model's every copy."""
     from nereusd.controller import JobController
     from nereusd.metrics import Metrics
     from nereusd.planning import PlannerBinding
     from nereusd.store import Store
     from planner import admission
-    from transitions.local_dag import LastCopyLostError
 
-    class LosesLastCopy(PlannerBinding):
-        def transition(self, job, old, new, pool, node_of_gpu):  # type: ignore[no-untyped-def]
-            if old is not None:
-                raise LastCopyLostError(("actor-train",), (2, 3))
-            return super().transition(job, old, new, pool, node_of_gpu)
-
+    class Observed(PlannerBinding):  # the real binding, recording what it is fed back
         def observe_transition(self, job, transition):  # type: ignore[no-untyped-def]
             observed.append(transition["id"])
+            super().observe_transition(job, transition)
 
     observed: list[int] = []
     store = Store(tmp_path / "s.db")
     store.add_job(job_id="j", user="alice", spec=SPEC)
     orders: list[tuple[str, protocol.TransitionOrder]] = []
-    ctl = JobController(job_id="j", store=store, metrics=Metrics(), planner=LosesLastCopy(), gamma=0.5,
+    ctl = JobController(job_id="j", store=store, metrics=Metrics(), planner=Observed(), gamma=0.5,
                         thresholds=dict(admission.DEFAULT_THRESHOLDS), log=get_logger("test"),
                         send_order=lambda node, order: orders.append((node, order)) is None, restore_by_order=True)
     for node in ("n1", "n2"):
@@ -345,6 +342,9 @@ def test_a_lost_last_copy_is_ordered_as_a_restore_from_the_checkpoint(tmp_path: 
     for node, order in list(orders):
         ctl.on_transition_report(protocol.TransitionReport(job_id="j", node=node, ok=True, measured_s=0.1,
                                                            transition_id=order.transition_id))
+    assert ctl.plan is not None
+    only_on_n2 = [s.model_stage for s in ctl.plan.stages if all(g in (2, 3) for gs in s.gpu_sets for g in gs)]
+    assert only_on_n2 == ["reward-inf"], ctl.plan  # the premise: n2 holds the reward model's every copy
     first = orders[-1][1].to_version
     orders.clear()
     store.set_node_state("j", "n2", "lost", "no heartbeat")
@@ -353,6 +353,7 @@ def test_a_lost_last_copy_is_ordered_as_a_restore_from_the_checkpoint(tmp_path: 
     decision = store.decision(did)  # type: ignore[arg-type]
     assert decision["admitted"] and decision["rule"] == "checkpoint-restart", decision
     assert "restore plan" in decision["reason"] and "checkpoint" in decision["reason"]
+    assert "reward-inf" in json.dumps(decision["inputs"]["infeasible_reasons"])  # what was lost, said
     assert [n for n, _ in orders] == ["n1"] and orders[0][1].to_version > first
     t = store.transitions("j")[-1]
     assert t["state"] == "ordered" and t["dag"]["kind"] == "restore"
