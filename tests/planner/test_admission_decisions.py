@@ -58,8 +58,10 @@ def test_checkpoint_restart_decision_keeps_the_inputs_and_the_first_line_of_why(
         raise InfeasibleError("no plan fits", ("actor-train: 3 GiB over on GPU 0",))
 
     d = admission.decide(trigger=DRIFT, current_plan=RUNNING, current_prediction=NOW, replan=replan,
-                         transition_s=lambda old, new: 0.0)
+                         transition_s=lambda old, new: 0.0, gamma=0.55)
     assert d.verdict.admitted is False and d.verdict.rule is Rule.CHECKPOINT_RESTART
+    assert (d.verdict.h_steps, d.verdict.gamma) == (DRIFT.h_steps, 0.55)  # the record says what it was judged by
+    assert d.verdict.saving_s_per_step is None and d.verdict.transition_s is None
     assert d.verdict.reason == ("no plan fits in memory on the available GPUs: fall back to "
                                 "checkpoint/restart (no plan fits)")
     assert (d.step, d.trigger, d.current_plan_version, d.current_prediction) == (7, DRIFT, 1, NOW)
