@@ -1,0 +1,193 @@
+"""A Split's or Extend's traffic and bucket memory, derived per target GPU and memoised there. Pure.
+
+What a target GPU ``d`` receives depends on the units alone, not on which GPUs they sit on: its
+shards and slots follow from the target's layout and ``d``'s rank, its covers (transitions.covers)
+from each source's layout, ``d``'s rank in it (the local pieces) and the ranks of the holders tried.
+So a primitive's footprint splits into one entry per target GPU, found by that GPU's *relative key*
+(every unit's state, layout, the rank map of its ``final`` and ``d``'s position in it): the bytes
+copied on ``d`` and received from each source position (``DstTraffic``). The bucket memory splits
+the same way: the bucketizer (transitions.transfer_plan.messages) handles each (src, dst) pair on its
+own, so a pair's rounds of packed bytes (``PairWire``) are a function of ``d``'s key and the sender's
+positions in the sources. A footprint of a never-seen relative shape whose target GPUs' keys were
+met before (the same layouts placed differently: what a new response length or GPU count yields)
+then costs lookups, not pieces. The entries reproduce ``footprints``' own derivation exactly, dict
+insertion order included; tests/transitions/test_gpu_traffic.py compares them with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transitions.covers import Cover, covers, derive_target
+from transitions.emu import EMU
+from transitions.geometry import Shard
+from transitions.layout import COUNTERS, COUNTERS_KIND, NUM_COUNTERS, unit_slots
+from transitions.planning_cache import PlanningCache
+from transitions.primitives import Extend, Primitive, Split
+from transitions.transfer_plan import Piece, messages
+
+Role = tuple[int, int]  # (source index, position in its GPUs): a source GPU relative to the units
+Covers = list[tuple[Shard, int, Cover]]  # transitions.covers.covers of one target GPU
+
+
+@dataclass(frozen=True, slots=True)
+class DstTraffic:
+    """What one target GPU copies locally (None: no local piece) and receives per source role, in
+    the order ``footprints._traffic`` meets them; ``counter``: the role its counters come from."""
+
+    local: int | None
+    received: tuple[tuple[Role, int], ...]
+    counter: Role | None
+
+
+@dataclass(frozen=True, slots=True)
+class PairWire:
+    """Per round, the packed (not in place) bytes of one pair's messages on the sender and the receiver
+    (transitions.transfer_plan.in_flight_bytes counts exactly these)."""
+
+    sent: tuple[int, ...]
+    received: tuple[int, ...]
+
+
+def applies(prim: Primitive) -> bool:
+    """Split and Extend whose targets share no GPU (every target GPU is filled by one target)."""
+    if not isinstance(prim, Split | Extend):
+        return False
+    gpus = [g for t in prim.targets for g in t.gpus]
+    return len(set(gpus)) == len(gpus)
+
+
+def _position(unit: EMU, gpu: int) -> int:
+    return unit.gpus.index(gpu) if gpu in unit.gpus else -1
+
+
+def _unit_key(unit: EMU, gpu: int) -> tuple[object, ...]:
+    home = unit.final
+    final = None if home is None else (home.state, home.layout, tuple(home.gpus.index(g) for g in unit.gpus))
+    return (unit.state, unit.layout, final, _position(unit, gpu))
+
+
+def dst_key(prim: Primitive, target: EMU, gpu: int) -> tuple[object, ...]:
+    """``gpu``'s relative key as a GPU of ``target``: what its pieces depend on (uids only by equality)."""
+    units = (target, *prim.sources)
+    uids = [u.uid for u in units]
+    return (_unit_key(target, gpu), tuple(_unit_key(s, gpu) for s in prim.sources),
+            tuple(uids.index(u) for u in uids))
+
+
+def _counter_role(prim: Primitive, target: EMU, gpu: int) -> Role | None:
+    """The source role ``gpu``'s counters come from (transitions.covers.counter_pieces), None if local."""
+    if any(s.holds(gpu) for s in prim.sources):
+        return None
+    first = prim.sources[0]
+    return 0, target.gpus.index(gpu) % len(first.gpus)
+
+
+def _derive_traffic(prim: Primitive, target: EMU, gpu: int) -> tuple[DstTraffic, Covers]:
+    """``gpu``'s traffic from its covers (as footprints._traffic sums them), and the covers; a piece's
+    role is its source unit and the holder's position there."""
+    cov = covers(target, prim.sources, gpu)
+    index = {id(s): k for k, s in enumerate(prim.sources)}
+    local: int | None = None
+    received: dict[Role, int] = {}
+    for shard, dim, cover in cov:
+        row_bytes = shard.num_bytes // shard.lengths[dim]
+        for src_unit, src, _, lo, hi in cover:
+            nbytes = row_bytes * (hi - lo)
+            if src == gpu:
+                local = (local or 0) + nbytes
+            else:
+                role = (index[id(src_unit)], src_unit.gpus.index(src))
+                received[role] = received.get(role, 0) + nbytes
+    return DstTraffic(local, tuple(received.items()), _counter_role(prim, target, gpu)), cov
+
+
+def dst_traffic(prim: Primitive, target: EMU, gpu: int, key: tuple[object, ...], cache: PlanningCache
+                ) -> tuple[DstTraffic, Covers | None]:
+    """``gpu``'s entry (memoised by ``key``) and, when derived now, its covers."""
+    got = cache.dst_traffic.get(key)
+    if got is not None:
+        return got, None
+    entry, cov = _derive_traffic(prim, target, gpu)
+    return cache.dst_traffic.put(key, entry), cov
+
+
+def _counter_piece(prim: Primitive, target: EMU, gpu: int, role: Role) -> Piece:
+    src = prim.sources[role[0]]
+    src_gpu = src.gpus[role[1]]
+    key = (COUNTERS, COUNTERS_KIND)
+    return Piece(src_worker=src_gpu, dst_worker=gpu, src_slot=unit_slots(src, src_gpu)[key],
+                 dst_slot=unit_slots(target, gpu)[key], box=((0,), (NUM_COUNTERS,)), src_unit=src.uid,
+                 dst_unit=target.uid)
+
+
+def pair_wire(pieces: list[Piece], src: int, dst: int) -> PairWire:
+    """The rounds of packed bytes of the pair ``src -> dst`` carrying ``pieces`` (that pair's only)."""
+    sent: dict[int, int] = {}
+    received: dict[int, int] = {}
+    for m in messages(pieces):
+        if m.src_start is None:
+            sent[m.round] = sent.get(m.round, 0) + m.num_bytes
+        if m.dst_start is None:
+            received[m.round] = received.get(m.round, 0) + m.num_bytes
+    rounds = 1 + max((*sent, *received), default=-1)
+    return PairWire(tuple(sent.get(r, 0) for r in range(rounds)), tuple(received.get(r, 0) for r in range(rounds)))
+
+
+def dst_wires(prim: Primitive, target: EMU, gpu: int, key: tuple[object, ...], entry: DstTraffic,
+              cov: Covers | None, cache: PlanningCache) -> list[tuple[int, PairWire]]:
+    """Per GPU sending to ``gpu`` (covers and counters), that pair's wire, memoised by ``key`` and the
+    sender's position in every source; the pieces are derived once, on the first miss."""
+    senders = [prim.sources[k].gpus[i] for (k, i), _ in entry.received]
+    if entry.counter is not None:
+        senders.insert(0, prim.sources[entry.counter[0]].gpus[entry.counter[1]])
+    pieces: list[Piece] | None = None
+    out: list[tuple[int, PairWire]] = []
+    for src in dict.fromkeys(senders):
+        pkey = (key, tuple(_position(s, src) for s in prim.sources))
+        wire = cache.pair_wires.get(pkey)
+        if wire is None:
+            if pieces is None:
+                counter = [] if entry.counter is None else [_counter_piece(prim, target, gpu, entry.counter)]
+                pieces = counter + derive_target(target, prim.sources, gpu, covered=cov)
+            wire = cache.pair_wires.put(pkey, pair_wire([p for p in pieces if p.src_worker == src], src, gpu))
+        out.append((src, wire))
+    return out
+
+
+def peak_bytes(rounds: list[int]) -> int:
+    """The most two consecutive rounds hold (transitions.transfer_plan.in_flight_bytes)."""
+    return max((rounds[r] + (rounds[r + 1] if r + 1 < len(rounds) else 0) for r in range(len(rounds))), default=0)
+
+
+def add_rounds(into: dict[int, list[int]], gpu: int, rounds: tuple[int, ...]) -> None:
+    have = into.setdefault(gpu, [])
+    if len(have) < len(rounds):
+        have.extend([0] * (len(rounds) - len(have)))
+    for r, n in enumerate(rounds):
+        have[r] += n
+
+
+def traffic(prim: Primitive, cache: PlanningCache, buffers: bool = True
+            ) -> tuple[dict[int, int], dict[tuple[int, int], int], dict[int, int]]:
+    """``prim``'s (local bytes, pair bytes, bucket memory) as transitions.footprints derives them from
+    every piece, from the memoised entries of its target GPUs (``applies(prim)`` must hold); without
+    ``buffers`` the bucket memory is left out (empty)."""
+    local: dict[int, int] = {}
+    pair: dict[tuple[int, int], int] = {}
+    rounds: dict[int, list[int]] = {}
+    for target in prim.targets:
+        for gpu in target.gpus:
+            key = dst_key(prim, target, gpu)
+            entry, cov = dst_traffic(prim, target, gpu, key, cache)
+            if entry.local is not None:
+                local[gpu] = entry.local
+            for (k, i), nbytes in entry.received:
+                src = prim.sources[k].gpus[i]
+                pair[(src, gpu)] = pair.get((src, gpu), 0) + nbytes
+            if buffers:
+                for src, wire in dst_wires(prim, target, gpu, key, entry, cov, cache):
+                    add_rounds(rounds, src, wire.sent)
+                    add_rounds(rounds, gpu, wire.received)
+    held = {g: peak_bytes(rounds[g]) for g in sorted(rounds)} if pair else {}
+    return local, pair, {g: n for g, n in held.items() if n}
