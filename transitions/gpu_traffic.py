@@ -21,10 +21,12 @@ from dataclasses import dataclass
 from transitions.covers import Cover, covers, derive_target
 from transitions.emu import EMU
 from transitions.geometry import Shard
+from transitions.layer_runs import Segment, segments, steps
 from transitions.layout import COUNTERS, COUNTERS_KIND, NUM_COUNTERS, unit_slots
 from transitions.planning_cache import PlanningCache
 from transitions.primitives import Extend, Primitive, Split
 from transitions.transfer_plan import Piece, messages
+from transitions.wire_stream import PairStream, per_round
 
 Role = tuple[int, int]  # (source index, position in its GPUs): a source GPU relative to the units
 Covers = list[tuple[Shard, int, Cover]]  # transitions.covers.covers of one target GPU
@@ -83,33 +85,42 @@ def _counter_role(prim: Primitive, target: EMU, gpu: int) -> Role | None:
     return 0, target.gpus.index(gpu) % len(first.gpus)
 
 
-def _derive_traffic(prim: Primitive, target: EMU, gpu: int) -> tuple[DstTraffic, Covers]:
-    """``gpu``'s traffic from its covers (as footprints._traffic sums them), and the covers; a piece's
-    role is its source unit and the holder's position there."""
-    cov = covers(target, prim.sources, gpu)
+def _segments(prim: Primitive, target: EMU, gpu: int) -> list[Segment]:
+    """``gpu``'s covers and pieces by runs of like layers (transitions.layer_runs), else all at once."""
+    segs = segments(prim, target, gpu)
+    if segs is None:
+        cov = covers(target, prim.sources, gpu)
+        segs = [Segment(cov, derive_target(target, prim.sources, gpu, covered=cov), None)]
+    return segs
+
+
+def _derive_traffic(prim: Primitive, target: EMU, gpu: int, segs: list[Segment]) -> DstTraffic:
+    """``gpu``'s traffic from its covers, as footprints._traffic sums them (a run's layers alike); a
+    piece's role is its source unit and the holder's position there."""
     index = {id(s): k for k, s in enumerate(prim.sources)}
     local: int | None = None
     received: dict[Role, int] = {}
-    for shard, dim, cover in cov:
-        row_bytes = shard.num_bytes // shard.lengths[dim]
-        for src_unit, src, _, lo, hi in cover:
-            nbytes = row_bytes * (hi - lo)
-            if src == gpu:
-                local = (local or 0) + nbytes
-            else:
-                role = (index[id(src_unit)], src_unit.gpus.index(src))
-                received[role] = received.get(role, 0) + nbytes
-    return DstTraffic(local, tuple(received.items()), _counter_role(prim, target, gpu)), cov
+    for seg in segs:
+        for shard, dim, cover in seg.covers:
+            row_bytes = shard.num_bytes // shard.lengths[dim] * seg.count
+            for src_unit, src, _, lo, hi in cover:
+                nbytes = row_bytes * (hi - lo)
+                if src == gpu:
+                    local = (local or 0) + nbytes
+                else:
+                    role = (index[id(src_unit)], src_unit.gpus.index(src))
+                    received[role] = received.get(role, 0) + nbytes
+    return DstTraffic(local, tuple(received.items()), _counter_role(prim, target, gpu))
 
 
 def dst_traffic(prim: Primitive, target: EMU, gpu: int, key: tuple[object, ...], cache: PlanningCache
-                ) -> tuple[DstTraffic, Covers | None]:
-    """``gpu``'s entry (memoised by ``key``) and, when derived now, its covers."""
+                ) -> tuple[DstTraffic, list[Segment] | None]:
+    """``gpu``'s entry (memoised by ``key``) and, when derived now, its segments."""
     got = cache.dst_traffic.get(key)
     if got is not None:
         return got, None
-    entry, cov = _derive_traffic(prim, target, gpu)
-    return cache.dst_traffic.put(key, entry), cov
+    segs = _segments(prim, target, gpu)
+    return cache.dst_traffic.put(key, _derive_traffic(prim, target, gpu, segs)), segs
 
 
 def _counter_piece(prim: Primitive, target: EMU, gpu: int, role: Role) -> Piece:
@@ -130,27 +141,53 @@ def pair_wire(pieces: list[Piece], src: int, dst: int) -> PairWire:
             sent[m.round] = sent.get(m.round, 0) + m.num_bytes
         if m.dst_start is None:
             received[m.round] = received.get(m.round, 0) + m.num_bytes
-    rounds = 1 + max((*sent, *received), default=-1)
-    return PairWire(tuple(sent.get(r, 0) for r in range(rounds)), tuple(received.get(r, 0) for r in range(rounds)))
+    return PairWire(*per_round(sent, received))
+
+
+def _streamed(prim: Primitive, target: EMU, gpu: int, src: int, segs: list[Segment], counter: Piece | None
+              ) -> PairWire | None:
+    """The pair ``src -> gpu``'s wire, each run of like layers streamed from its first layer's pieces
+    (transitions.wire_stream); None if some layer's slots are not the first's shifted."""
+    stream = PairStream()
+    if counter is not None and counter.src_worker == src:
+        stream.feed(stream.rec(counter))
+    for seg in segs:
+        mine = [p for p in seg.pieces if p.src_worker == src]
+        if seg.count == 1 or not mine:
+            for p in mine:
+                stream.feed(stream.rec(p))
+            continue
+        shifts = steps(prim, target, gpu, src, mine, seg.layers)  # type: ignore[arg-type]
+        if shifts is None:
+            return None
+        stream.feed_run(mine, shifts)
+    return PairWire(*stream.finish())
+
+
+def _wire(prim: Primitive, target: EMU, gpu: int, src: int, segs: list[Segment], counter: Piece | None
+          ) -> PairWire:
+    wire = _streamed(prim, target, gpu, src, segs, counter)
+    if wire is not None:
+        return wire
+    every = ([] if counter is None else [counter]) + derive_target(target, prim.sources, gpu)
+    return pair_wire([p for p in every if p.src_worker == src], src, gpu)
 
 
 def dst_wires(prim: Primitive, target: EMU, gpu: int, key: tuple[object, ...], entry: DstTraffic,
-              cov: Covers | None, cache: PlanningCache) -> list[tuple[int, PairWire]]:
+              segs: list[Segment] | None, cache: PlanningCache) -> list[tuple[int, PairWire]]:
     """Per GPU sending to ``gpu`` (covers and counters), that pair's wire, memoised by ``key`` and the
-    sender's position in every source; the pieces are derived once, on the first miss."""
+    sender's position in every source; ``gpu``'s segments are derived once, on the first miss."""
     senders = [prim.sources[k].gpus[i] for (k, i), _ in entry.received]
     if entry.counter is not None:
         senders.insert(0, prim.sources[entry.counter[0]].gpus[entry.counter[1]])
-    pieces: list[Piece] | None = None
+    counter = None if entry.counter is None else _counter_piece(prim, target, gpu, entry.counter)
     out: list[tuple[int, PairWire]] = []
     for src in dict.fromkeys(senders):
         pkey = (key, tuple(_position(s, src) for s in prim.sources))
         wire = cache.pair_wires.get(pkey)
         if wire is None:
-            if pieces is None:
-                counter = [] if entry.counter is None else [_counter_piece(prim, target, gpu, entry.counter)]
-                pieces = counter + derive_target(target, prim.sources, gpu, covered=cov)
-            wire = cache.pair_wires.put(pkey, pair_wire([p for p in pieces if p.src_worker == src], src, gpu))
+            segs = _segments(prim, target, gpu) if segs is None else segs
+            wire = cache.pair_wires.put(pkey, _wire(prim, target, gpu, src, segs, counter))
         out.append((src, wire))
     return out
 
@@ -179,14 +216,14 @@ def traffic(prim: Primitive, cache: PlanningCache, buffers: bool = True
     for target in prim.targets:
         for gpu in target.gpus:
             key = dst_key(prim, target, gpu)
-            entry, cov = dst_traffic(prim, target, gpu, key, cache)
+            entry, segs = dst_traffic(prim, target, gpu, key, cache)
             if entry.local is not None:
                 local[gpu] = entry.local
             for (k, i), nbytes in entry.received:
                 src = prim.sources[k].gpus[i]
                 pair[(src, gpu)] = pair.get((src, gpu), 0) + nbytes
             if buffers:
-                for src, wire in dst_wires(prim, target, gpu, key, entry, cov, cache):
+                for src, wire in dst_wires(prim, target, gpu, key, entry, segs, cache):
                     add_rounds(rounds, src, wire.sent)
                     add_rounds(rounds, gpu, wire.received)
     held = {g: peak_bytes(rounds[g]) for g in sorted(rounds)} if pair else {}

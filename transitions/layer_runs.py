@@ -1,0 +1,135 @@
+"""A target GPU's covers and pieces by layer class: one layer derived per run of like layers. Pure.
+
+The decoder layers of a model have the same tensors (shapes, splits), so two layers that sit on the
+same PP stage of every unit involved (``layer_class``) get the same covers from the same holders
+(transitions.covers): only names and byte offsets differ. ``segments`` cuts what a target GPU holds,
+in its shards' order, into fixed segments (embedding, final norm, head: derived as they are) and runs
+of consecutive layers of one class, of which only the first layer is derived. Byte totals are the
+first layer's times the run's length; a pair's bucket memory streams the first layer's pieces once
+per layer, shifted to where that layer's slots are (``steps``: checked slot by slot, None where a
+layer's slots are not the first's moved as one block), transitions.wire_stream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from planner.models import Head, ModelSpec, TensorSpec
+from transitions.covers import Cover, covers, derive_target
+from transitions.emu import EMU
+from transitions.geometry import Shard, layer_stages
+from transitions.layout import Slot, unit_slots
+from transitions.primitives import Primitive
+from transitions.transfer_plan import Piece
+
+Covers = list[tuple[Shard, int, Cover]]
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """Fixed tensors (``layers`` None) or a run of like layers, derived for its first layer only."""
+
+    covers: Covers
+    pieces: list[Piece]
+    layers: tuple[int, ...] | None
+
+    @property
+    def count(self) -> int:
+        return 1 if self.layers is None else len(self.layers)
+
+
+@lru_cache(maxsize=64)
+def layer_tensors(model: ModelSpec, head: Head) -> dict[int, tuple[TensorSpec, ...]] | None:
+    """Each decoder layer's tensors in order; None unless every layer's match the first's in shape,
+    split and heads (then layer ``L``'s ``i``-th tensor stands where the first layer's ``i``-th does)."""
+    out: dict[int, list[TensorSpec]] = {}
+    for t in model.tensors(head):
+        if t.layer is not None:
+            out.setdefault(t.layer, []).append(t)
+    shapes = {tuple((t.shape, t.parallel, t.num_heads) for t in ts) for ts in out.values()}
+    return {k: tuple(v) for k, v in out.items()} if len(shapes) <= 1 else None
+
+
+def layer_class(prim: Primitive, layer: int) -> tuple[int, ...]:
+    """The PP stage of ``layer`` in every source's layout (and its final's): what its covers depend on."""
+    out = []
+    for s in prim.sources:
+        for u in (s, s.final) if s.final is not None else (s,):
+            out.append(layer_stages(u.state.model.num_layers, u.layout.pp)[layer])
+    return tuple(out)
+
+
+def _groups(prim: Primitive, target: EMU, gpu: int, layers: dict[int, tuple[TensorSpec, ...]]
+            ) -> list[tuple[list[str], tuple[int, ...] | None]]:
+    """The tensors ``target`` holds on ``gpu`` in shard order: (names, None) for fixed tensors,
+    (first layer's names, layers) for a run of consecutive layers of one class."""
+    spec_layer = {t.name: t.layer for ts in layers.values() for t in ts}
+    out: list[tuple[list[str], tuple[int, ...] | None]] = []
+    run_class: tuple[int, ...] | None = None
+    for name in dict.fromkeys(s.tensor for s in target.shards(gpu)):
+        layer = spec_layer.get(name)
+        if layer is None:
+            if out and out[-1][1] is None:
+                out[-1][0].append(name)
+            else:
+                out.append(([name], None))
+            run_class = None
+            continue
+        cls = layer_class(prim, layer)
+        last = out[-1][1] if out else None
+        if last is not None and cls == run_class and layer in (last[-1], last[-1] + 1):
+            if layer != last[-1]:
+                out[-1] = (out[-1][0], (*last, layer))
+            continue
+        out.append(([t.name for t in layers[layer]], (layer,)))
+        run_class = cls
+    return out
+
+
+def segments(prim: Primitive, target: EMU, gpu: int) -> list[Segment] | None:
+    """What ``target`` fills on ``gpu``, as fixed segments and runs of like layers (None: the model's
+    layers differ, derive every piece instead)."""
+    layers = layer_tensors(target.state.model, target.state.head)
+    if layers is None:
+        return None
+    out = []
+    for names, run in _groups(prim, target, gpu, layers):
+        cov = covers(target, prim.sources, gpu, only=frozenset(names))
+        out.append(Segment(cov, derive_target(target, prim.sources, gpu, covered=cov), run))
+    return out
+
+
+def _same_place(a: Slot, b: Slot) -> bool:
+    return (a.kind, a.dtype, a.global_shape, a.offsets, a.lengths, a.order) == \
+        (b.kind, b.dtype, b.global_shape, b.offsets, b.lengths, b.order)
+
+
+def _shift(slot: Slot, slots: dict[tuple[str, str], Slot], names: dict[str, str]) -> int | None:
+    """Bytes from ``slot`` (first layer) to its counterpart in another layer's ``slots``, if alike."""
+    other = slots.get((names[slot.tensor], slot.kind))
+    if other is None or not _same_place(slot, other):
+        return None
+    return other.byte_offset - slot.byte_offset
+
+
+def steps(prim: Primitive, target: EMU, gpu: int, src: int, pieces: list[Piece], run: tuple[int, ...]
+          ) -> list[list[tuple[int, int]]] | None:
+    """Per layer of ``run``, per piece ``src`` sends in its first layer: the (source, target) bytes the
+    piece's slots sit from the first layer's; None if some layer's slots are not the first's moved."""
+    layers = layer_tensors(target.state.model, target.state.head)
+    assert layers is not None
+    src_slots = {u.uid: unit_slots(u, src) for u in prim.sources if u.holds(src)}
+    dst_slots = unit_slots(target, gpu)
+    out = []
+    for layer in run:
+        names = {a.name: b.name for a, b in zip(layers[run[0]], layers[layer])}
+        shifts = []
+        for p in pieces:
+            ts = _shift(p.src_slot, src_slots[p.src_unit], names)
+            td = _shift(p.dst_slot, dst_slots, names)
+            if ts is None or td is None:
+                return None
+            shifts.append((ts, td))
+        out.append(shifts)
+    return out
