@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from transitions import transfer_plan
 from transitions.covers import Cover, covers, derive_target
 from transitions.emu import EMU
 from transitions.geometry import Shard
@@ -85,7 +86,7 @@ def _counter_role(prim: Primitive, target: EMU, gpu: int) -> Role | None:
     return 0, target.gpus.index(gpu) % len(first.gpus)
 
 
-def _segments(prim: Primitive, target: EMU, gpu: int) -> list[Segment]:
+def gpu_segments(prim: Primitive, target: EMU, gpu: int) -> list[Segment]:
     """``gpu``'s covers and pieces by runs of like layers (transitions.layer_runs), else all at once."""
     segs = segments(prim, target, gpu)
     if segs is None:
@@ -119,7 +120,7 @@ def dst_traffic(prim: Primitive, target: EMU, gpu: int, key: tuple[object, ...],
     got = cache.dst_traffic.get(key)
     if got is not None:
         return got, None
-    segs = _segments(prim, target, gpu)
+    segs = gpu_segments(prim, target, gpu)
     return cache.dst_traffic.put(key, _derive_traffic(prim, target, gpu, segs)), segs
 
 
@@ -132,11 +133,13 @@ def _counter_piece(prim: Primitive, target: EMU, gpu: int, role: Role) -> Piece:
                  dst_unit=target.uid)
 
 
-def pair_wire(pieces: list[Piece], src: int, dst: int) -> PairWire:
-    """The rounds of packed bytes of the pair ``src -> dst`` carrying ``pieces`` (that pair's only)."""
+def pair_wire(pieces: list[Piece], max_bucket_bytes: int | None = None) -> PairWire:
+    """The rounds of packed bytes of the one pair ``pieces`` cross, from the bucketizer itself (buckets
+    of transitions.transfer_plan.DEFAULT_BUCKET_BYTES unless given, as footprints.wire_buffers)."""
     sent: dict[int, int] = {}
     received: dict[int, int] = {}
-    for m in messages(pieces):
+    bucket = transfer_plan.DEFAULT_BUCKET_BYTES if max_bucket_bytes is None else max_bucket_bytes
+    for m in messages(pieces, bucket):
         if m.src_start is None:
             sent[m.round] = sent.get(m.round, 0) + m.num_bytes
         if m.dst_start is None:
@@ -144,11 +147,11 @@ def pair_wire(pieces: list[Piece], src: int, dst: int) -> PairWire:
     return PairWire(*per_round(sent, received))
 
 
-def _streamed(prim: Primitive, target: EMU, gpu: int, src: int, segs: list[Segment], counter: Piece | None
-              ) -> PairWire | None:
+def streamed(prim: Primitive, target: EMU, gpu: int, src: int, segs: list[Segment], counter: Piece | None,
+             max_bucket_bytes: int | None = None) -> PairWire | None:
     """The pair ``src -> gpu``'s wire, each run of like layers streamed from its first layer's pieces
     (transitions.wire_stream); None if some layer's slots are not the first's shifted."""
-    stream = PairStream()
+    stream = PairStream(max_bucket_bytes)
     if counter is not None and counter.src_worker == src:
         stream.feed(stream.rec(counter))
     for seg in segs:
@@ -166,11 +169,11 @@ def _streamed(prim: Primitive, target: EMU, gpu: int, src: int, segs: list[Segme
 
 def _wire(prim: Primitive, target: EMU, gpu: int, src: int, segs: list[Segment], counter: Piece | None
           ) -> PairWire:
-    wire = _streamed(prim, target, gpu, src, segs, counter)
+    wire = streamed(prim, target, gpu, src, segs, counter)
     if wire is not None:
         return wire
     every = ([] if counter is None else [counter]) + derive_target(target, prim.sources, gpu)
-    return pair_wire([p for p in every if p.src_worker == src], src, gpu)
+    return pair_wire([p for p in every if p.src_worker == src])
 
 
 def dst_wires(prim: Primitive, target: EMU, gpu: int, key: tuple[object, ...], entry: DstTraffic,
@@ -186,7 +189,7 @@ def dst_wires(prim: Primitive, target: EMU, gpu: int, key: tuple[object, ...], e
         pkey = (key, tuple(_position(s, src) for s in prim.sources))
         wire = cache.pair_wires.get(pkey)
         if wire is None:
-            segs = _segments(prim, target, gpu) if segs is None else segs
+            segs = gpu_segments(prim, target, gpu) if segs is None else segs
             wire = cache.pair_wires.put(pkey, _wire(prim, target, gpu, src, segs, counter))
         out.append((src, wire))
     return out

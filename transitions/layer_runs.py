@@ -16,10 +16,11 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from planner.models import Head, ModelSpec, TensorSpec
+from planner.plan import Layout
 from transitions.covers import Cover, covers, derive_target
 from transitions.emu import EMU
-from transitions.geometry import Shard, layer_stages
-from transitions.layout import Slot, unit_slots
+from transitions.geometry import Shard, StateKind, layer_stages
+from transitions.layout import Slot, _layout_slots
 from transitions.primitives import Primitive
 from transitions.transfer_plan import Piece
 
@@ -76,11 +77,12 @@ def _groups(prim: Primitive, target: EMU, gpu: int, layers: dict[int, tuple[Tens
                 out.append(([name], None))
             run_class = None
             continue
-        cls = layer_class(prim, layer)
         last = out[-1][1] if out else None
-        if last is not None and cls == run_class and layer in (last[-1], last[-1] + 1):
-            if layer != last[-1]:
-                out[-1] = (out[-1][0], (*last, layer))
+        if last is not None and layer == last[-1]:
+            continue  # another tensor of the layer just placed
+        cls = layer_class(prim, layer)
+        if last is not None and cls == run_class and layer == last[-1] + 1:
+            out[-1] = (out[-1][0], (*last, layer))
             continue
         out.append(([t.name for t in layers[layer]], (layer,)))
         run_class = cls
@@ -105,31 +107,43 @@ def _same_place(a: Slot, b: Slot) -> bool:
         (b.kind, b.dtype, b.global_shape, b.offsets, b.lengths, b.order)
 
 
-def _shift(slot: Slot, slots: dict[tuple[str, str], Slot], names: dict[str, str]) -> int | None:
-    """Bytes from ``slot`` (first layer) to its counterpart in another layer's ``slots``, if alike."""
-    other = slots.get((names[slot.tensor], slot.kind))
-    if other is None or not _same_place(slot, other):
-        return None
-    return other.byte_offset - slot.byte_offset
+@lru_cache(maxsize=1024)
+def _run_shifts(model: ModelSpec, head: Head, layout: Layout, rank: int, kinds: tuple[StateKind, ...],
+                run: tuple[int, ...]) -> dict[tuple[str, str], tuple[int, ...] | None]:
+    """Per slot of ``run``'s first layer in a rank's buffer: the bytes from it to its counterpart in
+    each layer of the run (None if some counterpart is not the same box of the same kind)."""
+    layers = layer_tensors(model, head)
+    assert layers is not None
+    slots = {s.key: s for s in _layout_slots(model, head, layout, rank, kinds)[0]}
+    position = {t.name: i for i, t in enumerate(layers[run[0]])}
+    out: dict[tuple[str, str], tuple[int, ...] | None] = {}
+    for key, slot in slots.items():
+        if key[0] not in position:
+            continue
+        others = [slots.get((layers[layer][position[key[0]]].name, key[1])) for layer in run]
+        if any(o is None or not _same_place(slot, o) for o in others):
+            out[key] = None
+        else:
+            out[key] = tuple(o.byte_offset - slot.byte_offset for o in others)  # type: ignore[union-attr]
+    return out
+
+
+def _unit_shifts(unit: EMU, gpu: int, run: tuple[int, ...]) -> dict[tuple[str, str], tuple[int, ...] | None]:
+    home = unit.final if unit.final is not None else unit
+    state = home.state
+    return _run_shifts(state.model, state.head, home.layout, home.gpus.index(gpu), state.kinds, run)
 
 
 def steps(prim: Primitive, target: EMU, gpu: int, src: int, pieces: list[Piece], run: tuple[int, ...]
           ) -> list[list[tuple[int, int]]] | None:
     """Per layer of ``run``, per piece ``src`` sends in its first layer: the (source, target) bytes the
     piece's slots sit from the first layer's; None if some layer's slots are not the first's moved."""
-    layers = layer_tensors(target.state.model, target.state.head)
-    assert layers is not None
-    src_slots = {u.uid: unit_slots(u, src) for u in prim.sources if u.holds(src)}
-    dst_slots = unit_slots(target, gpu)
-    out = []
-    for layer in run:
-        names = {a.name: b.name for a, b in zip(layers[run[0]], layers[layer])}
-        shifts = []
-        for p in pieces:
-            ts = _shift(p.src_slot, src_slots[p.src_unit], names)
-            td = _shift(p.dst_slot, dst_slots, names)
-            if ts is None or td is None:
-                return None
-            shifts.append((ts, td))
-        out.append(shifts)
-    return out
+    src_tables = {u.uid: _unit_shifts(u, src, run) for u in prim.sources if u.holds(src)}
+    dst_table = _unit_shifts(target, gpu, run)
+    per_piece = []
+    for p in pieces:
+        ts, td = src_tables[p.src_unit].get(p.src_slot.key), dst_table.get(p.dst_slot.key)
+        if ts is None or td is None:
+            return None
+        per_piece.append(zip(ts, td))
+    return [list(layer) for layer in zip(*per_piece)]

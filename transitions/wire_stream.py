@@ -14,9 +14,9 @@ tests/transitions/test_gpu_traffic.py checks it against ``messages``.
 
 from __future__ import annotations
 
+from transitions import transfer_plan
 from transitions.layout import PAGE_BYTES, align, contiguous_range, slot_start
 from transitions.transfer_plan import (
-    DEFAULT_BUCKET_BYTES,
     DIRECT_MIN_BYTES,
     SPLIT_MIN_BYTES,
     Piece,
@@ -38,20 +38,22 @@ class Rec:
     __slots__ = ("piece", "part", "ts", "td", "nbytes", "src", "dst", "src_slot", "dst_slot")
 
     def __init__(self, piece: Piece, part: int, ts: int, td: int, nbytes: int, src: Range | None,
-                 dst: Range | None) -> None:
+                 dst: Range | None, src_slot: Range, dst_slot: Range) -> None:
         self.piece, self.part, self.ts, self.td, self.nbytes = piece, part, ts, td, nbytes
-        self.src = None if src is None else (src[0] + ts, src[1] + ts)
-        self.dst = None if dst is None else (dst[0] + td, dst[1] + td)
-        self.src_slot = (piece.src_slot.byte_offset + ts, piece.src_slot.num_bytes)
-        self.dst_slot = (piece.dst_slot.byte_offset + td, piece.dst_slot.num_bytes)
+        self.src, self.dst, self.src_slot, self.dst_slot = src, dst, src_slot, dst_slot
 
     def shifted(self, ts: int, td: int) -> Rec:
+        src, dst = self.src, self.dst
         return Rec(self.piece, self.part, self.ts + ts, self.td + td, self.nbytes,
-                   None if self.src is None else (self.src[0] - self.ts, self.src[1] - self.ts),
-                   None if self.dst is None else (self.dst[0] - self.td, self.dst[1] - self.td))
+                   None if src is None else (src[0] + ts, src[1] + ts), None if dst is None else (dst[0] + td, dst[1] + td),
+                   (self.src_slot[0] + ts, self.src_slot[1]), (self.dst_slot[0] + td, self.dst_slot[1]))
 
     def key(self, ts: int, td: int) -> tuple[int, int, int, int]:
         return (id(self.piece), self.part, self.ts - ts, self.td - td)
+
+
+def _moved(r: Range | None, by: int) -> Range | None:
+    return None if r is None else (r[0] + by, r[1] + by)
 
 
 def _back_to_back(prev: Range, prev_slot: Range, nxt: Range, nxt_slot: Range) -> bool:
@@ -99,19 +101,22 @@ class _Run:
 class PairStream:
     """The bucketizer of one pair, fed in order; ``sent`` / ``received``: packed bytes per round."""
 
-    def __init__(self, max_bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
-        self.max = max_bucket_bytes
+    def __init__(self, max_bucket_bytes: int | None = None) -> None:
+        # read at the call, as footprints.wire_buffers does (tests change it)
+        self.max = transfer_plan.DEFAULT_BUCKET_BYTES if max_bucket_bytes is None else max_bucket_bytes
         self.run: _Run | None = None
         self.bucket: list[Rec] = []
         self.size = 0
         self.adjacent = False
         self.round, self.volume = 0, 0
+        self.packed = 0  # pieces packed so far
         self.log: list[tuple[int, int, int]] = []  # (round, sent, received) per bucket
         self._parts: dict[int, list[tuple[int, Range | None, Range | None]]] = {}
 
-    def rec(self, piece: Piece, ts: int = 0, td: int = 0) -> Rec:
-        return Rec(piece, -1, ts, td, piece.num_bytes, contiguous_range(piece.src_slot, piece.box),
-                   contiguous_range(piece.dst_slot, piece.box))
+    def rec(self, piece: Piece) -> Rec:
+        src, dst = piece.src_slot, piece.dst_slot
+        return Rec(piece, -1, 0, 0, piece.num_bytes, contiguous_range(src, piece.box), contiguous_range(dst, piece.box),
+                   (src.byte_offset, src.num_bytes), (dst.byte_offset, dst.num_bytes))
 
     def feed(self, r: Rec) -> None:
         """One piece, as ``_coalesce`` meets it. A run already ``DIRECT_MIN_BYTES`` long keeps only its
@@ -148,10 +153,12 @@ class PairStream:
                 for q in _split_piece(r.piece, self.max)]
         if len(parts) == 1:
             return [r]
-        return [Rec(r.piece, i, r.ts, r.td, n, s, d) for i, (n, s, d) in enumerate(parts)]
+        return [Rec(r.piece, i, r.ts, r.td, n, _moved(s, r.ts), _moved(d, r.td), r.src_slot, r.dst_slot)
+                for i, (n, s, d) in enumerate(parts)]
 
     def _pack(self, r: Rec) -> None:
         """A packed piece into the open bucket, as ``_buckets`` places it."""
+        self.packed += 1
         for p in self._split(r):
             here, last = p.dst, self.bucket[-1] if self.bucket else None
             follows = (here is not None and last is not None and last.dst is not None and self.adjacent
@@ -193,11 +200,6 @@ class PairStream:
                 received[r] = received.get(r, 0) + d
         return per_round(sent, received)
 
-    def _state(self, ts: int, td: int) -> tuple[object, ...]:
-        """What decides the rest, relative to the shift (``ts``, ``td``) of the layer just fed."""
-        return (None if self.run is None else self.run.state(ts, td), tuple(m.key(ts, td) for m in self.bucket),
-                self.size, self.adjacent, self.volume)
-
     def _shift(self, ts: int, td: int) -> None:
         if self.run is not None:
             self.run.shift(ts, td)
@@ -207,30 +209,61 @@ class PairStream:
         """Layer after layer: ``pieces`` with each piece shifted by that layer's (source, target) bytes."""
         base = [self.rec(p) for p in pieces]
         first, stride = _even_from(shifts)
-        seen: dict[tuple[object, ...], tuple[int, int, int]] | None = {}
+        seen: dict[tuple[object, ...], tuple[int, int, int, int]] = {}
         j = 0
         while j < len(shifts):
             for r, (ts, td) in zip(base, shifts[j]):
                 self.feed(r.shifted(ts, td))
-            if seen is not None and j >= first:
-                state = self._state(*shifts[j][0])
-                if state in seen:
-                    j = self._skip(*seen[state], j, len(shifts), stride)
-                    seen = None
-                else:
-                    seen[state] = (j, len(self.log), self.round)
+            if j >= first:
+                j += self._recur(seen, j, shifts, stride)
             j += 1
 
-    def _skip(self, i: int, logged: int, round_i: int, j: int, n: int, stride: tuple[int, int]) -> int:
-        """The state after layer ``j`` recurs from layer ``i``: add the periods left whole; the last layer fed."""
-        period, rounds = j - i, self.round - round_i
+    def _recur(self, seen: dict[tuple[object, ...], tuple[int, int, int, int]], j: int,
+               shifts: list[list[tuple[int, int]]], stride: tuple[int, int]) -> int:
+        """After layer ``j``: the layers skipped, if the state recurs (``seen`` keeps the states met)."""
+        ts, td = shifts[j][0]
+        run = None if self.run is None else self.run.state(ts, td)
+        idle = (run, "no piece packed since", self.packed)  # the bucket as it was: nothing packed
+        state = (run, tuple(m.key(ts, td) for m in self.bucket), self.size, self.adjacent)
+        skipped = 0
+        if idle in seen:
+            skipped = self._skip_idle(seen[idle][0], j, len(shifts), stride)
+        elif state in seen:
+            skipped = self._skip(seen[state], j, len(shifts), stride)
+        if skipped:
+            seen.clear()
+        seen[state] = seen[idle] = (j + skipped, len(self.log), self.round, self.volume)
+        return skipped
+
+    def _skip_idle(self, i: int, j: int, n: int, stride: tuple[int, int]) -> int:
+        """Nothing was packed from layer ``i`` to ``j`` and the open run recurs, moved: nothing will be
+        packed in the whole periods left either (the bucket stays as it is); how many layers that skips."""
+        times = (n - 1 - j) // (j - i)
+        if self.run is not None and times:
+            self.run.shift(times * (j - i) * stride[0], times * (j - i) * stride[1])
+        return times * (j - i)
+
+    def _skip(self, hit: tuple[int, int, int, int], j: int, n: int, stride: tuple[int, int]) -> int:
+        """The state after layer ``j`` is the one after layer ``hit[0]`` moved by the layers between,
+        but for the round's volume: add the periods left whole that act alike, without feeding them;
+        how many layers that skips. Alike: the volume came back (every period the same buckets in the
+        same rounds, shifted), or it grew by ``grow`` within one round (every period the same buckets
+        in that round, as long as the round has room for them)."""
+        i, logged, round_i, volume_i = hit
+        period, grow = j - i, self.volume - volume_i
         times = (n - 1 - j) // period
+        if grow:
+            if self.round != round_i or grow < 0:
+                return 0
+            times = min(times, (self.max - self.volume) // grow)
+        rounds = self.round - round_i
         repeat = self.log[logged:]
         for k in range(1, times + 1):
             self.log += [(r + k * rounds, s, d) for r, s, d in repeat]
         self.round += times * rounds
+        self.volume += times * grow
         self._shift(times * period * stride[0], times * period * stride[1])
-        return j + times * period
+        return times * period
 
 
 def _even_from(shifts: list[list[tuple[int, int]]]) -> tuple[int, tuple[int, int]]:
