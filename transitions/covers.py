@@ -11,7 +11,7 @@ shard raises transitions.errors.CoverageError.
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterable
+from collections.abc import Iterable
 from functools import lru_cache
 
 from planner.models import Parallel, TensorSpec
@@ -114,10 +114,10 @@ def _tensor_cover(shard: Shard, dim: int, tensor: TensorSpec, memo: _Boxes, gpu:
     return cover, need
 
 
-def covers(target: EMU, sources: tuple[EMU, ...], gpu: int, only: Container[str] | None = None
+def covers(target: EMU, sources: tuple[EMU, ...], gpu: int, shards: Iterable[Shard] | None = None
            ) -> list[tuple[Shard, int, Cover]]:
-    """For every shard ``target`` holds on ``gpu`` (of the tensors named in ``only``, if given): its
-    split dim and where each of its rows comes from.
+    """For every shard ``target`` holds on ``gpu`` (or those of them given, in its order): its split
+    dim and where each of its rows comes from.
 
     The cover is computed once per tensor and reused for its other state kinds: sources hold every
     kind the target holds (same model-stage, or a training stage feeding a parameters-only one).
@@ -132,9 +132,7 @@ def covers(target: EMU, sources: tuple[EMU, ...], gpu: int, only: Container[str]
     cover: Cover = []
     cover_tensor = ""
     dim = 0
-    for shard in target.shards(gpu):
-        if only is not None and shard.key[0] not in only:
-            continue
+    for shard in target.shards(gpu) if shards is None else shards:
         if shard.key[0] != cover_tensor:
             tensor = index[shard.key[0]]
             dim = _split_dim(tensor)

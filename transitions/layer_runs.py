@@ -62,31 +62,38 @@ def layer_class(prim: Primitive, layer: int) -> tuple[int, ...]:
 
 
 def _groups(prim: Primitive, target: EMU, gpu: int, layers: dict[int, tuple[TensorSpec, ...]]
-            ) -> list[tuple[list[str], tuple[int, ...] | None]]:
-    """The tensors ``target`` holds on ``gpu`` in shard order: (names, None) for fixed tensors,
-    (first layer's names, layers) for a run of consecutive layers of one class."""
-    spec_layer = {t.name: t.layer for ts in layers.values() for t in ts}
-    out: list[tuple[list[str], tuple[int, ...] | None]] = []
+            ) -> list[tuple[list[Shard], tuple[int, ...] | None]]:
+    """The shards ``target`` holds on ``gpu`` in order: (shards, None) for fixed tensors, (first
+    layer's shards, layers) for a run of consecutive layers of one class."""
+    spec_layer = _spec_layers(target.state.model, target.state.head)
+    out: list[tuple[list[Shard], tuple[int, ...] | None]] = []
     run_class: tuple[int, ...] | None = None
-    for name in dict.fromkeys(s.tensor for s in target.shards(gpu)):
-        layer = spec_layer.get(name)
-        if layer is None:
-            if out and out[-1][1] is None:
-                out[-1][0].append(name)
-            else:
-                out.append(([name], None))
-            run_class = None
-            continue
+    for shard in target.shards(gpu):
+        layer = spec_layer.get(shard.tensor)
         last = out[-1][1] if out else None
+        if layer is None:
+            if out and last is None:
+                out[-1][0].append(shard)
+            else:
+                out.append(([shard], None))
+            continue
         if last is not None and layer == last[-1]:
-            continue  # another tensor of the layer just placed
+            if len(last) == 1:
+                out[-1][0].append(shard)  # the run's first layer: its shards are the ones derived
+            continue
         cls = layer_class(prim, layer)
         if last is not None and cls == run_class and layer == last[-1] + 1:
             out[-1] = (out[-1][0], (*last, layer))
             continue
-        out.append(([t.name for t in layers[layer]], (layer,)))
+        out.append(([shard], (layer,)))
         run_class = cls
     return out
+
+
+@lru_cache(maxsize=64)
+def _spec_layers(model: ModelSpec, head: Head) -> dict[str, int]:
+    """The decoder layer of each layer tensor."""
+    return {t.name: t.layer for t in model.tensors(head) if t.layer is not None}
 
 
 def segments(prim: Primitive, target: EMU, gpu: int) -> list[Segment] | None:
@@ -96,8 +103,8 @@ def segments(prim: Primitive, target: EMU, gpu: int) -> list[Segment] | None:
     if layers is None:
         return None
     out = []
-    for names, run in _groups(prim, target, gpu, layers):
-        cov = covers(target, prim.sources, gpu, only=frozenset(names))
+    for shards, run in _groups(prim, target, gpu, layers):
+        cov = covers(target, prim.sources, gpu, shards)
         out.append(Segment(cov, derive_target(target, prim.sources, gpu, covered=cov), run))
     return out
 
