@@ -20,7 +20,7 @@ from planner.plan import Layout
 from transitions.covers import Cover, covers, derive_target
 from transitions.emu import EMU
 from transitions.geometry import Shard, StateKind, layer_stages
-from transitions.layout import Slot, _layout_slots
+from transitions.layout import Slot, _slot_index
 from transitions.primitives import Primitive
 from transitions.transfer_plan import Piece
 
@@ -121,17 +121,18 @@ def _run_shifts(model: ModelSpec, head: Head, layout: Layout, rank: int, kinds: 
     each layer of the run (None if some counterpart is not the same box of the same kind)."""
     layers = layer_tensors(model, head)
     assert layers is not None
-    slots = {s.key: s for s in _layout_slots(model, head, layout, rank, kinds)[0]}
-    position = {t.name: i for i, t in enumerate(layers[run[0]])}
+    slots = _slot_index(model, head, layout, rank, kinds)
     out: dict[tuple[str, str], tuple[int, ...] | None] = {}
-    for key, slot in slots.items():
-        if key[0] not in position:
-            continue
-        others = [slots.get((layers[layer][position[key[0]]].name, key[1])) for layer in run]
-        if any(o is None or not _same_place(slot, o) for o in others):
-            out[key] = None
-        else:
-            out[key] = tuple(o.byte_offset - slot.byte_offset for o in others)  # type: ignore[union-attr]
+    for i, tensor in enumerate(layers[run[0]]):
+        for kind in kinds:
+            slot = slots.get((tensor.name, kind.value))
+            if slot is None:
+                continue
+            others = [slots.get((layers[layer][i].name, slot.kind)) for layer in run]
+            if any(o is None or not _same_place(slot, o) for o in others):
+                out[slot.key] = None
+            else:
+                out[slot.key] = tuple(o.byte_offset - slot.byte_offset for o in others)  # type: ignore[union-attr]
     return out
 
 
