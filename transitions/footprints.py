@@ -7,7 +7,9 @@ executor's own bucketizer, ``transitions.transfer_plan.messages``). It is memois
 shape (GPU ids relabelled by first appearance) in the caller's PlanningCache
 (transitions.planning_cache), so the thousands of identical replicas of a large plan cost one
 derivation. ``traffic`` is the same without bucket memory: all a GPU deriving its own pieces needs
-(transitions.pieces), at no bucketizing cost; it is memoised in the same cache.
+(transitions.pieces), at no bucketizing cost; it is memoised in the same cache. A Split's or
+Extend's traffic and bucket memory come per target GPU (transitions.gpu_traffic: by runs of like
+layers, the same figures); ``derive_footprint`` is the derivation from every piece at once.
 """
 
 from __future__ import annotations

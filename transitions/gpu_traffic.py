@@ -8,10 +8,12 @@ So a primitive's footprint splits into one entry per target GPU, found by that G
 copied on ``d`` and received from each source position (``DstTraffic``). The bucket memory splits
 the same way: the bucketizer (transitions.transfer_plan.messages) handles each (src, dst) pair on its
 own, so a pair's rounds of packed bytes (``PairWire``) are a function of ``d``'s key and the sender's
-positions in the sources. A footprint of a never-seen relative shape whose target GPUs' keys were
-met before (the same layouts placed differently: what a new response length or GPU count yields)
-then costs lookups, not pieces. The entries reproduce ``footprints``' own derivation exactly, dict
-insertion order included; tests/transitions/test_gpu_traffic.py compares them with it.
+positions in the sources. An entry is derived by runs of like layers (transitions.layer_runs: one
+layer's covers and pieces per run, byte totals times the run's length) and each pair's rounds by
+streaming that layer over the run (transitions.wire_stream, repeating periods skipped); where a
+model's layers or slots do not allow it, from every piece as before. The entries reproduce
+``footprints``' own derivation exactly, dict insertion order included;
+tests/transitions/test_gpu_traffic.py compares them with it.
 """
 
 from __future__ import annotations
