@@ -114,8 +114,10 @@ def _tensor_cover(shard: Shard, dim: int, tensor: TensorSpec, memo: _Boxes, gpu:
     return cover, need
 
 
-def covers(target: EMU, sources: tuple[EMU, ...], gpu: int) -> list[tuple[Shard, int, Cover]]:
-    """For every shard ``target`` holds on ``gpu``: its split dim and where each of its rows comes from.
+def covers(target: EMU, sources: tuple[EMU, ...], gpu: int, shards: Iterable[Shard] | None = None
+           ) -> list[tuple[Shard, int, Cover]]:
+    """For every shard ``target`` holds on ``gpu`` (or those of them given, in its order): its split
+    dim and where each of its rows comes from.
 
     The cover is computed once per tensor and reused for its other state kinds: sources hold every
     kind the target holds (same model-stage, or a training stage feeding a parameters-only one).
@@ -130,7 +132,7 @@ def covers(target: EMU, sources: tuple[EMU, ...], gpu: int) -> list[tuple[Shard,
     cover: Cover = []
     cover_tensor = ""
     dim = 0
-    for shard in target.shards(gpu):
+    for shard in target.shards(gpu) if shards is None else shards:
         if shard.key[0] != cover_tensor:
             tensor = index[shard.key[0]]
             dim = _split_dim(tensor)

@@ -7,12 +7,14 @@ executor's own bucketizer, ``transitions.transfer_plan.messages``). It is memois
 shape (GPU ids relabelled by first appearance) in the caller's PlanningCache
 (transitions.planning_cache), so the thousands of identical replicas of a large plan cost one
 derivation. ``traffic`` is the same without bucket memory: all a GPU deriving its own pieces needs
-(transitions.pieces), at no bucketizing cost; it is memoised in the same cache.
+(transitions.pieces), at no bucketizing cost; it is memoised in the same cache. A Split's or
+Extend's traffic and bucket memory come per target GPU (transitions.gpu_traffic: by runs of like
+layers, the same figures); ``derive_footprint`` is the derivation from every piece at once.
 """
 
 from __future__ import annotations
 
-from transitions import transfer_plan
+from transitions import gpu_traffic, transfer_plan
 from transitions.covers import Cover, counter_pieces, covers, derive_target
 from transitions.emu import EMU
 from transitions.geometry import Shard
@@ -125,14 +127,30 @@ def _traffic(prim: Primitive, covered: Covered | None = None) -> tuple[dict[int,
     return local, pair
 
 
-def _canonical_footprint(prim: Primitive, buffers: bool = True) -> Footprint:
+def derive_footprint(prim: Primitive, buffers: bool = True) -> Footprint:
+    """``prim``'s footprint from all its pieces at once (no memo): the reference derivation."""
     alloc, free = _memory(prim)
     covered: Covered = {}
     local, pair = _traffic(prim, covered)
     buffer = wire_buffers(prim, covered=covered) if pair and buffers else {}
+    return _footprint(alloc, free, buffer, local, pair)
+
+
+def _footprint(alloc: dict[int, int], free: dict[int, int], buffer: dict[int, int], local: dict[int, int],
+               pair: dict[tuple[int, int], int]) -> Footprint:
     return Footprint(alloc_bytes={g: v for g, v in alloc.items() if v},
                      free_bytes={g: v for g, v in free.items() if v},
                      buffer_bytes=buffer, local_bytes=local, pair_bytes=pair)
+
+
+def _canonical_footprint(prim: Primitive, cache: PlanningCache, buffers: bool = True) -> Footprint:
+    """A Split's or Extend's footprint from the memoised entries of its target GPUs
+    (transitions.gpu_traffic: the same figures as ``derive_footprint``), any other from its pieces."""
+    if not gpu_traffic.applies(prim):
+        return derive_footprint(prim, buffers)
+    alloc, free = _memory(prim)
+    local, pair, buffer = gpu_traffic.traffic(prim, cache, buffers)
+    return _footprint(alloc, free, buffer, local, pair)
 
 
 def _shape_key(prim: Primitive) -> tuple[tuple[object, ...], list[int]]:
@@ -179,9 +197,9 @@ def canonical_footprint(prim: Primitive, cache: PlanningCache, buffers: bool = T
     if fp is None and not buffers:
         fp = cache.footprints.get(("traffic", key))
         if fp is None:
-            fp = cache.footprints.put(("traffic", key), _canonical_footprint(_canonical(prim), buffers=False))
+            fp = cache.footprints.put(("traffic", key), _canonical_footprint(_canonical(prim), cache, buffers=False))
     elif fp is None:
-        fp = cache.footprints.put(key, _canonical_footprint(_canonical(prim)))
+        fp = cache.footprints.put(key, _canonical_footprint(_canonical(prim), cache))
     return fp, gpus
 
 

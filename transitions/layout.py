@@ -182,9 +182,17 @@ def unit_placement(unit: EMU) -> StagePlacement:
 @lru_cache(maxsize=4096)
 def unit_slots(unit: EMU, gpu: int) -> dict[tuple[str, str], Slot]:
     """The slots of ``unit``'s buffer on ``gpu`` (pure: both ends of a transfer derive them alike)."""
-    placement = unit_placement(unit)
-    slots, _ = rank_slots(placement, placement.gpu_sets[0].index(gpu))
-    return {s.key: s for s in slots}
+    home = unit.final if unit.final is not None else unit
+    state = home.state
+    return _slot_index(state.model, state.head, home.layout, home.gpus.index(gpu), state.kinds)
+
+
+@lru_cache(maxsize=256)
+def _slot_index(model: ModelSpec, head: Head, layout: Layout, rank: int, kinds: tuple[StateKind, ...]
+                ) -> dict[tuple[str, str], Slot]:
+    """A rank's slots by key: one per layout rank, whichever units (replicas, parts) follow it. Bounded
+    (each entry indexes one rank's ~3,000 slots at 70B, held by ``_layout_slots`` anyway)."""
+    return {s.key: s for s in _layout_slots(model, head, layout, rank, kinds)[0]}
 
 
 @lru_cache(maxsize=4096)

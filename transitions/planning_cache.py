@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 if TYPE_CHECKING:
     import numpy as np
 
+    from transitions.gpu_traffic import DstTraffic, PairWire
     from transitions.primitives import Footprint
     from transitions.replica_plan import ShapeEntry, StageClasses
 
@@ -40,6 +41,7 @@ V = TypeVar("V")
 # Bounds (entries): a 4,096-GPU pair of stage plans' classes take about a MB; footprints are small.
 FOOTPRINT_ENTRIES = 16384
 CLASS_SHAPE_ENTRIES = 4096
+GPU_ENTRIES = 16384  # per target GPU's relative key, and per pair of one: a few ints each
 PLAN_ENTRIES = 256  # per stage plan: GPU arrays, owners, held bytes
 PAIR_ENTRIES = 64  # per pair of stage plans, and per relative shape of one
 
@@ -122,6 +124,9 @@ class PlanningCache:
 
     # primitives: relative shape of a primitive -> its footprint over GPU labels
     footprints: Memo[tuple[object, ...], Footprint] = field(default_factory=lambda: Memo(FOOTPRINT_ENTRIES))
+    # gpu_traffic: relative key of a target GPU -> its traffic; and with a sender's positions -> that pair's wire
+    dst_traffic: Memo[tuple[object, ...], DstTraffic] = field(default_factory=lambda: Memo(GPU_ENTRIES))
+    pair_wires: Memo[tuple[object, ...], PairWire] = field(default_factory=lambda: Memo(GPU_ENTRIES))
     # replica_classes: relative shape of a class -> (canonical footprint, touched labels, empty)
     class_shapes: Memo[tuple[object, ...], tuple[Footprint, np.ndarray, bool]] = field(
         default_factory=lambda: Memo(CLASS_SHAPE_ENTRIES))
@@ -143,7 +148,8 @@ class PlanningCache:
             memo.clear()
 
     def memos(self) -> dict[str, Memo[Any, Any] | IdentityMemo[Any]]:
-        return {"footprints": self.footprints, "class_shapes": self.class_shapes,
+        return {"footprints": self.footprints, "dst_traffic": self.dst_traffic, "pair_wires": self.pair_wires,
+                "class_shapes": self.class_shapes,
                 "shape_stages": self.shape_stages, "stage_pairs": self.stage_pairs,
                 "gpu_arrays": self.gpu_arrays, "owners": self.owners, "held_bytes": self.held_bytes}
 
