@@ -64,6 +64,8 @@ def explain_infeasible(job: JobSpec, cluster: ClusterSpec, n: int) -> Infeasible
                 continue
             best_sum, best_desc = None, ""
             for part in _partitions(members):
+                if any(n // len(wave) == 0 for wave in part):
+                    continue  # a wave of more members than GPUs cannot run (it priced them at 0 bytes)
                 total, desc = 0, []
                 for wave in part:
                     share = n // len(wave)
