@@ -134,3 +134,21 @@ def test_real_dag_best_plan_does_not_fit_the_next_one_does() -> None:
     assert p.reason.startswith("transition infeasible: GPU") and "free" in p.reason
     assert "plan #2 (within 85% of each GPU's usable memory) taken" in d.verdict.reason
     b.transition(spec, old, d.candidate_plan, pool, node)  # the chosen plan's DAG builds
+
+
+def test_a_cap_that_finds_a_plan_already_offered_is_skipped_and_the_walk_goes_on() -> None:
+    """(mutmut on planner/alternatives.py: the skip, the default version, the pool and the
+    efficiencies each survived the walk-level tests)"""
+    from planner.cost import PRIORS, OpClass
+
+    j = same_model_job(workflow_preset("grpo"), model_preset("llama-3.1-8b"),
+                       Workload(prompts_per_step=512, prompt_tokens=512, response_tokens=1000, max_response_tokens=6000))
+    cl = cluster_preset("a100", 16, gpus_per_node=4)
+    pool = list(range(4, 16))
+    eff = PRIORS.updated({OpClass.GEMM: 0.6})
+    best = search(j, cl, pool, eff)
+    alts = list(next_plans(j, cl, pool, eff, offered=(best.plan,), fractions=(0.85, 0.85, 0.7)))
+    assert [a.note for a in alts] == ["within 85% of each GPU's usable memory", "within 70% of each GPU's usable memory"]
+    for a in alts:
+        assert a.plan.version == 1 and a.plan.gpus <= set(pool)
+        assert a.prediction == predict(j, cl, a.plan, eff)  # on the real cluster, under the job's efficiencies
