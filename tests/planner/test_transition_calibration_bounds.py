@@ -111,3 +111,20 @@ def test_explain_shows_the_median_rate_of_the_samples_that_moved_bytes() -> None
     assert shown["samples"] == 4 and shown["measured_bytes_per_s"] == pytest.approx(8e8)  # of 4e8, 8e8, 1e9
     assert shown["factor"] == pytest.approx(math.exp((math.log(2.5) + math.log(5)) / 2))
     assert shown["corrected_s"] == pytest.approx(shown["factor"] * 0.4) and shown["fixed_s"] == 0.0
+
+
+def test_a_line_with_a_negative_fixed_part_falls_back_to_the_factor() -> None:
+    xs = [0.25, 0.5, 0.625, 0.75]
+    below = _line(xs, -0.05, 2.0, min_affine_samples=4, affine_spread=3.0)
+    ratios = sorted((-0.05 + 2.0 * x) / x for x in xs)
+    assert below.fit() == (0.0, pytest.approx(math.exp((math.log(ratios[1]) + math.log(ratios[2])) / 2)))
+
+
+def test_sizes_exactly_five_percent_apart_carry_no_slope_either() -> None:
+    # 19 and 20 are 5% of 20 apart: skipped; with them the slope would be 21
+    assert _repeated_median_slope([19.0, 20.0, 40.0], [19.0, 40.0, 40.0]) == pytest.approx(0.5)
+
+
+def test_one_byte_moved_is_a_rate() -> None:
+    cal = TransitionCalibrator().observe(TransitionSample(model_s=0.1, measured_s=0.5, bytes_moved=1))
+    assert cal.explain(0.1)["measured_bytes_per_s"] == pytest.approx(2.0)
