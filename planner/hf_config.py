@@ -43,6 +43,7 @@ def spec_from_hf_config(cfg: Mapping[str, Any], name: str, where: str = "config.
         raise SpecError(f"{where}.hidden_act", f"{cfg['hidden_act']!r} is not supported", "silu")
     if cfg.get("use_sliding_window"):
         raise SpecError(f"{where}.use_sliding_window", "sliding-window attention is not supported")
+    rope_scaling = _rope_scaling(cfg, where)  # first: it refuses a rope_parameters that is not an object
     rope = dict(cfg.get("rope_parameters") or {})
     heads = int(_field(cfg, where, "num_attention_heads"))
     hidden = int(_field(cfg, where, "hidden_size"))
@@ -61,7 +62,7 @@ def spec_from_hf_config(cfg: Mapping[str, Any], name: str, where: str = "config.
         qk_norm=model_type == "qwen3",
         qkv_bias=model_type == "qwen2",
         rope_theta=float(rope.get("rope_theta") or cfg.get("rope_theta") or 10_000.0),
-        rope_scaling=_rope_scaling(cfg, where),
+        rope_scaling=rope_scaling,
         rms_norm_eps=float(cfg.get("rms_norm_eps") or 1e-6),
         bytes_per_param=4 if dtype == "float32" else 2,
     )
