@@ -191,12 +191,12 @@ def test_the_second_pass_runs_the_largest_transient_demand_first() -> None:
 
 
 def test_the_third_pass_runs_first_what_unlocks_a_release() -> None:
-    """GPU 0 holds 8 of 10; P (node 0) and Q (node 1) need 2 each, D (after Q) frees 8. Stage order and
-    largest demand both run P first and leave Q no room; running Q first (it unlocks D's 8 bytes)
-    fits: Q, D, P."""
+    """GPU 0 holds 8 of 10; P (node 0) and Q (node 1) need 2 each, D (after Q) frees 8, E (after P)
+    nothing, so that P's path is as long as Q's. Stage order and largest demand both run P first (the
+    lower id) and leave Q no room; running Q first (it unlocks D's 8 bytes) fits: Q, D, P, E."""
     fps = [_fp(alloc={0: 2}), _fp(alloc={0: 2}), _fp(free={0: 8}), *_IDLE]
-    got = order_by_memory(fps, [(1, 2)], [0] * 26, {0: 8}, 10)
-    assert got.order[-3:] == (1, 2, 0) and got.peak_bytes == {0: 10}
+    got = order_by_memory(fps, [(1, 2), (0, 3)], [0] * 26, {0: 8}, 10)
+    assert got.order[-4:] == (1, 2, 0, 3) and got.peak_bytes == {0: 10}
 
 
 def test_when_nothing_can_run_the_error_names_the_first_blocked_node_by_priority() -> None:
