@@ -9,7 +9,7 @@ import random
 import pytest
 
 from planner.errors import InfeasibleError, SpecError
-from transitions.feasibility import _exact_order, order_by_memory, replay_order
+from transitions.feasibility import EXACT_NODE_LIMIT, _exact_order, order_by_memory, replay_order
 from transitions.primitives import Footprint
 
 
@@ -215,3 +215,39 @@ def test_a_release_of_one_byte_unblocks_a_waiting_acquisition() -> None:
     fps = [_fp(alloc={0: 2}), _fp(alloc={1: 1}), _fp(free={0: 1}), idle]
     got = order_by_memory(fps, [(1, 2), (0, 3)], [0] * 4, {0: 9}, 10)
     assert got.order == (1, 2, 0, 3) and got.resource_edges == ((2, 0),) and got.peak_bytes == {0: 10, 1: 1}
+
+
+def test_replay_order_edges_on_another_gpu_and_at_the_threshold() -> None:
+    """The rule per GPU: an acquisition gets the edge when it would not fit without the bytes the
+    latest release there freed (used + freed + need > capacity)."""
+    fps = [_fp(free={1: 1}), _fp(alloc={1: 1})]
+    assert replay_order(fps, [0, 1], {0: 0, 1: 10}, 10).resource_edges == ((0, 1),)  # a one-byte release
+    assert replay_order(fps, [0, 1], {0: 0, 1: 10}, 11).resource_edges == ()
+    buffers = [_fp(free={0: 3}), _fp(buffer={0: 6})]  # 7 + 3 + 6 = 16: over 15, not over 16
+    assert replay_order(buffers, [0, 1], {0: 10}, 15).resource_edges == ((0, 1),)
+    assert replay_order(buffers, [0, 1], {0: 10}, 16).resource_edges == ()
+
+
+def test_a_net_zero_node_is_no_release() -> None:
+    """As in the one-byte case, P (node 0) waits for D's byte; N (node 3, after D, an earlier stage so
+    it runs before P is retried) allocates and frees one byte: not a release, so P's edge is D's."""
+    idle = Footprint(alloc_bytes={}, free_bytes={}, buffer_bytes={}, local_bytes={}, pair_bytes={})
+    fps = [_fp(alloc={0: 2}), _fp(alloc={1: 1}), _fp(free={0: 1}), _fp(alloc={0: 1}, free={0: 1}), idle, idle]
+    got = order_by_memory(fps, [(1, 2), (2, 3), (0, 4), (4, 5)], [1, 1, 1, 0, 1, 1], {0: 9}, 10)
+    assert got.order == (1, 2, 3, 0, 4, 5) and got.resource_edges == ((2, 0),)
+
+
+def test_the_exact_search_orders_what_every_greedy_pass_blocks_up_to_its_size() -> None:
+    """GPU 0 holds 8 of 10. P (node 0) and Q (node 1) need 2 each; D (after Q) frees 8 on GPU 0, D'
+    (after P) 8 on GPU 1. Every pass runs P first (ties on stage, path, demand and bytes unlocked) and
+    leaves Q no room; only Q, D, P, D' fits. With idle nodes up to EXACT_NODE_LIMIT the exact search
+    finds it; one more and the error of the first pass stands."""
+    core = [_fp(alloc={0: 2}), _fp(alloc={0: 2}), _fp(free={0: 8}), _fp(free={1: 8})]
+    edges = [(1, 2), (0, 3)]
+    idle = Footprint(alloc_bytes={}, free_bytes={}, buffer_bytes={}, local_bytes={}, pair_bytes={})
+    fits = order_by_memory([*core, *[idle] * (EXACT_NODE_LIMIT - 4)], edges, [0] * EXACT_NODE_LIMIT,
+                           {0: 8, 1: 8}, 10)
+    assert [i for i in fits.order if i < 4] == [1, 2, 0, 3]
+    with pytest.raises(InfeasibleError, match=r"GPU 0 needs 2 bytes for node 1 but has 0 free"):
+        order_by_memory([*core, *[idle] * (EXACT_NODE_LIMIT - 3)], edges, [0] * (EXACT_NODE_LIMIT + 1),
+                        {0: 8, 1: 8}, 10)
