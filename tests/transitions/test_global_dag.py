@@ -3,6 +3,8 @@ sources of a rebuilt stage, and what it counts and orders."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from planner.errors import SpecError
@@ -11,6 +13,7 @@ from planner.models import ModelSpec
 from planner.plan import GlobalPlan, Layout
 from planner.workflow import ACTOR_GEN, ACTOR_TRAIN, CRITIC_TRAIN, REF_INF
 from transitions.cost import DEFAULT_COMMUNICATOR_SETUP_S, primitive_seconds
+from transitions.emu import UnitState
 from transitions.exact_order import makespan
 from transitions.feasibility import MemoryOrder
 from transitions.global_dag import _fastest, build_transition, build_weight_sync, primitive_count
@@ -42,6 +45,8 @@ def test_the_inputs_are_checked_field_by_field() -> None:
             build_transition(STATES, CLUSTER, old, _plan(2, ("actor-train", 2, gpus, 1)))
         bad = gpus[0] if gpus[0] < 0 else gpus[1]
         assert str(err.value) == f"actor-train.gpu_sets: GPU {bad} outside the cluster (allowed: 0..3)"
+    with pytest.raises(SpecError, match=r"^actor-train.gpu_sets: GPU 7 outside the cluster"):
+        build_transition(STATES, CLUSTER, _plan(1, ("actor-train", 2, [3, 7], 1)), _plan(2, ("actor-train", 2, [0, 1], 1)))
     with pytest.raises(SpecError) as err:
         build_transition(STATES, CLUSTER, old, _plan(2, ("actor-train", 2, [1, 2], 1)), lost_gpus=frozenset({0, 1, 3}))
     assert str(err.value) == ("new.gpu_sets: the new plan places units on lost GPUs [1] "
@@ -105,7 +110,11 @@ def test_a_weight_sync_refreshes_generation_from_training_at_the_next_version() 
 def test_plain_changes_may_take_the_replica_class_path_and_nothing_else_does() -> None:
     old = _plan(1, ("actor-gen", 1, [0, 1], 2), ("actor-train", 2, [2, 3], 1))
     new = _plan(2, ("actor-gen", 1, [0, 1], 2), ("actor-train", 2, [0, 1], 1))
-    assert build_transition(STATES, CLUSTER, old, new, exact=False).replicas is not None
+    fast = build_transition(STATES, CLUSTER, old, new, exact=False)
+    assert fast.replicas is not None and not fast.expanded
+    assert (fast.old_version, fast.new_version, fast.capacity_bytes) == (1, 2, CPU.memory_bytes)
+    # by default a change this small (fewer units than replica_classes.MIN_UNITS) is planned unit by unit
+    assert build_transition(STATES, CLUSTER, old, new).replicas is None
     unit_level = {
         "exact": build_transition(STATES, CLUSTER, old, new, exact=True),
         "lost GPUs": build_transition(STATES, CLUSTER, old, _plan(2, ("actor-gen", 1, [0, 2], 2),
@@ -135,3 +144,36 @@ def test_the_greedy_order_is_replaced_only_by_a_strictly_faster_one() -> None:
     # an order that is already the fastest is kept as it is
     best = MemoryOrder(order=got.order, resource_edges=(), peak_bytes={})
     assert _fastest(fps, [], {}, 1 << 30, CLUSTER, best) is best
+
+
+def _with_second_actor_train(model: ModelSpec) -> dict[str, UnitState]:
+    """The PPO stages plus "actor-train-2": another actor training stage, of ``model``."""
+    train = STATES["actor-train"]
+    return {**STATES, "actor-train-2": replace(train, model_stage="actor-train-2", model=model)}
+
+
+def test_a_fallback_source_holds_the_same_model_and_head_and_refresh_names_its_source() -> None:
+    """actor-gen loses its replica on GPU 0 and is rebuilt on GPU 2. actor-train (GPU 3) holds its
+    state; "actor-train-2" (GPU 2, right where the new replica goes) is an actor training stage too
+    but of another model: never a source. Of the same model, it would be the nearer source; a
+    refresh naming actor-train still reads actor-train only."""
+    other = replace(TINY, name="tiny-b")
+    old = _plan(1, ("actor-gen", 1, [0], 1), ("actor-train-2", 1, [2], 1), ("actor-train", 1, [3], 1))
+    new = _plan(2, ("actor-gen", 1, [2], 1), ("actor-train-2", 1, [2], 1), ("actor-train", 1, [3], 1))
+
+    def gen_sources(states: dict[str, UnitState], **kw: object) -> list[str]:
+        dag = build_transition(states, CLUSTER, old, new, exact=True, **kw)  # type: ignore[arg-type]
+        replay(dag)
+        return sorted({u.model_stage for p in dag.nodes if isinstance(p, Extend) and p.target.model_stage
+                       == "actor-gen" for u in p.sources})
+    assert gen_sources(_with_second_actor_train(other), lost_gpus=frozenset({0})) == ["actor-train"]
+    same = _with_second_actor_train(TINY)
+    assert gen_sources(same, lost_gpus=frozenset({0})) == ["actor-train-2"]
+    assert gen_sources(same, refresh={"actor-gen": "actor-train"}) == ["actor-train"]
+
+
+def test_an_undescribed_stage_is_named_with_the_stages_that_are() -> None:
+    states = {name: STATES[name] for name in ("actor-gen", "ref-inf")}
+    with pytest.raises(SpecError) as err:
+        build_transition(states, CLUSTER, None, _plan(0, ("actor-train", 2, [2, 3], 1)))
+    assert str(err.value) == "plan.model_stage: 'actor-train' has no state description (allowed: actor-gen, ref-inf)"
