@@ -126,6 +126,10 @@ def test_plain_changes_may_take_the_replica_class_path_and_nothing_else_does() -
     for why, dag in unit_level.items():
         assert dag.replicas is None, why
         replay(dag)
+    # each node carries its model-stage's order (generation 0, training 2): actor-gen stays, actor-train moves
+    exact = unit_level["exact"]
+    assert exact.stage_order == (2,) * len(exact.nodes) and len(exact.nodes) > 1
+    assert set(unit_level["refresh"].stage_order) == {0, 2}
     assert [u.uid for u in unit_level["lost GPUs"].lost_units] == ["actor-gen@v1#1"]
 
 
