@@ -181,3 +181,27 @@ def test_an_undescribed_stage_is_named_with_the_stages_that_are() -> None:
     with pytest.raises(SpecError) as err:
         build_transition(states, CLUSTER, None, _plan(0, ("actor-train", 2, [2, 3], 1)))
     assert str(err.value) == "plan.model_stage: 'actor-train' has no state description (allowed: actor-gen, ref-inf)"
+
+
+def test_every_stage_that_lost_its_last_copy_is_named() -> None:
+    old = _plan(1, ("ref-inf", 1, [0], 1), ("actor-train", 1, [1], 1), ("actor-gen", 1, [2], 1))
+    new = _plan(2, ("ref-inf", 1, [3], 1), ("actor-train", 1, [3], 1), ("actor-gen", 1, [2], 1))
+    with pytest.raises(LastCopyLostError) as err:
+        build_transition(STATES, CLUSTER, old, new, lost_gpus=frozenset({0, 1}), exact=True)
+    assert err.value.model_stages == ("ref-inf", "actor-train") and err.value.lost_gpus == (0, 1)
+
+
+def test_two_refreshed_stages_are_both_stale_and_a_dropped_stage_is_destroyed() -> None:
+    """Two generation stages ("actor-gen-2" a copy of actor-gen) refreshed from actor-train: the old
+    units of both are stale. ref-inf left out of the new plan: its unit is destroyed."""
+    states = {**STATES, "actor-gen-2": replace(STATES["actor-gen"], model_stage="actor-gen-2")}
+    plan = (("actor-gen", 1, [0], 1), ("actor-gen-2", 1, [1], 1), ("actor-train", 2, [2, 3], 1))
+    dag = build_transition(states, CLUSTER, _plan(1, *plan), _plan(2, *plan),
+                           refresh={"actor-gen": "actor-train", "actor-gen-2": "actor-train"})
+    assert sorted(dag.stale_units) == ["actor-gen-2@v1#0", "actor-gen@v1#0"]
+    replay(dag)
+    old = _plan(1, ("actor-gen", 1, [0], 1), ("ref-inf", 1, [1], 1), ("actor-train", 2, [2, 3], 1))
+    dropped = build_transition(STATES, CLUSTER, old, _plan(2, ("actor-gen", 1, [0], 1), ("actor-train", 2, [2, 3], 1)),
+                               exact=True)
+    assert [p.unit.uid for p in dropped.nodes if isinstance(p, Destroy)] == ["ref-inf@v1#0"]
+    assert replay(dropped).final_units == ["actor-gen@v2#0", "actor-train@v2#0"]
