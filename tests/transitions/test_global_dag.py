@@ -73,6 +73,9 @@ def test_primitive_count_is_the_unit_level_dag_size() -> None:
         dag = build_transition(STATES, CLUSTER, old, new, lost_gpus=lost, exact=True)
         assert primitive_count(STATES, old, new, lost) == len(dag.nodes) > 0
         replay(dag)
+    # without an old plan nothing holds the training state: the same error as building it
+    with pytest.raises(LastCopyLostError):
+        primitive_count(STATES, None, _plan(0, ("actor-train", 2, [2, 3], 1)))
 
 
 def test_a_lost_generation_replica_is_rebuilt_from_a_training_stage_of_its_role() -> None:
