@@ -151,6 +151,14 @@ def test_the_greedy_order_is_replaced_only_by_a_strictly_faster_one() -> None:
     # an order that is already the fastest is kept as it is
     best = MemoryOrder(order=got.order, resource_edges=(), peak_bytes={})
     assert _fastest(fps, [], {}, 1 << 30, CLUSTER, best) is best
+    # the replacement is replayed on memory: with GPU 0 full, B's byte waits on R's release (node 3)
+    release = Footprint(alloc_bytes={}, free_bytes={0: 1}, buffer_bytes={}, local_bytes={0: 1}, pair_bytes={})
+    small = Footprint(alloc_bytes={0: 1}, free_bytes={}, buffer_bytes={}, local_bytes={}, pair_bytes={(0, 1): 16})
+    fps = [fps[0], small, fps[2], release]
+    greedy = MemoryOrder(order=(3, 0, 1, 2), resource_edges=((3, 1),), peak_bytes={0: 10})
+    got = _fastest(fps, [(3, 1)], {0: 10}, 10, CLUSTER, greedy)
+    assert got.order != greedy.order and got.order.index(3) < got.order.index(1)
+    assert got.resource_edges == ((3, 1),) and got.peak_bytes[0] == 10
 
 
 def _with_second_actor_train(model: ModelSpec) -> dict[str, UnitState]:
@@ -177,6 +185,15 @@ def test_a_fallback_source_holds_the_same_model_and_head_and_refresh_names_its_s
     same = _with_second_actor_train(TINY)
     assert gen_sources(same, lost_gpus=frozenset({0})) == ["actor-train-2"]
     assert gen_sources(same, refresh={"actor-gen": "actor-train"}) == ["actor-train"]
+    # rebuilt on GPU 1, which neither holds: the first candidate stage in order, actor-train, is read
+    elsewhere = _plan(2, ("actor-gen", 1, [1], 1), ("actor-train-2", 1, [2], 1), ("actor-train", 1, [3], 1))
+    dag = build_transition(same, CLUSTER, old, elsewhere, lost_gpus=frozenset({0}), exact=True)
+    assert [u.model_stage for p in dag.nodes if isinstance(p, Extend) for u in p.sources] == ["actor-train"]
+    # actor-train itself, lost, is rebuilt from actor-train-2: the same state kinds are enough
+    moved = _plan(2, ("actor-gen", 1, [0], 1), ("actor-train-2", 1, [2], 1), ("actor-train", 1, [1], 1))
+    dag = build_transition(same, CLUSTER, old, moved, lost_gpus=frozenset({3}), exact=True)
+    assert [u.uid for p in dag.nodes if isinstance(p, Extend) for u in p.sources] == ["actor-train-2@v1#0"]
+    replay(dag)
 
 
 def test_an_undescribed_stage_is_named_with_the_stages_that_are() -> None:
