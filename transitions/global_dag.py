@@ -106,7 +106,7 @@ def build_transition(
     """
     cache = DEFAULT_CACHE if cache is None else cache
     states = _states(job_or_models)
-    refresh = dict(refresh or {})
+    refresh = _checked_refresh(states, refresh)
     old_version = old.version if old is not None else -1
     if new.version <= old_version:
         raise SpecError("new.version", f"{new.version} must exceed the old plan's {old_version}")
@@ -176,6 +176,21 @@ class _Local:
     new_units: list[EMU] = field(default_factory=list)
     renamed: list[tuple[str, str]] = field(default_factory=list)
     stale_uids: list[str] = field(default_factory=list)
+
+
+def _checked_refresh(states: Mapping[str, UnitState], refresh: Mapping[str, str] | None) -> dict[str, str]:
+    """``refresh`` as given, once each target is a model-stage refreshed from a training stage of its own
+    role (the weight sync); anything else is refused here, not met as a broken DAG later."""
+    out = dict(refresh or {})
+    for target, source in out.items():
+        for name in (target, source):
+            if name not in states:
+                raise SpecError("refresh", f"unknown model-stage {name!r}", ", ".join(states))
+        src, dst = states[source], states[target]
+        if src.stage_kind is not StageKind.TRAINING or src.role is not dst.role or source == target:
+            raise SpecError(f"refresh.{target}", f"refreshes from {source!r}: only a training stage of the same "
+                                                 f"role ({dst.role.value}) holds weights to sync from")
+    return out
 
 
 def _stage_transitions(states: Mapping[str, UnitState], old: GlobalPlan | None, new: GlobalPlan,

@@ -225,3 +225,34 @@ def test_two_refreshed_stages_are_both_stale_and_a_dropped_stage_is_destroyed() 
                                exact=True)
     assert [p.unit.uid for p in dropped.nodes if isinstance(p, Destroy)] == ["ref-inf@v1#0"]
     assert replay(dropped).final_units == ["actor-gen@v2#0", "actor-train@v2#0"]
+
+
+def test_a_refresh_is_only_a_weight_sync_from_a_training_stage_of_the_same_role() -> None:
+    """(found by the replay-oracle mutation run: refresh={"ref-inf": "actor-train"} was built, and
+    replaying that DAG raised a KeyError inside the oracle)"""
+    from planner.errors import SpecError
+    from planner.hardware import cluster_preset
+    from planner.models import model_preset
+    from planner.plan import GlobalPlan, Layout, StagePlan
+    from planner.workflow import Workload, same_model_job, workflow_preset
+    from transitions.global_dag import build_transition
+
+    job = same_model_job(workflow_preset("grpo"), model_preset("tiny-3m"),
+                         Workload(prompts_per_step=4, prompt_tokens=8, response_tokens=8))
+    cluster = cluster_preset("cpu", 2)
+
+    def plan(version: int) -> GlobalPlan:
+        return GlobalPlan(version=version, stages=tuple(
+            StagePlan(model_stage=ms.name, layout=Layout(1, 1), gpu_sets=((0,), (1,)), micro_batch_size=2)
+            for ms in job.workflow.model_stages))
+
+    synced = build_transition(job, cluster, plan(1), plan(2), refresh={"actor-gen": "actor-train"})
+    assert synced.to_dict()["nodes"]  # the weight sync moves the trained weights
+    for refresh, field, text in (
+            ({"ref-inf": "actor-train"}, "refresh.ref-inf", "refreshes from 'actor-train': only a training stage"),
+            ({"actor-gen": "ref-inf"}, "refresh.actor-gen", "refreshes from 'ref-inf': only a training stage"),
+            ({"actor-train": "actor-train"}, "refresh.actor-train", "refreshes from 'actor-train'"),
+            ({"actor-gen": "critic-train"}, "refresh", "unknown model-stage 'critic-train'")):
+        with pytest.raises(SpecError) as err:
+            build_transition(job, cluster, plan(1), plan(2), refresh=refresh)
+        assert err.value.field == field and text in str(err.value), str(err.value)
