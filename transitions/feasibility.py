@@ -170,12 +170,9 @@ def _greedy(
             indeg[j] -= 1
             if indeg[j] == 0:
                 heapq.heappush(heap, (key(j), j))
-    if len(order) < n:
-        if blocked_on:
-            i, (gpu, need) = min(blocked_on.items(), key=lambda kv: key(kv[0]))
-            raise _infeasible(i, gpu, need, used, capacity_bytes, "no executable release frees it")
-        done = set(order)  # nothing blocked, yet nodes never ready: a cycle (bottom_levels refuses it first)
-        raise DagCycleError(tuple(i for i in range(n) if i not in done))
+    if len(order) < n:  # a node never ran: it waits on memory (bottom_levels refused a cycle above)
+        i, (gpu, need) = min(blocked_on.items(), key=lambda kv: key(kv[0]))
+        raise _infeasible(i, gpu, need, used, capacity_bytes, "no executable release frees it")
     return MemoryOrder(order=tuple(order), resource_edges=tuple(resource), peak_bytes=peak)
 
 
