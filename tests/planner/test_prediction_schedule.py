@@ -93,3 +93,21 @@ def test_the_overhead_and_the_memory_verdicts() -> None:
     assert empty.max_peak_memory_bytes == 0 and empty.feasible
     d = at.to_dict()
     assert (d["max_peak_memory_bytes"], d["feasible"], d["memory"]["a"]["params_bytes"]) == (100, True, 150)
+
+
+def test_the_stored_form_names_every_figure() -> None:
+    plan = GlobalPlan(version=1, stages=tuple(_sp(ms.name, (0,), (1,)) for ms in JOB.workflow.model_stages))
+    d = predict(JOB, cluster_preset("h100", 8), plan).to_dict()
+    assert list(d) == ["step_latency_s", "stage_seconds", "stage_start_s", "kind_seconds", "breakdown",
+                       "max_peak_memory_bytes", "memory_capacity_bytes", "memory", "feasible", "overhead_s"]
+
+
+def test_recomputation_and_a_small_overhead_are_priced() -> None:
+    import dataclasses
+
+    cluster = cluster_preset("h100", 8)
+    plain = _sp("actor-train", (0,), (1,))
+    again = dataclasses.replace(plain, recompute=True)
+    assert predict_stage(JOB, cluster, again, PRIORS).seconds > predict_stage(JOB, cluster, plain, PRIORS).seconds
+    half = dataclasses.replace(cluster, step_overhead_s=0.5)
+    assert step_overhead_seconds(half) == pytest.approx(0.5)  # under a second is still an overhead
