@@ -7,6 +7,8 @@ import itertools
 import random
 from collections.abc import Iterator
 
+from order_oracle import fits
+
 from planner.errors import InfeasibleError
 from planner.hardware import ClusterSpec
 from transitions.cost import DEFAULT_COMMUNICATOR_SETUP_S, primitive_seconds, schedule, transition_cost
@@ -119,21 +121,6 @@ def _span(fps: list[Footprint], edges: list[tuple[int, int]], order: tuple[int, 
     return max(end.values(), default=0.0)
 
 
-def _feasible(fps: list[Footprint], edges: list[tuple[int, int]], order: tuple[int, ...], initial: dict[int, int],
-              capacity: int) -> bool:
-    where = {i: k for k, i in enumerate(order)}
-    if sorted(order) != list(range(len(fps))) or any(where[a] > where[b] for a, b in edges):
-        return False
-    used = dict(initial)
-    for i in order:
-        fp = fps[i]
-        if any(used.get(g, 0) + fp.alloc_bytes.get(g, 0) + fp.buffer_bytes.get(g, 0) > capacity for g in fp.gpus):
-            return False
-        for g in fp.gpus:
-            used[g] = used.get(g, 0) + fp.alloc_bytes.get(g, 0) - fp.free_bytes.get(g, 0)
-    return True
-
-
 def _random_instance(rng: random.Random) -> tuple[list[Footprint], list[tuple[int, int]], dict[int, int], list[float]]:
     """3..6 nodes on 2..3 GPUs (some on two GPUs, which ties their timelines), random data edges,
     small integer bytes (so that capacities land exactly on a node's need) and durations."""
@@ -163,7 +150,7 @@ def test_fastest_order_is_the_optimum_of_every_permutation_on_random_footprints(
         fps, edges, initial, durations = _random_instance(rng)
         capacity = max(initial.values(), default=0) + rng.choice((0, 3, 5, 8, 12, 20))
         spans = [_span(fps, edges, p, durations) for p in itertools.permutations(range(len(fps)))
-                 if _feasible(fps, edges, p, initial, capacity)]
+                 if fits(fps, edges, p, initial, capacity)]
         best = min(spans, default=None)
         bound = rng.choice((float("inf"), float("inf"), (best or 0.0) + 0.5, (best or 0.0) + 1e-13,
                             max(spans, default=0.0)))
@@ -172,7 +159,7 @@ def test_fastest_order_is_the_optimum_of_every_permutation_on_random_footprints(
             assert got is None
             refused += 1
             continue
-        assert got is not None and _feasible(fps, edges, got, initial, capacity)
+        assert got is not None and fits(fps, edges, got, initial, capacity)
         assert _span(fps, edges, got, durations) == best == makespan(fps, edges, got, durations)
         found += 1
         cut += bound < float("inf")

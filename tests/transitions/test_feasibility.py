@@ -7,6 +7,7 @@ import itertools
 import random
 
 import pytest
+from order_oracle import fits
 
 from planner.errors import InfeasibleError, SpecError
 from transitions.feasibility import EXACT_NODE_LIMIT, _exact_order, order_by_memory, replay_order
@@ -18,22 +19,6 @@ def _fp(alloc: dict[int, int] | None = None, free: dict[int, int] | None = None,
     alloc, free, buffer = alloc or {}, free or {}, buffer or {}
     return Footprint(alloc_bytes=alloc, free_bytes=free, buffer_bytes=buffer,
                      local_bytes=dict.fromkeys({*alloc, *free, *buffer}, 1), pair_bytes={})
-
-
-def _fits(fps: list[Footprint], edges: list[tuple[int, int]], order: list[int] | tuple[int, ...],
-          initial: dict[int, int], capacity: int) -> bool:
-    where = {i: k for k, i in enumerate(order)}
-    if sorted(order) != list(range(len(fps))) or any(where[a] > where[b] for a, b in edges):
-        return False
-    used = dict(initial)
-    for i in order:
-        fp = fps[i]
-        if any(used.get(g, 0) + fp.alloc_bytes.get(g, 0) + fp.buffer_bytes.get(g, 0) > capacity
-               for g in {*fp.alloc_bytes, *fp.buffer_bytes}):
-            return False
-        for g in {*fp.alloc_bytes, *fp.free_bytes}:
-            used[g] = used.get(g, 0) + fp.alloc_bytes.get(g, 0) - fp.free_bytes.get(g, 0)
-    return True
 
 
 def test_replay_order_gives_peaks_and_an_edge_from_the_release_each_acquisition_needed() -> None:
@@ -78,14 +63,14 @@ def _random_case(rng: random.Random) -> tuple[list[Footprint], list[tuple[int, i
     return fps, edges, initial, max(initial.values(), default=0) + rng.choice((0, 2, 4, 6, 10))
 
 
-def test_the_exact_search_finds_an_order_whenever_a_permutation_fits() -> None:
+def test_the_exact_search_finds_an_order_whenever_a_permutationfits() -> None:
     """Against every permutation: _exact_order returns a memory-feasible topological order exactly
     when one exists; order_by_memory then returns one too (greedy or exact); both outcomes occur."""
     rng = random.Random(3)
     found = none = 0
     for _ in range(250):
         fps, edges, initial, capacity = _random_case(rng)
-        exists = any(_fits(fps, edges, p, initial, capacity) for p in itertools.permutations(range(len(fps))))
+        exists = any(fits(fps, edges, p, initial, capacity) for p in itertools.permutations(range(len(fps))))
         got = _exact_order(fps, edges, initial, capacity)
         assert (got is not None) == exists
         if got is None:
@@ -95,9 +80,9 @@ def test_the_exact_search_finds_an_order_whenever_a_permutation_fits() -> None:
                     order_by_memory(fps, edges, [0] * len(fps), initial, capacity)
             continue
         found += 1
-        assert _fits(fps, edges, got, initial, capacity)
+        assert fits(fps, edges, got, initial, capacity)
         mo = order_by_memory(fps, edges, [0] * len(fps), initial, capacity)
-        assert _fits(fps, edges, mo.order, initial, capacity)
+        assert fits(fps, edges, mo.order, initial, capacity)
     assert found >= 100 and none >= 100
 
 
