@@ -13,6 +13,7 @@ from nereusd.allocation import AllocationEvent, EventKind, NodeAllocation
 from nereusd.controller import JobController
 from nereusd.metrics import Metrics
 from nereusd.store import Store
+from nereusd.wire import protocol
 from nereusd.wire.logs import get_logger
 from planner import admission
 
@@ -93,3 +94,19 @@ def test_the_anchors_end_ends_the_job_in_the_state_its_kind_says(tmp_path: Path,
     assert store.job("j")["state"] == final  # type: ignore[index]
     assert store.history("job", "j")[-1]["reason"] == f"{kind.value}: the end"
     assert [n["state"] for n in store.nodes("j")] == ["alive", "alive"]  # the job ends; no node is released one by one
+
+
+def test_without_a_workload_the_measured_length_is_the_response_and_the_spec_stays(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s.db")
+    ctl = _job(store, "j", None)
+    assert ctl._spec_now() == SPEC  # no workload to correct
+    ctl.on_measurement(protocol.Measurement(job_id="j", node="n1", step=1, plan_version=0, step_latency_s=0.5,
+                                            response_tokens=50.0))
+    assert ctl.signals[admission.Signal.SEQUENCE_LENGTH] == 50.0 and ctl._spec_now() == SPEC  # no prompt: 0 tokens
+
+    spec = {**SPEC, "workload": {"prompts_per_step": 8, "prompt_tokens": 32}}  # no response length: no reference
+    store.add_job(job_id="k", user="alice", spec=spec)
+    k = JobController(job_id="k", store=store, metrics=Metrics(), planner=None, gamma=0.5,
+                      thresholds=dict(admission.DEFAULT_THRESHOLDS), log=get_logger("test"),
+                      send_order=lambda node, order: True)
+    assert admission.Signal.SEQUENCE_LENGTH not in k.signals and k._spec_now() == spec

@@ -68,11 +68,11 @@ class Job:
                                  incarnation=node)
         self.ctl.on_node_joined(node, "new")
 
-    def ack(self, nodes: tuple[str, ...] | None = None) -> None:
+    def ack(self, nodes: tuple[str, ...] | None = None, measured_s: float = 0.1) -> None:
         for node, order in list(self.orders):
             if nodes is None or node in nodes:
                 self.ctl.on_transition_report(protocol.TransitionReport(
-                    job_id="j", node=node, transition_id=order.transition_id, ok=True, measured_s=0.1))
+                    job_id="j", node=node, transition_id=order.transition_id, ok=True, measured_s=measured_s))
                 self.orders.remove((node, order))
 
     def events(self, kind: str) -> list[Any]:
@@ -82,9 +82,9 @@ class Job:
         return (self.store.controller_state("j") or {})["draining"]
 
 
-def _open_transition(store: Store, job: str, nodes: list[str], age_s: float = 0.0) -> dict[str, Any]:
+def _open_transition(store: Store, job: str, nodes: list[str], to_version: int = 1) -> dict[str, Any]:
     """An ordered transition row as an older daemon left it (v1 -> v1: no plan to commit)."""
-    tid = store.add_transition(job_id=job, decision_id=None, from_version=1, to_version=1, dag={}, bytes_moved=0,
+    tid = store.add_transition(job_id=job, decision_id=None, from_version=1, to_version=to_version, dag={}, bytes_moved=0,
                                predicted_s=0.0, parts=nodes)
     store.set_transition_state(tid, "ordered", "test")
     return store.transition(tid) or {}
@@ -196,6 +196,8 @@ def test_a_refused_release_brings_the_nodes_back_and_a_node_that_leaves_is_relea
     assert job.store.node("j", "n4")["state"] == "released"  # type: ignore[index]
     assert job.store.history("node", "j/n4")[-1]["reason"] == "preempted by Slurm"
     assert job.ctl.draining == {} == job.saved_draining() and not job.ctl.drained("n4") and job.ctl.pool_dirty
+    job.ctl.on_node_left("n3", "left: its grace ended")  # not draining (its drain was refused): released all the same
+    assert job.store.node("j", "n3")["state"] == "released" and job.ctl.draining == {}  # type: ignore[index]
 
 
 def test_an_order_times_out_only_past_its_bound_and_names_every_late_node(tmp_path: Path) -> None:
@@ -229,6 +231,7 @@ def test_a_node_lost_mid_transition_fails_it_only_while_its_part_is_pending(tmp_
     job.ctl.step()
     tid = job.orders[0][1].transition_id
     job.ack(("n2",))  # n2's part is done: losing n2 now fails nothing
+    assert job.ctl.resend_orders("n2") == 0  # nor is it sent again (the job has no anchor: no driver's node)
     job.store.set_node_state("j", "n2", "lost", "no heartbeat")
     job.ctl.on_node_lost("n2", "no heartbeat")
     assert job.store.transition(tid)["state"] == "ordered"  # type: ignore[index]
@@ -239,6 +242,7 @@ def test_a_node_lost_mid_transition_fails_it_only_while_its_part_is_pending(tmp_
     assert f"transition {tid} failed: node n1 lost mid-transition: no heartbeat" in job.ctl.urgent_reasons
     assert job.store.transition(theirs["id"])["state"] == "ordered"  # type: ignore[index]
     assert job.store.job("j")["state"] == "lost"  # type: ignore[index]  # by the failed transition
+    assert job.store.history("job", "j")[-1]["reason"] == f"transition {tid} failed"
 
     job.store.register_node(job_id="j", node="n1", devices=DEVICES, slurm_job_id=None, host="h", incarnation="n1b")
     job.ctl.on_node_joined("n1", "rejoined")
@@ -305,3 +309,169 @@ def test_a_drain_whose_replan_orders_nothing_is_refused_and_the_nodes_stay(tmp_p
     assert job.ctl.draining == {} == job.saved_draining() and job.ctl.pool_dirty
     job.ctl._refresh_pool()
     assert job.ctl.pool == frozenset({0, 1, 2, 3})
+
+
+def test_a_restarted_daemon_resends_open_orders_to_pending_nodes_and_the_anchors_node(tmp_path: Path) -> None:
+    """A v1 -> v2 transition ordered by an earlier daemon: its orders are rebuilt from the store (the old
+    plan's DAG, the same parts), sent to a node whose part is pending, and to the anchor's node (the job's
+    driver runs there) even once its own part is done; each carries the incarnations of now."""
+    store = Store(tmp_path / "s.db")
+    store.add_job(job_id="j", user="alice", spec=SPEC, slurm_job_id="100")
+    job = Job(tmp_path, PlannerBinding(), store=store)
+    for node, slurm in (("n1", "100"), ("n2", "200"), ("n3", "200")):
+        store.register_node(job_id="j", node=node, devices=DEVICES, slurm_job_id=slurm, host="h", incarnation=node)
+        job.ctl.on_node_joined(node, "new")
+    assert job.ctl.drain(["n3"], "test") == ["n3"]  # not used by any plan: n1, n2 hold the placement
+    assert job.ctl.step() is not None
+    job.ack()
+    assert job.ctl.drain(["n2"], "test") == []
+    assert job.ctl.step() is not None
+    sent = dict(job.orders)
+    assert set(sent) == {"n1", "n2", "n3"} and sent["n1"].from_version == 1 and sent["n1"].to_version == 2
+    job.ack(("n1", "n3"))  # n1's and n3's parts are done; n2's is pending
+
+    store.register_node(job_id="j", node="n2", devices=DEVICES, slurm_job_id="200", host="h", incarnation="n2b")
+    resent: list[tuple[str, protocol.TransitionOrder]] = []
+    refuse = {"n2"}
+    again = JobController(job_id="j", store=store, metrics=Metrics(), planner=PlannerBinding(), gamma=0.5,
+                          thresholds=dict(admission.DEFAULT_THRESHOLDS), log=get_logger("test"),
+                          send_order=lambda node, order: resent.append((node, order)) is None and node not in refuse)
+    assert again.resend_orders("n3") == 0 and resent == []  # a member's node with no part pending: nothing
+    assert again.resend_orders("n2") == 0 and len(resent) == 1  # its link refused the order: not counted
+    refuse.clear()
+    with structlog.testing.capture_logs() as logs:
+        assert again.resend_orders("n2") == 1 and again.resend_orders("n1") == 1
+    assert [(e["log_level"], e["node"], e["transition"]) for e in logs if e["event"] == "order-resent"] == [
+        ("info", "n2", sent["n2"].transition_id), ("info", "n1", sent["n1"].transition_id)]
+    for node, order in resent:
+        assert (order.transition_id, order.from_version, order.to_version) == (
+            sent[node].transition_id, 1, 2)
+        assert order.part["incarnations"] == {"n1": "n1", "n2": "n2b", "n3": "n3"}
+        assert {k: v for k, v in order.part.items() if k != "incarnations"} == {
+            k: v for k, v in sent[node].part.items() if k != "incarnations"}
+    assert sent["n2"].part["incarnations"]["n2"] == "n2"
+    assert again.resend_orders("n1") == 1 and len(resent) == 4  # kept: sent again, not rebuilt
+
+    store.add_job(job_id="k", user="alice", spec=SPEC)  # another job's open order for a node of the same name
+    store.register_node(job_id="k", node="n2", devices=DEVICES, slurm_job_id=None, host="h", incarnation="k2")
+    _open_transition(store, "k", ["n2"])
+    gone = _open_transition(store, "j", ["n3"], to_version=9)  # its plan was never stored: nothing to send
+    extra = _open_transition(store, "j", ["n2", "n3"])  # one more open transition v1 -> v1
+    resent.clear()
+    assert again.resend_orders("n3") == 1 and again.resend_orders("n2") == 2  # extra's (n3); the first's and extra's
+    assert [(n, o.transition_id) for n, o in resent] == [
+        ("n3", extra["id"]), ("n2", sent["n2"].transition_id), ("n2", extra["id"])]
+    for t in (gone, extra):
+        store.set_transition_state(t["id"], "failed", "test")
+
+    resent.clear()
+    for node in ("n2", "n1"):  # the restarted daemon kept no prediction: it predicts the plan it commits
+        again.on_transition_report(protocol.TransitionReport(job_id="j", node=node, ok=True, measured_s=0.2,
+                                                             transition_id=sent["n2"].transition_id))
+    assert store.transition(sent["n2"].transition_id)["state"] == "done"  # type: ignore[index]
+    assert again.plan is not None and again.plan.version == 2 and again.prediction is not None
+    assert again.metrics.step_latency.labels("j", "predicted")._value.get() == again.prediction.step_latency_s
+
+
+class BrokenDag(PlannerBinding):
+    """The real binding, whose DAG build fails (the transition layer refuses it after a restart)."""
+
+    def transition(self, *args: Any, **kwargs: Any) -> Any:
+        raise InfeasibleError("no DAG reaches the plan", ("reward-inf: the last copy is gone",))
+
+
+def test_an_order_rebuilt_without_its_dag_is_sent_with_the_plan_and_logged(tmp_path: Path) -> None:
+    job = Job(tmp_path, PlannerBinding())
+    assert job.ctl.drain(["n2"], "test") == [] and job.ctl.step() is not None
+    tid = job.orders[0][1].transition_id
+    resent: list[tuple[str, protocol.TransitionOrder]] = []
+    again = JobController(job_id="j", store=job.store, metrics=Metrics(), planner=BrokenDag(), gamma=0.5,
+                          thresholds=dict(admission.DEFAULT_THRESHOLDS), log=get_logger("test"),
+                          send_order=lambda node, order: resent.append((node, order)) is None)
+    with structlog.testing.capture_logs() as logs:
+        assert again.resend_orders("n1") == 1
+    assert [(e["log_level"], e["transition"], e["error"]) for e in logs if e["event"] == "order-rebuild-without-dag"] \
+        == [("warning", tid, "no DAG reaches the plan\n  - reward-inf: the last copy is gone")]
+    [(node, order)] = resent
+    assert node == "n1" and order.part["plan"] == job.orders[0][1].part["plan"]
+    assert set(order.part) == {"plan", "pool", "gpus_per_node", "draining", "incarnations"}  # no DAG part
+
+
+def test_failed_transitions_back_off_doubling_to_a_minute_and_a_success_resets_it(tmp_path: Path) -> None:
+    job = Job(tmp_path, PlannerBinding())
+    job.ctl.draining = {"n2": "shrink"}  # a drain not yet asked of the source: replanned after each failure
+    waits = []
+    for i in range(1, 9):
+        t = _open_transition(job.store, "j", ["n1"])
+        job.now = 1000.0 * i
+        with structlog.testing.capture_logs() as logs:
+            job.ctl.check_order_timeouts(1.0, now=float(t["created_at"]) + 2.0)
+        waits.append(job.ctl.retry_at - job.now)
+        [failed] = [e for e in logs if e["event"] == "transition-failed"]
+        assert (failed["log_level"], failed["transition"], failed["failed_in_row"], failed["retry_in_s"]) == (
+            "warning", t["id"], i, waits[-1])
+        assert failed["reason"] == "node(s) n1 did not finish within 1 s"
+        assert job.ctl.urgent_reasons[-2:] == [f"transition {t['id']} failed: {failed['reason']}", "drain n2"]
+    assert waits == [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 60.0, 60.0]
+    assert job.ctl.metrics.transitions.labels("j", "failed")._value.get() == 8
+    assert job.ctl.pool_dirty and job.store.job("j")["state"] == "running"  # type: ignore[index]
+
+    job.ctl.urgent_reasons = []
+    job.ctl.retry_at = -float("inf")
+    assert job.ctl.drain(["n2"], "shrink") == [] and job.ctl.step() is not None  # the drain's transition, v1 -> v2
+    moved = job.store.transitions("j")[-1]
+    job.ack(measured_s=0.0)  # reported as taking no time: the histogram's sum stays the placement's 0.1 s
+    assert job.store.transition(moved["id"])["state"] == "done"  # type: ignore[index]
+    assert job.store.history("job", "j")[-1]["reason"] == f"transition {moved['id']} done"
+    assert job.ctl.metrics.transition_cost.labels("measured")._sum.get() == pytest.approx(0.1)
+    done = [t for t in job.store.transitions("j") if t["state"] == "done"]
+    assert sum(t["bytes_moved"] for t in done) > 0  # the drain moved n2's state to n1
+    assert job.ctl.metrics.transition_bytes.labels("j")._value.get() == sum(t["bytes_moved"] for t in done)
+    assert job.ctl._orders == {}  # no order of a finished transition kept
+    assert job.ctl.failed_in_row == 0 and job.ctl.retry_at == -float("inf")
+    assert job.ctl.metrics.transitions.labels("j", "done")._value.get() == 2  # the placement and this one
+    assert job.store.job("j")["plan_version"] == 2 and job.ctl.plan.version == 2  # type: ignore[index,union-attr]
+    assert job.ctl.prediction is not None
+    assert job.ctl.metrics.step_latency.labels("j", "predicted")._value.get() == job.ctl.prediction.step_latency_s
+
+
+def test_the_pool_counts_gpus_by_node_rank_and_the_jobs_gpus_per_node(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s.db")
+    store.add_job(job_id="j", user="alice", spec={k: v for k, v in SPEC.items() if k != "gpus_per_node"})
+    job = Job(tmp_path, PlannerBinding(), store=store)
+    wide = [{"index": i, "kind": "cpu", "name": "cpu", "memory_bytes": 1 << 33} for i in range(3)]
+    for node, devices in (("n1", DEVICES), ("n2", wide), ("n3", DEVICES)):
+        store.register_node(job_id="j", node=node, devices=devices, slurm_job_id=None, host="h", incarnation=node)
+    store.set_node_state("j", "n3", "lost", "no heartbeat")
+    job.ctl._refresh_pool()  # no gpus_per_node in the spec: the widest node's 3
+    assert job.ctl.gpus_per_node == 3 and job.ctl.gpu_owner == {0: "n1", 1: "n1", 3: "n2", 4: "n2", 5: "n2"}
+    assert job.ctl.pool == frozenset({0, 1, 3, 4, 5}) and job.ctl.pool_dirty is False
+    assert job.ctl.metrics.gpus_held.labels("j")._value.get() == 5
+
+    (tmp_path / "x").mkdir()
+    job2 = Job(tmp_path / "x", PlannerBinding())
+    job2.store.register_node(job_id="j", node="n3", devices=wide, slurm_job_id=None, host="h", incarnation="n3")
+    job2.ctl.draining = {"n2": "shrink"}
+    job2.ctl._refresh_pool()  # gpus_per_node 2: n3's third device is left out, the draining n2 out of the pool
+    assert job2.ctl.gpus_per_node == 2 and job2.ctl.gpu_owner == {0: "n1", 1: "n1", 2: "n2", 3: "n2", 4: "n3", 5: "n3"}
+    assert job2.ctl.pool == frozenset({0, 1, 4, 5}) and job2.ctl.metrics.gpus_held.labels("j")._value.get() == 4
+
+
+def test_the_spec_planned_for_carries_todays_measured_response_length(tmp_path: Path) -> None:
+    job = Job(tmp_path, PlannerBinding())
+    assert job.ctl._spec_now()["workload"] == {**SPEC["workload"], "max_response_tokens": 64}  # as specified
+    job.ctl.signals[admission.Signal.SEQUENCE_LENGTH] = 32 + 80.4
+    assert job.ctl._spec_now()["workload"] == {**SPEC["workload"], "response_tokens": 80, "max_response_tokens": 80}
+    job.ctl.signals[admission.Signal.SEQUENCE_LENGTH] = 32.2  # shorter than one token: one
+    assert job.ctl._spec_now()["workload"]["response_tokens"] == 1
+    assert job.store.job("j")["spec"]["workload"] == SPEC["workload"]  # type: ignore[index]  # the stored spec stays
+
+    store = Store(tmp_path / "m.db")
+    store.add_job(job_id="j", user="alice",
+                  spec={**SPEC, "workload": {**SPEC["workload"], "max_response_tokens": 128}})
+    capped = Job(tmp_path, None, store=store)
+    capped.ctl.signals[admission.Signal.SEQUENCE_LENGTH] = 32 + 100.0
+    assert capped.ctl._spec_now()["workload"]["max_response_tokens"] == 128  # the cap stays above today's 100
+    capped.ctl.signals[admission.Signal.SEQUENCE_LENGTH] = 32 + 200.0
+    assert capped.ctl._spec_now()["workload"] == {**SPEC["workload"], "response_tokens": 200,
+                                                   "max_response_tokens": 200}
