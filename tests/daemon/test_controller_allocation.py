@@ -57,6 +57,9 @@ def test_nodes_that_leave_are_released_from_slurms_state_and_stop_draining(tmp_p
         "id": 0, "at": 0, "job_id": "j", "gpus": 4, "nodes": ["n3", "ghost"], "source": "node_down",
         "reason": "gpu fell off the bus"}
     assert [e["data"] for e in store.events("j") if e["kind"] == "allocation"] == [down.to_dict()]
+    ctl.on_allocation(_event(EventKind.PREEMPTED, "j", "100", ("n4",), "preempted"))  # only draining nodes
+    assert ctl.draining == {} == store.controller_state("j")["draining"]  # type: ignore[index]
+    ctl.draining = {"n4": "shrink"}
 
     ctl._refresh_pool()
     member_end = _event(EventKind.TIME_LIMIT, "j", "200", ("n2",), holder="200")  # a member job's end: its nodes

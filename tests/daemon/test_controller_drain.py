@@ -351,6 +351,10 @@ def test_a_restarted_daemon_resends_open_orders_to_pending_nodes_and_the_anchors
             k: v for k, v in sent[node].part.items() if k != "incarnations"}
     assert sent["n2"].part["incarnations"]["n2"] == "n2"
     assert again.resend_orders("n1") == 1 and len(resent) == 4  # kept: sent again, not rebuilt
+    store.register_node(job_id="j", node="n2", devices=DEVICES, slurm_job_id="200", host="h", incarnation="n2c")
+    assert again.resend_orders("n2") == 1  # the kept order, with the agent that registered just now
+    assert resent[-1][1].part["incarnations"] == {"n1": "n1", "n2": "n2c", "n3": "n3"}
+    assert resent[-1][1].part["plan"] == sent["n2"].part["plan"]
 
     store.add_job(job_id="k", user="alice", spec=SPEC)  # another job's open order for a node of the same name
     store.register_node(job_id="k", node="n2", devices=DEVICES, slurm_job_id=None, host="h", incarnation="k2")
@@ -455,6 +459,13 @@ def test_the_pool_counts_gpus_by_node_rank_and_the_jobs_gpus_per_node(tmp_path: 
     job2.ctl._refresh_pool()  # gpus_per_node 2: n3's third device is left out, the draining n2 out of the pool
     assert job2.ctl.gpus_per_node == 2 and job2.ctl.gpu_owner == {0: "n1", 1: "n1", 2: "n2", 3: "n2", 4: "n3", 5: "n3"}
     assert job2.ctl.pool == frozenset({0, 1, 4, 5}) and job2.ctl.metrics.gpus_held.labels("j")._value.get() == 4
+
+    store.add_job(job_id="e", user="alice", spec={k: v for k, v in SPEC.items() if k != "gpus_per_node"})
+    empty = JobController(job_id="e", store=store, metrics=Metrics(), planner=None, gamma=0.5,
+                          thresholds=dict(admission.DEFAULT_THRESHOLDS), log=get_logger("test"),
+                          send_order=lambda node, order: True)
+    empty._refresh_pool()  # no node yet and no gpus_per_node in the spec: one GPU per node, none held
+    assert empty.gpus_per_node == 1 and empty.pool == frozenset() and empty.gpu_owner == {}
 
 
 def test_the_spec_planned_for_carries_todays_measured_response_length(tmp_path: Path) -> None:
