@@ -258,3 +258,24 @@ def test_without_a_planner_the_decision_says_so(tmp_path: Path) -> None:
     dec = store.decision(did)
     assert dec is not None and not dec["admitted"] and dec["rule"] == "checkpoint-restart"
     assert "(no planner is bound to the daemon (planner.search missing))" in dec["reason"]
+
+
+def test_a_second_report_of_a_step_is_not_repredicted_but_a_new_plans_first_is(tmp_path: Path) -> None:
+    planner = Recording()
+    ctl, store, orders = _running(tmp_path, planner)
+    _measure(ctl, 5)
+    first, predicted = ctl.current_prediction(), planner.predicted
+    assert first is not None and first[1] == 5
+    _measure(ctl, 5)  # the same step from another node: calibrated, not predicted again
+    assert planner.calibrated == [5, 5] and planner.predicted == predicted and ctl.current_prediction() == first
+    _measure(ctl, 4)  # an older step, late: neither
+    assert planner.predicted == predicted and ctl.current_prediction() == first
+
+    assert ctl.drain(["n2"], "shrink") == []  # the next pass orders v2, on n1 alone
+    assert ctl.step() is not None and orders
+    _ack(ctl, orders, 0.3)
+    assert ctl.plan is not None and ctl.plan.version == 2
+    assert ctl.current_prediction() is None  # v1's re-prediction is not v2's
+    _measure(ctl, 5, plan_version=2)  # v2's first measurement, at a step already seen under v1
+    now = ctl.current_prediction()
+    assert now is not None and now[1] == 5 and now[0] != first[0]
