@@ -133,6 +133,9 @@ class JobController:
         done = [t for t in store.transitions(job_id) if t["state"] == "done"]
         for t in done[-TRANSITIONS_REPLAYED:]:
             self._observe_transition(t)
+        for t in store.open_transitions(job_id):  # every part reported, the end lost (a store of before 2026-12-02)
+            if t["state"] == "ordered" and not t["parts_pending"] and t["measured_s"] is not None:
+                self._finish_transition(t, ok=True, reason="every part done (finished after a restart)")
 
     # --- passive sync -------------------------------------------------------------------------------
     @property
@@ -339,10 +342,13 @@ class JobController:
             return
         pending = [n for n in t["parts_pending"] if n != msg.node]
         measured = max(float(t["measured_s"] or 0.0), msg.measured_s)
-        self.store.set_transition_state(t["id"], "ordered", f"{msg.node} done", measured_s=measured,
-                                        parts_pending=pending)
-        if not pending:
-            self._finish_transition(self.store.transition(t["id"]) or t, ok=True, reason="every part done")
+        # the last part and the transition's end in one commit: a daemon killed between them came back
+        # with every part done and the transition still ordered, which nothing would ever finish
+        with self.store.transaction():
+            self.store.set_transition_state(t["id"], "ordered", f"{msg.node} done", measured_s=measured,
+                                            parts_pending=pending)
+            if not pending:
+                self._finish_transition_rows(self.store.transition(t["id"]) or t, ok=True, reason="every part done")
 
     # --- active steps -------------------------------------------------------------------------------
     def step(self) -> int | None:

@@ -243,3 +243,45 @@ def test_an_order_is_stored_before_it_leaves_and_a_planned_leftover_is_cancelled
     JobController(job_id="j", store=store, metrics=Metrics(), planner=PlannerBinding(), gamma=0.5,
                   thresholds=dict(admission.DEFAULT_THRESHOLDS), log=get_logger("test"), send_order=send)
     assert store.transition(tid)["state"] == "cancelled"  # type: ignore[index]
+
+
+def test_the_last_part_and_the_transitions_end_are_one_commit(tmp_path: Path) -> None:
+    """A daemon killed while it ends a transition (here: the plan commit raises, as a kill -9 there would
+    stop it) keeps the last part pending, so the agent that registers again is sent the order again
+    (tests/daemon/test_crash_rounds.py once left a transition ordered with every part done: nothing
+    would ever finish it)."""
+    orders: list[tuple[str, protocol.TransitionOrder]] = []
+    ctl, store = _controller(tmp_path, orders)
+    _join(ctl, store, "n1")
+    ctl.step()
+    (node, order), = orders
+
+    def dies(*a: object, **k: object) -> None:
+        raise RuntimeError("killed here")
+
+    store.commit_plan_version = dies  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="killed here"):
+        ctl.on_transition_report(protocol.TransitionReport(job_id="j", node=node, transition_id=order.transition_id,
+                                                           ok=True, measured_s=0.1))
+    t = Store(tmp_path / "s.db").transition(order.transition_id)
+    assert t is not None and (t["state"], t["parts_pending"], t["measured_s"]) == ("ordered", ["n1"], None)
+
+
+def test_a_transition_left_with_every_part_done_is_finished_by_the_next_controller(tmp_path: Path) -> None:
+    orders: list[tuple[str, protocol.TransitionOrder]] = []
+    ctl, store = _controller(tmp_path, orders)
+    _join(ctl, store, "n1")
+    ctl.step()
+    (_, order), = orders
+    # what the controller of before left when killed between the last part and the end
+    store.set_transition_state(order.transition_id, "ordered", "n1 done", measured_s=0.2, parts_pending=[])
+    again = JobController(job_id="j", store=store, metrics=Metrics(), planner=PlannerBinding(), gamma=0.5,
+                          thresholds=dict(admission.DEFAULT_THRESHOLDS), log=get_logger("test"),
+                          send_order=lambda node, order: True)
+    t = store.transition(order.transition_id)
+    assert t is not None and t["state"] == "done" and t["measured_s"] == 0.2
+    job = store.job("j")
+    assert job is not None and job["plan_version"] == order.to_version and job["state"] == "running"
+    assert again.plan is not None and again.plan.version == order.to_version
+    # one never reported stays open for its agent (it is re-sent on registration)
+    assert [x["state"] for x in store.transitions("j")] == ["done"]
