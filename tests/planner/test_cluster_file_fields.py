@@ -80,7 +80,7 @@ def test_every_refusal_says_what_and_where() -> None:
     _refused({"cluster": DGX, "device": {"memory_gb": 80}}, "f.toml:device",
              "missing ['hbm_tb_per_s', 'peak_tflops_bf16'] (or give a preset)")
     _refused({"cluster": DGX, "device": {"memory_gb": 0, "peak_tflops_bf16": 1, "hbm_tb_per_s": 1}},
-             "device.memory_gb", "must be a number > 0, got 0")
+             "f.toml:device.memory_gb", "must be a number > 0, got 0")
     _refused({"cluster": DGX, "intra_node": {"preset": "nvlink9"}}, "f.toml:intra_node.preset",
              "unknown link 'nvlink9'", ", ".join(LINKS))
     _refused({"cluster": DGX, "inter_node": {"gb_per_s": 0}}, "f.toml:inter_node.gb_per_s", "must be a number > 0, got 0")
