@@ -191,3 +191,38 @@ def test_a_wave_curve_lists_the_caps_where_its_time_drops() -> None:
     want = [(lv, t) for k, (lv, t) in enumerate(zip(all_levels, times))
             if np.isfinite(t) and (k == 0 or t < times[k - 1])]
     assert list(zip(levels.tolist(), secs.tolist())) == [(float(lv), pytest.approx(t)) for lv, t in want]
+
+
+def test_a_member_with_no_row_within_the_budget_has_no_wave() -> None:
+    one = (np.array([4, 6], np.int64), np.array([3.0, 2.0]), np.array([0, 1], np.int64))
+    assert min_max(("a",), [one], 3) is None
+    assert min_max(("a",), [one], 4) == (3.0, (("a", 0),))
+
+
+def _flat(name: str, gpus: list[int], seconds: list[float]) -> OptionTable:
+    n = len(gpus)
+    return OptionTable(model_stage=name, tp=np.arange(n, dtype=np.int64), pp=np.ones(n, np.int64),
+                       dp=np.ones(n, np.int64), b=np.ones(n, np.int64), g=np.ones(n, np.int64),
+                       recompute=np.zeros(n, bool), seconds=np.array(seconds), gpus=np.array(gpus, np.int64),
+                       resident=np.full(n, 10, np.int64), transient=np.ones(n, np.int64))
+
+
+def test_rows_beyond_the_budget_are_never_picked() -> None:
+    # b's 12-GPU row is the fastest but does not fit 8 GPUs
+    fronts = {"a": _flat("a", [2, 4], [5.0, 4.0]), "b": _flat("b", [12, 2, 6], [1.0, 6.0, 3.0])}
+    solver = WaveSolver(fronts, BUDGET)
+    assert solver.solve(("a", "b"), 10.0, 1.0) == (5.0, (("a", 0), ("b", 2)))
+    assert solver.solve(("b",), 10.0, 1.0) == (3.0, (("b", 2),))
+    assert solver.wave_values(("a", "b"), np.array([10.0]), 1.0).tolist() == [5.0]
+    assert solver.floors(["a", "b"], np.array([10.0]), np.array([1.0])).tolist() == [5.0]
+
+
+def test_a_stage_of_four_members_in_one_wave_when_more_gpus_do_not_help() -> None:
+    # seconds do not fall with GPUs: one wave of all four (the slowest, 4 s) beats any split (a sum)
+    fronts = {m: _flat(m, [2, 4], [s, s]) for m, s in zip(NAMES, (1.0, 2.0, 3.0, 4.0))}
+    solver = WaveSolver(fronts, BUDGET)
+    assert solver.floors(list(NAMES), np.array([10.0, 5.0]), np.array([1.0, 1.0])).tolist() == [4.0, np.inf]
+    r, secs, refs = kind_points(list(NAMES), solver, 1.0)
+    assert (r.tolist(), secs.tolist()) == ([10.0], [4.0])
+    assert [sorted(w) for w, _ in refs[0]] == [list(NAMES)]
+    assert solver.wave_values(NAMES, np.array([10.0]), 1.0).tolist() == [4.0]
