@@ -1,0 +1,252 @@
+"""The calibration's parts with values worked out by hand (planner/calibration.py): a measurement's
+checks and implied efficiency, the Huber location's fixed point, the per-class window, per-class
+records from a stage time, a stage observation's sums, the joint stage fit (exact recovery from
+noise-free stages of different mixes, the efficiency bounds, recent steps outweighing old ones), and
+one calibration step's bookkeeping and per-step overhead. Found by mutation testing
+(tests/mutate.py --module planner/calibration.py: the fit was tested by convergence on presets)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from planner_jobs import h200, job
+
+from planner.calibration import (
+    HUBER_K,
+    MIN_EFFICIENCY,
+    MIN_SCALE,
+    CalibratedEfficiencies,
+    Calibrator,
+    OpMeasurement,
+    StageFit,
+    StageObservation,
+    _overhead_observation,
+    fit_from_stage_times,
+    huber_location,
+    measurements_from_stage,
+    stage_observation,
+)
+from planner.cost import PRIORS, Efficiencies, OpClass, OpTerm
+from planner.errors import SpecError
+from planner.prediction import predict, schedule
+from planner.search import search
+
+G, M = OpClass.GEMM, OpClass.MEMORY_BOUND
+
+
+def test_a_measurement_implies_work_over_peak_times_the_variable_time() -> None:
+    m = OpMeasurement(op_class=G, work=6.0, peak_per_s=2.0, measured_s=5.0, fixed_s=2.0)
+    assert m.implied_efficiency == pytest.approx(1.0)
+    assert OpMeasurement(op_class=G, work=6.0, peak_per_s=2.0, measured_s=5.0).implied_efficiency == 0.6
+
+
+@pytest.mark.parametrize("kw,text", [
+    ({"op_class": "gemm"}, "measurement.op_class: unknown op class 'gemm'"),
+    ({"work": 0.0}, "measurement.work: must be finite and > 0, got 0.0"),
+    ({"peak_per_s": math.inf}, "measurement.peak_per_s: must be finite and > 0, got inf"),
+    ({"measured_s": -1.0}, "measurement.measured_s: must be finite and > 0, got -1.0"),
+    ({"fixed_s": 5.0}, "measurement.fixed_s: must be in [0, measured_s=5.0), got 5.0"),
+    ({"fixed_s": -0.1}, "measurement.fixed_s: must be in [0, measured_s=5.0), got -0.1"),
+    ({"fixed_s": math.nan}, "measurement.fixed_s: must be in [0, measured_s=5.0), got nan"),
+])
+def test_a_bad_measurement_names_its_field(kw: dict[str, object], text: str) -> None:
+    args: dict[str, object] = {"op_class": G, "work": 6.0, "peak_per_s": 2.0, "measured_s": 5.0, **kw}
+    with pytest.raises(SpecError) as info:
+        OpMeasurement(**args)  # type: ignore[arg-type]
+    assert str(info.value).startswith(text)
+
+
+def test_the_huber_location_is_the_fixed_point_of_its_clipped_score() -> None:
+    # inside the threshold every point weighs 1: the mean (median 2, MAD scale 1.4826, |r| <= 0.68)
+    assert huber_location([1.0, 2.0, 3.0]) == pytest.approx(2.0)
+    assert huber_location([1.0, 2.0, 6.0]) == pytest.approx(
+        # 6 is |6 - mu| / 1.4826 > k away: it pulls with k x scale, so 2 (1 + 2 - 2 mu) ... solved below
+        _huber_by_bisection([1.0, 2.0, 6.0], 1.4826), abs=1e-7)
+    # four zeros and an outlier, scale at its floor: 4 (-mu / s) + k = 0, so mu = k s / 4
+    assert huber_location([0.0, 0.0, 0.0, 0.0, 10.0]) == pytest.approx(HUBER_K * MIN_SCALE / 4, abs=1e-9)
+    # one iteration: the first reweighted mean, not yet the fixed point
+    w = HUBER_K / (10.0 / MIN_SCALE)
+    assert huber_location([0.0, 0.0, 0.0, 0.0, 10.0], iterations=1) == pytest.approx(10 * w / (4 + w), rel=1e-9)
+    assert huber_location([0.0, 0.0, 0.0, 0.0, 10.0], k=100.0) == pytest.approx(
+        _huber_by_bisection([0.0, 0.0, 0.0, 0.0, 10.0], MIN_SCALE, k=100.0), abs=1e-9)
+
+
+def _huber_by_bisection(y: list[float], scale: float, k: float = HUBER_K) -> float:
+    """The root of sum psi((y - mu) / scale), psi clipped at k, by bisection."""
+    def score(mu: float) -> float:
+        return sum(max(-k, min(k, (v - mu) / scale)) for v in y)
+    lo, hi = min(y), max(y)
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if score(mid) > 0 else (lo, mid)
+    return (lo + hi) / 2
+
+
+def _m(cls: OpClass, eff: float) -> OpMeasurement:
+    return OpMeasurement(op_class=cls, work=eff, peak_per_s=1.0, measured_s=1.0)
+
+
+def test_the_calibrator_keeps_the_last_window_per_class_and_fits_each_class() -> None:
+    c = Calibrator(window=2).observe([_m(G, 0.1), _m(G, 0.2), _m(M, 0.4)]).observe([_m(G, 0.3)])
+    assert c.samples[G] == pytest.approx((math.log(0.2), math.log(0.3)))
+    assert c.samples[M] == pytest.approx((math.log(0.4),))
+    assert c.counts() == {"gemm": 2, "memory_bound": 1}
+    eff = c.efficiencies()
+    assert eff[G] == pytest.approx(math.sqrt(0.2 * 0.3))  # two points: the log-mean
+    assert eff[M] == pytest.approx(0.4)
+    assert eff[OpClass.ATTENTION_DECODE] == PRIORS[OpClass.ATTENTION_DECODE]
+    # a class with fewer samples than asked keeps the base; a fit is capped at 1.5
+    two = Calibrator(min_samples=2).observe([_m(G, 3.0), _m(G, 4.0), _m(M, 0.4)])
+    assert two.window == 64 and two.min_samples == 2
+    assert two.efficiencies()[G] == 1.5
+    assert two.efficiencies()[M] == PRIORS[M]
+    base = Efficiencies({M: 0.33})
+    assert two.efficiencies(base)[M] == 0.33
+
+
+@pytest.mark.parametrize("kw,text", [({"window": 0}, "calibrator.window: must be >= 1, got 0"),
+                                     ({"min_samples": 0}, "calibrator.min_samples: must be >= 1, got 0")])
+def test_a_bad_calibrator_names_its_field(kw: dict[str, int], text: str) -> None:
+    with pytest.raises(SpecError) as info:
+        Calibrator(**kw)  # type: ignore[arg-type]
+    assert str(info.value) == text
+
+
+def test_stage_time_is_shared_among_classes_by_their_predicted_seconds() -> None:
+    eff = {G: 0.5, M: 0.25, OpClass.TP_ALLREDUCE_INTRA: 1.0}
+    terms = [OpTerm(op_class=G, work=4.0, peak_per_s=2.0, repeat=2.0),  # 2 x 4 s
+             OpTerm(op_class=M, work=1.0, peak_per_s=1.0),  # 4 s
+             OpTerm(op_class=OpClass.TP_ALLREDUCE_INTRA, work=1.0, peak_per_s=1.0, messages=2.0, latency_s=0.5,
+                    repeat=2.0)]  # 2 x (1 + 1) s, of which 2 s latency
+    # predicted 16 s, of which 2 s latency; measured 30 s: 28 s shared 8 : 4 : 2
+    out = measurements_from_stage(terms, eff, 30.0, source="s")
+    assert [(o.op_class, o.work, o.peak_per_s, o.source) for o in out] == [
+        (G, 8.0, 2.0, "s"), (M, 1.0, 1.0, "s"), (OpClass.TP_ALLREDUCE_INTRA, 2.0, 1.0, "s")]
+    assert [o.measured_s for o in out] == pytest.approx([16.0, 8.0, 4.0 + 2.0])
+    assert [o.fixed_s for o in out] == pytest.approx([0.0, 0.0, 2.0])
+    assert measurements_from_stage(terms, eff, 2.0) == []  # the latencies take it all
+    # a variable part lost next to the latency (1 + 2e-30 - 1 = 0): latency-bound, nothing to learn
+    latency_only = [OpTerm(op_class=G, work=1e-30, peak_per_s=1.0, messages=1.0, latency_s=1.0)]
+    assert measurements_from_stage(latency_only, eff, 5.0) == []
+    assert measurements_from_stage([], eff, 5.0) == []
+    for bad in (0.0, -1.0, math.nan, math.inf):
+        with pytest.raises(SpecError, match="measured_s: must be finite and > 0"):
+            measurements_from_stage(terms, eff, bad)
+
+
+def test_a_stage_observation_sums_ideal_seconds_per_class_and_latencies() -> None:
+    terms = [OpTerm(op_class=G, work=6.0, peak_per_s=2.0, repeat=3.0),
+             OpTerm(op_class=G, work=1.0, peak_per_s=4.0),
+             OpTerm(op_class=M, work=2.0, peak_per_s=1.0, messages=3.0, latency_s=0.25, repeat=2.0)]
+    o = stage_observation(terms, 40.0, 7, source="x")
+    assert dict(o.ideal_s) == pytest.approx({G: 9.25, M: 4.0})
+    assert o.fixed_s == pytest.approx(1.5)
+    assert (o.measured_s, o.step, o.source) == (40.0, 7, "x")
+
+
+def _obs(a: dict[OpClass, float], eff: dict[OpClass, float], step: int, fixed: float = 0.0) -> StageObservation:
+    """A stage timed exactly with efficiencies ``eff``."""
+    return StageObservation(ideal_s=a, fixed_s=fixed, measured_s=sum(v / eff[c] for c, v in a.items()) + fixed,
+                            step=step)
+
+
+def test_the_stage_fit_recovers_efficiencies_from_stages_of_different_mixes() -> None:
+    truth = {G: 0.3, M: 0.7}
+    fit = StageFit().observe([_obs({G: 1.0, M: 2.0}, truth, 0), _obs({G: 3.0, M: 0.5}, truth, 0, fixed=0.5),
+                              _obs({G: 0.2}, truth, 0)])
+    eff = fit.efficiencies()
+    assert eff[G] == pytest.approx(0.3, rel=1e-3) and eff[M] == pytest.approx(0.7, rel=1e-3)
+    assert eff[OpClass.ATTENTION_DECODE] == PRIORS[OpClass.ATTENTION_DECODE]
+    assert fit.counts() == {"gemm": 3, "memory_bound": 2}
+    # a stage all latency teaches nothing; nothing to fit returns the base itself
+    assert StageFit().observe([StageObservation(ideal_s={G: 1.0}, fixed_s=2.0, measured_s=2.0, step=0)]
+                              ).efficiencies() is PRIORS
+    # a class with zero ideal time in every stage is not fitted
+    zero = StageFit().observe([_obs({G: 1.0, M: 0.0}, truth, 0)]).efficiencies()
+    assert zero[M] == PRIORS[M] and zero[G] == pytest.approx(0.3, rel=1e-3)
+
+
+def test_the_stage_fit_keeps_efficiencies_within_their_bounds() -> None:
+    fast = StageFit().observe([StageObservation(ideal_s={G: 1.0}, fixed_s=0.0, measured_s=1e-6, step=0)])
+    assert fast.efficiencies()[G] == 1.5
+    slow = StageFit().observe([StageObservation(ideal_s={G: 1.0}, fixed_s=0.0, measured_s=1e12, step=0)])
+    assert slow.efficiencies()[G] == pytest.approx(MIN_EFFICIENCY)
+
+
+def test_recent_steps_outweigh_old_ones() -> None:
+    old = [_obs({G: 1.0}, {G: 0.2}, 0)] * 4
+    new = [_obs({G: 1.0}, {G: 0.8}, 9)] * 4  # measured 9 calibration steps later
+    fits = {}
+    for half_life in (1.0, 4.0):
+        fit = StageFit(half_life_steps=half_life).observe(old).observe(new)
+        assert fit.steps == 2 and len(fit.observations) == 8
+        fits[half_life] = fit.efficiencies()[G]
+    # half-life 1: the old ones weigh 2^-9 each, the fit sits at the new 0.8; half-life 4: 2^-2.25 = 0.21,
+    # a weighted log-mean of exp((0.21 log 0.2 + log 0.8) / 1.21) = 0.63 before the Huber weights
+    assert 0.79 < fits[1.0] < 0.8
+    assert 0.55 < fits[4.0] < 0.75
+    even = StageFit(half_life_steps=1e9, observations=(*old, *new), steps=2).efficiencies()[G]
+    # equal weights, every residual past the Huber threshold: the loss is flat anywhere between the two
+    # clusters (each side pulls with k), so the prior's pull settles it at the prior
+    assert 0.2 < PRIORS[G] < 0.8
+    assert even == pytest.approx(PRIORS[G], rel=1e-6)
+    # the window keeps the last observations only
+    assert StageFit(window=3).observe(old).observe(new).observations == tuple(new[-3:])
+
+
+@pytest.mark.parametrize("kw,text", [({"window": 0}, "stage_fit.window: must be >= 1, got 0"),
+                                     ({"half_life_steps": 0.0}, "stage_fit.half_life_steps: must be > 0, got 0.0")])
+def test_a_bad_stage_fit_names_its_field(kw: dict[str, float], text: str) -> None:
+    with pytest.raises(SpecError) as info:
+        StageFit(**kw)  # type: ignore[arg-type]
+    assert str(info.value) == text
+
+
+def test_one_calibration_step_observes_the_measured_stages_of_the_plan() -> None:
+    j = job("ppo", model="tiny-25m", prompts=16, response_tokens=256)
+    cl = h200(8)
+    plan = search(j, cl).plan
+    prev = Efficiencies({G: 0.2})
+    assert fit_from_stage_times(j, plan, {"actor-gen": 1.0}, prev) is prev  # no cluster: nothing learned
+    assert fit_from_stage_times(j, plan, {"actor-gen": 1.0}) is PRIORS
+    times = {"actor-gen": 2.0, "ref-inf": math.nan, "critic-inf": 0.0, "no-such-stage": 1.0, "actor-train": 3.0}
+    one = fit_from_stage_times(j, plan, times, prev, cluster=cl, window=5)
+    assert isinstance(one, CalibratedEfficiencies)
+    assert one.stage_fit.steps == 1 and one.stage_fit.window == 5
+    assert [o.source for o in one.stage_fit.observations] == ["actor-gen", "actor-train"]
+    pred = predict(j, cl, plan, prev)  # the observations are priced under the efficiencies in use
+    assert one.stage_fit.observations[0] == stage_observation(pred.terms["actor-gen"], 2.0, 0, source="actor-gen")
+    two = fit_from_stage_times(j, plan, times, one, cluster=cl)
+    assert isinstance(two, CalibratedEfficiencies)
+    assert two.stage_fit.steps == 2 and len(two.stage_fit.observations) == 4  # the fit state carries on
+    assert two.stage_fit.observations[2].step == 1
+
+
+def test_the_step_overhead_observation_is_the_step_beyond_its_model_stages() -> None:
+    j = job("ppo", model="tiny-25m", prompts=16, response_tokens=256)
+    cl = h200(8)
+    plan = search(j, cl).plan
+    seconds = {sp.model_stage: 1.0 + 0.1 * i for i, sp in enumerate(plan)}
+    stages = schedule(j, plan, seconds)[0]
+    o = _overhead_observation(j, plan, seconds, stages + 3.0, cl, 4)
+    assert o is not None
+    assert dict(o.ideal_s) == {OpClass.STEP_OVERHEAD: cl.step_overhead_s}
+    assert (o.fixed_s, o.measured_s, o.step, o.source) == (0.0, pytest.approx(3.0), 4, "step-overhead")
+    # no time left over reads as a tenth of the named overhead
+    low = _overhead_observation(j, plan, seconds, stages - 1.0, cl, 4)
+    assert low is not None and low.measured_s == pytest.approx(0.1 * cl.step_overhead_s)
+    missing = {k: v for k, v in list(seconds.items())[1:]}
+    assert _overhead_observation(j, plan, missing, stages + 3.0, cl, 4) is None
+    assert _overhead_observation(j, plan, {**seconds, plan.stages[0].model_stage: 0.0}, stages + 3.0, cl, 4) is None
+    assert _overhead_observation(j, plan, seconds, None, cl, 4) is None
+    assert _overhead_observation(j, plan, seconds, math.nan, cl, 4) is None
+    import dataclasses
+
+    none = dataclasses.replace(cl, step_overhead_s=0.0)
+    assert _overhead_observation(j, plan, seconds, stages + 3.0, none, 4) is None
+    # through one calibration step: the overhead joins the stage observations
+    step = fit_from_stage_times(j, plan, seconds, None, cluster=cl, step_latency_s=stages + 3.0)
+    assert isinstance(step, CalibratedEfficiencies)
+    assert step.stage_fit.observations[-1].source == "step-overhead"
+    assert len(step.stage_fit.observations) == len(seconds) + 1
