@@ -12,7 +12,6 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
-from functools import cached_property
 from typing import Any
 
 from planner.errors import SpecError, unknown_preset
@@ -194,10 +193,6 @@ class ModelSpec:
 
     def num_params(self, head: Head = Head.LM) -> int:
         return sum(t.numel for t in self.tensors(head))
-
-    @cached_property
-    def params_per_layer(self) -> int:
-        return sum(t.numel for t in self.tensors() if t.layer == 0)
 
     @property
     def kv_bytes_per_token(self) -> int:
