@@ -250,3 +250,40 @@ def test_the_step_overhead_observation_is_the_step_beyond_its_model_stages() -> 
     assert isinstance(step, CalibratedEfficiencies)
     assert step.stage_fit.observations[-1].source == "step-overhead"
     assert len(step.stage_fit.observations) == len(seconds) + 1
+
+
+def test_the_stage_fit_lands_on_the_root_of_its_reweighted_score() -> None:
+    """One class, noisy stages with latencies, an outlier and old steps: the fit's efficiency is where the
+    Huber-reweighted score of the log residuals plus the prior's pull is zero (found here by bisection,
+    independently of the Gauss-Newton steps and their damping)."""
+    import numpy as np
+
+    from planner.calibration import PRIOR_WEIGHT, STAGE_HUBER_K
+
+    a = np.array([1.0, 2.0, 0.5, 3.0, 1.5, 2.5])
+    fixed = np.array([0.0, 0.3, 0.1, 0.0, 0.2, 0.0])
+    noise = np.array([1.05, 0.97, 1.02, 0.94, 1.08, 3.0])  # the last one a stall
+    measured = (a / 0.4 + fixed) * noise
+    steps = np.array([0, 1, 2, 3, 4, 5])
+    obs = [StageObservation(ideal_s={G: float(x)}, fixed_s=float(f), measured_s=float(m), step=int(s))
+           for x, f, m, s in zip(a, fixed, measured, steps)]
+    got = StageFit().observe(obs).efficiencies()[G]
+    decay = 0.5 ** ((steps.max() - steps) / 4.0)
+    lam = PRIOR_WEIGHT * decay.sum()
+    z0 = -math.log(PRIORS[G])
+
+    def score(z: float) -> float:
+        pred = a * math.exp(z) + fixed
+        r = np.log(pred / measured)
+        scale = max(1.4826 * float(np.median(np.abs(r - np.median(r)))), 0.02)
+        u = np.abs(r) / scale
+        w = decay * np.where(u <= STAGE_HUBER_K, 1.0, STAGE_HUBER_K / u)
+        return float(np.sum(w * r * a * math.exp(z) / pred) + lam * (z - z0))
+
+    lo, hi = -math.log(1.5), -math.log(1e-3)
+    assert score(lo) < 0 < score(hi)
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if score(mid) < 0 else (lo, mid)
+    assert got == pytest.approx(math.exp(-lo), rel=1e-5)
+    assert 0.37 < got < 0.42  # near the truth, 0.4: the stall is down-weighted
