@@ -176,3 +176,8 @@ def test_a_rope_scaling_built_directly_is_checked_too() -> None:
 def test_model_presets_by_name_in_any_case() -> None:
     assert model_preset("Llama-3.1-8B") is LLAMA_31_8B
     assert _refusal(model_preset, "gpt-5") == f"model: unknown preset 'gpt-5' (allowed: {', '.join(sorted(MODELS))})"
+
+
+def test_rope_scaling_defaults_and_its_smallest_context() -> None:
+    assert RopeScaling.from_mapping({**ROPE, "original_max_position_embeddings": 1}).original_max_position_embeddings == 1
+    assert _refusal(RopeScaling.from_mapping, {**ROPE, "factor": 0.5}) == "model.rope_scaling.factor: must be >= 1, got 0.5"
