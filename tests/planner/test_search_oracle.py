@@ -7,6 +7,8 @@ pools were whole and no table had 256 transient sizes)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -18,6 +20,7 @@ from planner.models import ModelSpec
 from planner.op_classes import PRIORS, OpClass
 from planner.options import OptionRules, OptionTable, StageOption, frontier, option_table
 from planner.plan import Layout
+from planner.prediction import predict
 from planner.search import (
     MAX_TRANSIENT_LEVELS,
     URGENT_RULES,
@@ -118,6 +121,8 @@ def test_a_result_reports_its_version_and_every_candidate_it_considered() -> Non
 
 
 def test_model_stages_of_different_models_do_not_share_a_table() -> None:
+    # a reward model four times the critic's size, on memory that fits the critic's layouts but not all of
+    # the reward model's: priced from the critic's table, the plan would not fit or not be the optimum
     bigger = ModelSpec(name="m2", num_layers=4, hidden_size=128, num_attention_heads=8, num_kv_heads=2,
                        head_dim=16, ffn_hidden_size=192, vocab_size=1000, tie_word_embeddings=False,
                        rope_theta=10_000.0)
@@ -125,13 +130,25 @@ def test_model_stages_of_different_models_do_not_share_a_table() -> None:
     j = same_model_job(workflow_preset("ppo"), M, w)
     j = type(j)(workflow=j.workflow, models={**j.models, next(r for r in j.models if r.value == "reward"): bigger},
                 workload=w)
-    cl = _cluster(10**9, 4, 2)
-    res = search(j, cl)
-    by_name = {sp.model_stage: sp for sp in res.plan}
-    pred = res.prediction
-    # the reward model is bigger: priced with its own table, it takes longer than the critic's inference
-    assert pred.stage_seconds["reward-inf"] > pred.stage_seconds["critic-inf"]
-    assert set(by_name) == {ms.name for ms in j.workflow.model_stages}
+    cl, eff = _cluster(4_000_000, 4, 2), _eff(3)
+    ref = _exhaustive(j, cl, eff, URGENT_RULES[0])
+    assert ref is not None
+    res = search(j, cl, eff=eff)
+    assert ref.objective_s * (1 - 1e-9) <= res.objective_s <= ref.objective_s * 1.01
+    peaks, _ = plan_memory(j, res.plan)
+    assert max(peaks.values()) <= cl.device.memory_bytes
+    assert res.candidates_considered == sum(len(option_table(j, ms, cl, 4, eff)) for ms in j.workflow.model_stages)
+
+
+def test_the_result_is_priced_with_the_efficiencies_given_and_the_step_overhead() -> None:
+    w = Workload(prompts_per_step=4, samples_per_prompt=2, prompt_tokens=10, response_tokens=20)
+    j = same_model_job(workflow_preset("grpo"), M, w)
+    eff = {**_eff(4), OpClass.STEP_OVERHEAD: 0.5}
+    plain = _cluster(10**9, 4, 2)
+    with_overhead = dataclasses.replace(plain, step_overhead_s=2.0)
+    a, b = search(j, plain, eff=eff), search(j, with_overhead, eff=eff)
+    assert b.objective_s - a.objective_s == pytest.approx(2.0 / 0.5)  # the overhead at its efficiency
+    assert b.prediction == predict(j, with_overhead, b.plan, eff)
 
 
 def test_the_pool_check_says_what_is_missing() -> None:
@@ -141,6 +158,12 @@ def test_the_pool_check_says_what_is_missing() -> None:
     assert str(info.value) == "pool: no GPUs to plan on (allowed: >= 1 GPU)"
     assert check_pool(cl, None) == (0, 1, 2, 3)
     assert check_pool(cl, [3, 1, 1]) == (1, 3)  # equal partial nodes: node order, unique ids
+    # a GPU outside the cluster is named, the first one found in id order (the last id is 3)
+    for pool, bad in (([0, 4], 4), ([-1, 0], -1), ([0, 1, 7], 7), ([0, 9, 5], 5)):
+        with pytest.raises(SpecError) as info:
+            order_pool(pool, cl)
+        assert str(info.value) == f"pool: GPU {bad} is not in the cluster (allowed: 0..3)"
+    assert order_pool([0, 3], cl) == (0, 3)
 
 
 def _opt(name: str, tp: int, pp: int, dp: int) -> StageOption:
@@ -200,8 +223,18 @@ def test_assign_crosses_nodes_only_when_no_node_has_room() -> None:
     # two fragmented TP2 ranks of one PP unit over nodes with one free GPU each
     plan = assign(j, (0, 4, 8, 12), {"inference": ((_opt("ref-inf", 2, 2, 1),),)}, 1, 4)
     assert _sets(plan, "ref-inf") == ((0, 4, 8, 12),)
-    with pytest.raises(AssertionError, match="a wave asked for more GPUs than the pool has"):
+    with pytest.raises(AssertionError) as info:
         assign(j, (0, 1, 4), {"inference": ((_opt("ref-inf", 2, 1, 2),),)}, 1, 4)
+    assert str(info.value) == "a wave asked for more GPUs than the pool has"
+
+
+def test_assign_on_one_partial_node_and_pp_ranks_off_node_boundaries() -> None:
+    j = same_model_job(workflow_preset("grpo"), M, Workload(prompts_per_step=4, prompt_tokens=10, response_tokens=20))
+    plan = assign(j, (0, 1, 2), {"inference": ((_opt("ref-inf", 1, 1, 3),),)}, 1, 4)
+    assert _sets(plan, "ref-inf") == ((0,), (1,), (2,))
+    # a PP unit whose first rank sits mid-node (GPU 1): its next rank looks on that node first
+    plan = assign(j, (1, 2, 5, 6), {"inference": ((_opt("ref-inf", 1, 2, 2),),)}, 1, 4)
+    assert _sets(plan, "ref-inf") == ((1, 2), (5, 6))
 
 
 def _front(name: str, transient: np.ndarray, seconds: np.ndarray) -> OptionTable:
@@ -218,7 +251,7 @@ def test_transients_are_rounded_up_to_at_most_the_level_cap() -> None:
     fronts = {"a": _front("a", a, 1.0 / a), "b": _front("b", b, 1.0 / b)}
     out = _quantize_transients(fronts)
     levels = np.unique(np.concatenate([t.transient for t in out.values()]))
-    assert levels.size <= MAX_TRANSIENT_LEVELS
+    assert 200 < levels.size <= MAX_TRANSIENT_LEVELS  # quantiles of 600 sizes: about the cap, not far fewer
     assert set(levels.tolist()) <= set(np.concatenate([a, b]).tolist())  # levels are sizes seen
     for name, raw in (("a", a), ("b", b)):
         t = out[name]
@@ -232,3 +265,5 @@ def test_transients_are_rounded_up_to_at_most_the_level_cap() -> None:
     few = {"a": _front("a", a[:100], 1.0 / a[:100]), "b": _front("b", b[:100], 1.0 / b[:100])}
     same = _quantize_transients(few)
     assert all(same[k] is few[k] for k in few)  # 200 sizes: nothing changes
+    at_cap = {"a": _front("a", a[:128], 1.0 / a[:128]), "b": _front("b", b[:128], 1.0 / b[:128])}
+    assert all(_quantize_transients(at_cap)[k] is at_cap[k] for k in at_cap)  # 256 sizes: still nothing
