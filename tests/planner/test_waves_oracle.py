@@ -214,6 +214,8 @@ def test_rows_beyond_the_budget_are_never_picked() -> None:
     assert solver.solve(("a", "b"), 10.0, 1.0) == (5.0, (("a", 0), ("b", 2)))
     assert solver.solve(("b",), 10.0, 1.0) == (3.0, (("b", 2),))
     assert solver.wave_values(("a", "b"), np.array([10.0]), 1.0).tolist() == [5.0]
+    assert solver.wave_values(("b",), np.array([10.0]), 1.0).tolist() == [3.0]  # alone, still within 8
+    assert solver.floors(["b"], np.array([10.0]), np.array([1.0])).tolist() == [3.0]
     assert solver.floors(["a", "b"], np.array([10.0]), np.array([1.0])).tolist() == [5.0]
 
 
