@@ -189,7 +189,8 @@ def canonical_footprint(prim: Primitive, cache: PlanningCache, buffers: bool = T
     """``prim``'s footprint over GPU labels 0..k-1 (first appearance: each unit's GPUs, then its
     ``final``'s, units in field order) and the GPU of each label; memoised per relative shape in
     ``cache.footprints``, so every replica of the same shape (transitions.replica_classes) shares one
-    derivation. Without ``buffers`` its bucket memory is left out (empty): the traffic alone."""
+    derivation. Without ``buffers`` the traffic is all the caller may read: it is derived without bucket
+    memory, unless the full footprint (traffic and buckets) is memoised already, which is returned as it is."""
     if isinstance(prim, Destroy | Restore):
         return _unmemoised(prim)
     key, gpus = _shape_key(prim)
