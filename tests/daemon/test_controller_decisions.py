@@ -15,11 +15,14 @@ from typing import Any
 import pytest
 import structlog
 
-from nereusd.controller import plan_to_dict
+from nereusd.controller import JobController, plan_to_dict
+from nereusd.metrics import Metrics
 from nereusd.planning import PlannerBinding
+from nereusd.store import Store
 from nereusd.wire import protocol
+from nereusd.wire.logs import get_logger
 from planner import admission
-from planner.errors import InfeasibleError
+from planner.errors import InfeasibleError, SpecError
 
 from .test_controller_drain import SPEC, Job, _open_transition
 from .test_controller_records import Recording
@@ -48,6 +51,13 @@ def _lose_n2(job: Job) -> None:
 def _row(d: dict[str, Any] | None) -> dict[str, Any]:
     assert d is not None
     return {k: v for k, v in d.items() if k not in ("id", "at")}
+
+
+def _controller(store: Store, planner: PlannerBinding | None, send: Any = None) -> JobController:
+    """A controller of job j as a (re)started daemon builds it, with no clock of its own."""
+    return JobController(job_id="j", store=store, metrics=Metrics(), planner=planner, gamma=0.5,
+                         thresholds=dict(admission.DEFAULT_THRESHOLDS), log=get_logger("test"),
+                         send_order=send or (lambda node, order: True))
 
 
 TRIGGER = {"kind": "urgent", "step": 0, "reasons": ["GPU pool changed: 4 -> 2 GPUs (-2 +0)"], "signals": [],
@@ -274,8 +284,6 @@ def test_without_next_plans_a_lost_last_copy_is_unbuildable_all_the_same(tmp_pat
 
 class SpecRefused(PlannerBinding):
     def search(self, job: dict[str, Any], pool: frozenset[int], version: int) -> Any:
-        from planner.errors import SpecError
-
         raise SpecError("workload.prompt_tokens", "longer than the model's context")
 
 
@@ -287,3 +295,166 @@ def test_a_spec_the_planner_refuses_is_a_decision_not_to_move(tmp_path: Path) ->
     assert (d["rule"], d["admitted"], d["to_version"]) == ("checkpoint-restart", False, None)
     assert d["reason"] == ("no plan fits in memory on the available GPUs: fall back to checkpoint/restart (the job "
                            "spec cannot be planned: workload.prompt_tokens: longer than the model's context)")
+
+
+def test_a_transition_ends_with_its_last_parts_time_when_that_part_was_the_slowest(tmp_path: Path) -> None:
+    job = Job(tmp_path, PlannerBinding())  # the placement: 0.1 s measured
+    assert job.ctl.drain(["n2"], "shrink") == [] and job.ctl.step() is not None
+    tid = job.orders[0][1].transition_id
+    job.ack(("n1",), measured_s=0.1)
+    job.ack(("n2",), measured_s=0.4)  # the last part, and the slowest
+    t = job.store.transition(tid) or {}
+    assert (t["state"], t["measured_s"]) == ("done", 0.4)
+    assert job.store.history("transition", str(tid))[-1]["reason"] == "every part done"
+    assert job.ctl.metrics.transition_cost.labels("measured")._sum.get() == pytest.approx(0.1 + 0.4)
+    # and each ordered transition's predicted L_tran is observed as predicted (the placement's is 0 s)
+    assert t["predicted_s"] > 0
+    assert job.ctl.metrics.transition_cost.labels("predicted")._sum.get() == pytest.approx(t["predicted_s"])
+
+
+class Observed(PlannerBinding):
+    """The real binding, recording the transitions it is fed back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.observed: list[int] = []
+
+    def observe_transition(self, job: dict[str, Any], transition: dict[str, Any]) -> None:
+        self.observed.append(transition["id"])
+        super().observe_transition(job, transition)
+
+
+def test_a_restarted_controller_replays_settles_and_cancels_only_its_own_jobs_transitions(tmp_path: Path) -> None:
+    job = Job(tmp_path, PlannerBinding())  # transition 1 (the placement) is done
+    store = job.store
+    store.add_job(job_id="k", user="alice", spec=SPEC)  # another job's rows, each of a kind j's restart acts on
+    k_planned = store.add_transition(job_id="k", decision_id=None, from_version=0, to_version=1, dag={},
+                                     bytes_moved=0, predicted_s=0.0, parts=["m1"])
+    k_settled = _open_transition(store, "k", ["m1"])
+    store.set_transition_state(k_settled["id"], "ordered", "m1 done", measured_s=0.2, parts_pending=[])
+    k_done = _open_transition(store, "k", ["m1"])
+    store.set_transition_state(k_done["id"], "done", "test", measured_s=0.2)
+    mine_planned = store.add_transition(job_id="j", decision_id=None, from_version=1, to_version=9, dag={},
+                                        bytes_moved=0, predicted_s=0.0, parts=["n1"])
+    half = _open_transition(store, "j", ["n1", "n2"])  # one part reported (it has a time), one pending
+    store.set_transition_state(half["id"], "ordered", "n1 done", measured_s=0.3, parts_pending=["n2"])
+    empty = _open_transition(store, "j", [])  # ordered to no node, nothing measured: its order times out
+    settled = _open_transition(store, "j", ["n1"])  # every part reported, the end lost
+    store.set_transition_state(settled["id"], "ordered", "n1 done", measured_s=0.2, parts_pending=[])
+
+    planner = Observed()
+    Job(tmp_path, planner, store=store)
+    state = {t["id"]: t["state"] for t in store.transitions("j") + store.transitions("k")}
+    assert state == {1: "done", k_planned: "planned", k_settled["id"]: "ordered", k_done["id"]: "done",
+                     mine_planned: "cancelled", half["id"]: "ordered", empty["id"]: "ordered",
+                     settled["id"]: "done"}
+    assert store.history("transition", str(mine_planned))[-1]["reason"] == "the daemon restarted before it was ordered"
+    assert store.history("transition", str(settled["id"]))[-1]["reason"] == \
+        "every part done (finished after a restart)"
+    assert planner.observed == [1, settled["id"]]  # its own done transition replayed, then the one settled
+
+
+def test_a_restart_takes_the_draining_nodes_and_defaults_for_what_a_snapshot_lacks(tmp_path: Path) -> None:
+    job = Job(tmp_path, PlannerBinding())
+    job.store.save_controller_state("j", {"draining": {"n2": "alloc --shrink"}})
+    again = Job(tmp_path, PlannerBinding(), store=job.store)
+    assert again.ctl.draining == {"n2": "alloc --shrink"}
+    assert again.ctl.last_step == 0 and again.ctl.trigger_state is None
+    assert again.ctl.signals == {admission.Signal.SEQUENCE_LENGTH: 32.0 + 64.0}  # the length specified
+    job.store.save_controller_state("j", {})
+    bare = Job(tmp_path, PlannerBinding(), store=job.store)
+    assert bare.ctl.draining == {} and bare.ctl.last_step == 0
+
+
+@pytest.mark.parametrize("workload", [{"prompt_tokens": 32}, {"response_tokens": 64}, {}])
+def test_without_both_lengths_the_job_has_no_length_signal(tmp_path: Path, workload: dict[str, int]) -> None:
+    store = Store(tmp_path / "s.db")
+    store.add_job(job_id="j", user="alice", spec={**SPEC, "workload": workload})
+    assert Job(tmp_path, None, store=store).ctl.signals == {}
+
+
+def test_a_daemon_with_no_planner_resends_an_open_order_with_the_pool_map_of_now(tmp_path: Path) -> None:
+    """Found by mutation testing: the pool was refreshed only where a planner could rebuild the DAG, so
+    such an order went out with an empty pool map and one GPU per node (the driver could map no worker)."""
+    job = Job(tmp_path, PlannerBinding())
+    assert job.ctl.drain(["n2"], "test") == [] and job.ctl.step() is not None
+    sent = dict(job.orders)
+    resent: list[tuple[str, protocol.TransitionOrder]] = []
+    bare = _controller(job.store, None, send=lambda node, order: resent.append((node, order)) is None)
+    assert bare.resend_orders("n1") == 1
+    [(node, order)] = resent
+    assert node == "n1" and order.part == {
+        "plan": sent["n1"].part["plan"], "pool": {"n1": [0, 1], "n2": [2, 3]}, "gpus_per_node": 2,
+        "draining": ["n2"], "incarnations": {"n1": "n1", "n2": "n2"}}  # all but the DAG's part
+
+
+def test_a_controller_of_a_job_gone_from_the_store_starts_and_says_so_when_asked(tmp_path: Path) -> None:
+    ghost = _controller(Store(tmp_path / "s.db"), None)  # no job "j" in this store
+    assert ghost.plan is None and ghost.signals == {} and ghost.trigger_state is None
+    with pytest.raises(SpecError, match="job 'j' vanished from the store"):
+        ghost.step()
+
+
+class TransitionsRecorded(Recording):
+    """The real binding, recording what each DAG build is asked for (and, as Recording, the predictions)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.builds: list[tuple[dict[str, Any], Any, frozenset[int]]] = []
+
+    def transition(self, job: dict[str, Any], old: Any, new: Any, pool: frozenset[int], node_of_gpu: Any) -> Any:
+        self.builds.append((job, old, pool))
+        return super().transition(job, old, new, pool, node_of_gpu)
+
+
+def test_an_admitted_decision_is_recorded_and_ordered_field_by_field(tmp_path: Path, ticks: None) -> None:
+    planner = TransitionsRecorded()
+    job = Job(tmp_path, planner)
+    spec_now = {**SPEC, "workload": {**SPEC["workload"], "max_response_tokens": 64}}
+    assert planner.builds == [(spec_now, None, frozenset({0, 1, 2, 3}))]  # the placement's, on every GPU
+    placement = job.store.transitions("j")[0]
+    assert placement["decision_id"] == job.store.decisions("j")[0]["id"]
+
+    assert job.ctl.drain(["n2"], "shrink") == []
+    did = job.ctl.step()
+    assert did is not None
+    [t] = [t for t in job.store.transitions("j") if t["to_version"] == 2]
+    assert t["decision_id"] == did and t["predicted_s"] > 0
+    # v1 uses n2's GPUs, out of the pool now: the running plan is infeasible, the best plan taken as it is
+    assert {k: v for k, v in _row(job.store.decision(did)).items() if k != "inputs"} == {
+        "job_id": "j", "trigger": "urgent", "urgent": True, "admitted": True, "rule": "urgent-feasibility",
+        "reason": "running plan is infeasible; the best feasible plan is taken without a payback check",
+        "from_version": 1, "to_version": 2, "delta_l_s": None, "l_tran_s": t["predicted_s"], "h_x": 1.0,
+        "gamma": 0.5, "decision_ms": 250.0}
+    assert job.ctl.metrics.decision_time._sum.get() == pytest.approx(0.25 + 0.25)  # the placement's and this
+
+    predicted = planner.predicted
+    job.ack()
+    stored = job.store.plan("j", 2) or {}
+    assert job.ctl.plan is not None and job.ctl.plan.version == 2
+    assert admission._plain(job.ctl.prediction) == stored["prediction"]  # the candidate's, kept
+    assert planner.predicted == predicted  # not predicted again once the transition is done
+
+
+def test_a_monitor_state_changed_without_a_trigger_is_saved(tmp_path: Path) -> None:
+    job = Job(tmp_path, PlannerBinding())
+    snapshot = job.store.controller_state("j") or {}
+    snapshot["trigger"]["references"] = {}  # a monitor that has not seen the length yet
+    job.store.save_controller_state("j", snapshot)
+    again = Job(tmp_path, PlannerBinding(), store=job.store)
+    assert again.ctl.step() is None  # a first sighting sets the reference and fires nothing
+    saved = job.store.controller_state("j") or {}
+    assert saved["trigger"]["references"] == {"sequence_length": 96.0}
+
+
+def test_a_restarted_controller_whose_pool_a_resent_order_refreshed_decides_without_settling(tmp_path: Path) -> None:
+    job = Job(tmp_path, PlannerBinding())
+    assert job.ctl.drain(["n2"], "shrink") == [] and job.ctl.step() is not None  # v1 -> v2 ordered
+    again = Job(tmp_path, PlannerBinding(), store=job.store)  # a restarted daemon; its agents register again
+    assert again.ctl.resend_orders("n1") == 1 and again.ctl.resend_orders("n2") == 1
+    assert not again.ctl.pool_dirty  # the order's rebuild refreshed the pool
+    again.ack()
+    assert again.ctl.plan is not None and again.ctl.plan.version == 2
+    again.ctl.urgent_reasons.append("transition 9 failed: test")
+    did = again.ctl.step()  # the pool has not moved since the controller started: no settle to wait for
+    assert did is not None and again.store.decision(did)["urgent"]  # type: ignore[index]
