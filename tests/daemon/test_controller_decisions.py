@@ -458,3 +458,73 @@ def test_a_restarted_controller_whose_pool_a_resent_order_refreshed_decides_with
     again.ctl.urgent_reasons.append("transition 9 failed: test")
     did = again.ctl.step()  # the pool has not moved since the controller started: no settle to wait for
     assert did is not None and again.store.decision(did)["urgent"]  # type: ignore[index]
+
+
+def test_a_job_whose_every_node_is_lost_still_gives_back_the_nodes_it_was_draining(tmp_path: Path) -> None:
+    job = Job(tmp_path, PlannerBinding())
+    assert job.ctl.drain(["n2"], "shrink") == []  # plan v1 uses it: it drains first
+    for node in ("n1", "n2"):
+        job.store.set_node_state("j", node, "lost", "no heartbeat")
+        job.ctl.on_node_lost(node, "no heartbeat")
+    assert job.store.job("j")["state"] == "lost"  # type: ignore[index]
+    assert job.ctl.step() is None  # no GPU left to plan for, but n2 holds no GPU of the job any more
+    assert job.released == [["n2"]]
+
+
+def test_the_pool_settles_from_its_last_change_not_from_its_last_refresh(tmp_path: Path) -> None:
+    job = Job(tmp_path, PlannerBinding())  # placed at t = 100
+    job.ctl.pool_settle_s = 5.0
+    job.now = 200.0
+    job.join("n3")
+    job.now = 202.0
+    assert job.ctl.step() is None and job.ctl.pool_changed_at == 202.0  # 4 -> 6 GPUs: settling
+    job.now = 204.0
+    job.ctl.on_node_joined("n3", "registered again")  # a refresh that changes nothing
+    assert job.ctl.step() is None and job.ctl.pool_changed_at == 202.0
+    job.now = 207.5
+    did = job.ctl.step()  # 5.5 s after the change
+    assert did is not None
+    assert job.store.decision(did)["inputs"]["trigger"]["reasons"] == ["GPU pool changed: 4 -> 6 GPUs (-0 +2)"]  # type: ignore[index]
+
+
+def test_a_drain_whose_node_a_finished_transition_freed_is_released_and_not_replanned(tmp_path: Path) -> None:
+    job = Job(tmp_path, PlannerBinding())  # plan v1 on n1 and n2
+    on_n1 = PlannerBinding().search(SPEC, frozenset({0, 1}), 2).plan
+    job.store.add_plan(job_id="j", version=2, plan=plan_to_dict(on_n1), prediction={})
+    t = _open_transition(job.store, "j", ["n1", "n2"], to_version=2)  # v1 -> v2 (n1 only), ordered
+    assert job.ctl.drain(["n2"], "shrink") == [] and job.ctl.urgent_reasons == ["drain n2"]  # v1 uses it
+    for node in ("n1", "n2"):
+        job.ctl.on_transition_report(protocol.TransitionReport(job_id="j", node=node, transition_id=t["id"],
+                                                               ok=True, measured_s=0.1))
+    assert job.ctl.plan == on_n1
+    did = job.ctl.step()  # n2 is given back at once: no replan for its drain, only the pool's change
+    assert job.released == [["n2"]] and job.ctl.draining == {"n2": "shrink"}  # until the source takes it
+    assert did is not None
+    assert job.store.decision(did)["inputs"]["trigger"]["reasons"] == ["GPU pool changed: 4 -> 2 GPUs (-2 +0)"]  # type: ignore[index]
+    assert job.events("alloc-refused") == []
+
+
+def test_a_replan_after_a_failed_transition_runs_once_its_back_off_is_over_and_the_state_is_logged(
+        tmp_path: Path) -> None:
+    job = Job(tmp_path, PlannerBinding())
+    t = _open_transition(job.store, "j", ["n1"])
+    job.now = 300.0
+    job.ctl.check_order_timeouts(1.0, now=float(t["created_at"]) + 2.0)  # fails it: back off 1 s
+    assert job.ctl.retry_at == 301.0
+    job.now = 300.5
+    assert job.ctl.step() is None
+    job.now = 301.0  # the back-off is over
+    with structlog.testing.capture_logs() as logs:
+        did = job.ctl.step()
+    assert did is not None
+    assert job.store.decision(did)["inputs"]["trigger"]["reasons"] == [  # type: ignore[index]
+        f"transition {t['id']} failed: node(s) n1 did not finish within 1 s"]
+    # the replan is the running plan (nothing changed): no order, the job's state stays, nothing logged
+    assert job.orders == [] and [e for e in logs if e["event"] == "job-state"] == []
+    assert job.ctl.drain(["n2"], "shrink") == []
+    with structlog.testing.capture_logs() as logs:
+        did = job.ctl.step()
+    tid = job.orders[0][1].transition_id
+    assert [e for e in logs if e["event"] == "job-state"] == [
+        {"event": "job-state", "log_level": "info", "role": "test", "job": "j", "state": "transitioning",
+         "reason": f"transition {tid} ordered (v1 -> v2)"}]
