@@ -560,8 +560,8 @@ class JobController:
         new = plan_from_dict(row["plan"])
         old_row = self.store.plan(self.job_id, t["from_version"]) if t["from_version"] else None
         parts: dict[str, dict[str, Any]] = {}
+        self._refresh_pool()  # the pool map of now, whether or not a planner is bound to build the DAG again
         if self.planner is not None:
-            self._refresh_pool()
             try:
                 sketch = self.planner.transition(self._spec_now(), plan_from_dict(old_row["plan"]) if old_row else None,
                                                  new, self._participants(), self._node_of_gpu)
