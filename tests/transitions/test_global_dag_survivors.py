@@ -14,7 +14,7 @@ from planner.models import ModelSpec
 from planner.plan import GlobalPlan, Layout
 from planner.workflow import ACTOR_GEN, ACTOR_TRAIN, REF_INF
 from transitions.cost import DEFAULT_COMMUNICATOR_SETUP_S, primitive_seconds
-from transitions.exact_order import EXACT_MAKESPAN_NODES, makespan
+from transitions.exact_order import EXACT_MAKESPAN_NODES, fastest_order, makespan
 from transitions.feasibility import order_by_memory
 from transitions.global_dag import LastCopyLostError, build_transition, primitive_count
 from transitions.replay import replay
@@ -64,3 +64,26 @@ def test_a_dag_of_exactly_the_exact_search_size_ships_the_optimum() -> None:
     shipped = makespan(fps, edges, dag.order, durations)
     assert makespan(fps, edges, greedy, durations) > best * (1 + 1e-9)
     assert abs(shipped - best) <= 1e-9 * best
+
+
+def test_the_per_stage_policy_keeps_its_naive_order_where_a_faster_one_fits() -> None:
+    """The first random change (seed 11: the 25th) of 2..EXACT_MAKESPAN_NODES nodes whose per-stage
+    order some memory-feasible order beats: ``per_stage`` is the naive baseline, it ships its own order."""
+    rng = random.Random(11)
+    for _ in range(50):
+        sc = random_scenario(rng, max_stages=3)
+        if not 2 <= primitive_count(sc.states, sc.old, sc.new) <= EXACT_MAKESPAN_NODES:
+            continue
+        dag = build_transition(sc.states, sc.cluster, sc.old, sc.new, capacity_bytes=1 << 50, policy="per_stage")
+        fps, edges = list(dag.footprints), list(dag.data_edges)
+        durations = [primitive_seconds(fp, sc.cluster, DEFAULT_COMMUNICATOR_SETUP_S) for fp in fps]
+        span = makespan(fps, edges, dag.order, durations)
+        faster = fastest_order(fps, edges, dag.initial_bytes, dag.capacity_bytes, durations, span)
+        if faster is None:
+            continue
+        assert makespan(fps, edges, faster, durations) < span
+        naive = order_by_memory(fps, edges, list(dag.stage_order), dag.initial_bytes, dag.capacity_bytes,
+                                policy="per_stage")
+        assert dag.order == naive.order
+        return
+    raise AssertionError("no per-stage order of 50 random changes was beaten")
