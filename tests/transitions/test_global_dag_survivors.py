@@ -9,6 +9,7 @@ import random
 
 import pytest
 
+from planner.errors import SpecError
 from planner.hardware import CPU, LOOPBACK, NVLINK4, ClusterSpec
 from planner.models import ModelSpec
 from planner.plan import GlobalPlan, Layout
@@ -87,3 +88,13 @@ def test_the_per_stage_policy_keeps_its_naive_order_where_a_faster_one_fits() ->
         assert dag.order == naive.order
         return
     raise AssertionError("no per-stage order of 50 random changes was beaten")
+
+
+def test_a_refresh_naming_an_unknown_stage_lists_the_known_ones() -> None:
+    old = _plan(1, ("actor-gen", [0]), ("actor-train", [2]))
+    new = _plan(2, ("actor-gen", [0]), ("actor-train", [2]))
+    for refresh in ({"actor-gen": "actor-trian"}, {"critic-inf": "actor-train"}):
+        with pytest.raises(SpecError) as err:
+            build_transition(STATES, CLUSTER, old, new, refresh=refresh)
+        assert err.value.field == "refresh"
+        assert err.value.allowed == "actor-gen, ref-inf, actor-train"
