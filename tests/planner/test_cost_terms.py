@@ -13,6 +13,7 @@ the LM head and final norm 64,064 (TP2: 32,064), a value head and final norm 128
 from __future__ import annotations
 
 import pytest
+from planner_jobs import INTER_LINK, INTRA_LINK, SMALL
 
 from planner.cost import (
     DECODE_SEQUENCE_OVERHEAD_S,
@@ -44,7 +45,7 @@ from planner.eager import (
     TP_LINEAR_LAUNCHES,
     optimizer_launches,
 )
-from planner.hardware import ClusterSpec, DeviceSpec, LinkSpec
+from planner.hardware import ClusterSpec, DeviceSpec
 from planner.memory import params_per_gpu
 from planner.models import Head, ModelSpec
 from planner.op_classes import OpClass
@@ -60,8 +61,7 @@ from planner.workflow import (
     Workload,
 )
 
-M = ModelSpec(name="m", num_layers=4, hidden_size=64, num_attention_heads=8, num_kv_heads=2, head_dim=16,
-              ffn_hidden_size=96, vocab_size=1000, tie_word_embeddings=False, rope_theta=10_000.0)
+M = SMALL
 LAYER, LAYER_TP2 = 39_040, 19_584
 TOP, TOP_TP2, VALUE_TOP = 64_064, 32_064, 128
 # p = 10, r = 20, longest 50 (a tail of 30), std 4: E[r^2] = 416
@@ -69,8 +69,8 @@ W = Workload(prompts_per_step=4, prompt_tokens=10, response_tokens=20, max_respo
              response_tokens_std=4.0)
 DEV = DeviceSpec(name="d", memory_bytes=10**12, peak_flops_bf16=1e12, hbm_bytes_per_s=1e10,
                  host_bytes_per_s=3e9, gemm_half_tokens=0.0, gemm_half_width=0.0)
-INTRA = LinkSpec(name="intra", bytes_per_s=7e9, latency_s=1e-5)
-INTER = LinkSpec(name="inter", bytes_per_s=5e8, latency_s=3e-4)
+INTRA = INTRA_LINK
+INTER = INTER_LINK
 CL = ClusterSpec(device=DEV, num_nodes=2, gpus_per_node=4, intra_node_link=INTRA, inter_node_link=INTER,
                  refit_setup_s=0.25)
 # the launch terms exist only on the eager device (keyed by the preset's name, "cpu")

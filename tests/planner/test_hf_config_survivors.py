@@ -6,6 +6,7 @@ job-spec form's error paths and its optional keys."""
 from __future__ import annotations
 
 import pytest
+from test_hf_config_fields import BASE, LLAMA3  # noqa: E402  the same config.json as the field tests
 
 from planner.errors import SpecError
 from planner.hf_config import (
@@ -16,11 +17,6 @@ from planner.hf_config import (
     spec_from_hf_config,
 )
 from planner.models import ModelSpec, RopeScaling
-
-BASE = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "vocab_size": 100}
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 8192}
 
 
 def _spec(**change: object) -> ModelSpec:

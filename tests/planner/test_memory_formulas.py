@@ -7,6 +7,7 @@ planner/memory.py: 50 of 325 mutants survived tests that compared plans, not byt
 from __future__ import annotations
 
 import pytest
+from planner_jobs import SMALL
 
 from planner.memory import (
     HEADROOM_FRACTION,
@@ -20,7 +21,6 @@ from planner.memory import (
     transient_parts,
     with_headroom,
 )
-from planner.models import ModelSpec
 from planner.plan import GlobalPlan, Layout, StagePlan
 from planner.workflow import (
     ACTOR_GEN,
@@ -35,8 +35,7 @@ from planner.workflow import (
     workflow_preset,
 )
 
-M = ModelSpec(name="m", num_layers=4, hidden_size=64, num_attention_heads=8, num_kv_heads=2, head_dim=16,
-              ffn_hidden_size=96, vocab_size=1000, tie_word_embeddings=False, rope_theta=10_000.0)
+M = SMALL
 W = Workload(prompts_per_step=4, prompt_tokens=10, response_tokens=20, max_response_tokens=50)
 
 

@@ -13,11 +13,11 @@ import itertools
 
 import numpy as np
 import pytest
+from planner_jobs import INTER_LINK, INTRA_LINK, SMALL
 
 from planner.cost import Links, OpClass, stage_cost
-from planner.hardware import ClusterSpec, DeviceSpec, LinkSpec
+from planner.hardware import ClusterSpec, DeviceSpec
 from planner.memory import HEADROOM_FRACTION, WORKSPACE_BYTES, resident_bytes, transient_bytes
-from planner.models import ModelSpec
 from planner.options import (
     TRANSIENT_SLACK_BYTES,
     OptionRules,
@@ -29,13 +29,12 @@ from planner.options import (
 from planner.plan import Layout
 from planner.workflow import Workload, same_model_job, workflow_preset
 
-M = ModelSpec(name="m", num_layers=4, hidden_size=64, num_attention_heads=8, num_kv_heads=2, head_dim=16,
-              ffn_hidden_size=96, vocab_size=1000, tie_word_embeddings=False, rope_theta=10_000.0)
+M = SMALL
 W = Workload(prompts_per_step=8, samples_per_prompt=2, prompt_tokens=10, response_tokens=20,
              max_response_tokens=50, train_mini_batches_per_step=2)
 JOB = same_model_job(workflow_preset("ppo"), M, W)
-INTRA = LinkSpec(name="intra", bytes_per_s=7e9, latency_s=1e-5)
-INTER = LinkSpec(name="inter", bytes_per_s=5e8, latency_s=3e-4)
+INTRA = INTRA_LINK
+INTER = INTER_LINK
 # decode GEMM / weight read per micro-batch = b x hbm/peak x eff(memory)/eff(gemm) = b x 0.25 x 2.01 here
 ROOF = DeviceSpec(name="roof", memory_bytes=4 * 1024**3, peak_flops_bf16=4e10, hbm_bytes_per_s=1e10,
                   gemm_half_tokens=0.0, gemm_half_width=0.0)

@@ -11,10 +11,11 @@ import dataclasses
 
 import numpy as np
 import pytest
+from planner_jobs import INTER_LINK, INTRA_LINK, SMALL
 
 from planner.errors import InfeasibleError, SpecError
 from planner.exhaustive import exhaustive_search
-from planner.hardware import ClusterSpec, DeviceSpec, LinkSpec
+from planner.hardware import ClusterSpec, DeviceSpec
 from planner.memory import HEADROOM_FRACTION, WORKSPACE_BYTES, plan_memory
 from planner.models import ModelSpec
 from planner.op_classes import PRIORS, OpClass
@@ -33,10 +34,9 @@ from planner.search import (
 )
 from planner.workflow import JobSpec, Workload, same_model_job, workflow_preset
 
-M = ModelSpec(name="m", num_layers=4, hidden_size=64, num_attention_heads=8, num_kv_heads=2, head_dim=16,
-              ffn_hidden_size=96, vocab_size=1000, tie_word_embeddings=False, rope_theta=10_000.0)
-INTRA = LinkSpec(name="intra", bytes_per_s=7e9, latency_s=1e-5)
-INTER = LinkSpec(name="inter", bytes_per_s=5e8, latency_s=3e-4)
+M = SMALL
+INTRA = INTRA_LINK
+INTER = INTER_LINK
 
 
 def _cluster(room: int, gpus: int, per_node: int) -> ClusterSpec:
