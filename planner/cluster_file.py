@@ -110,9 +110,10 @@ def cluster_from_dict(data: Mapping[str, Any], source: str = "cluster") -> Clust
         missing = {"memory_gb", "peak_tflops_bf16", "hbm_tb_per_s"} - set(d)
         if missing:
             raise SpecError(f"{source}:device", f"missing {sorted(missing)} (or give a preset)")
-        device = DeviceSpec(name=str(d.get("name", "custom")), memory_bytes=int(_number(d, "memory_gb", f"{source}:device") * 1e9),
-                            peak_flops_bf16=_number(d, "peak_tflops_bf16", f"{source}:device") * 1e12,
-                            hbm_bytes_per_s=_number(d, "hbm_tb_per_s", f"{source}:device") * 1e12)
+        where = f"{source}:device"
+        device = DeviceSpec(name=str(d.get("name", "custom")), memory_bytes=int(_number(d, "memory_gb", where) * 1e9),
+                            peak_flops_bf16=_number(d, "peak_tflops_bf16", where) * 1e12,
+                            hbm_bytes_per_s=_number(d, "hbm_tb_per_s", where) * 1e12)
     elif system is not None:
         device = system.device
     else:
