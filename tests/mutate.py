@@ -152,19 +152,28 @@ def _child(module: str, tests: list[str], max_children: int, names: list[str]) -
     return 0
 
 
+def rerun_names(status_of: dict[str, str], prefix: str, again: set[str],
+                functions: Sequence[str] = ()) -> list[str]:
+    """The mutants to re-test: those whose status is in ``again``, of ``functions`` only if named."""
+    return sorted(n for n, st in status_of.items() if st in again
+                  and (not functions or any(n.startswith(f"{prefix}{f}__mutmut_") for f in functions)))
+
+
 def run_module(module: str, tests: list[str], max_children: int, rerun_survivors: bool,
-               functions: Sequence[str] = ()) -> int:
-    """mutmut on ``module`` with ``tests``; only the survivors (re-tested), or only the mutants of
-    ``functions`` (mutmut's names without the module and ``__mutmut_N``, e.g. ``xǁJobControllerǁstep``)."""
+               functions: Sequence[str] = (), rerun_timeouts: bool = False) -> int:
+    """mutmut on ``module`` with ``tests``; only the survivors and/or the timeouts (re-tested: a
+    timeout under load may hide a survivor), or only the mutants of ``functions`` (mutmut's names
+    without the module and ``__mutmut_N``, e.g. ``xǁJobControllerǁstep``)."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unlink mutants/ on the way out
     with module_tree(module) as tree:
         prefix = slug(module) + "."
         names = [f"{prefix}{f}__mutmut_*" for f in functions]
-        if rerun_survivors:
-            names = sorted(n for n, st in statuses(tree).get(module, {}).items() if st == "survived"
-                           and (not functions or any(n.startswith(f"{prefix}{f}__mutmut_") for f in functions)))
+        again = {"survived"} if rerun_survivors else set()
+        again |= {"timeout"} if rerun_timeouts else set()
+        if again:
+            names = rerun_names(statuses(tree).get(module, {}), prefix, again, functions)
             if not names:
-                print(f"mutate: no survivors of {module} to rerun")
+                print(f"mutate: no {' or '.join(sorted(again))} mutants of {module} to rerun")
                 return 0
         cmd = [sys.executable, __file__, "--child", "--module", module, "--max-children", str(max_children)]
         cmd += [f"--tests={t}" for t in tests] + ["--", *names]
@@ -240,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --module: the tests mutmut may run (repeatable; default: the module's package)")
     ap.add_argument("--label", help="with --module: also write runs/mutate/<module>.<label>.json")
     ap.add_argument("--rerun-survivors", action="store_true", help="with --module: re-test its survivors only")
+    ap.add_argument("--rerun-timeouts", action="store_true",
+                    help="with --module: re-test its timeouts only (with --rerun-survivors: both)")
     ap.add_argument("--function", action="append", default=[], dest="functions",
                     help="with --module: only this function's mutants (mutmut's name, e.g. xǁJobControllerǁstep)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -254,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--module {args.module}: no such file")
         tests = args.tests or [f"tests/{args.module.split('/')[0].replace('nereusd', 'daemon')}"]
         if not args.summary_only:
-            rc = run_module(args.module, tests, args.max_children, args.rerun_survivors, args.functions)
+            rc = run_module(args.module, tests, args.max_children, args.rerun_survivors, args.functions,
+                            args.rerun_timeouts)
             if rc not in (0, 1):
                 print(f"mutate: mutmut run failed with exit code {rc}", file=sys.stderr)
                 return rc

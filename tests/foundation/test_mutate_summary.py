@@ -73,3 +73,15 @@ def test_a_modules_own_tree_wins_over_the_full_run(tmp_path: Path) -> None:
     eq = {"planner.a.x_f__mutmut_2": m.Equivalent("planner.a.x_f__mutmut_2", "same either way")}
     row = m.module_row("planner/a.py", trees=tree.parent, equivalents=eq)
     assert (row["mutants"], row["killed"], row["equivalent"], row["killed_share"], row["survivors"]) == (2, 1, 1, 1.0, [])
+
+
+def test_a_rerun_picks_the_named_statuses_of_the_named_functions_only() -> None:
+    m = _mutate()
+    status_of = {"planner.a.x_f__mutmut_1": "survived", "planner.a.x_f__mutmut_2": "timeout",
+                 "planner.a.x_f__mutmut_3": "killed", "planner.a.x_g__mutmut_1": "timeout",
+                 "planner.a.x_fg__mutmut_1": "survived"}
+    assert m.rerun_names(status_of, "planner.a.", {"timeout"}) == [
+        "planner.a.x_f__mutmut_2", "planner.a.x_g__mutmut_1"]
+    assert m.rerun_names(status_of, "planner.a.", {"survived", "timeout"}, ["x_f"]) == [
+        "planner.a.x_f__mutmut_1", "planner.a.x_f__mutmut_2"]  # x_fg is another function
+    assert m.rerun_names(status_of, "planner.a.", {"survived"}, ["x_g"]) == []
