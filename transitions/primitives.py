@@ -59,8 +59,8 @@ class Footprint:
 
 class _Node:
     """What every primitive answers: the units it reads, makes and frees (none unless a primitive
-    says otherwise), and its per-GPU derivation as methods (``transitions.pieces`` does the work; it
-    imports this module)."""
+    says otherwise), and its per-GPU transfers as a method (``transitions.pieces`` does the work; it
+    imports this module; its ``pieces(prim, gpu)`` adds the local copies)."""
 
     __slots__ = ()
 
@@ -80,11 +80,6 @@ class _Node:
         from transitions.pieces import transfers
 
         return transfers(self, gpu)  # type: ignore[arg-type]
-
-    def pieces(self, gpu: int | None = None) -> list[Piece]:
-        from transitions.pieces import pieces
-
-        return pieces(self, gpu)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
