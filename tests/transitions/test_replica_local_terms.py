@@ -1,0 +1,3 @@
+"""transitions.replica_local: terms pinned one by one (mutation survivors of the replica-class fast path)."""
+
+from __future__ import annotations
