@@ -133,8 +133,10 @@ def test_tight_capacity_is_respected_or_left_to_the_exact_path(seed: int, squeez
 def test_share_of_symmetric_cases_on_the_fast_path() -> None:
     """The fast path must actually carry the symmetric cases (not fall back on most of them); by
     default small ones go the exact way (MIN_UNITS) and large symmetric ones the fast way."""
-    used = sum(build_transition(*symmetric_case(seed), capacity_bytes=1 << 50, exact=False).replicas is not None
-               for seed in range(60))
+    # a fresh cache per case: every build runs the class builder through (a shared cache would let
+    # later cases reuse stage plans built by earlier ones, and mutation testing map them to no builder)
+    used = sum(build_transition(*symmetric_case(seed), capacity_bytes=1 << 50, exact=False,
+                                cache=PlanningCache()).replicas is not None for seed in range(60))
     assert used >= 45, f"only {used}/60 symmetric cases took the replica-class path"
     states, cluster, old, new = symmetric_case(3)
     assert build_transition(states, cluster, old, new).replicas is None  # tiny: exact by default
