@@ -1,0 +1,71 @@
+"""A transition DAG's record (transitions.dag_record.TransitionDAG): its JSON form, its per-GPU node
+lists and the same DAG in another order, on a move worked out by hand (one TP1 replica from GPU 0 to
+GPU 1: an Extend, then the Destroy of the old copy)."""
+
+from __future__ import annotations
+
+import json
+
+from planner.hardware import CPU, LOOPBACK, NVLINK4, ClusterSpec
+from planner.models import ModelSpec
+from planner.plan import GlobalPlan, Layout
+from planner.workflow import ACTOR_TRAIN
+from transitions.global_dag import build_transition
+from transitions.scenarios import stage_plan, stage_states
+
+TINY = ModelSpec(name="tiny", num_layers=2, hidden_size=8, num_attention_heads=2, num_kv_heads=2, head_dim=4,
+                 ffn_hidden_size=16, vocab_size=8)
+STATES = stage_states(TINY, (ACTOR_TRAIN,))
+CLUSTER = ClusterSpec(device=CPU, num_nodes=1, gpus_per_node=4, intra_node_link=NVLINK4, inter_node_link=LOOPBACK)
+OLD, NEW = "actor-train@v1#0", "actor-train@v2#0"
+
+
+def _move(old_gpus: list[int], new_gpus: list[int], replicas: int = 1):
+    old = GlobalPlan(version=1, stages=(stage_plan("actor-train", Layout(1, 1), old_gpus, replicas),))
+    new = GlobalPlan(version=2, stages=(stage_plan("actor-train", Layout(1, 1), new_gpus, replicas),))
+    return build_transition(STATES, CLUSTER, old, new, capacity_bytes=1 << 30, exact=True)
+
+
+def test_the_json_record_of_a_one_replica_move() -> None:
+    dag = _move([0], [1])
+    size = dag.old_units[0].total_bytes()  # the replica's whole state: what the Extend sends
+    out = json.loads(json.dumps(dag.to_dict()))  # plain JSON all through
+    units = out.pop("units")
+    assert out == {
+        "old_version": 1, "new_version": 2,
+        "nodes": [{"id": 0, "kind": "extend", "sources": [OLD], "targets": [NEW], "frees": [], "bytes_moved": size},
+                  {"id": 1, "kind": "destroy", "sources": [], "targets": [], "frees": [OLD], "bytes_moved": 0}],
+        "data_edges": [[0, 1]], "resource_edges": [], "order": [0, 1],
+        "old_units": [OLD], "lost_units": [], "new_units": [NEW], "renamed": [], "stale_units": [],
+        "capacity_bytes": 1 << 30, "peak_bytes": {"0": size, "1": size}, "bytes_moved": size}
+    assert list(units) == [OLD, NEW]  # each unit once, in first mention
+    assert units[OLD] == {"uid": OLD, "model_stage": "actor-train", "tp": 1, "pp": 1, "gpus": [0], "version": 1}
+    assert units[NEW] == {"uid": NEW, "model_stage": "actor-train", "tp": 1, "pp": 1, "gpus": [1], "version": 2}
+
+
+def test_a_kept_replica_is_described_though_no_node_names_it() -> None:
+    dag = _move([0, 1], [0, 2], replicas=2)  # replica 0 stays on GPU 0 (renamed), replica 1 moves to GPU 2
+    out = dag.to_dict()
+    assert [n["kind"] for n in out["nodes"]] == ["extend", "destroy"]
+    assert out["renamed"] == [[OLD, NEW]]
+    named = {u for n in out["nodes"] for k in ("sources", "targets", "frees") for u in n[k]}
+    assert NEW not in named  # the kept replica's new name is in no node ...
+    assert set(out["units"]) == {OLD, NEW, "actor-train@v1#1", "actor-train@v2#1"}  # ... but is described
+    assert out["units"][OLD]["gpus"] == [0] and out["units"]["actor-train@v2#1"]["gpus"] == [2]
+
+
+def test_nodes_on_a_gpu_and_the_same_dag_in_another_order() -> None:
+    dag = _move([0, 1], [2, 3], replicas=2)  # two Extends (0->2, 1->3), two Destroys
+    kinds = [p.kind.value for p in dag.nodes]
+    assert sorted(kinds) == ["destroy", "destroy", "extend", "extend"]
+    by_gpu = {g: [kinds[i] for i in dag.nodes_on(g)] for g in range(4)}
+    assert by_gpu == {0: ["extend", "destroy"], 1: ["extend", "destroy"], 2: ["extend"], 3: ["extend"]}
+    assert dag.nodes_on(7) == []
+    rev = tuple(reversed(dag.order))
+    other = dag.with_order(rev, resource_edges=((rev[0], rev[1]),))
+    assert other.order == rev and other.resource_edges == ((rev[0], rev[1]),)
+    assert (other.old_version, other.new_version, other.capacity_bytes) == (1, 2, dag.capacity_bytes)
+    assert other.nodes == dag.nodes and other.data_edges == dag.data_edges
+    for g in range(4):  # each GPU's list follows the new order
+        assert other.nodes_on(g) == sorted(dag.nodes_on(g), key=rev.index)
+    assert dag.order != rev and dag.resource_edges == ()  # the original is untouched
