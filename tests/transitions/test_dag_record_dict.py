@@ -9,8 +9,11 @@ import json
 from planner.hardware import CPU, LOOPBACK, NVLINK4, ClusterSpec
 from planner.models import ModelSpec
 from planner.plan import GlobalPlan, Layout
-from planner.workflow import ACTOR_TRAIN
+from planner.workflow import ACTOR_TRAIN, CRITIC_TRAIN
+from transitions.dag_record import held_bytes
+from transitions.emu import EMU
 from transitions.global_dag import build_transition
+from transitions.local_dag import target_parts
 from transitions.scenarios import stage_plan, stage_states
 
 TINY = ModelSpec(name="tiny", num_layers=2, hidden_size=8, num_attention_heads=2, num_kv_heads=2, head_dim=4,
@@ -69,3 +72,24 @@ def test_nodes_on_a_gpu_and_the_same_dag_in_another_order() -> None:
     for g in range(4):  # each GPU's list follows the new order
         assert other.nodes_on(g) == sorted(dag.nodes_on(g), key=rev.index)
     assert dag.order != rev and dag.resource_edges == ()  # the original is untouched
+
+
+def test_held_bytes_sum_every_units_own_bytes_per_gpu() -> None:
+    both = stage_states(TINY, (ACTOR_TRAIN, CRITIC_TRAIN))
+    actor, critic = both["actor-train"], both["critic-train"]
+    one, two = Layout(1, 1), Layout(2, 1)  # one layout object shared by two states
+    big = EMU(uid="big", state=actor, layout=two, gpus=(0, 1), version=1)
+    units = [EMU(uid="a", state=actor, layout=one, gpus=(0,), version=1),
+             EMU(uid="c", state=critic, layout=one, gpus=(0,), version=1),  # same layout object, other state
+             EMU(uid="a2", state=actor, layout=two, gpus=(2, 3), version=1),  # same state, other layout
+             EMU(uid="a3", state=actor, layout=one, gpus=(3,), version=1),
+             *target_parts(big, one)]  # T_sub parts: each holds its final unit's shards
+    assert all(p.final is big for p in units[4:]) and len(units) == 6
+    want: dict[int, int] = {}
+    for u in units:
+        for g in u.gpus:
+            want[g] = want.get(g, 0) + u.bytes_on(g)
+    assert held_bytes(units) == want
+    assert want[0] == units[0].bytes_on(0) + units[1].bytes_on(0) + big.bytes_on(0)
+    assert units[0].bytes_on(0) != units[1].bytes_on(0) and units[2].bytes_on(2) != units[0].bytes_on(0)
+    assert held_bytes([]) == {}
