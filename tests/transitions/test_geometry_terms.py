@@ -6,8 +6,19 @@ import pytest
 
 from planner.errors import SpecError
 from planner.models import Head, ModelSpec
+from planner.plan import Layout
 from planner.workflow import StageKind
-from transitions.geometry import Shard, StateKind, chunk_range, state_kinds, tensor_stages, tp_box
+from transitions.geometry import (
+    Shard,
+    StateKind,
+    chunk_range,
+    rank_shard_tuple,
+    state_kinds,
+    tensor_stages,
+    tp_box,
+    unit_rank_bytes,
+    unit_shards,
+)
 
 # 4 heads, 2 kv heads of dim 2: k_proj is (4, 8); TP 4 puts 2 ranks on each kv head (GQA groups).
 GQA = ModelSpec(name="gqa", num_layers=2, hidden_size=8, num_attention_heads=4, num_kv_heads=2,
@@ -82,3 +93,20 @@ def test_shard_bounds() -> None:
     with pytest.raises(SpecError) as err:
         _shard((4,), (3,), (2,))
     assert "w dim 0: [3, 5) outside [0, 4)" in str(err.value)
+
+
+def test_a_cold_shard_lookup_checks_the_layout_and_rank_bytes_add_up() -> None:
+    # rank_shard_tuple is memoised: clear it so this test's lookups run the layout check themselves
+    rank_shard_tuple.cache_clear()
+    with pytest.raises(SpecError) as tp_err:
+        unit_shards(GQA, Head.LM, Layout(3, 1), 0)  # 3 does not divide 4 heads
+    assert tp_err.value.field == "tp"
+    with pytest.raises(SpecError) as pp_err:
+        unit_shards(GQA, Head.LM, Layout(1, 3), 0)  # 3 stages for 2 layers
+    assert pp_err.value.field == "pp"
+    rank_shard_tuple.cache_clear()
+    params = (StateKind.PARAM,)
+    whole = unit_rank_bytes(GQA, Head.LM, Layout(1, 1), 0, params)
+    assert whole == 2 * GQA.num_params(Head.LM)  # bf16: two bytes a parameter
+    halves = [unit_rank_bytes(GQA, Head.LM, Layout(1, 2), r, params) for r in range(2)]
+    assert sum(halves) == whole and min(halves) > 0  # PP stages split the layers, nothing repeated
