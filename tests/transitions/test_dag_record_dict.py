@@ -6,14 +6,18 @@ from __future__ import annotations
 
 import json
 
+from test_replica_classes import symmetric_case
+
 from planner.hardware import CPU, LOOPBACK, NVLINK4, ClusterSpec
 from planner.models import ModelSpec
 from planner.plan import GlobalPlan, Layout
 from planner.workflow import ACTOR_TRAIN, CRITIC_TRAIN
-from transitions.dag_record import held_bytes
+from transitions.dag_record import data_edges, held_bytes
 from transitions.emu import EMU
 from transitions.global_dag import build_transition
 from transitions.local_dag import target_parts
+from transitions.planning_cache import PlanningCache
+from transitions.primitives import Destroy, Extend, Merge
 from transitions.scenarios import stage_plan, stage_states
 
 TINY = ModelSpec(name="tiny", num_layers=2, hidden_size=8, num_attention_heads=2, num_kv_heads=2, head_dim=4,
@@ -55,6 +59,8 @@ def test_a_kept_replica_is_described_though_no_node_names_it() -> None:
     assert NEW not in named  # the kept replica's new name is in no node ...
     assert set(out["units"]) == {OLD, NEW, "actor-train@v1#1", "actor-train@v2#1"}  # ... but is described
     assert out["units"][OLD]["gpus"] == [0] and out["units"]["actor-train@v2#1"]["gpus"] == [2]
+    assert out["units"][NEW] == {"uid": NEW, "model_stage": "actor-train", "tp": 1, "pp": 1, "gpus": [0],
+                                 "version": 2}
 
 
 def test_nodes_on_a_gpu_and_the_same_dag_in_another_order() -> None:
@@ -93,3 +99,49 @@ def test_held_bytes_sum_every_units_own_bytes_per_gpu() -> None:
     assert want[0] == units[0].bytes_on(0) + units[1].bytes_on(0) + big.bytes_on(0)
     assert units[0].bytes_on(0) != units[1].bytes_on(0) and units[2].bytes_on(2) != units[0].bytes_on(0)
     assert held_bytes([]) == {}
+
+
+def test_data_edges_run_producer_to_reader_producer_to_freer_and_reader_to_freer() -> None:
+    a, x, y = (EMU(uid=n, state=STATES["actor-train"], layout=Layout(1, 1), gpus=(g,), version=1)
+               for n, g in (("a", 0), ("x", 1), ("y", 2)))
+    nodes = [Extend(sources=(a,), target=x), Extend(sources=(x,), target=y), Destroy(unit=x), Destroy(unit=y)]
+    # x: made by 0, read by 1, freed by 2; y: made by 1, freed by 3; a: read by 0, made and freed by none
+    assert data_edges(nodes) == [(0, 1), (0, 2), (1, 2), (1, 3)]
+    merge = [Extend(sources=(a,), target=x), Merge(parts=(a, x), unit=y)]  # reads and frees its parts
+    assert data_edges(merge) == [(0, 1)]
+
+
+def test_a_split_part_and_resource_edges_are_in_the_json_record() -> None:
+    old = GlobalPlan(version=1, stages=(stage_plan("actor-train", Layout(1, 1), [0], 1),))
+    new = GlobalPlan(version=2, stages=(stage_plan("actor-train", Layout(2, 1), [0, 1], 1),))
+    dag = build_transition(STATES, CLUSTER, old, new, capacity_bytes=1 << 30, exact=True)
+    out = dag.to_dict()  # an Extend makes the part on GPU 1, a Merge makes the TP2 unit of it
+    assert [n["kind"] for n in out["nodes"]] == ["extend", "merge"]
+    part = out["nodes"][0]["targets"][0]
+    assert part not in out["old_units"] + out["new_units"]
+    assert out["units"][part]["gpus"] == [1] and out["units"][part]["uid"] == part
+    assert all(isinstance(v, dict) for v in out["units"].values())
+    assert dag.with_order(dag.order, resource_edges=((0, 1),)).to_dict()["resource_edges"] == [[0, 1]]
+
+
+def test_an_expanded_replica_plan_is_the_exact_paths_dag() -> None:
+    cases = [symmetric_case(seed) for seed in range(20)]
+    fast = exact = None
+    for states, cluster, old, new in cases:
+        fast = build_transition(states, cluster, old, new, capacity_bytes=1 << 50, exact=False,
+                                cache=PlanningCache())
+        if fast.replicas is not None and fast.num_nodes > 2:
+            exact = build_transition(states, cluster, old, new, capacity_bytes=1 << 50, exact=True)
+            break
+    assert fast is not None and exact is not None, "no symmetric case of seeds 0-19 took the class path"
+    assert not fast.expanded and fast.body is not None and fast.expanded  # the record expands on first use
+    pos = {p: i for i, p in enumerate(exact.nodes)}
+    assert sorted(fast.nodes, key=repr) == sorted(exact.nodes, key=repr)
+    assert [exact.stage_order[pos[p]] for p in fast.nodes] == list(fast.stage_order)
+    assert set(fast.data_edges) == set(data_edges(list(fast.nodes))) and fast.resource_edges == ()
+    assert sorted(fast.order) == list(range(fast.num_nodes))
+    assert set(fast.old_units) == set(exact.old_units) and set(fast.new_units) == set(exact.new_units)
+    assert fast.lost_units == () and fast.stale_units == () and sorted(fast.renamed) == sorted(exact.renamed)
+    assert set(fast.peak_bytes) >= set(fast.initial_bytes) and fast.peak_bytes
+    for g, ids in fast.gpu_nodes.items():
+        assert list(ids) == [i for i in fast.order if g in fast.footprints[i].gpus]
