@@ -110,3 +110,6 @@ def test_a_cold_shard_lookup_checks_the_layout_and_rank_bytes_add_up() -> None:
     assert whole == 2 * GQA.num_params(Head.LM)  # bf16: two bytes a parameter
     halves = [unit_rank_bytes(GQA, Head.LM, Layout(1, 2), r, params) for r in range(2)]
     assert sum(halves) == whole and min(halves) > 0  # PP stages split the layers, nothing repeated
+    # training state: bf16 params plus fp32 master weights and two Adam moments, 2 + 3 * 4 bytes a parameter
+    training = (StateKind.PARAM, StateKind.MASTER, StateKind.EXP_AVG, StateKind.EXP_AVG_SQ)
+    assert unit_rank_bytes(GQA, Head.LM, Layout(1, 1), 0, training) == 14 * GQA.num_params(Head.LM)
