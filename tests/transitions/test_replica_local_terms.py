@@ -44,6 +44,9 @@ def test_rows_whose_hashes_collide_are_still_told_apart() -> None:
     assert _as_groups(group_rows(pair)) == {(0,), (1,)}
     keys = np.array([[m1, 0], [0, m0], [m1, 0], [5, 5], [0, m0]], dtype=np.int64)
     assert _as_groups(group_rows(keys)) == {(0, 2), (1, 4), (3,)}
+    # colliding rows that share a column: told apart by whole-row equality, not by any column
+    shared = np.array([[m1, 0, 7], [0, m0, 7], [m1, 0, 7]], dtype=np.int64)
+    assert _as_groups(group_rows(shared)) == {(0, 2), (1,)}
 
 
 def test_gpu_arrays_owners_and_part_columns_are_int_arrays_of_the_plan() -> None:
@@ -59,3 +62,17 @@ def test_gpu_arrays_owners_and_part_columns_are_int_arrays_of_the_plan() -> None
     cols = part_columns(Layout(2, 2), Layout(1, 1))  # ranks pp*tp + tp: one column per part
     assert cols.dtype == np.int64 and sorted(cols.ravel().tolist()) == [0, 1, 2, 3]
     assert part_columns(Layout(2, 1), Layout(2, 1)).tolist() == [[0, 1]]
+
+
+def test_memoised_arrays_pin_their_plans_so_a_new_plan_never_reads_an_old_ones_entry() -> None:
+    # the memos key by id(): each entry keeps its plan alive, or a new plan could reuse a freed id
+    cache = PlanningCache()
+    for i in range(40):
+        gpus = ((i % 8, (i + 3) % 8),)
+        plan = StagePlan(model_stage="s", layout=Layout(2, 1), gpu_sets=tuple(tuple(g) for g in gpus),
+                         micro_batch_size=1)
+        assert gpu_array(plan.gpu_sets, cache).tolist() == [list(gpus[0])]
+        owner, rank = stage_owners(plan, 8, cache)
+        assert [g for g in range(8) if owner[g] == 0] == sorted(gpus[0])
+        assert rank[gpus[0][0]] == 0 and rank[gpus[0][1]] == 1
+        del plan
