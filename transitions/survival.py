@@ -62,4 +62,4 @@ def _covers(shape: tuple[int, ...], boxes: list[Box]) -> bool:
             reach = max(reach, hi)
         if reach >= shape[dim]:
             return True
-    return not shape or any(box_intersection(b, full) == full for b in boxes)
+    return any(box_intersection(b, full) == full for b in boxes)  # a scalar needs a box too
