@@ -28,12 +28,21 @@ Usage:
     python tests/mutate.py --max-children 2
     python tests/mutate.py --module planner/admission.py --tests tests/planner [--label before]
     python tests/mutate.py --module planner/admission.py --tests tests/planner --rerun-survivors
+
+The verdicts outlive the trees: every --module run records its module's verdicts in
+etc/mutation-ledger/<module>.json (committed): the test list it ran with and, per function, a hash of
+the function's source and the numbers of its mutants by status. The summary counts a recorded
+function only while its source is unchanged (a changed function is listed as stale until its module
+is run again), so a fresh clone's ``--summary-only`` reproduces the figures without hours of mutmut,
+and ``--module M`` without ``--tests`` reuses the recorded test list.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
+import hashlib
 import json
 import signal
 import subprocess
@@ -54,6 +63,7 @@ ROOT = Path(__file__).resolve().parent.parent
 EQUIVALENTS = ROOT / "etc" / "mutation-equivalents.toml"
 TARGETS = {"planner": 0.90, "transitions": 0.90, "controller": 0.80}
 TREES = ROOT / "runs" / "mutate" / "trees"
+LEDGER = ROOT / "etc" / "mutation-ledger"
 
 # mutmut's exit codes of a mutant's test run (mutmut/stats.py, status_by_exit_code): read here so
 # that the summary needs only the JSON meta files mutmut writes, not mutmut's internals.
@@ -106,16 +116,101 @@ def slug(module: str) -> str:
     return module.removesuffix(".py").replace("/", ".")
 
 
-def merged_statuses(root: Path = ROOT) -> dict[str, dict[str, str]]:
-    """The full run's statuses (``mutants/``), each module replaced by its own tree's where it has one."""
+def merged_statuses(root: Path = ROOT, stale: list[str] | None = None) -> dict[str, dict[str, str]]:
+    """The ledger's verdicts of unchanged functions, replaced per module by the full run's
+    (``mutants/``), each module replaced in turn by its own tree's where it has one. Functions the
+    ledger records whose source changed are appended to ``stale``."""
+    out, stale_now = ledger_statuses(root)
+    if stale is not None:
+        stale.extend(stale_now)
     mutants = root / "mutants"
-    out = statuses(mutants) if mutants.is_dir() and not mutants.is_symlink() else {}
+    out.update(statuses(mutants) if mutants.is_dir() and not mutants.is_symlink() else {})
     trees = root / "runs" / "mutate" / "trees"
     for tree in sorted(trees.iterdir()) if trees.is_dir() else ():
         for module, mutants_of in statuses(tree).items():
             if slug(module) == tree.name:
                 out[module] = mutants_of
     return dict(sorted(out.items()))
+
+
+def function_hashes(source: str) -> dict[str, str]:
+    """mutmut's name of each function and method mutmut mutates (``x_f``, ``xǁClassǁm``) -> a hash of
+    its source (decorators and nested functions included, so any edit inside it changes the hash)."""
+    out: dict[str, str] = {}
+
+    def put(name: str, node: ast.AST) -> None:
+        text = ast.get_source_segment(source, node) or ""
+        out[name] = hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            put(f"x_{node.name}", node)
+        elif isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    put(f"xǁ{node.name}ǁ{item.name}", item)
+    return out
+
+
+def _function_of(mutant: str, prefix: str) -> str:
+    return mutant[len(prefix):].rsplit("__mutmut_", 1)[0]
+
+
+def ledger_entry(module: str, status_of: dict[str, str], tests: Sequence[str], root: Path = ROOT) -> dict[str, Any]:
+    """What the ledger keeps of one module's run: its tests and, per function, the source hash and
+    the mutant numbers by status."""
+    hashes = function_hashes((root / module).read_text())
+    prefix = slug(module) + "."
+    functions: dict[str, dict[str, Any]] = {}
+    for name, status in status_of.items():
+        fn = _function_of(name, prefix)
+        if fn not in hashes:
+            raise SystemExit(f"mutate: {name}: no function {fn} in {module} (the tree is older than the source?)")
+        row = functions.setdefault(fn, {"source": hashes[fn]})
+        row.setdefault(status, []).append(int(name.rsplit("__mutmut_", 1)[1]))
+    for fn, row in functions.items():  # stable files: statuses in name order, numbers ascending
+        functions[fn] = {"source": row["source"], **{k: sorted(row[k]) for k in sorted(row) if k != "source"}}
+    return {"module": module, "tests": list(tests), "functions": dict(sorted(functions.items()))}
+
+
+def write_ledger(entry: dict[str, Any], ledger: Path = LEDGER) -> Path:
+    """One file per module (no merge conflicts between modules), one line per function."""
+    ledger.mkdir(parents=True, exist_ok=True)
+    path = ledger / f"{slug(entry['module'])}.json"
+    rows = [f"  {json.dumps(fn)}: {json.dumps(row, separators=(',', ':'))}" for fn, row in entry["functions"].items()]
+    path.write_text('{"module": ' + json.dumps(entry["module"]) + ', "tests": ' + json.dumps(entry["tests"])
+                    + ',\n "functions": {\n' + ",\n".join(rows) + "\n }}\n")
+    return path
+
+
+def read_ledger(module: str, ledger: Path = LEDGER) -> dict[str, Any] | None:
+    path = ledger / f"{slug(module)}.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def ledger_statuses(root: Path = ROOT) -> tuple[dict[str, dict[str, str]], list[str]]:
+    """Module -> mutant -> status for every recorded function whose source is unchanged, and the
+    recorded functions that changed (``module:function``) or are gone."""
+    out: dict[str, dict[str, str]] = {}
+    stale: list[str] = []
+    folder = root / "etc" / "mutation-ledger"
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else ():
+        entry = json.loads(path.read_text())
+        module = entry["module"]
+        source = root / module
+        hashes = function_hashes(source.read_text()) if source.is_file() else {}
+        prefix = slug(module) + "."
+        mine = out.setdefault(module, {})
+        for fn, row in entry["functions"].items():
+            if hashes.get(fn) != row["source"]:
+                stale.append(f"{module}:{fn}")
+                continue
+            for status, numbers in row.items():
+                if status != "source":
+                    mine.update({f"{prefix}{fn}__mutmut_{n}": status for n in numbers})
+        if not mine:
+            del out[module]
+    return out, stale
 
 
 @contextmanager
@@ -177,7 +272,12 @@ def run_module(module: str, tests: list[str], max_children: int, rerun_survivors
                 return 0
         cmd = [sys.executable, __file__, "--child", "--module", module, "--max-children", str(max_children)]
         cmd += [f"--tests={t}" for t in tests] + ["--", *names]
-        return subprocess.run(cmd, cwd=ROOT, check=False).returncode
+        rc = subprocess.run(cmd, cwd=ROOT, check=False).returncode
+        if rc in (0, 1):  # mutmut has just brought the tree up to the source: record its verdicts
+            status_of = statuses(tree).get(module, {})
+            if status_of:
+                print(f"mutate: verdicts recorded in {write_ledger(ledger_entry(module, status_of, tests)).relative_to(ROOT)}")
+        return rc
 
 
 def module_row(module: str, trees: Path = TREES, equivalents: dict[str, Equivalent] | None = None,
@@ -246,7 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "mutate" / "summary.json")
     ap.add_argument("--module", help="mutate this one file only (e.g. planner/admission.py), in its own tree")
     ap.add_argument("--tests", action="append", default=[],
-                    help="with --module: the tests mutmut may run (repeatable; default: the module's package)")
+                    help="with --module: the tests mutmut may run (repeatable; default: the list its "
+                         "ledger file records, else its package)")
     ap.add_argument("--label", help="with --module: also write runs/mutate/<module>.<label>.json")
     ap.add_argument("--rerun-survivors", action="store_true", help="with --module: re-test its survivors only")
     ap.add_argument("--rerun-timeouts", action="store_true",
@@ -263,7 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.module is not None:
         if not (ROOT / args.module).is_file():
             ap.error(f"--module {args.module}: no such file")
-        tests = args.tests or [f"tests/{args.module.split('/')[0].replace('nereusd', 'daemon')}"]
+        recorded = read_ledger(args.module)
+        tests = args.tests or (recorded["tests"] if recorded else
+                               [f"tests/{args.module.split('/')[0].replace('nereusd', 'daemon')}"])
         if not args.summary_only:
             rc = run_module(args.module, tests, args.max_children, args.rerun_survivors, args.functions,
                             args.rerun_timeouts)
@@ -285,11 +388,13 @@ def main(argv: list[str] | None = None) -> int:
         if run.returncode not in (0, 1):
             print(f"mutate: mutmut run failed with exit code {run.returncode}", file=sys.stderr)
             return run.returncode
-    by_module = merged_statuses()
+    stale: list[str] = []
+    by_module = merged_statuses(stale=stale)
     if not by_module:
-        print("mutate: no mutants/ folder nor module trees: run without --summary-only first", file=sys.stderr)
+        print("mutate: no ledger, mutants/ folder nor module trees: run without --summary-only first",
+              file=sys.stderr)
         return 2
-    summary = summarise(by_module, equivalents)
+    summary = {**summarise(by_module, equivalents), "stale_functions": stale}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(summary, indent=1) + "\n")
     print(_table(summary))
@@ -297,6 +402,9 @@ def main(argv: list[str] | None = None) -> int:
     if summary["equivalents_not_found"]:
         print(f"note: {len(summary['equivalents_not_found'])} listed equivalents no longer exist "
               f"(their function changed): review etc/mutation-equivalents.toml")
+    if stale:
+        print(f"note: {len(stale)} recorded functions changed since their module's last run (not counted): "
+              f"{', '.join(stale[:8])}{' ...' if len(stale) > 8 else ''}; run those modules again")
     return 0 if all(g["met"] for g in summary["groups"].values()) else 1
 
 

@@ -85,3 +85,64 @@ def test_a_rerun_picks_the_named_statuses_of_the_named_functions_only() -> None:
     assert m.rerun_names(status_of, "planner.a.", {"survived", "timeout"}, ["x_f"]) == [
         "planner.a.x_f__mutmut_1", "planner.a.x_f__mutmut_2"]  # x_fg is another function
     assert m.rerun_names(status_of, "planner.a.", {"survived"}, ["x_g"]) == []
+
+
+SOURCE = '''import functools
+
+
+def f(a):
+    return a + 1
+
+
+class C:
+    @functools.cache
+    def m(self, b):
+        def inner():
+            return b * 2
+        return inner()
+'''
+
+
+def test_the_ledger_counts_a_recorded_function_only_while_its_source_is_unchanged(tmp_path: Path) -> None:
+    """A module's verdicts are recorded per function with a hash of its source; the summary of a
+    checkout with no trees reads them back, and drops (as stale) a function edited since."""
+    m = _mutate()
+    (tmp_path / "planner").mkdir()
+    (tmp_path / "planner" / "a.py").write_text(SOURCE)
+    status_of = {"planner.a.x_f__mutmut_2": "killed", "planner.a.x_f__mutmut_1": "survived",
+                 "planner.a.xǁCǁm__mutmut_1": "timeout", "planner.a.xǁCǁm__mutmut_3": "no_tests"}
+    entry = m.ledger_entry("planner/a.py", status_of, ["tests/planner/test_a.py"], root=tmp_path)
+    assert entry["functions"]["x_f"]["killed"] == [2] and entry["functions"]["x_f"]["survived"] == [1]
+    path = m.write_ledger(entry, tmp_path / "etc" / "mutation-ledger")
+    assert path.name == "planner.a.json"
+    assert json.loads(path.read_text()) == entry  # the hand-formatted file is plain JSON
+    assert m.read_ledger("planner/a.py", tmp_path / "etc" / "mutation-ledger")["tests"] == ["tests/planner/test_a.py"]
+
+    stale: list[str] = []
+    assert m.merged_statuses(tmp_path, stale) == {"planner/a.py": status_of} and stale == []
+
+    # an edit inside the nested function changes the method's hash, not f's
+    (tmp_path / "planner" / "a.py").write_text(SOURCE.replace("b * 2", "b * 3"))
+    assert m.merged_statuses(tmp_path, stale) == {
+        "planner/a.py": {"planner.a.x_f__mutmut_2": "killed", "planner.a.x_f__mutmut_1": "survived"}}
+    assert stale == ["planner/a.py:xǁCǁm"]
+
+    # a module's own tree still wins over the ledger
+    _meta(tmp_path / "runs" / "mutate" / "trees" / "planner.a", "planner/a.py", {"planner.a.x_f__mutmut_1": 1})
+    assert m.merged_statuses(tmp_path) == {"planner/a.py": {"planner.a.x_f__mutmut_1": "killed"}}
+
+
+def test_recording_a_tree_older_than_the_source_is_refused(tmp_path: Path) -> None:
+    m = _mutate()
+    (tmp_path / "planner").mkdir()
+    (tmp_path / "planner" / "a.py").write_text(SOURCE)
+    with pytest.raises(SystemExit, match="no function x_gone in planner/a.py"):
+        m.ledger_entry("planner/a.py", {"planner.a.x_gone__mutmut_1": "killed"}, [], root=tmp_path)
+
+
+def test_function_hashes_name_functions_and_methods_as_mutmut_does() -> None:
+    m = _mutate()
+    hashes = m.function_hashes(SOURCE)
+    assert sorted(hashes) == ["x_f", "xǁCǁm"]  # the nested function belongs to its method
+    assert m.function_hashes(SOURCE.replace("a + 1", "a + 2"))["x_f"] != hashes["x_f"]
+    assert m.function_hashes(SOURCE.replace("a + 1", "a + 2"))["xǁCǁm"] == hashes["xǁCǁm"]
