@@ -267,9 +267,8 @@ def run_module(module: str, tests: list[str], max_children: int, rerun_survivors
         again |= {"timeout"} if rerun_timeouts else set()
         if again:
             names = rerun_names(statuses(tree).get(module, {}), prefix, again, functions)
-            if not names:
+            if not names:  # mutmut still runs, to test what has no verdict yet, and the run is recorded
                 print(f"mutate: no {' or '.join(sorted(again))} mutants of {module} to rerun")
-                return 0
         cmd = [sys.executable, __file__, "--child", "--module", module, "--max-children", str(max_children)]
         cmd += [f"--tests={t}" for t in tests] + ["--", *names]
         rc = subprocess.run(cmd, cwd=ROOT, check=False).returncode
