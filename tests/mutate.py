@@ -127,10 +127,26 @@ def merged_statuses(root: Path = ROOT, stale: list[str] | None = None) -> dict[s
     out.update(statuses(mutants) if mutants.is_dir() and not mutants.is_symlink() else {})
     trees = root / "runs" / "mutate" / "trees"
     for tree in sorted(trees.iterdir()) if trees.is_dir() else ():
+        mine = tree_modules(tree)
         for module, mutants_of in statuses(tree).items():
-            if slug(module) == tree.name:
+            if module in mine:
                 out[module] = mutants_of
     return dict(sorted(out.items()))
+
+
+def tree_name(modules: Sequence[str]) -> str:
+    """A module's tree is named by its slug; several modules run together share a ``group.`` tree."""
+    if len(modules) == 1:
+        return slug(modules[0])
+    return "group." + hashlib.sha256("\n".join(sorted(modules)).encode()).hexdigest()[:10]
+
+
+def tree_modules(tree: Path) -> set[str]:
+    """The modules a tree was made for (the others in it are copied unmutated)."""
+    listed = tree / "modules.json"
+    if listed.is_file():
+        return set(json.loads(listed.read_text()))
+    return {m for m in statuses(tree) if slug(m) == tree.name}
 
 
 def function_hashes(source: str) -> dict[str, str]:
@@ -214,10 +230,12 @@ def ledger_statuses(root: Path = ROOT) -> tuple[dict[str, dict[str, str]], list[
 
 
 @contextmanager
-def module_tree(module: str) -> Iterator[Path]:
-    """Link ``mutants/`` to the module's own tree for one run (a full run's folder is parked meanwhile)."""
-    link, tree, parked = ROOT / "mutants", TREES / slug(module), TREES / "_full-run"
+def module_tree(modules: Sequence[str]) -> Iterator[Path]:
+    """Link ``mutants/`` to the modules' own tree for one run (a full run's folder is parked meanwhile)."""
+    link, tree, parked = ROOT / "mutants", TREES / tree_name(modules), TREES / "_full-run"
     tree.mkdir(parents=True, exist_ok=True)
+    if len(modules) > 1:
+        (tree / "modules.json").write_text(json.dumps(sorted(modules)) + "\n")
     if link.is_symlink():
         link.unlink()
     elif link.exists():
@@ -233,12 +251,12 @@ def module_tree(module: str) -> Iterator[Path]:
             parked.rename(link)
 
 
-def _child(module: str, tests: list[str], max_children: int, names: list[str]) -> int:
-    """In a child process: mutmut run with the configuration narrowed to one module and its tests."""
+def _child(modules: list[str], tests: list[str], max_children: int, names: list[str]) -> int:
+    """In a child process: mutmut run with the configuration narrowed to the modules and their tests."""
     import mutmut.configuration as mc
     from mutmut.__main__ import cli
 
-    mc._config = dataclasses.replace(mc._load_config(), only_mutate=[module],
+    mc._config = dataclasses.replace(mc._load_config(), only_mutate=list(modules),
                                      pytest_add_cli_args_test_selection=tests)
     try:
         cli(["run", "--max-children", str(max_children), *names], standalone_mode=False)
@@ -254,36 +272,40 @@ def rerun_names(status_of: dict[str, str], prefix: str, again: set[str],
                   and (not functions or any(n.startswith(f"{prefix}{f}__mutmut_") for f in functions)))
 
 
-def run_module(module: str, tests: list[str], max_children: int, rerun_survivors: bool,
+def run_module(modules: Sequence[str], tests: list[str], max_children: int, rerun_survivors: bool,
                functions: Sequence[str] = (), rerun_timeouts: bool = False) -> int:
-    """mutmut on ``module`` with ``tests``; only the survivors and/or the timeouts (re-tested: a
-    timeout under load may hide a survivor), or only the mutants of ``functions`` (mutmut's names
-    without the module and ``__mutmut_N``, e.g. ``xǁJobControllerǁstep``)."""
+    """mutmut on ``modules`` (one tree for them all, one mapping pass of ``tests``); only the
+    survivors and/or the timeouts (re-tested: a timeout under load may hide a survivor), or only the
+    mutants of ``functions`` (mutmut's names without the module and ``__mutmut_N``, e.g.
+    ``xǁJobControllerǁstep``)."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unlink mutants/ on the way out
-    with module_tree(module) as tree:
-        prefix = slug(module) + "."
-        names = [f"{prefix}{f}__mutmut_*" for f in functions]
+    with module_tree(modules) as tree:
+        names = [f"{slug(m)}.{f}__mutmut_*" for m in modules for f in functions]
         again = {"survived"} if rerun_survivors else set()
         again |= {"timeout"} if rerun_timeouts else set()
         if again:
-            names = rerun_names(statuses(tree).get(module, {}), prefix, again, functions)
+            found = statuses(tree)
+            names = [n for m in modules for n in rerun_names(found.get(m, {}), slug(m) + ".", again, functions)]
             if not names:  # mutmut still runs, to test what has no verdict yet, and the run is recorded
-                print(f"mutate: no {' or '.join(sorted(again))} mutants of {module} to rerun")
-        cmd = [sys.executable, __file__, "--child", "--module", module, "--max-children", str(max_children)]
+                print(f"mutate: no {' or '.join(sorted(again))} mutants of {', '.join(modules)} to rerun")
+        cmd = [sys.executable, __file__, "--child", *(f"--module={m}" for m in modules),
+               "--max-children", str(max_children)]
         cmd += [f"--tests={t}" for t in tests] + ["--", *names]
         rc = subprocess.run(cmd, cwd=ROOT, check=False).returncode
         if rc in (0, 1):  # mutmut has just brought the tree up to the source: record its verdicts
-            status_of = statuses(tree).get(module, {})
-            if status_of:
-                print(f"mutate: verdicts recorded in {write_ledger(ledger_entry(module, status_of, tests)).relative_to(ROOT)}")
+            found = statuses(tree)
+            for module in modules:
+                if found.get(module):
+                    path = write_ledger(ledger_entry(module, found[module], tests))
+                    print(f"mutate: verdicts recorded in {path.relative_to(ROOT)}")
         return rc
 
 
 def module_row(module: str, trees: Path = TREES, equivalents: dict[str, Equivalent] | None = None,
-               functions: Sequence[str] = ()) -> dict[str, Any]:
+               functions: Sequence[str] = (), tree: Path | None = None) -> dict[str, Any]:
     """One module's counts from its own tree (only ``functions``' mutants, if named), with the killed
     share (timeouts count as killed)."""
-    found = statuses(trees / slug(module)).get(module, {})
+    found = statuses(trees / slug(module) if tree is None else tree).get(module, {})
     if functions:
         found = {n: st for n, st in found.items()
                  if any(n.startswith(f"{slug(module)}.{f}__mutmut_") for f in functions)}
@@ -343,7 +365,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--summary-only", action="store_true", help="summarise the last mutmut run")
     ap.add_argument("--max-children", type=int, default=2, help="mutants tested at once (default 2)")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "mutate" / "summary.json")
-    ap.add_argument("--module", help="mutate this one file only (e.g. planner/admission.py), in its own tree")
+    ap.add_argument("--module", action="append", default=[], dest="modules",
+                    help="mutate this file only (e.g. planner/admission.py), in its own tree; repeated: "
+                         "these files, in one tree with one mapping pass of the tests")
     ap.add_argument("--tests", action="append", default=[],
                     help="with --module: the tests mutmut may run (repeatable; default: the list its "
                          "ledger file records, else its package)")
@@ -359,26 +383,30 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_children < 1:
         ap.error("--max-children must be >= 1")
     if args.child:
-        return _child(args.module, args.tests, args.max_children, args.names)
-    if args.module is not None:
-        if not (ROOT / args.module).is_file():
-            ap.error(f"--module {args.module}: no such file")
-        recorded = read_ledger(args.module)
+        return _child(args.modules, args.tests, args.max_children, args.names)
+    if args.modules:
+        for module in args.modules:
+            if not (ROOT / module).is_file():
+                ap.error(f"--module {module}: no such file")
+        recorded = read_ledger(args.modules[0])
         tests = args.tests or (recorded["tests"] if recorded else
-                               [f"tests/{args.module.split('/')[0].replace('nereusd', 'daemon')}"])
+                               [f"tests/{args.modules[0].split('/')[0].replace('nereusd', 'daemon')}"])
         if not args.summary_only:
-            rc = run_module(args.module, tests, args.max_children, args.rerun_survivors, args.functions,
+            rc = run_module(args.modules, tests, args.max_children, args.rerun_survivors, args.functions,
                             args.rerun_timeouts)
             if rc not in (0, 1):
                 print(f"mutate: mutmut run failed with exit code {rc}", file=sys.stderr)
                 return rc
-        row = {**module_row(args.module, functions=args.functions), "tests": tests, "functions": args.functions}
-        if args.label:
-            out = ROOT / "runs" / "mutate" / f"{slug(args.module)}.{args.label}.json"
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(row, indent=1) + "\n")
-        print(json.dumps({k: v for k, v in row.items() if k != "survivors"}))
-        print(f"survivors: {len(row['survivors'])}")
+        tree = TREES / tree_name(args.modules)
+        for module in args.modules:
+            row = {**module_row(module, functions=args.functions, tree=tree), "tests": tests,
+                   "functions": args.functions}
+            if args.label:
+                out = ROOT / "runs" / "mutate" / f"{slug(module)}.{args.label}.json"
+                out.parent.mkdir(parents=True, exist_ok=True)
+                out.write_text(json.dumps(row, indent=1) + "\n")
+            print(json.dumps({k: v for k, v in row.items() if k != "survivors"}))
+            print(f"survivors: {len(row['survivors'])}")
         return 0
     equivalents = load_equivalents()
     if not args.summary_only:

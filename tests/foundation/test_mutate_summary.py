@@ -146,3 +146,25 @@ def test_function_hashes_name_functions_and_methods_as_mutmut_does() -> None:
     assert sorted(hashes) == ["x_f", "xǁCǁm"]  # the nested function belongs to its method
     assert m.function_hashes(SOURCE.replace("a + 1", "a + 2"))["x_f"] != hashes["x_f"]
     assert m.function_hashes(SOURCE.replace("a + 1", "a + 2"))["xǁCǁm"] == hashes["xǁCǁm"]
+
+
+def test_a_group_tree_counts_the_modules_it_lists() -> None:
+    """Several --module files run together share one tree (one mapping pass of the tests): the
+    summary takes from it the modules its modules.json lists, not the others copied into it."""
+    m = _mutate()
+    assert m.tree_name(["planner/a.py"]) == "planner.a"
+    assert m.tree_name(["planner/b.py", "planner/a.py"]) == m.tree_name(["planner/a.py", "planner/b.py"])
+    assert m.tree_name(["planner/a.py", "planner/b.py"]).startswith("group.")
+
+
+def test_the_summary_merges_a_group_tree(tmp_path: Path) -> None:
+    m = _mutate()
+    tree = tmp_path / "runs" / "mutate" / "trees" / m.tree_name(["planner/a.py", "planner/b.py"])
+    _meta(tree, "planner/a.py", {"planner.a.x_f__mutmut_1": 1})
+    _meta(tree, "planner/b.py", {"planner.b.x_g__mutmut_1": 0})
+    _meta(tree, "planner/c.py", {"planner.c.x_h__mutmut_1": None})  # copied there, not run
+    (tree / "modules.json").write_text(json.dumps(["planner/a.py", "planner/b.py"]))
+    assert m.merged_statuses(tmp_path) == {"planner/a.py": {"planner.a.x_f__mutmut_1": "killed"},
+                                           "planner/b.py": {"planner.b.x_g__mutmut_1": "survived"}}
+    row = m.module_row("planner/b.py", tree=tree, equivalents={})
+    assert (row["mutants"], row["survived"], row["survivors"]) == (1, 1, ["planner.b.x_g__mutmut_1"])
