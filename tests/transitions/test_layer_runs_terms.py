@@ -1,0 +1,1 @@
+"""transitions.layer_runs term by term, pure, no processes."""
