@@ -18,12 +18,13 @@ from dataclasses import replace
 import pytest
 from test_early_builds_cases import _dag, _plan
 
+from planner.plan import Layout
 from transitions import early_builds as eb_module
 from transitions.dag_pieces import DagMemo, node_pieces
 from transitions.dag_record import TransitionDAG, gpu_index
 from transitions.early_builds import build_pieces, early_builds, redirected
 from transitions.footprints import derive_footprint
-from transitions.layout import Slot, contiguous_range, unit_slots
+from transitions.layout import COUNTERS, Slot, contiguous_range, unit_slots
 from transitions.primitives import Destroy, Extend, Merge, Primitive, Split
 from transitions.transfer_plan import Piece
 
@@ -184,3 +185,58 @@ def test_a_strided_local_piece_is_copied_as_it_is(monkeypatch: pytest.MonkeyPatc
     assert build_pieces(BASE, build.node, 0, build.target.uid, DagMemo()) == \
         (((start, start, hidden * whole.element_bytes),), (one, two))
 
+
+
+def test_counters_copied_from_another_unit_make_no_single_donor() -> None:
+    # T: PP 2 on (0, 1), GPU 0 holds stage 0 (embedding, layers 0, 1). Node 1 fills it from U (PP 2 on
+    # (1, 0): stage 1 on GPU 0) then v1#0: on GPU 0 U holds none of stage 0, so every byte is copied
+    # from v1#0, but the counters come from U, the first source held here: two units copied from,
+    # no early build. Node 0 sends stage 0 from v1#0 on GPU 0 to a part on GPU 2 (only what T keeps
+    # on GPU 0), node 2 frees v1#0. The same with v1#0 as the only source: an early build.
+    u = replace(V10, uid="actor-train@v1#4", layout=Layout(1, 2), gpus=(1, 0))
+    t = replace(V10, uid="actor-train@v3#5", version=3, layout=Layout(1, 2), gpus=(0, 1))
+    part = replace(V10, uid="actor-train@v3#6.p0", version=3, gpus=(2,), final=replace(t, gpus=(2, 3)))
+    send = Extend(sources=(V10,), target=part)
+    dag = _dag_of([send, Extend(sources=(u, V10), target=t), Destroy(unit=V10)], [0, 1, 2])
+    memo = DagMemo()
+    assert {p.src_unit for p in node_pieces(dag, 1, 0, memo) if p.dst_worker == 0} == {u.uid, V10.uid}
+    assert {p.src_unit for p in node_pieces(dag, 1, 0, memo) if p.dst_worker == 0 and p.dst_slot.tensor != COUNTERS} \
+        == {V10.uid}
+    assert _builds(dag)[0] == {}
+    mine = replace(V10, uid="actor-train@v3#5.p0", version=3, gpus=(0,), final=t)  # T's stage 0 alone
+    dag = _dag_of([send, Extend(sources=(V10,), target=mine), Destroy(unit=V10)], [0, 1, 2])
+    assert _builds(dag)[0] == {1: (V10.uid, mine.uid, (0,), 2)}
+
+
+def test_a_node_copying_only_the_donors_counters_reads_the_donor() -> None:
+    # D: PP 2 on (0, 1), GPU 0 holds the embedding and layers 0, 1. An Extend (node 0) fills a part on
+    # GPU 0 of a PP 2 unit whose stage 1 (layers 2, 3, norm, head) sits there, from D then v1#0: D
+    # holds none of that on GPU 0, v1#0 copies it all, but the counters come from D, the first
+    # source held here. Node 1 copies D into TD (D's layout) here, node 2 frees D: node 0 is TD's
+    # reader on GPU 0 (the counters are in TD too)
+    d = replace(V10, uid="actor-train@v1#5", layout=Layout(1, 2), gpus=(0, 1))
+    final = replace(d, uid="actor-train@v3#4", version=3, gpus=(1, 0))
+    part = replace(V10, uid="actor-train@v3#4.p1", version=3, gpus=(0,), final=final)
+    td = replace(d, uid="actor-train@v3#3", version=3)
+    dag = _dag_of([Extend(sources=(d, V10), target=part), Extend(sources=(d,), target=td), Destroy(unit=d)],
+                  [0, 1, 2])
+    memo = DagMemo()
+    assert {(p.src_worker, p.dst_slot.tensor) for p in node_pieces(dag, 0, 0, memo) if p.src_unit == d.uid} == \
+        {(0, COUNTERS)}
+    assert _builds(dag) == {0: {1: (d.uid, td.uid, (0,), 2)}, 1: {}}
+
+
+def test_a_readers_pieces_from_another_unit_keep_their_source() -> None:
+    # node 0 fills Z (all of it, GPU 0) from P0 (a part on GPU 0 holding v2#0's first half) and then
+    # v1#0, which gives the second half; node 1 cuts T7 (TP 2 on (1, 0): GPU 0 keeps the second
+    # half) from v1#0 here, node 2 frees v1#0: node 0 reads from v1#0 only what T7 keeps
+    t7 = replace(V20, uid="actor-train@v3#7", version=3, gpus=(1, 0))
+    dag = _dag_of([Extend(sources=(P0, V10), target=Z), Extend(sources=(V10, V11), target=t7), Destroy(unit=V10)],
+                  [0, 1, 2])
+    assert _builds(dag)[0] == {1: (V10.uid, t7.uid, (0,), 2)}
+    memo = DagMemo()
+    pieces = list(node_pieces(dag, 0, 0, memo))
+    assert {p.src_unit for p in pieces} == {P0.uid, V10.uid}
+    slots = unit_slots(t7, 0)
+    assert redirected(dag, 0, 0, pieces, memo) == [
+        replace(p, src_unit=t7.uid, src_slot=slots[p.src_slot.key]) if p.src_unit == V10.uid else p for p in pieces]
