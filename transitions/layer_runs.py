@@ -61,8 +61,7 @@ def layer_class(prim: Primitive, layer: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _groups(prim: Primitive, target: EMU, gpu: int, layers: dict[int, tuple[TensorSpec, ...]]
-            ) -> list[tuple[list[Shard], tuple[int, ...] | None]]:
+def _groups(prim: Primitive, target: EMU, gpu: int) -> list[tuple[list[Shard], tuple[int, ...] | None]]:
     """The shards ``target`` holds on ``gpu`` in order: (shards, None) for fixed tensors, (first
     layer's shards, layers) for a run of consecutive layers of one class."""
     spec_layer = _spec_layers(target.state.model, target.state.head)
@@ -103,7 +102,7 @@ def segments(prim: Primitive, target: EMU, gpu: int) -> list[Segment] | None:
     if layers is None:
         return None
     out = []
-    for shards, run in _groups(prim, target, gpu, layers):
+    for shards, run in _groups(prim, target, gpu):
         cov = covers(target, prim.sources, gpu, shards)
         out.append(Segment(cov, derive_target(target, prim.sources, gpu, covered=cov), run))
     return out
