@@ -22,24 +22,15 @@ def _edges(st: ReplicaStage, mine: list[ReplicaClass]) -> tuple[np.ndarray, np.n
     """Unit-level data edges of one model-stage (stage-local node ids): producer before reader,
     readers and producer before the node that frees a unit (global_dag.data_edges' rules, over arrays)."""
     dc = len(st.cur)
-    n_parts = len(st.parts)
     destroy_node = np.full(dc, -1, dtype=np.int64)
-    producer = np.full(n_parts, -1, dtype=np.int64)  # node producing each part
     merge_node = np.full(len(st.tgt), -1, dtype=np.int64)
     kept_into = np.full(dc, -1, dtype=np.int64)  # merge node freeing a kept unit
     for c in mine:
         ids = np.arange(c.first, c.first + c.size)
         if c.kind is PrimitiveKind.DESTROY:
             destroy_node[c.unit] = ids
-        elif c.kind is PrimitiveKind.EXTEND:
-            producer[c.unit] = ids
-        elif c.kind is PrimitiveKind.SPLIT:
-            producer[c.refs] = ids[:, None]
-        else:
+        elif c.kind is PrimitiveKind.MERGE:
             merge_node[c.unit] = ids
-    for c in mine:
-        if c.kind is PrimitiveKind.MERGE:
-            ids = np.arange(c.first, c.first + c.size)
             neg = c.refs < 0
             kept_into[-1 - c.refs[neg]] = np.broadcast_to(ids[:, None], c.refs.shape)[neg]
     freer = np.where(destroy_node >= 0, destroy_node, kept_into)  # who frees each current unit
