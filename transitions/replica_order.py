@@ -64,8 +64,8 @@ def link(st: ReplicaStage, mine: list[ReplicaClass]) -> list[tuple[int, int]] | 
     num = sum(c.size for c in mine)
     if len(dst) and (dst.min() < 0 or dst.max() >= num):  # checked before node ids index node_class
         return None
-    node_class = np.repeat(np.arange(len(mine)), [c.size for c in mine]) if mine else np.zeros(0, np.int64)
-    pairs = np.unique(node_class[src] * len(mine) + node_class[dst]) if len(src) else np.zeros(0, np.int64)
+    node_class = np.repeat(np.arange(len(mine)), [c.size for c in mine])
+    pairs = np.unique(node_class[src] * len(mine) + node_class[dst])
     edges = [(int(p) // len(mine), int(p) % len(mine)) for p in pairs]
     if any(x == y for x, y in edges):
         return None

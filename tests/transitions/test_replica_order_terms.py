@@ -84,6 +84,9 @@ def _check_against_unit_rules(plan: ReplicaPlan) -> int:
             for m, row in enumerate(c.preds.tolist()):
                 real = [p for p in row if p >= 0]
                 assert row == real + [-1] * (len(row) - len(real))  # -1 pads the end only
+                # ascending: on a tie the class schedule's critical path names the lowest node id, as the
+                # per-unit schedule does (its predecessors come from the sorted data edges)
+                assert real == sorted(real)
                 assert sorted(set(real)) == want[m]
             # as wide as the longest row: some member has no padding (and no column when none has preds)
             width = c.preds.shape[1]
@@ -190,6 +193,10 @@ def test_classes_numbered_into_each_other_are_refused() -> None:
     st, split, destroy = _split_case()
     good = [_copy(split, first=0), _copy(destroy, first=split.size)]
     assert link(st, good) == [(0, 1)]
+    # the numbering is free as long as it matches the list: the Destroy class first, at node 0
+    first_destroy = [_copy(destroy, first=0), _copy(split, first=destroy.size)]
+    assert link(st, first_destroy) == [(1, 0)]
+    assert first_destroy[0].preds.tolist() == [[destroy.size + k] for k in range(split.size)]
     assert link(st, [_copy(split, first=0), _copy(destroy, first=0)]) is None
 
 
@@ -276,6 +283,20 @@ def test_a_successor_waits_for_its_predecessor_whatever_its_priority() -> None:
     chain = [_cls([[k]], free={0: 1}, stage_order=3 - k) for k in range(3)]
     assert _order(chain, [(0, 1), (1, 2)]) == [0, 1, 2]
     assert _order(chain, [(0, 2), (1, 2)]) == [1, 0, 2]  # 1 (stage 2) before 0 (stage 3), 2 last
+
+
+def test_successors_made_ready_together_follow_the_same_priorities() -> None:
+    """Classes that become ready when the same class runs are ordered like those ready at the start:
+    a release before an acquire, then the lower stage order, then the longer path to a sink."""
+    head = _cls([[0]], free={0: 1})
+    acquire, release = _cls([[1]], alloc={0: 1}), _cls([[2]], free={0: 1})
+    assert _order([head, acquire, release], [(0, 1), (0, 2)]) == [0, 2, 1]
+    late, early = _cls([[1]], free={0: 1}, stage_order=4), _cls([[2]], free={0: 1}, stage_order=1)
+    assert _order([head, late, early], [(0, 1), (0, 2)]) == [0, 2, 1]
+    # 0 -> {1, 2}, 2 -> 3: 2 heads a path of two, 1 of one; then 1 and 3 (one each) by index
+    alike = [_cls([[k]], free={0: 1}) for k in range(4)]
+    assert _order(alike, [(0, 1), (0, 2), (2, 3)]) == [0, 2, 1, 3]
+    assert _order(alike, [(0, 1), (0, 2), (1, 3)]) == [0, 1, 2, 3]
 
 
 def test_a_class_fits_when_held_plus_alloc_plus_buffer_is_within_capacity() -> None:
