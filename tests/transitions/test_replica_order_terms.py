@@ -91,8 +91,27 @@ def _check_against_unit_rules(plan: ReplicaPlan) -> int:
             # as wide as the longest row: some member has no padding (and no column when none has preds)
             width = c.preds.shape[1]
             assert width == 0 if not any(want) else bool((c.preds >= 0).all(axis=1).any())
+        _check_renumbered(sc, oracle)
         compared += len(oracle)
     return compared
+
+
+def _check_renumbered(sc: StageClasses, oracle: set[tuple[int, int]]) -> None:
+    """The same classes listed in reverse, node ids renumbered to match (the freeing classes now come
+    first, from node 0): link gives the oracle's edges under that renumbering."""
+    new_first, first = {}, 0
+    for k in reversed(range(len(sc.classes))):
+        new_first[k] = first
+        first += sc.classes[k].size
+    old_to_new = {c.first + m: new_first[k] + m for k, c in enumerate(sc.classes) for m in range(c.size)}
+    moved = [_copy(sc.classes[k], first=new_first[k]) for k in reversed(range(len(sc.classes)))]
+    renumbered = {(old_to_new[a], old_to_new[b]) for a, b in oracle}
+    assert _edge_set(sc.stage, moved) == renumbered
+    node_class = [k for k, c in enumerate(moved) for _ in range(c.size)]
+    assert link(sc.stage, moved) == sorted({(node_class[a], node_class[b]) for a, b in renumbered})
+    for c in moved:
+        for m, row in enumerate(c.preds.tolist()):
+            assert sorted({p for p in row if p >= 0}) == sorted({a for a, b in renumbered if b == c.first + m})
 
 
 # seeds of symmetric_case (each on the fast path) that between them have Split and Extend with
@@ -159,6 +178,19 @@ def test_wider_fresh_target_has_every_kept_source_read_before_its_merge() -> Non
     assert _check_against_unit_rules(plan) == 8
 
 
+def test_kept_units_and_part_zero_in_the_merges_are_told_apart() -> None:
+    """TP 1 on GPUs 2, 3 -> TP 2 on {0, 1}, {2, 3}: now the target unit on fresh GPUs comes first, so its
+    Merge reads part 0 (extended), while the Merge into {2, 3} frees the two kept units. Only the kept
+    units' readers wait for the second Merge."""
+    plan = _one_stage((Layout(1, 1), [2, 3]), (Layout(2, 1), [0, 1, 2, 3]))
+    assert plan is not None and plan.stages[0].stage.nq == 2
+    ext0, ext1 = _node(plan, K.EXTEND, [0]), _node(plan, K.EXTEND, [1])
+    merge01, merge23 = _node(plan, K.MERGE, [0, 1]), _node(plan, K.MERGE, [2, 3])
+    want = {(ext0, merge01), (ext1, merge01), (ext0, merge23), (ext1, merge23)}
+    assert _edge_set(plan.stages[0].stage, plan.stages[0].classes) == want
+    assert _check_against_unit_rules(plan) == 4
+
+
 def test_a_shrink_that_only_keeps_and_destroys_has_no_edges() -> None:
     """DP 4 -> DP 2 on the same layout: two units are kept (renamed), two destroyed; nothing reads."""
     plan = _one_stage((Layout(1, 1), [0, 1, 2, 3]), (Layout(1, 1), [0, 1]))
@@ -198,6 +230,14 @@ def test_classes_numbered_into_each_other_are_refused() -> None:
     assert link(st, first_destroy) == [(1, 0)]
     assert first_destroy[0].preds.tolist() == [[destroy.size + k] for k in range(split.size)]
     assert link(st, [_copy(split, first=0), _copy(destroy, first=0)]) is None
+
+
+def test_a_unit_nobody_frees_waits_for_nothing() -> None:
+    """Without the Destroy class, the split units are freed by no class: no edges, no predecessors."""
+    st, split, _ = _split_case()
+    alone = [_copy(split, first=0)]
+    assert link(st, alone) == []
+    assert alone[0].preds.shape == (split.size, 0)
 
 
 def test_an_edge_to_a_node_outside_the_classes_is_refused() -> None:
