@@ -74,11 +74,10 @@ def link(st: ReplicaStage, mine: list[ReplicaClass]) -> list[tuple[int, int]] | 
     for c in mine:
         lo, hi = np.searchsorted(dst, [c.first, c.first + c.size])
         d, p = dst[lo:hi] - c.first, src[lo:hi]
-        counts = np.bincount(d, minlength=c.size)
-        preds = np.full((c.size, int(counts.max()) if len(d) else 0), -1, dtype=np.int64)
-        if len(d):
-            starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
-            preds[d, np.arange(len(d)) - starts[d]] = p
+        counts = np.bincount(d, minlength=c.size)  # one per member (a class has at least one)
+        preds = np.full((c.size, int(counts.max())), -1, dtype=np.int64)
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        preds[d, np.arange(len(d)) - starts[d]] = p
         c.preds = preds
     return edges
 
