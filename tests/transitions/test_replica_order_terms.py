@@ -256,6 +256,12 @@ def test_an_edge_to_a_node_outside_the_classes_is_refused() -> None:
             without_merges.append(_copy(c, first=first))
             first += c.size
     assert link(sc.stage, without_merges) is None
+    # one Extend and the Merge freeing its (kept) source, without the Merge of its own part: still None
+    ext3, merge01 = _node(plan, K.EXTEND, [3]), _node(plan, K.MERGE, [0, 1])
+    by_node = {c.first + m: c for c in sc.classes for m in range(c.size)}
+    assert by_node[ext3].size == by_node[merge01].size == 1
+    pair = [_copy(by_node[ext3], first=0), _copy(by_node[merge01], first=1)]
+    assert link(sc.stage, pair) is None
 
 
 # --- class_order -----------------------------------------------------------------------------------
@@ -412,6 +418,17 @@ def test_a_class_on_no_gpu_is_ordered_without_a_check() -> None:
     nothing = _cls([[0]], touched=[])
     assert _order([nothing], initial=[500, 0, 0, 0]) == [0]
     assert _order([nothing, _cls([[1]], alloc={0: 100})], [(0, 1)]) == [0, 1]
+
+
+def test_a_cycle_the_levels_miss_still_leaves_classes_unordered(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Classes on a cycle never become ready; if the longest-path levels did not refuse the cycle
+    (they raise DagCycleError), the order would miss them and is refused (None)."""
+    import transitions.replica_order as ro
+
+    monkeypatch.setattr(ro, "bottom_levels", lambda n, edges, weight: [1.0] * n)
+    alike = [_cls([[k]], free={0: 1}) for k in range(3)]
+    assert _order(alike, [(1, 2), (2, 1)]) is None
+    assert _order(alike, [(1, 2)]) == [0, 1, 2]
 
 
 def test_the_callers_initial_bytes_are_left_as_they_were() -> None:
