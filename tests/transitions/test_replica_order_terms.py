@@ -24,6 +24,7 @@ from planner.hardware import CPU, LOOPBACK, NVLINK4, ClusterSpec
 from planner.models import ModelSpec
 from planner.plan import GlobalPlan, Layout
 from transitions.dag_record import data_edges
+from transitions.global_dag import build_transition
 from transitions.local_dag import plan_units, target_parts
 from transitions.planning_cache import PlanningCache
 from transitions.primitives import Footprint, Primitive, PrimitiveKind
@@ -33,7 +34,7 @@ from transitions.replica_plan import ReplicaClass, ReplicaPlan, ReplicaStage, St
 from transitions.scenarios import ACTOR_TRAIN, stage_plan, stage_states
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_replica_classes import symmetric_case  # noqa: E402
+from test_replica_classes import _check_order_and_cost, symmetric_case  # noqa: E402
 
 K = PrimitiveKind
 TINY = ModelSpec(name="tiny", num_layers=2, hidden_size=8, num_attention_heads=4, num_kv_heads=2, head_dim=2,
@@ -115,8 +116,9 @@ def _check_renumbered(sc: StageClasses, oracle: set[tuple[int, int]]) -> None:
 
 
 # seeds of symmetric_case (each on the fast path) that between them have Split and Extend with
-# Destroy (nq == 1), Split and Extend into Merge (nq 2 and 4), and a class whose members share a GPU
-SEEDS = (14, 18, 21, 23, 26, 39, 66)
+# Destroy (nq == 1), Split and Extend into Merge (nq 2 and 4), a class whose members share a GPU, and
+# Destroy classes whose members wait for different numbers of readers (padded rows: 38, 57)
+SEEDS = (14, 18, 21, 23, 26, 38, 39, 57, 66)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -125,6 +127,17 @@ def test_stage_edges_are_the_unit_rules_on_the_members(seed: int) -> None:
     plan = plan_replicas(states, cluster, old, new, ROOMY, cache=PlanningCache())
     assert plan is not None
     assert _check_against_unit_rules(plan) > 0
+
+
+@pytest.mark.parametrize("seed", (38, 57))
+def test_padded_predecessor_rows_do_not_delay_the_class_schedule(seed: int) -> None:
+    """Members of one class with fewer predecessors than the widest have padded rows: the class-level
+    schedule must still equal the unit-level schedule of the same order (the padding waits for nothing)."""
+    states, cluster, old, new = symmetric_case(seed)
+    dag = build_transition(states, cluster, old, new, capacity_bytes=ROOMY, exact=False, cache=PlanningCache())
+    assert dag.replicas is not None
+    assert any((c.preds < 0).any() for c in dag.replicas.classes if c.preds.shape[1])
+    _check_order_and_cost(dag, cluster)
 
 
 def _node(plan: ReplicaPlan, kind: PrimitiveKind, gpus: Sequence[int]) -> int:
