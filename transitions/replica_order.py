@@ -22,24 +22,15 @@ def _edges(st: ReplicaStage, mine: list[ReplicaClass]) -> tuple[np.ndarray, np.n
     """Unit-level data edges of one model-stage (stage-local node ids): producer before reader,
     readers and producer before the node that frees a unit (global_dag.data_edges' rules, over arrays)."""
     dc = len(st.cur)
-    n_parts = len(st.parts)
     destroy_node = np.full(dc, -1, dtype=np.int64)
-    producer = np.full(n_parts, -1, dtype=np.int64)  # node producing each part
     merge_node = np.full(len(st.tgt), -1, dtype=np.int64)
     kept_into = np.full(dc, -1, dtype=np.int64)  # merge node freeing a kept unit
     for c in mine:
         ids = np.arange(c.first, c.first + c.size)
         if c.kind is PrimitiveKind.DESTROY:
             destroy_node[c.unit] = ids
-        elif c.kind is PrimitiveKind.EXTEND:
-            producer[c.unit] = ids
-        elif c.kind is PrimitiveKind.SPLIT:
-            producer[c.refs] = ids[:, None]
-        else:
+        elif c.kind is PrimitiveKind.MERGE:
             merge_node[c.unit] = ids
-    for c in mine:
-        if c.kind is PrimitiveKind.MERGE:
-            ids = np.arange(c.first, c.first + c.size)
             neg = c.refs < 0
             kept_into[-1 - c.refs[neg]] = np.broadcast_to(ids[:, None], c.refs.shape)[neg]
     freer = np.where(destroy_node >= 0, destroy_node, kept_into)  # who frees each current unit
@@ -71,21 +62,22 @@ def link(st: ReplicaStage, mine: list[ReplicaClass]) -> list[tuple[int, int]] | 
     members of one class would depend on each other (not a block)."""
     src, dst = _edges(st, mine)
     num = sum(c.size for c in mine)
-    node_class = np.repeat(np.arange(len(mine)), [c.size for c in mine]) if mine else np.zeros(0, np.int64)
-    pairs = np.unique(node_class[src] * len(mine) + node_class[dst]) if len(src) else np.zeros(0, np.int64)
+    if len(dst) and (dst.min() < 0 or dst.max() >= num):  # checked before node ids index node_class
+        return None
+    node_class = np.repeat(np.arange(len(mine)), [c.size for c in mine])
+    pairs = np.unique(node_class[src] * len(mine) + node_class[dst])
     edges = [(int(p) // len(mine), int(p) % len(mine)) for p in pairs]
-    if any(x == y for x, y in edges) or (len(dst) and (dst.min() < 0 or dst.max() >= num)):
+    if any(x == y for x, y in edges):
         return None
     order = np.argsort(dst, kind="stable")
     src, dst = src[order], dst[order]
     for c in mine:
         lo, hi = np.searchsorted(dst, [c.first, c.first + c.size])
         d, p = dst[lo:hi] - c.first, src[lo:hi]
-        counts = np.bincount(d, minlength=c.size)
-        preds = np.full((c.size, int(counts.max()) if len(d) else 0), -1, dtype=np.int64)
-        if len(d):
-            starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
-            preds[d, np.arange(len(d)) - starts[d]] = p
+        counts = np.bincount(d, minlength=c.size)  # one per member (a class has at least one)
+        preds = np.full((c.size, int(counts.max())), -1, dtype=np.int64)
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        preds[d, np.arange(len(d)) - starts[d]] = p
         c.preds = preds
     return edges
 
