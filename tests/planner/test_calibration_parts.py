@@ -329,3 +329,42 @@ def test_the_stage_fit_lands_on_the_root_of_its_reweighted_score() -> None:
         lo2, hi2 = (mid, hi2) if score(mid) < 0 else (lo2, mid)
     assert abs(math.exp(-lo2) / got - 1) > 1e-3  # 0.2%: a hundred times the tolerance above
     del lam_saved
+
+
+def test_a_stage_dominated_by_fixed_time_still_moves_its_efficiency_to_the_measurement() -> None:
+    """One observation whose fixed part (50 s) dwarfs the class's ideal time (0.5 s): the measured
+    62.5 s leave 12.5 s to the class, efficiency 0.5 / 12.5 = 0.04 (z = log 25), far from the prior
+    0.23. The prior's pull (weight 1e-4) shifts it by well under 1%; a step rule that judged steps by
+    anything but the fitted score would stay at the prior."""
+    import numpy as np
+
+    from planner.calibration import _gauss_newton
+
+    z = _gauss_newton(np.array([[0.5]]), np.array([50.0]), np.array([62.5]), np.array([0.4]),
+                      np.array([-math.log(0.23)]))
+    assert z[0] == pytest.approx(math.log(25.0), abs=0.01)
+    assert z[0] < math.log(25.0)  # pulled toward the prior (z0 = 1.47), not away from it
+
+
+def test_one_observation_of_two_classes_is_split_as_close_to_the_prior_as_it_allows() -> None:
+    """e^z1 + e^z2 = 10 s measured, priors 0.5 and 0.25 (2 s + 4 s ideal): the data fix only the sum,
+    so the fit is the point of that curve nearest the prior in z (the prior term), found here by a
+    ternary search along the curve, independently of the Gauss-Newton steps."""
+    import numpy as np
+
+    from planner.calibration import _gauss_newton
+
+    z0 = np.array([-math.log(0.5), -math.log(0.25)])
+    z = _gauss_newton(np.array([[1.0, 1.0]]), np.array([0.0]), np.array([10.0]), np.array([1.0]), z0)
+
+    def other(z1: float) -> float:  # z2 on the curve e^z1 + e^z2 = 10
+        return math.log(10.0 - math.exp(z1))
+
+    lo, hi = -0.4, math.log(10.0) - 1e-9
+    for _ in range(200):
+        m1, m2 = lo + (hi - lo) / 3, hi - (hi - lo) / 3
+        if (m1 - z0[0]) ** 2 + (other(m1) - z0[1]) ** 2 < (m2 - z0[0]) ** 2 + (other(m2) - z0[1]) ** 2:
+            hi = m2
+        else:
+            lo = m1
+    assert z.tolist() == pytest.approx([lo, other(lo)], abs=1e-3)
