@@ -197,21 +197,20 @@ def _same_stage(got: StageClasses, want: StageClasses) -> None:
             assert np.array_equal(getattr(x, f), getattr(y, f)), f
 
 
-def _symmetric_fast_cases(count: int) -> list[tuple[dict, ClusterSpec, GlobalPlan, GlobalPlan]]:
+def _symmetric_fast_cases(*seeds: int) -> list[tuple[dict, ClusterSpec, GlobalPlan, GlobalPlan]]:
+    """symmetric_case of ``seeds``, each of which the fast path carries (checked here)."""
     out = []
-    for seed in range(200):
+    for seed in seeds:
         states, cluster, old, new = case = symmetric_case(seed)
-        if plan_replicas(states, cluster, old, new, ROOMY, cache=PlanningCache()) is not None:
-            out.append(case)
-        if len(out) == count:
-            return out
-    raise AssertionError("too few symmetric cases on the fast path")
+        assert plan_replicas(states, cluster, old, new, ROOMY, cache=PlanningCache()) is not None, seed
+        out.append(case)
+    return out
 
 
 def test_a_pair_of_a_seen_shape_gets_the_record_a_cold_build_gives() -> None:
     """Served from the shape cache (the same plans as new objects; every GPU renamed), each stage's
     record is field for field what building that pair afresh gives, and nothing is rebuilt."""
-    for states, cluster, old, new in _symmetric_fast_cases(4):
+    for states, cluster, old, new in _symmetric_fast_cases(3, 7, 9):
         n = cluster.num_gpus
         cache = PlanningCache()
         assert plan_replicas(states, cluster, old, new, ROOMY, cache=cache) is not None
@@ -229,7 +228,7 @@ def test_a_pair_of_a_seen_shape_gets_the_record_a_cold_build_gives() -> None:
 
 
 def test_a_pair_of_a_seen_shape_is_not_rebuilt(monkeypatch: pytest.MonkeyPatch) -> None:
-    states, cluster, old, new = _symmetric_fast_cases(1)[0]
+    states, cluster, old, new = _symmetric_fast_cases(0)[0]
     cache = PlanningCache()
     first = plan_replicas(states, cluster, old, new, ROOMY, cache=cache)
     assert first is not None
@@ -247,7 +246,7 @@ def test_a_pair_of_a_seen_shape_is_not_rebuilt(monkeypatch: pytest.MonkeyPatch) 
 def test_on_the_same_gpus_a_seen_shape_keeps_its_durations_and_on_others_starts_afresh() -> None:
     """transition_cost's per-class durations depend on the GPUs only: a candidate on the very same
     GPUs starts with the first's durations, a renamed one with none (they may differ there)."""
-    states, cluster, old, new = _symmetric_fast_cases(1)[0]
+    states, cluster, old, new = _symmetric_fast_cases(0)[0]
     cache = PlanningCache()
     first = build_transition(states, cluster, old, new, capacity_bytes=ROOMY, exact=False, cache=cache)
     assert first.replicas is not None
@@ -297,12 +296,12 @@ def test_the_memos_keyed_by_plan_identity_hold_their_plans() -> None:
     cache = PlanningCache()
     before = sys.getrefcount(tp)
     assert rc._stage_classes(STATES[GEN], cp, tp, n, cache) is None
-    assert sys.getrefcount(tp) == before + 1  # the None it memoised holds nothing, the memo holds tp
+    assert sys.getrefcount(tp) > before  # the None it memoised holds nothing: the memo pins tp
     cache.clear()
     assert sys.getrefcount(tp) == before
     cp = _sp(GEN, 1, list(range(n)))
     before = sys.getrefcount(cp)
     rc._initial(STATES[GEN], cp, n, cache)
-    assert sys.getrefcount(cp) == before + 1
+    assert sys.getrefcount(cp) > before  # an array of bytes holds no plan: the memo pins cp
     cache.clear()
     assert sys.getrefcount(cp) == before
