@@ -107,9 +107,9 @@ def _relabelled_stage(state: UnitState, cp: StagePlan, tp: StagePlan, n_gpus: in
 
 def _build_stage(state: UnitState, cp: StagePlan, tp: StagePlan, n_gpus: int,
                  cache: PlanningCache) -> StageClasses | None:
+    """One model-stage's class-level plan built afresh; its only caller, ``_relabelled_stage``, has
+    checked that every GPU is in the cluster."""
     cur, tgt = gpu_array(cp.gpu_sets, cache), gpu_array(tp.gpu_sets, cache)
-    if cur.min() < 0 or tgt.min() < 0 or cur.max() >= n_gpus or tgt.max() >= n_gpus:
-        return None  # the exact path names the offending GPU
     sub = t_sub(cp.layout, tp.layout)
     if tp.layout == sub:
         parts, nq = tgt, 1
