@@ -286,3 +286,73 @@ def test_one_cache_shared_by_many_stage_pairs_serves_each_its_own_class_shapes()
     for k in range(24):
         kinds += _kinds(_check_stage(*_stage_case(rng, ("any", "reuse", "split")[k % 3]), cache=cache))
     assert all(kinds[k] > 0 for k in ("split", "merge", "extend", "destroy")), kinds
+
+
+# --- hand-built stage pairs: each pins one rule on a case worked out by hand ----------------------
+
+_TINY = ModelSpec(name="tiny", num_layers=2, hidden_size=8, num_attention_heads=4, num_kv_heads=2, head_dim=2,
+                  ffn_hidden_size=24, vocab_size=11)
+
+
+def _hand_case(lc: Layout, cur: list[tuple[int, ...]], lt: Layout, tgt: list[tuple[int, ...]]
+               ) -> tuple[list[ReplicaClass], dict[str, tuple[str, ...]], list[tuple[str, str]]]:
+    """The classes of a hand-built pair (checked against local_dag as above), the sources of each
+    extended part (unit indices in order) by the part's index, and the renames (by index)."""
+    state = stage_states(_TINY, (PPO_STAGES[1],))[PPO_STAGES[1].name]
+    cp = StagePlan(model_stage=state.model_stage, layout=lc, gpu_sets=tuple(cur), micro_batch_size=1)
+    tp = StagePlan(model_stage=state.model_stage, layout=lt, gpu_sets=tuple(tgt), micro_batch_size=1)
+    classes = _check_stage(state, cp, tp, 16)
+    st = _replica_stage(state, cp, tp, PlanningCache())
+    cur_u, tgt_u = plan_units(state, cp, 1), plan_units(state, tp, 2)
+    parts = [p for u in tgt_u for p in target_parts(u, st.sub)]
+    sources: dict[str, tuple[str, ...]] = {}
+    for c in classes:
+        for m in range(c.size):
+            node = member(c, m, cur_u, tgt_u, parts)
+            if isinstance(node, Extend):
+                sources[node.target.uid.split("#")[1]] = tuple(u.uid.split("#")[1] for u in node.sources)
+    exact = plan_stage(state, cur_u, tgt_u)
+    return classes, sources, [(a.split("#")[1], b.split("#")[1]) for a, b in exact.renamed]
+
+
+def test_a_part_on_several_units_gpus_in_rank_order_is_neither_reused_nor_split() -> None:
+    """A part whose GPUs hold ranks 0, 1 in order, but of two different current units, is no current
+    unit (nor a current unit's part): it is extended from both."""
+    two = Layout(2, 1)
+    # current units 0: (0, 1), 1: (2, 3); target (0, 3) = rank 0 of unit 0, rank 1 of unit 1
+    _, sources, renamed = _hand_case(two, [(0, 1), (2, 3)], two, [(0, 3), (2, 1)])
+    assert renamed == [] and {k: sorted(v) for k, v in sources.items()} == {"0": ["0", "1"], "1": ["0", "1"]}
+    # the same with the current layout larger: (0, 3) is no pipeline stage of one current unit
+    _, sources, _ = _hand_case(Layout(2, 2), [(0, 1, 2, 3), (4, 5, 6, 7)], two, [(0, 5), (4, 1)])
+    assert {k: sorted(v) for k, v in sources.items()} == {"0": ["0", "1"], "1": ["0", "1"]}
+    # control: (2, 3) is unit 1 in rank order, so it is renamed, and (0, 1) too
+    _, sources, renamed = _hand_case(two, [(0, 1), (2, 3)], two, [(2, 3), (0, 1)])
+    assert sorted(renamed) == [("0", "1"), ("1", "0")] and sources == {}
+
+
+def test_extend_sources_sharing_more_gpus_with_the_part_come_first() -> None:
+    """Part (0, 4, 5, 8): unit 1 = (4, 5, 6, 7) holds two of its GPUs, unit 0 = (0, 1, 2, 3) one, GPU 8
+    is nobody's: the sources are unit 1, then unit 0."""
+    lay = Layout(2, 2)
+    _, sources, _ = _hand_case(lay, [(0, 1, 2, 3), (4, 5, 6, 7)], lay, [(0, 4, 5, 8)])
+    assert sources == {"0": ("1", "0")}
+
+
+def test_parts_with_a_gpu_nobody_holds_and_parts_held_by_unit_zero_are_told_apart() -> None:
+    """Target (6, 2): GPU 6 is nobody's, 2 is unit 1's; target (0, 4): unit 0's and unit 2's GPUs. Both
+    parts have two GPUs of two different holders, but only the second has two sources."""
+    two = Layout(2, 1)
+    _, sources, _ = _hand_case(two, [(0, 1), (2, 3), (4, 5)], two, [(6, 2), (0, 4)])
+    assert {k: sorted(v) for k, v in sources.items()} == {"0": ["1"], "1": ["0", "2"]}
+
+
+def test_members_whose_gpus_repeat_beyond_the_first_members_pattern_get_their_own_class() -> None:
+    """Current (2, 1) units 0: (0, 1), 1: (2, 3), 2: (4, 5); target (2, 2) units T0 = (0, 9, 10, 11) and
+    T1 = (2, 12, 3, 5), parts = their pipeline stages. T0's first part (0, 9) and T1's (2, 12) are
+    both extended from the unit holding their first GPU, but unit 1's other GPU 3 is also on T1 while
+    unit 0's GPU 1 is not on T0: two shapes, so two classes (checked by each member's footprint)."""
+    _, sources, _ = _hand_case(Layout(2, 1), [(0, 1), (2, 3), (4, 5)], Layout(2, 2),
+                               [(0, 9, 10, 11), (2, 12, 3, 5)])
+    # every part extended: T0's second part (10, 11) from unit 0 round-robin, T1's (3, 5) from units 1, 2
+    assert {k: sorted(v) for k, v in sources.items()} == {"0.p0.0": ["0"], "0.p0.1": ["0"], "1.p0.0": ["1"],
+                                                          "1.p0.1": ["1", "2"]}
