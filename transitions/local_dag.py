@@ -129,7 +129,9 @@ def plan_stage(
                 holder = by_gpu.get(g)
                 if holder is not None:
                     overlap[holder.uid] = (overlap.get(holder.uid, (0, holder))[0] + 1, holder)
-            sources = [u for _, u in sorted(overlap.values(), key=lambda x: (-x[0], x[1].uid))]
+            # most shared GPUs first; a tie in first-appearance order in the part (sorted is stable, the
+            # dict keeps insertion order), as the replica-class path orders them: the same for every replica
+            sources = [u for _, u in sorted(overlap.values(), key=lambda x: -x[0])]
             if not sources:
                 sources = [sources_pool[rr % len(sources_pool)]]
                 rr += 1

@@ -98,16 +98,19 @@ def test_round_robin_takes_the_current_units_in_order() -> None:
     assert got == [(cur[0],), (cur[1],), (cur[2],), (cur[0],)]
 
 
-def test_extend_sources_go_by_how_many_gpus_they_share_then_by_uid() -> None:
+def test_extend_sources_go_by_how_many_gpus_they_share_then_by_first_appearance() -> None:
     # b shares three GPUs with the target, a one: b first although "a" < "b"
     a, b = _unit("a", 4, 1, (0, 1, 2, 3)), _unit("b", 4, 1, (4, 5, 6, 7))
     t = _unit("t", 4, 1, (4, 5, 0, 6), version=2)
     assert plan_stage(STATE, [a, b], [t]).primitives == [Extend(sources=(b, a), target=t), Destroy(unit=a),
                                                          Destroy(unit=b)]
-    # one GPU each: by uid
+    # one GPU each: the holder of the part's first GPU first, whatever the uids (the replica-class path
+    # orders ties so, the same for every replica of a shape; by uid "#10" would come before "#2")
     d, c = _unit("d", 2, 1, (0, 1)), _unit("c", 2, 1, (2, 3))
     t2 = _unit("t", 2, 1, (1, 2), version=2)
-    assert plan_stage(STATE, [d, c], [t2]).primitives[0] == Extend(sources=(c, d), target=t2)
+    assert plan_stage(STATE, [d, c], [t2]).primitives[0] == Extend(sources=(d, c), target=t2)
+    t3 = _unit("t", 2, 1, (2, 1), version=2)
+    assert plan_stage(STATE, [d, c], [t3]).primitives[0] == Extend(sources=(c, d), target=t3)
 
 
 def test_parts_that_do_not_nest_are_extended_not_reused() -> None:

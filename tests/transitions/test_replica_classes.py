@@ -24,6 +24,7 @@ from planner.plan import GlobalPlan, Layout
 from transitions.cost import transition_cost
 from transitions.global_dag import TransitionDAG, build_transition
 from transitions.planning_cache import PlanningCache
+from transitions.primitives import Extend
 from transitions.replay import replay
 from transitions.scenarios import PPO_STAGES, ppo_plan, random_model, stage_plan, stage_states
 
@@ -65,7 +66,8 @@ def symmetric_case(seed: int) -> tuple[dict, ClusterSpec, GlobalPlan, GlobalPlan
 
 
 def _prims(dag: TransitionDAG) -> list[tuple[str, tuple[str, ...], tuple[str, ...], tuple[str, ...]]]:
-    return sorted((p.kind.value, tuple(sorted(u.uid for u in p.sources)), tuple(u.uid for u in p.targets),
+    return sorted((p.kind.value, tuple(u.uid for u in p.sources) if isinstance(p, Extend) else
+                   tuple(sorted(u.uid for u in p.sources)), tuple(u.uid for u in p.targets),
                    tuple(sorted(u.uid for u in p.frees))) for p in dag.nodes)
 
 

@@ -195,12 +195,11 @@ def _replica_stage(state: UnitState, cp: StagePlan, tp: StagePlan, cache: Planni
 
 
 def _describe(p: Primitive) -> tuple[str, tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
-    """Kind and unit names; an Extend's sources as a set: on a tie in shared GPUs local_dag orders them
-    by uid, the class path by first appearance in the part (either serves; only the count order is
-    pinned, by ``_shared_first``)."""
-    sources = tuple(u.uid for u in p.sources)
-    return p.kind.value, tuple(sorted(sources)) if isinstance(p, Extend) else sources, \
-        tuple(u.uid for u in p.targets), tuple(u.uid for u in p.frees)
+    """Kind and unit names, an Extend's sources in order: the first is the main source (it sends
+    what the others do not hold), so both paths must agree on it, ties in shared GPUs included
+    (first appearance in the part)."""
+    return p.kind.value, tuple(u.uid for u in p.sources), tuple(u.uid for u in p.targets), \
+        tuple(u.uid for u in p.frees)
 
 
 def _shared_first(p: Extend) -> bool:
