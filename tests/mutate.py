@@ -47,6 +47,7 @@ import json
 import signal
 import subprocess
 import sys
+import traceback
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -246,7 +247,7 @@ def module_tree(modules: Sequence[str]) -> Iterator[Path]:
     try:
         yield tree
     finally:
-        link.unlink()
+        link.unlink(missing_ok=True)
         if parked.exists():
             parked.rename(link)
 
@@ -262,6 +263,9 @@ def _child(modules: list[str], tests: list[str], max_children: int, names: list[
         cli(["run", "--max-children", str(max_children), *names], standalone_mode=False)
     except SystemExit as e:
         return int(e.code or 0)
+    except Exception:  # mutmut crashed: say so with a code of our own, so that nothing is recorded
+        traceback.print_exc()
+        return 3
     return 0
 
 
