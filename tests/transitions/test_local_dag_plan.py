@@ -99,9 +99,9 @@ def test_round_robin_takes_the_current_units_in_order() -> None:
 
 
 def test_extend_sources_go_by_how_many_gpus_they_share_then_by_first_appearance() -> None:
-    # b shares three GPUs with the target, a one: b first although "a" < "b"
+    # b shares three GPUs with the target, a one: b first although a holds the target's first GPU
     a, b = _unit("a", 4, 1, (0, 1, 2, 3)), _unit("b", 4, 1, (4, 5, 6, 7))
-    t = _unit("t", 4, 1, (4, 5, 0, 6), version=2)
+    t = _unit("t", 4, 1, (0, 4, 5, 6), version=2)
     assert plan_stage(STATE, [a, b], [t]).primitives == [Extend(sources=(b, a), target=t), Destroy(unit=a),
                                                          Destroy(unit=b)]
     # one GPU each: the holder of the part's first GPU first, whatever the uids (the replica-class path
