@@ -528,3 +528,13 @@ def test_a_replan_after_a_failed_transition_runs_once_its_back_off_is_over_and_t
     assert [e for e in logs if e["event"] == "job-state"] == [
         {"event": "job-state", "log_level": "info", "role": "test", "job": "j", "state": "transitioning",
          "reason": f"transition {tid} ordered (v1 -> v2)"}]
+
+
+def test_a_node_lost_before_a_live_one_leaves_the_live_ones_gpus_in_the_pool(tmp_path: Path) -> None:
+    """GPU ids go by registration rank: n1 (rank 0) holds 0-1, n2 (rank 1) 2-3. With n1 lost the pool is
+    n2's GPUs, still numbered from its rank (a lost node earlier in the order skips, not ends, the walk)."""
+    job = Job(tmp_path, PlannerBinding())
+    job.store.set_node_state("j", "n1", "lost", "no heartbeat")
+    job.ctl._refresh_pool()
+    assert job.ctl.pool == frozenset({2, 3})
+    assert job.ctl.gpu_owner == {2: "n2", 3: "n2"}
