@@ -105,10 +105,9 @@ def _relabelled_stage(state: UnitState, cp: StagePlan, tp: StagePlan, n_gpus: in
     return StageClasses(stage=stage, classes=classes, edges=b.edges, num_nodes=b.num_nodes)
 
 
-def _build_stage(state: UnitState, cp: StagePlan, tp: StagePlan, n_gpus: int,
-                 cache: PlanningCache) -> StageClasses | None:
-    """One model-stage's class-level plan built afresh; its only caller, ``_relabelled_stage``, has
-    checked that every GPU is in the cluster."""
+def replica_stage(state: UnitState, cp: StagePlan, tp: StagePlan, cache: PlanningCache) -> ReplicaStage:
+    """The stage pair as arrays: current and target GPU sequences, and the target's T_sub parts (a target
+    unit's ``nq`` parts, or the units themselves where the target layout is T_sub)."""
     cur, tgt = gpu_array(cp.gpu_sets, cache), gpu_array(tp.gpu_sets, cache)
     sub = t_sub(cp.layout, tp.layout)
     if tp.layout == sub:
@@ -116,8 +115,15 @@ def _build_stage(state: UnitState, cp: StagePlan, tp: StagePlan, n_gpus: int,
     else:
         cols = part_columns(tp.layout, sub)
         parts, nq = tgt[:, cols].reshape(-1, sub.size), len(cols)
-    st = ReplicaStage(name=state.model_stage, state=state, current=cp, target=tp, sub=sub, nq=nq, cur=cur, tgt=tgt,
-                parts=parts, renamed=[])
+    return ReplicaStage(name=state.model_stage, state=state, current=cp, target=tp, sub=sub, nq=nq, cur=cur,
+                        tgt=tgt, parts=parts, renamed=[])
+
+
+def _build_stage(state: UnitState, cp: StagePlan, tp: StagePlan, n_gpus: int,
+                 cache: PlanningCache) -> StageClasses | None:
+    """One model-stage's class-level plan built afresh; its only caller, ``_relabelled_stage``, has
+    checked that every GPU is in the cluster."""
+    st = replica_stage(state, cp, tp, cache)
     local = local_plan(st, n_gpus, cache)
     if local is None:
         return None

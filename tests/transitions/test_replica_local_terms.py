@@ -16,6 +16,7 @@ from transitions.footprints import canonical_footprint, footprint
 from transitions.local_dag import plan_stage, plan_units, target_parts
 from transitions.planning_cache import PlanningCache
 from transitions.primitives import Extend, Primitive, relabels
+from transitions.replica_classes import replica_stage
 from transitions.replica_local import (
     _MIX,
     classes_of,
@@ -25,7 +26,7 @@ from transitions.replica_local import (
     part_columns,
     stage_owners,
 )
-from transitions.replica_plan import ReplicaClass, ReplicaStage, member
+from transitions.replica_plan import ReplicaClass, member
 from transitions.scenarios import PPO_STAGES, random_model, stage_states
 
 
@@ -182,18 +183,6 @@ def _stage_case(rng: random.Random, nesting: str = "any") -> tuple[UnitState, St
     return state, cp, tp, n
 
 
-def _replica_stage(state: UnitState, cp: StagePlan, tp: StagePlan, cache: PlanningCache) -> ReplicaStage:
-    cur, tgt = gpu_array(cp.gpu_sets, cache), gpu_array(tp.gpu_sets, cache)
-    sub = t_sub(cp.layout, tp.layout)
-    if tp.layout == sub:
-        parts, nq = tgt, 1
-    else:
-        cols = part_columns(tp.layout, sub)
-        parts, nq = tgt[:, cols].reshape(-1, sub.size), len(cols)
-    return ReplicaStage(name=state.model_stage, state=state, current=cp, target=tp, sub=sub, nq=nq, cur=cur,
-                        tgt=tgt, parts=parts, renamed=[])
-
-
 def _describe(p: Primitive) -> tuple[str, tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
     """Kind and unit names, an Extend's sources in order: the first is the main source (it sends
     what the others do not hold), so both paths must agree on it, ties in shared GPUs included
@@ -211,7 +200,7 @@ def _shared_first(p: Extend) -> bool:
 def _check_stage(state: UnitState, cp: StagePlan, tp: StagePlan, n: int,
                  cache: PlanningCache | None = None) -> list[ReplicaClass]:
     cache = PlanningCache() if cache is None else cache
-    st = _replica_stage(state, cp, tp, cache)
+    st = replica_stage(state, cp, tp, cache)
     local = local_plan(st, n, cache)
     assert local is not None
     classes = classes_of(st, local, state.stage_order, cache)
@@ -301,7 +290,7 @@ def _hand_case(lc: Layout, cur: list[tuple[int, ...]], lt: Layout, tgt: list[tup
     cp = StagePlan(model_stage=state.model_stage, layout=lc, gpu_sets=tuple(cur), micro_batch_size=1)
     tp = StagePlan(model_stage=state.model_stage, layout=lt, gpu_sets=tuple(tgt), micro_batch_size=1)
     classes = _check_stage(state, cp, tp, 16)
-    st = _replica_stage(state, cp, tp, PlanningCache())
+    st = replica_stage(state, cp, tp, PlanningCache())
     cur_u, tgt_u = plan_units(state, cp, 1), plan_units(state, tp, 2)
     parts = [p for u in tgt_u for p in target_parts(u, st.sub)]
     sources: dict[str, tuple[str, ...]] = {}
