@@ -262,7 +262,7 @@ class JobController:
             order = self._orders.get(t["id"], {}).get(node) or self._rebuild_order(t, node)
             if order is not None and "incarnations" in order.part:
                 # the agents of now (one just registered again): its workers are the ones to take
-                now = {n["node"]: n["incarnation"] for n in self.store.nodes(self.job_id)
+                now = {n["node"]: n["incarnation"] for n in self.store.node_states(self.job_id)
                        if n["node"] in order.part["incarnations"]}
                 order = order.model_copy(update={"part": {**order.part, "incarnations": now}})
             if order is not None and self.send_order(node, order):
@@ -511,7 +511,7 @@ class JobController:
 
     def _order(self, decision_id: int, new_plan: GlobalPlan, prediction: Any, sketch: TransitionSketch | None) -> None:
         sketch = sketch or TransitionSketch(predicted_s=0.0, bytes_moved=0, dag={})
-        alive = [n["node"] for n in self.store.nodes(self.job_id) if n["state"] == "alive"]
+        alive = [n["node"] for n in self.store.node_states(self.job_id) if n["state"] == "alive"]
         from_version = self.plan.version if self.plan else 0
         # Stored as ordered (and the job as transitioning) in one commit *before* any order leaves: a
         # daemon killed in between comes back knowing the transition its agents may already be running.
@@ -529,6 +529,8 @@ class JobController:
         for node in alive:
             orders[node] = self._make_order(tid, from_version, new_plan, sketch.parts.get(node, {}), shared)
             self.send_order(node, orders[node])
+        if sketch.detail is not None:  # the DAG record's body, for nereusctl and the simulator: no order waits
+            self.store.add_transition_detail(tid, sketch.detail())
 
     def _order_common(self, new_plan: GlobalPlan) -> dict[str, Any]:
         """What every node's part carries: the plan, the pool map (node -> global GPU ids of every alive node,
@@ -539,7 +541,7 @@ class JobController:
             pool.setdefault(owner, []).append(gpu)
         # each node's agent incarnation: a driver takes only workers that agent started (a node released
         # and granted again has new workers; the old ones' beats may not have stopped yet)
-        incarnations = {n["node"]: n["incarnation"] for n in self.store.nodes(self.job_id) if n["node"] in pool}
+        incarnations = {n["node"]: n["incarnation"] for n in self.store.node_states(self.job_id) if n["node"] in pool}
         return {"plan": plan_to_dict(new_plan), "pool": pool, "gpus_per_node": self.gpus_per_node,
                 "draining": sorted(self.draining), "incarnations": incarnations}
 

@@ -20,8 +20,11 @@ class TransitionSketch:
 
     predicted_s: float  # L_tran: critical path of the DAG
     bytes_moved: int
-    dag: dict[str, Any]  # summary for nereusctl (primitives, transfers per node)
+    dag: dict[str, Any]  # the record's head: kind, cost, L_tran, primitives per kind, bytes
     parts: dict[str, dict[str, Any]] = field(default_factory=dict)  # node -> that node's part
+    # the record's unit-level body (primitives, edges, order, units, peaks), derived on demand: the
+    # controller stores it after the orders are sent, so that an order waits for none of it
+    detail: Callable[[], dict[str, Any]] | None = None
 
 
 class PlannerPort(Protocol):

@@ -200,14 +200,18 @@ class PlannerBinding:
         dag = build_transition(job_spec(job), cluster, old, new, lost_gpus=old.gpus - pool,
                                cache=self.planning_cache)
         cost = transition_cost(dag, cluster)
-        parts = _parts(dag.gpu_nodes, sorted(new.gpus | (old.gpus & pool)), node_of_gpu)
-        summary: dict[str, Any] = {"kind": "transition", **dag.to_dict()}
+        parts = _parts(dag, sorted(new.gpus | (old.gpus & pool)), node_of_gpu)
+        # The record's head, what the decision and the order need; its unit-level body (every primitive,
+        # edge and unit: hundreds of KB at 1,024 GPUs) is derived by ``detail``, after the orders are sent.
+        summary: dict[str, Any] = {"kind": "transition", "old_version": dag.old_version,
+                                   "new_version": dag.new_version, "capacity_bytes": dag.capacity_bytes,
+                                   "bytes_moved": dag.bytes_moved, "num_nodes": dag.num_nodes,
+                                   "primitives": _primitive_counts(dag)}
         summary["cost"] = cost.to_dict()  # the model's figures, uncorrected
-        summary["primitives"] = _count(p["kind"] for p in summary["nodes"])
         correction = self.transition_calibration.get(_transition_key(job), TransitionCalibrator())
         summary["l_tran"] = correction.explain(cost.seconds)
         return TransitionSketch(predicted_s=summary["l_tran"]["corrected_s"], bytes_moved=dag.bytes_moved,
-                                dag=summary, parts=parts)
+                                dag=summary, parts=parts, detail=dag.to_dict)
 
 
 def _warm_geometry(spec: dict[str, Any], plan: GlobalPlan, deadline: float) -> tuple[bool, int]:
@@ -231,19 +235,33 @@ def _warm_geometry(spec: dict[str, Any], plan: GlobalPlan, deadline: float) -> t
     return True, ranks
 
 
-def _parts(gpu_nodes: dict[int, tuple[int, ...]], gpus: list[int], node_of_gpu: Callable[[int], str]
-           ) -> dict[str, dict[str, Any]]:
-    """Each node's part: its GPUs, and the ids of the DAG nodes that touch any of them."""
-    nodes: dict[str, set[int]] = {}
+def _parts(dag: Any, gpus: list[int], node_of_gpu: Callable[[int], str]) -> dict[str, dict[str, Any]]:
+    """Each node's part: its GPUs, and the ids of the DAG nodes that touch any of them (from the DAG's
+    replica classes where it has them: no unit-level expansion)."""
     parts: dict[str, dict[str, Any]] = {}
+    index: dict[str, int] = {}
+    group_of: dict[int, int] = {}
     for gpu in gpus:
         node = node_of_gpu(gpu)
-        part = parts.setdefault(node, {"gpus": [], "dag_nodes": []})
-        part["gpus"].append(gpu)
-        nodes.setdefault(node, set()).update(gpu_nodes.get(gpu, ()))
-    for node, part in parts.items():
-        part["dag_nodes"] = sorted(nodes[node])
+        if node not in parts:
+            parts[node] = {"gpus": [], "dag_nodes": []}
+            index[node] = len(index)
+        parts[node]["gpus"].append(gpu)
+        group_of[gpu] = index[node]
+    names = list(index)
+    for k, ids in dag.ids_by_group(group_of).items():
+        parts[names[k]]["dag_nodes"] = ids
     return parts
+
+
+def _primitive_counts(dag: Any) -> dict[str, int]:
+    """How many primitives of each kind, from the replica classes where the DAG has them."""
+    if not dag.expanded and dag.replicas is not None:
+        counts: dict[str, int] = {}
+        for c in dag.replicas.classes:
+            counts[c.kind.value] = counts.get(c.kind.value, 0) + c.size
+        return dict(sorted(counts.items()))
+    return dict(sorted(_count(p.kind.value for p in dag.nodes).items()))
 
 
 def _transition_key(spec: dict[str, Any]) -> str:

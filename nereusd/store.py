@@ -136,6 +136,11 @@ def _row(cur: sqlite3.Cursor, values: tuple[Any, ...]) -> dict[str, Any]:
     return out
 
 
+def _merged(head: dict[str, Any], detail: dict[str, Any]) -> dict[str, Any]:
+    """``head``'s keys first and winning, then ``detail``'s others."""
+    return {**head, **{k: v for k, v in detail.items() if k not in head}}
+
+
 class Store:
     def __init__(self, path: Path, clock=time.time, durable: bool = False) -> None:
         self.path = Path(path)
@@ -271,6 +276,11 @@ class Store:
 
     def nodes(self, job_id: str) -> list[dict[str, Any]]:
         return self._all("SELECT * FROM nodes WHERE job_id=? ORDER BY node", job_id)
+
+    def node_states(self, job_id: str) -> list[dict[str, Any]]:
+        """Each node's name, state and agent incarnation (``nodes`` without the device lists to parse:
+        an order to 128 nodes read them twice)."""
+        return self._all("SELECT node, state, incarnation FROM nodes WHERE job_id=? ORDER BY node", job_id)
 
     def count_nodes(self, job_id: str, state: str) -> int:
         row = self._one("SELECT COUNT(*) AS n FROM nodes WHERE job_id=? AND state=?", job_id, state)
@@ -426,6 +436,16 @@ class Store:
             return self._all("SELECT * FROM transitions WHERE state IN ('planned', 'ordered') ORDER BY id")
         return self._all("SELECT * FROM transitions WHERE job_id=? AND state IN ('planned', 'ordered') ORDER BY id",
                          job_id)
+
+    def add_transition_detail(self, transition_id: int, detail: dict[str, Any]) -> None:
+        """Complete a transition's DAG record with its unit-level body (the head already stored wins
+        on any key both carry); a no-op for a transition that is gone."""
+        with self._tx():
+            row = self._one("SELECT dag FROM transitions WHERE id=?", transition_id)
+            if row is None:
+                return
+            self.db.execute("UPDATE transitions SET dag=? WHERE id=?",
+                            (json.dumps(_merged(row["dag"] or {}, detail)), transition_id))
 
     def set_transition_state(self, transition_id: int, state: str, reason: str, *,
                              measured_s: float | None = None, parts_pending: list[str] | None = None) -> None:

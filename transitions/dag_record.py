@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
+
 from transitions.emu import EMU, rank_bytes
 from transitions.feasibility import apply_footprint
 from transitions.footprints import on_gpus
@@ -117,6 +119,39 @@ class TransitionDAG:
     def nodes_on(self, gpu: int) -> list[int]:
         """Node ids that touch ``gpu``, in execution order (what one worker runs)."""
         return list(self.gpu_nodes.get(gpu, ()))
+
+    def ids_by_group(self, group_of: dict[int, int]) -> dict[int, list[int]]:
+        """Per group of GPUs (``group_of``: GPU -> group, e.g. the daemon's nodes; GPUs not in it are
+        left out), the sorted ids of the DAG nodes touching any of its GPUs: what ``gpu_nodes`` gives,
+        grouped. A DAG over replica classes answers from its classes' GPU arrays (each member touches
+        its class's labels on its own GPUs), without expanding to units: an order's per-node parts
+        need no unit-level DAG."""
+        if self.body_ is not None or self.replicas is None:
+            out: dict[int, set[int]] = {}
+            for gpu, ids in self.gpu_nodes.items():
+                if gpu in group_of:
+                    out.setdefault(group_of[gpu], set()).update(ids)
+            return {k: sorted(v) for k, v in out.items()}
+        plan = self.replicas
+        size = 1 + max([*group_of, *(int(c.g.max()) for c in plan.classes if c.g.size)], default=0)
+        lookup = np.full(size, -1, dtype=np.int64)
+        lookup[list(group_of)] = list(group_of.values())
+        node_ids: list[np.ndarray] = []
+        groups: list[np.ndarray] = []
+        for k, c in enumerate(plan.classes):
+            if not c.g.size:
+                continue
+            grouped = lookup[c.g]  # members x touched labels
+            node_ids.append(np.repeat(plan.first[k] + np.arange(c.size, dtype=np.int64), grouped.shape[1]))
+            groups.append(grouped.ravel())
+        if not node_ids:
+            return {}
+        group, node = np.concatenate(groups), np.concatenate(node_ids)
+        keep = group >= 0
+        pairs = np.unique(group[keep] * plan.num_nodes + node[keep])  # sorted by group, then node id
+        group, node = np.divmod(pairs, plan.num_nodes)
+        cuts = np.flatnonzero(np.diff(group)) + 1
+        return {int(g[0]): n.tolist() for g, n in zip(np.split(group, cuts), np.split(node, cuts)) if len(g)}
 
     def with_order(self, order: tuple[int, ...], resource_edges: tuple[tuple[int, int], ...] = ()
                    ) -> TransitionDAG:

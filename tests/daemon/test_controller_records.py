@@ -279,3 +279,25 @@ def test_a_second_report_of_a_step_is_not_repredicted_but_a_new_plans_first_is(t
     _measure(ctl, 5, plan_version=2)  # v2's first measurement, at a step already seen under v1
     now = ctl.current_prediction()
     assert now is not None and now[1] == 5 and now[0] != first[0]
+
+
+def test_orders_leave_before_the_dag_records_body_which_follows_them(tmp_path: Path) -> None:
+    """The transition row an order is sent under holds the record's head (cost, L_tran, counts); the
+    unit-level body (primitives, edges, order, units) is added once every order is out."""
+    ctl, store, orders = _running(tmp_path)
+    seen: list[dict[str, Any]] = []
+    send = ctl.send_order
+
+    def watching(node: str, order: Any) -> bool:
+        seen.append(store.transition(order.transition_id)["dag"])  # type: ignore[index]
+        return send(node, order)
+
+    ctl.send_order = watching  # type: ignore[method-assign]
+    devices = [{"index": i, "kind": "cpu", "name": "cpu", "memory_bytes": 1 << 33} for i in range(2)]
+    store.register_node(job_id="j", node="n3", devices=devices, slurm_job_id=None, host="h", incarnation="n3")
+    ctl.on_node_joined("n3", "new")
+    assert ctl.step() is not None and len(seen) == 3
+    assert all("nodes" not in dag and {"cost", "l_tran", "primitives", "num_nodes"} <= set(dag) for dag in seen)
+    stored = store.transition(orders[0][1].transition_id)["dag"]  # type: ignore[index]
+    assert len(stored["nodes"]) == stored["num_nodes"] == sum(stored["primitives"].values())
+    assert {k: stored[k] for k in seen[0]} == seen[0]  # the head as it was when the orders left

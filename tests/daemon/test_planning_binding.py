@@ -36,7 +36,13 @@ def test_each_node_part_lists_the_dag_nodes_on_its_gpus() -> None:
     assert {n: p["dag_nodes"] for n, p in sketch.parts.items()} == {n: sorted(s) for n, s in expected.items()}
     assert {n: p["gpus"] for n, p in sketch.parts.items()} == {
         n: sorted(g for g in new.gpus | old.gpus if f"n{g // 2}" == n) for n in expected}
-    assert sketch.dag["nodes"] and len(sketch.dag["nodes"]) == len(dag.nodes)
+    # the record's head counts the primitives; its body (every primitive) comes from ``detail``
+    kinds = [p.kind.value for p in dag.nodes]
+    assert sketch.dag["primitives"] == {k: kinds.count(k) for k in sorted(set(kinds))}
+    assert sketch.dag["num_nodes"] == len(dag.nodes) and "nodes" not in sketch.dag
+    assert sketch.detail is not None
+    body = sketch.detail()
+    assert len(body["nodes"]) == len(dag.nodes) and body["order"] == list(dag.order)
 
 
 def test_the_daemon_reports_its_planner_warm_up(daemon: DaemonHandle) -> None:

@@ -81,6 +81,25 @@ def test_a_failed_write_rolls_back_whole(tmp_path: Path) -> None:
     assert not s.db.in_transaction
 
 
+def test_node_states_and_a_transitions_detail(tmp_path: Path) -> None:
+    s = Store(tmp_path / "s.db")
+    s.add_job(job_id="j", user="alice", spec={})
+    for node, inc in (("n1", "b"), ("n0", "a")):
+        s.register_node(job_id="j", node=node, devices=[{"index": 0}], slurm_job_id=None, host="h", incarnation=inc)
+    s.set_node_state("j", "n1", "lost", "silent")
+    assert s.node_states("j") == [{"node": "n0", "state": "alive", "incarnation": "a"},
+                                  {"node": "n1", "state": "lost", "incarnation": "b"}]
+    head = {"kind": "transition", "bytes_moved": 7}
+    tid = s.add_transition(job_id="j", decision_id=None, from_version=0, to_version=1, dag=head, bytes_moved=7,
+                           predicted_s=0.0, parts=["n0"])
+    s.add_transition_detail(tid, {"nodes": [{"id": 0}], "bytes_moved": 999})
+    # the head's keys first and kept (the detail derives the same figures; the head is what was decided)
+    assert list(s.transition(tid)["dag"].items()) == [  # type: ignore[index]
+        ("kind", "transition"), ("bytes_moved", 7), ("nodes", [{"id": 0}])]
+    s.add_transition_detail(tid + 1, {"nodes": []})  # a transition that is gone: nothing written
+    assert s.transition(tid + 1) is None
+
+
 GOOD = protocol.Heartbeat(job_id="j", node="n", seq=1)
 
 

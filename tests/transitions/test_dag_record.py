@@ -37,3 +37,31 @@ def test_expanded_footprints_are_each_members_own() -> None:
         fresh = PlanningCache()  # derived again from nothing, member by member
         assert [footprint(p, fresh) for p in dag.nodes] == list(dag.footprints)
         assert sum(fp.moved_bytes for fp in dag.footprints) == dag.replicas.bytes_moved
+
+
+def test_ids_by_group_from_the_classes_are_the_expanded_dags() -> None:
+    """An order's per-node parts come from the replica classes, unexpanded: for random groupings of
+    GPUs (nodes of 1-4 GPUs, some GPUs in no group), the same ids as grouping the unit-level gpu_nodes."""
+    cache = PlanningCache()
+    rng = random.Random(11)
+    checked = 0
+    while checked < 16:
+        sc = random_scenario(rng, max_stages=3, loss_probability=0.3)
+        try:
+            dag = build_transition(sc.states, sc.cluster, sc.old, sc.new, lost_gpus=sc.lost_gpus, exact=False,
+                                   cache=cache)
+        except InfeasibleError:
+            continue
+        if dag.replicas is None:
+            continue
+        per = rng.randint(1, 4)
+        group_of = {g: g // per for g in range(sc.cluster.num_gpus) if rng.random() < 0.8}
+        fast = dag.ids_by_group(group_of)
+        assert not dag.expanded  # answered from the classes
+        want: dict[int, set[int]] = {}
+        for gpu, ids in dag.gpu_nodes.items():
+            if gpu in group_of:
+                want.setdefault(group_of[gpu], set()).update(ids)
+        assert fast == {k: sorted(v) for k, v in want.items()}
+        assert dag.ids_by_group(group_of) == fast  # expanded now: the unit-level path, the same answer
+        checked += 1
