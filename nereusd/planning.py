@@ -100,7 +100,9 @@ class PlannerBinding:
             pool = frozenset(range(4))
             old = self.search(spec, frozenset(range(2)), 1).plan
             new = self.search(spec, pool, 2).plan
-            self.transition(spec, old, new, pool, lambda g: f"n{g // 2}")
+            sketch = self.transition(spec, old, new, pool, lambda g: f"n{g // 2}")
+            if sketch.detail is not None:  # the record's body too (the expansion's and to_dict's set-up)
+                sketch.detail()
             took["small_decision_ms"] = round((time.perf_counter() - t1) * 1e3, 1)
         t2, plans, ranks = time.perf_counter(), 0, 0
         for spec, plan in running:
