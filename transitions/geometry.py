@@ -205,20 +205,31 @@ def rank_shard_tuple(model: ModelSpec, head: Head, layout: Layout, rank: int,
         raise SpecError("rank", f"{rank} outside unit of {layout.size} GPUs ({layout})")
     tp_rank, pp_rank = layout.coords(rank)
     stages = layer_stages(model.num_layers, layout.pp)
-    per_element = [kind.bytes_per_element(model) for kind in kinds]
+    held = _tp_rank_shards(model, head, layout.tp, tp_rank, kinds)
     out: list[Shard] = []
-    for tensor in _tensors(model, head):
+    for tensor, shards in zip(_tensors(model, head), held):
         if tensor.layer is not None:
             if stages[tensor.layer] != pp_rank:
                 continue
         elif pp_rank not in tensor_stages(tensor, model, layout.pp):
             continue
-        offsets, lengths = tp_box(tensor, model, layout.tp, tp_rank)
-        if 0 in lengths:
-            continue
-        for kind, nbytes in zip(kinds, per_element):
-            out.append(Shard(tensor=tensor.name, kind=kind, global_shape=tensor.shape, offsets=offsets,
-                             lengths=lengths, bytes_per_element=nbytes))
+        out += shards
+    return tuple(out)
+
+
+@lru_cache(maxsize=64)
+def _tp_rank_shards(model: ModelSpec, head: Head, tp: int, tp_rank: int, kinds: tuple[StateKind, ...]
+                    ) -> tuple[tuple[Shard, ...], ...]:
+    """Per tensor (model order), the shards TP rank ``tp_rank`` of ``tp`` holds of it, one per state kind
+    (none where its chunk of an uneven split is empty): what any PP stage holding the tensor holds, so
+    every layout of one TP degree (PP 1, 2, 4, ... and each of their stages) shares these objects."""
+    per_element = [kind.bytes_per_element(model) for kind in kinds]
+    out: list[tuple[Shard, ...]] = []
+    for tensor in _tensors(model, head):
+        offsets, lengths = tp_box(tensor, model, tp, tp_rank)
+        out.append(() if 0 in lengths else tuple(
+            Shard(tensor=tensor.name, kind=kind, global_shape=tensor.shape, offsets=offsets, lengths=lengths,
+                  bytes_per_element=nbytes) for kind, nbytes in zip(kinds, per_element)))
     return tuple(out)
 
 
