@@ -25,7 +25,7 @@ from transitions.covers import Cover, covers, derive_target
 from transitions.emu import EMU
 from transitions.geometry import Shard
 from transitions.layer_runs import Segment, segments, steps
-from transitions.layout import COUNTERS, COUNTERS_KIND, NUM_COUNTERS, unit_slots
+from transitions.layout import COUNTERS, COUNTERS_KIND, NUM_COUNTERS, contiguous_range, unit_slots
 from transitions.planning_cache import PlanningCache
 from transitions.primitives import Extend, Primitive, Split
 from transitions.transfer_plan import Piece, messages
@@ -153,20 +153,36 @@ def streamed(prim: Primitive, target: EMU, gpu: int, src: int, segs: list[Segmen
              max_bucket_bytes: int | None = None) -> PairWire | None:
     """The pair ``src -> gpu``'s wire, each run of like layers streamed from its first layer's pieces
     (transitions.wire_stream); None if some layer's slots are not the first's shifted."""
+    feeds: list[tuple[list[Piece], list[list[tuple[int, int]]] | None]] = []
+    alone = True  # every piece a zero-copy message by itself
+    for seg in segs:
+        mine = [p for p in seg.pieces if p.src_worker == src]
+        shifts = None if seg.count == 1 or not mine else steps(prim, target, gpu, src, mine, seg.layers)  # type: ignore[arg-type]
+        if shifts is None and seg.count > 1 and mine:
+            return None
+        alone = alone and all(_direct_alone(p) for p in mine)
+        feeds.append((mine, shifts))
+    if alone:
+        # Every piece is contiguous on both sides and DIRECT_MIN_BYTES long, in every layer of a run
+        # too (each is its first layer's moved), so every run the bucketizer coalesces goes direct; only
+        # the counters may be packed, alone in a bucket that lies in place on both sides. Nothing is held.
+        return PairWire((), ())
     stream = PairStream(max_bucket_bytes)
     if counter is not None and counter.src_worker == src:
         stream.feed(stream.rec(counter))
-    for seg in segs:
-        mine = [p for p in seg.pieces if p.src_worker == src]
-        if seg.count == 1 or not mine:
+    for mine, shifts in feeds:
+        if shifts is None:
             for p in mine:
                 stream.feed(stream.rec(p))
-            continue
-        shifts = steps(prim, target, gpu, src, mine, seg.layers)  # type: ignore[arg-type]
-        if shifts is None:
-            return None
-        stream.feed_run(mine, shifts)
+        else:
+            stream.feed_run(mine, shifts)
     return PairWire(*stream.finish())
+
+
+def _direct_alone(p: Piece) -> bool:
+    """Whether ``p`` would go as a zero-copy message on its own (transitions.transfer_plan.messages)."""
+    return p.num_bytes >= transfer_plan.DIRECT_MIN_BYTES and contiguous_range(p.src_slot, p.box) is not None \
+        and contiguous_range(p.dst_slot, p.box) is not None
 
 
 def _wire(prim: Primitive, target: EMU, gpu: int, src: int, segs: list[Segment], counter: Piece | None

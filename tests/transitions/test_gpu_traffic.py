@@ -120,3 +120,35 @@ def test_stage_plans_reuse_entries_across_placements() -> None:
         if offset == 0:
             entries = len(cache.dst_traffic)
     assert len(cache.dst_traffic) == entries
+
+
+def test_pairs_of_zero_copy_pieces_hold_no_bucket_as_the_bucketizer_says() -> None:
+    """A pair whose every piece goes direct by itself (contiguous on both sides, DIRECT_MIN_BYTES long:
+    a real 8B model's weights) is answered without streaming; the answer is the bucketizer's own."""
+    from planner.models import LLAMA_31_8B
+    from transitions.transfer_plan import DEFAULT_BUCKET_BYTES
+
+    cluster = ClusterSpec(device=CPU, num_nodes=2, gpus_per_node=4, intra_node_link=NVLINK4, inter_node_link=LOOPBACK)
+    rng = random.Random(3)
+    states = stage_states(LLAMA_31_8B)
+    names = ["actor-gen", "ref-inf"]
+    alone = other = 0
+    for _ in range(8):
+        sc = Scenario(states={n: states[n] for n in names}, cluster=cluster, lost_gpus=frozenset(),
+                      old=GlobalPlan(version=1, stages=tuple(random_stage_plan(rng, n, LLAMA_31_8B, 8, 2) for n in names)),
+                      new=GlobalPlan(version=2, stages=tuple(random_stage_plan(rng, n, LLAMA_31_8B, 8, 2) for n in names)))
+        for prim in _nodes(sc):
+            for target in prim.targets:
+                for gpu in target.gpus:
+                    segs = gpu_traffic.gpu_segments(prim, target, gpu)
+                    counter = [p for p in counter_pieces(prim) if p.dst_worker == gpu]
+                    every = counter + derive_target(target, prim.sources, gpu)
+                    for src in sorted({p.src_worker for p in every} - {gpu}):
+                        pieces = [p for p in every if p.src_worker == src]
+                        wire = gpu_traffic.streamed(prim, target, gpu, src, segs, (counter or [None])[0])
+                        assert wire == gpu_traffic.pair_wire(pieces, DEFAULT_BUCKET_BYTES)
+                        if all(gpu_traffic._direct_alone(p) for p in pieces if p not in counter):
+                            alone += 1
+                        else:
+                            other += 1
+    assert alone >= 10 and other >= 10  # both paths taken
