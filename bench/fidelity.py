@@ -30,10 +30,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from planner.cost import PRIORS, Efficiencies, Links, OpClass, stage_cost  # noqa: E402
+from planner.cost import PRIORS, Efficiencies, Links, OpClass, OpTerm, stage_cost  # noqa: E402
 from planner.hardware import A100_64G, H100, NVLINK3, ClusterSpec, DeviceSpec, cluster_preset, nic_link  # noqa: E402
-from planner.memory import resident_bytes  # noqa: E402
-from planner.models import LLAMA_31_8B, LLAMA_33_70B, QWEN3_32B  # noqa: E402
+from planner.memory import params_per_gpu, resident_bytes  # noqa: E402
+from planner.models import LLAMA_31_8B, LLAMA_33_70B, QWEN3_32B, Head  # noqa: E402
 from planner.plan import GlobalPlan, Layout, StagePlan  # noqa: E402
 from planner.prediction import predict  # noqa: E402
 from planner.workflow import ModelStage, Role, StageKind, Workload, grpo, same_model_job  # noqa: E402
@@ -72,6 +72,38 @@ LLAMA_PROMPT = round(1562 * 97.7 * 16 / 2048 - 1060)
 PACK_TOKENS = 4096  # sequence packing's train_mb_tokens at micro-batch 1 (max_total_sequence_length x 1)
 
 
+# What NeMo-RL's colocated refit does (tag v0.3.0: nemo_rl/algorithms/grpo.py refit_policy_generation,
+# the "prepare_for_generation" timer the blog reports as Refit; nemo_rl/models/policy/
+# megatron_policy_worker.py): (1) offload_before_refit frees the gradient buffers (Megatron-core
+# _ParamAndGradBuffer.offload_to_cpu resizes grad storage to 0: nothing copied) and moves every
+# optimizer-state tensor to the host, ``state[k] = v.to("cpu")``: one copy per tensor into fresh
+# pageable memory, every step; (2) vLLM wakes its weights; (3) per key group, gather_params
+# all-gathers TP shards and broadcasts each tensor across PP, converts to HF names and hands CUDA IPC
+# handles to vLLM (the planner's WEIGHT_SYNC term: the generation shard over NVLink plus the refit
+# set-up); (4) offload_after_refit copies the parameter buffers into the pinned host copy
+# offload_to_cpu keeps from the first step (``param_data_cpu.copy_(..., non_blocking=True)``).
+# The planner's own plans keep training state resident (planner.memory), so (1) and (4) are NeMo-RL's
+# plan, not the planner's: the row prices them beside the planner's term.
+# Optimizer state: Megatron's precision-aware optimizer (use_precision_aware_optimizer: true) keeps fp32
+# exp_avg and exp_avg_sq plus 16-bit master-weight remainders, 10 B/param, sharded over DP
+# (use_distributed_optimizer): NeMo-RL issue 3976's Nsight triage moved 4.94 GB for Qwen2.5-0.5B's
+# 0.494B parameters on one GPU. Rate of that copy: ~1.8 GB/s effective "Device -> Pageable" on H100 in
+# the same triage (510 copies in offload_before_refit; pinned 55 GB/s on the same host); PyTorch PR
+# 120378 measured 1.6 GB/s for 150 x 50 MB tensors GPU -> fresh CPU memory on an H100 PCIe 5 host.
+PAGEABLE_D2H_BYTES_PER_S = 1.8e9
+PRECISION_AWARE_OPT_BYTES_PER_PARAM = 10
+
+
+def _nemo_offload(model: Any, train: Layout, train_dp: int, eff: Eff) -> tuple[float, float]:
+    """(optimizer state to pageable host memory, parameters to pinned host memory) seconds of NeMo-RL's
+    colocated refit on the fullest training GPU: the part of its refit the planner's plans never run."""
+    n = params_per_gpu(model, Head.LM, train)
+    optimizer = n * PRECISION_AWARE_OPT_BYTES_PER_PARAM / train_dp / PAGEABLE_D2H_BYTES_PER_S
+    params = OpTerm(op_class=OpClass.HOST_COPY, work=float(n * model.bytes_per_param),
+                    peak_per_s=H100.host_bytes_per_s).seconds(eff)
+    return optimizer, params
+
+
 def _packed(mb_tokens: int, seq_tokens: int, samples: int) -> tuple[int, int]:
     """(sequences per micro-batch, micro-batches) of sequence packing: bins of ``mb_tokens`` filled with
     mean-length sequences (varlen attention stays per sequence, which b x s^2 already prices)."""
@@ -104,8 +136,13 @@ def _nemo_rl(model: Any, gpus: int, mean_gen: int, prompt: int, gen_tp: int, tra
     links = Links(tp_intra=True, pp_intra=train.size <= gpn, dp_intra=gpus <= gpn)
     update = stage_cost(model, TRAIN_ONLY, train, w, micro_batch_size=tr_b, grad_accum=tr_m,
                         recompute=recompute, dp=train_dp, cluster=cl, links=links, eff=eff).seconds
-    refit = sum(t.seconds(eff) for t in p.terms["actor-gen"] if t.op_class is OpClass.WEIGHT_SYNC)
-    return {"step": p.step_latency_s, "generation": p.stage_seconds["actor-gen"] - refit, "refit": refit,
+    weight_sync = sum(t.seconds(eff) for t in p.terms["actor-gen"] if t.op_class is OpClass.WEIGHT_SYNC)
+    optimizer_out, params_out = _nemo_offload(model, train, train_dp, eff)
+    refit = weight_sync + optimizer_out + params_out  # NeMo-RL's refit window (the measured step holds it)
+    return {"step": p.step_latency_s + optimizer_out + params_out,
+            "generation": p.stage_seconds["actor-gen"] - weight_sync, "refit": refit,
+            "planner_weight_sync": weight_sync, "optimizer_offload_pageable": optimizer_out,
+            "params_offload_pinned": params_out,
             "logprobs": p.stage_seconds["ref-inf"] + p.stage_seconds["actor-train"] - update, "training": update,
             "planner_peak_gb": p.max_peak_memory_bytes / 1e9}
 
@@ -261,9 +298,9 @@ ROWS: list[tuple[str, str, str, str, float, str, str, Callable[[Eff], tuple[floa
     ("nemo_rl_llama8b_16", "GRPO step time", "Llama-3.1-8B, 16 H100, 2,048 samples, 4 optimizer steps, mean "
      "gen 1,060 of max 4,096", "gen TP1 x DP16 (all in flight), ref/old-logprob/train PP2 x DP8 with full "
      "recomputation (as the recipe), sequences packed into 4,096-token micro-batches (ZeRO-0 replicas: "
-     "NeMo-RL uses a distributed optimizer)", 97.7, "s", NEMO, rl_llama8b, "time"),
+     "NeMo-RL uses a distributed optimizer); + NeMo-RL's training-state offload in its refit", 97.7, "s", NEMO, rl_llama8b, "time"),
     ("nemo_rl_qwen32b_32", "GRPO step time", "Qwen3-32B, 32 H100, 2,048 samples, 4 optimizer steps, mean gen "
-     "3,206 of max 4,096", "gen TP4 x DP8, ref/train TP4 PP4 x DP2, no recomputation, packed", 393.0, "s", NEMO, rl_qwen32b, "time"),
+     "3,206 of max 4,096", "gen TP4 x DP8, ref/train TP4 PP4 x DP2, no recomputation, packed; + the refit's offload", 393.0, "s", NEMO, rl_qwen32b, "time"),
     ("nemo_rl_v03_8b_8_step", "GRPO step time", "Llama-3.1-8B, 8 H100 (grpo_math_8B_megatron.yaml "
      "at v0.3.0), mean gen 795", "as nemo_rl_llama8b_16 on 8 GPUs, without recomputation (the recipe's "
      "activation_checkpointing: false), logprob batch 4", 112.0, "s", ISSUE959, v03_step, "time"),
@@ -273,8 +310,11 @@ ROWS: list[tuple[str, str, str, str, float, str, str, Callable[[Eff], tuple[floa
      28.0, "s", ISSUE959, v03_training, "time"),
     ("nemo_rl_v03_8b_8_logprobs", "log-prob phase (policy + reference)", "same",
      "ref-inf + actor-train's old-log-prob pass", 18.0, "s", ISSUE959, v03_logprobs, "time"),
-    ("nemo_rl_v03_8b_8_refit", "refit phase", "same", "WEIGHT_SYNC term of actor-gen", 5.0, "s", ISSUE959,
-     v03_refit, "time"),
+    ("nemo_rl_v03_8b_8_refit", "refit phase", "same (the issue's rerun: 8 s)", "WEIGHT_SYNC term of actor-gen "
+     "+ NeMo-RL's offload of the training state around it (optimizer state to pageable host memory at "
+     "1.8 GB/s, parameters to pinned)", 5.0, "s", ISSUE959, v03_refit, "time"),
+    ("nemo_rl_v03_8b_8_refit_rerun", "refit phase, the issue reporter's rerun", "same recipe (step 116 s = "
+     "27 + 8 + 56 + 18, 811 tokens)", "as nemo_rl_v03_8b_8_refit", 8.0, "s", ISSUE959, v03_refit, "time"),
     ("torchtitan_llama3_8b", "training tokens/s/GPU", "Llama-3-8B, seq 8,192, local batch 1, selective op AC",
      "TP1 replica x DP64 (compute of an FSDP rank; gradient all-reduce over 25 GB/s)", 2973.0, "tok/s/GPU",
      TITAN, titan_8b, "rate"),
