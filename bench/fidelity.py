@@ -189,9 +189,9 @@ ROWS: list[tuple[str, str, str, str, float, str, str, Callable[[Eff], tuple[floa
      28.0, "s", ISSUE959, v03_training, "time"),
     ("nemo_rl_v03_8b_8_logprobs", "log-prob phase (policy + reference)", "same",
      "ref-inf + actor-train's old-log-prob pass", 18.0, "s", ISSUE959, v03_logprobs, "time"),
-    ("nemo_rl_v03_8b_8_refit", "refit phase", "same (the issue's rerun: 8 s)", "WEIGHT_SYNC term of actor-gen "
-     "+ NeMo-RL's offload of the training state around it (optimizer state to pageable host memory at "
-     "1.8 GB/s, parameters to pinned)", 5.0, "s", ISSUE959, v03_refit, "time"),
+    ("nemo_rl_v03_8b_8_refit", "refit phase", "same (the issue's rerun: 8 s)", "NeMo-RL's refit with the planner's "
+     "classes: set-up + the whole unsharded model gathered on every GPU (PP broadcast) + the training "
+     "state's offload (optimizer state to pageable host memory at 1.8 GB/s, parameters to pinned)", 5.0, "s", ISSUE959, v03_refit, "time"),
     ("nemo_rl_v03_8b_8_refit_rerun", "refit phase, the issue reporter's rerun", "same recipe (step 116 s = "
      "27 + 8 + 56 + 18, 811 tokens)", "as nemo_rl_v03_8b_8_refit", 8.0, "s", ISSUE959, v03_refit, "time"),
     ("nemo_rl_v03_70b_64_step", "GRPO step time", "Llama-3.3-70B (3.1 architecture), 64 H100 "
@@ -204,9 +204,8 @@ ROWS: list[tuple[str, str, str, str, float, str, str, Callable[[Eff], tuple[floa
      28.0, "s", ISSUE959, v03_70b_training, "time"),
     ("nemo_rl_v03_70b_64_logprobs", "log-prob phase (policy + reference)", "same",
      "ref-inf + actor-train's old-log-prob pass", 18.0, "s", ISSUE959, v03_70b_logprobs, "time"),
-    ("nemo_rl_v03_70b_64_refit", "refit phase", "same (the issue's rerun: 26 s)", "as nemo_rl_v03_8b_8_refit "
-     "(not priced: NeMo-RL gathers the whole unsharded model on every GPU, PP broadcasts across the "
-     "two nodes)", 14.0, "s", ISSUE959, v03_70b_refit, "time"),
+    ("nemo_rl_v03_70b_64_refit", "refit phase", "same (the issue's rerun: 26 s)", "as nemo_rl_v03_8b_8_refit (the PP "
+     "broadcast over the NICs: the TP4 x PP4 group spans two nodes)", 14.0, "s", ISSUE959, v03_70b_refit, "time"),
     ("torchtitan_llama3_8b", "training tokens/s/GPU", "Llama-3-8B, seq 8,192, local batch 1, selective op AC",
      "TP1 replica x DP64 (compute of an FSDP rank; gradient all-reduce over 25 GB/s)", 2973.0, "tok/s/GPU",
      TITAN, titan_8b, "rate"),

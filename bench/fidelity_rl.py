@@ -43,11 +43,13 @@ PACK_TOKENS = 4096  # sequence packing's train_mb_tokens at micro-batch 1 (max_t
 # optimizer-state tensor to the host, ``state[k] = v.to("cpu")``: one copy per tensor into fresh
 # pageable memory, every step; (2) vLLM wakes its weights; (3) per key group, gather_params
 # all-gathers TP shards and broadcasts each tensor across PP, converts to HF names and hands CUDA IPC
-# handles to vLLM (the planner's WEIGHT_SYNC term: the generation shard over NVLink plus the refit
-# set-up); (4) offload_after_refit copies the parameter buffers into the pinned host copy
+# handles to vLLM: every training GPU materialises the whole unsharded model, tensor by tensor, and
+# its vLLM worker slices its own shard out (the planner's WEIGHT_SYNC term moves only the generation
+# shard over the unit's link: Nereus's refresh DAG does that, NeMo-RL does not); (4) offload_after_refit copies the parameter buffers into the pinned host copy
 # offload_to_cpu keeps from the first step (``param_data_cpu.copy_(..., non_blocking=True)``).
 # The planner's own plans keep training state resident (planner.memory), so (1) and (4) are NeMo-RL's
-# plan, not the planner's: the row prices them beside the planner's term.
+# plan, not the planner's: the rows price NeMo-RL's refit with the planner's classes (the set-up,
+# ClusterSpec.refit_setup_s, as the planner's term has it) and report the planner's term beside it.
 # Optimizer state: Megatron's precision-aware optimizer (use_precision_aware_optimizer: true) keeps fp32
 # exp_avg and exp_avg_sq plus 16-bit master-weight remainders, 10 B/param, sharded over DP
 # (use_distributed_optimizer): NeMo-RL issue 3976's Nsight triage moved 4.94 GB for Qwen2.5-0.5B's
@@ -66,6 +68,22 @@ def _nemo_offload(model: Any, train: Layout, train_dp: int, eff: Eff) -> tuple[f
     params = OpTerm(op_class=OpClass.HOST_COPY, work=float(n * model.bytes_per_param),
                     peak_per_s=H100.host_bytes_per_s).seconds(eff)
     return optimizer, params
+
+
+def _nemo_gather(model: Any, train: Layout, cl: Any, eff: Eff) -> float:
+    """Seconds of gather_params on one training GPU: TP all-gathers of its own stage's tensors (NVLink),
+    then a PP broadcast of every other stage's full tensors over the PP group's slowest link (the NICs
+    when the TP x PP group spans nodes), one broadcast per tensor."""
+    stage = params_per_gpu(model, Head.LM, Layout(1, train.pp)) * model.bytes_per_param
+    full = model.num_params() * model.bytes_per_param
+    intra = train.size <= cl.gpus_per_node
+    pp_link = cl.intra_node_link if intra else cl.inter_node_link
+    terms = [OpTerm(op_class=OpClass.TP_ALLREDUCE_INTRA, work=stage * (train.tp - 1) / train.tp,
+                    peak_per_s=cl.intra_node_link.bytes_per_s),
+             OpTerm(op_class=OpClass.PP_SEND_INTRA if intra else OpClass.PP_SEND_INTER, work=float(full - stage),
+                    peak_per_s=pp_link.bytes_per_s, messages=float(len(model.tensors(Head.LM))),
+                    latency_s=pp_link.latency_s)]
+    return sum(t.seconds(eff) for t in terms) if train.pp > 1 or train.tp > 1 else 0.0
 
 
 def _packed(mb_tokens: int, seq_tokens: int, samples: int) -> tuple[int, int]:
@@ -102,11 +120,13 @@ def _nemo_rl(model: Any, gpus: int, mean_gen: int, prompt: int, gen_tp: int, tra
                         recompute=recompute, dp=train_dp, cluster=cl, links=links, eff=eff).seconds
     weight_sync = sum(t.seconds(eff) for t in p.terms["actor-gen"] if t.op_class is OpClass.WEIGHT_SYNC)
     optimizer_out, params_out = _nemo_offload(model, train, train_dp, eff)
-    refit = weight_sync + optimizer_out + params_out  # NeMo-RL's refit window (the measured step holds it)
-    return {"step": p.step_latency_s + optimizer_out + params_out,
+    gather = _nemo_gather(model, train, cl, eff)
+    # NeMo-RL's refit window (the measured step holds it, in place of the planner's WEIGHT_SYNC term)
+    refit = cl.refit_setup_s + gather + optimizer_out + params_out
+    return {"step": p.step_latency_s - weight_sync + refit,
             "generation": p.stage_seconds["actor-gen"] - weight_sync, "refit": refit,
-            "planner_weight_sync": weight_sync, "optimizer_offload_pageable": optimizer_out,
-            "params_offload_pinned": params_out,
+            "planner_weight_sync": weight_sync, "gather_full_model": gather,
+            "optimizer_offload_pageable": optimizer_out, "params_offload_pinned": params_out,
             "logprobs": p.stage_seconds["ref-inf"] + p.stage_seconds["actor-train"] - update, "training": update,
             "planner_peak_gb": p.max_peak_memory_bytes / 1e9}
 
