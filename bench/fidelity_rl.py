@@ -45,8 +45,9 @@ PACK_TOKENS = 4096  # sequence packing's train_mb_tokens at micro-batch 1 (max_t
 # all-gathers TP shards and broadcasts each tensor across PP, converts to HF names and hands CUDA IPC
 # handles to vLLM: every training GPU materialises the whole unsharded model, tensor by tensor, and
 # its vLLM worker slices its own shard out (the planner's WEIGHT_SYNC term moves only the generation
-# shard over the unit's link: Nereus's refresh DAG does that, NeMo-RL does not); (4) offload_after_refit copies the parameter buffers into the pinned host copy
-# offload_to_cpu keeps from the first step (``param_data_cpu.copy_(..., non_blocking=True)``).
+# shard over the unit's link: Nereus's refresh DAG does that, NeMo-RL does not); (4)
+# offload_after_refit copies the parameter buffers into the pinned host copy offload_to_cpu keeps from
+# the first step (``param_data_cpu.copy_(..., non_blocking=True)``).
 # The planner's own plans keep training state resident (planner.memory), so (1) and (4) are NeMo-RL's
 # plan, not the planner's: the rows price NeMo-RL's refit with the planner's classes (the set-up,
 # ClusterSpec.refit_setup_s, as the planner's term has it) and report the planner's term beside it.
