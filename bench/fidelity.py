@@ -15,7 +15,8 @@ Two columns of ratios:
   would calibrate on its own first steps: GEMM from the policy training phase of NeMo-RL's
   Llama-3.1-8B step (issue 959), weight reads (MEMORY_BOUND) from vLLM Llama-3.1-8B decode at
   concurrency 1 (each anchor sets only the class it is dominated by; see ANCHORS). Anchor rows are
-  marked; every other calibrated ratio is out of sample (pretraining rows then show the MFU gap between pretraining and RL).
+  marked; every other calibrated ratio is out of sample (pretraining rows then show the MFU gap
+  between pretraining and RL).
 """
 
 from __future__ import annotations
@@ -177,9 +178,11 @@ ROWS: list[tuple[str, str, str, str, float, str, str, Callable[[Eff], tuple[floa
     ("nemo_rl_llama8b_16", "GRPO step time", "Llama-3.1-8B, 16 H100, 2,048 samples, 4 optimizer steps, mean "
      "gen 1,060 of max 4,096", "gen TP1 x DP16 (all in flight), ref/old-logprob/train PP2 x DP8 with full "
      "recomputation (as the recipe), sequences packed into 4,096-token micro-batches (ZeRO-0 replicas: "
-     "NeMo-RL uses a distributed optimizer); + NeMo-RL's training-state offload in its refit", 97.7, "s", NEMO, rl_llama8b, "time"),
+     "NeMo-RL uses a distributed optimizer); + NeMo-RL's refit as it runs", 97.7, "s", NEMO,
+     rl_llama8b, "time"),
     ("nemo_rl_qwen32b_32", "GRPO step time", "Qwen3-32B, 32 H100, 2,048 samples, 4 optimizer steps, mean gen "
-     "3,206 of max 4,096", "gen TP4 x DP8, ref/train TP4 PP4 x DP2, no recomputation, packed; + the refit's offload", 393.0, "s", NEMO, rl_qwen32b, "time"),
+     "3,206 of max 4,096", "gen TP4 x DP8, ref/train TP4 PP4 x DP2, no recomputation, packed; + NeMo-RL's refit",
+     393.0, "s", NEMO, rl_qwen32b, "time"),
     ("nemo_rl_v03_8b_8_step", "GRPO step time", "Llama-3.1-8B, 8 H100 (grpo_math_8B_megatron.yaml "
      "at v0.3.0), mean gen 795", "as nemo_rl_llama8b_16 on 8 GPUs, without recomputation (the recipe's "
      "activation_checkpointing: false), logprob batch 4", 112.0, "s", ISSUE959, v03_step, "time"),
@@ -191,7 +194,8 @@ ROWS: list[tuple[str, str, str, str, float, str, str, Callable[[Eff], tuple[floa
      "ref-inf + actor-train's old-log-prob pass", 18.0, "s", ISSUE959, v03_logprobs, "time"),
     ("nemo_rl_v03_8b_8_refit", "refit phase", "same (the issue's rerun: 8 s)", "NeMo-RL's refit with the planner's "
      "classes: set-up + the whole unsharded model gathered on every GPU (PP broadcast) + the training "
-     "state's offload (optimizer state to pageable host memory at 1.8 GB/s, parameters to pinned)", 5.0, "s", ISSUE959, v03_refit, "time"),
+     "state's offload (optimizer state to pageable host memory at 1.8 GB/s, parameters to pinned)", 5.0, "s",
+     ISSUE959, v03_refit, "time"),
     ("nemo_rl_v03_8b_8_refit_rerun", "refit phase, the issue reporter's rerun", "same recipe (step 116 s = "
      "27 + 8 + 56 + 18, 811 tokens)", "as nemo_rl_v03_8b_8_refit", 8.0, "s", ISSUE959, v03_refit, "time"),
     ("nemo_rl_v03_70b_64_step", "GRPO step time", "Llama-3.3-70B (3.1 architecture), 64 H100 "
