@@ -196,9 +196,12 @@ class SystemSpec:
 # and training, buffer sampling): NeMo-RL PR 1052's timing output for Llama-3.1-8B on H100 lists
 # buffer_sampling 1.38 + logprob_inference_prep 1.34 + training_prep 1.06 + data_processing 0.23 s.
 GPU_STEP_OVERHEAD_S = 4.0
-# Refit set-up per step, Llama-3.1-8B on one H100 node: 5 s (NeMo-RL issue 959, v0.3 Megatron,
-# "Refit (s)") down to 0.13 s (NeMo-RL PR 1052's timing output, weight_sync); 1 s sits between them in
-# log scale (transitions.cost.DEFAULT_COMMUNICATOR_SETUP_S is the DAG's per-primitive analogue).
+# Refit set-up per step, Llama-3.1-8B on one H100 node: 0.13 s (NeMo-RL PR 1052's timing output,
+# weight_sync) up to ~1 s: NeMo-RL issue 959's 5-8 s colocated "Refit (s)" (v0.3 Megatron) is mostly
+# its optimizer-state offload into pageable host memory, ~10 GB per GPU at ~1.8 GB/s (NeMo-RL issue
+# 3976; bench/fidelity.py prices it), which the planner's plans never run; what is left of it (vLLM
+# waking its weights, IPC handles, format conversion) is ~1 s
+# (transitions.cost.DEFAULT_COMMUNICATOR_SETUP_S is the DAG's per-primitive analogue).
 GPU_REFIT_SETUP_S = 1.0
 
 # Node designs from vendor and site documentation:

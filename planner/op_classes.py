@@ -69,9 +69,13 @@ PRIOR_EFFICIENCY: Mapping[OpClass, float] = MappingProxyType({
     OpClass.WEIGHT_SYNC: 0.2,
     OpClass.STEP_OVERHEAD: 1.0,  # a time, not a rate: the configured overhead is taken as it is
     OpClass.DECODE_OVERHEAD: 1.0,  # a time: DECODE_SEQUENCE_OVERHEAD_S per sequence per step
-    # pinned host <-> device copies reach ~80% of the PCIe link (nvbandwidth / bandwidthTest: ~26 of 32
-    # GB/s on Gen4 x16, ~50-55 of 64 on Gen5); sleep mode's offload may use pageable memory: 0.5.
-    OpClass.HOST_COPY: 0.5,
+    # Sleep mode copies into pinned host memory: vLLM's CuMemAllocator.sleep backs each allocation up
+    # into torch.empty(..., pin_memory=True) with one cudaMemcpy (vllm/device_allocator/cumem.py).
+    # Pinned copies on H100 PCIe 5 x16 (64 GB/s): 7.5 GB GPU -> pinned in 0.157 s = 48 GB/s (PyTorch PR
+    # 120378's micro-benchmark), 55 GB/s (NeMo-RL issue 3976, same host as its 1.8 GB/s pageable
+    # per-tensor copies, which the planner's plans never make): 0.75-0.86 of the link; 0.6, the
+    # conservative cap every rate prior keeps (a copy into a freshly pinned buffer pays cudaHostAlloc).
+    OpClass.HOST_COPY: 0.6,
 })
 
 

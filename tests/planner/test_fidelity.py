@@ -21,7 +21,7 @@ from planner.cost import (
 )
 from planner.hardware import cluster_preset
 from planner.memory import params_per_gpu, resident_bytes, transient_bytes
-from planner.models import LLAMA_31_8B, Head
+from planner.models import LLAMA_31_8B, LLAMA_33_70B, Head
 from planner.options import option_table
 from planner.plan import GlobalPlan, Layout, StagePlan
 from planner.prediction import predict
@@ -201,6 +201,29 @@ def test_weight_refit_is_priced_once_per_step_for_actor_generation() -> None:
     ref = stage_cost(LLAMA_31_8B, REF_INF, Layout(1, 1), w, micro_batch_size=4, grad_accum=16, recompute=False,
                      dp=1, cluster=h200(8), links=Links(), eff=PRIORS)
     assert not [t for t in ref.terms if t.op_class is OpClass.WEIGHT_SYNC]
+
+
+def test_refit_time_is_its_set_up_once_plus_the_bytes_that_cross_over_the_units_link() -> None:
+    """What crosses is the generation GPU's shard: a TP-4 unit's GPU receives a quarter of what a TP-1
+    GPU does, a 70B model ~8.8x an 8B one, while the set-up (communicators, IPC handles, the engine's
+    reload) is paid once per step whatever the size; a unit across nodes receives over the NICs."""
+    w = Workload(prompts_per_step=64, prompt_tokens=512, response_tokens=512)
+    cl = h200(16)
+
+    def refit(model, layout: Layout, links: Links | None = None) -> float:  # type: ignore[no-untyped-def]
+        c = stage_cost(model, ACTOR_GEN, layout, w, micro_batch_size=16, grad_accum=4, recompute=False, dp=1,
+                       cluster=cl, links=links or Links(), eff=PRIORS)
+        return sum(t.seconds(PRIORS) for t in c.terms if t.op_class is OpClass.WEIGHT_SYNC)
+
+    setup = cl.refit_setup_s
+    assert setup > 0
+    one, four = refit(LLAMA_31_8B, Layout(1, 1)) - setup, refit(LLAMA_31_8B, Layout(4, 1)) - setup
+    ratio = params_per_gpu(LLAMA_31_8B, Head.LM, Layout(1, 1)) / params_per_gpu(LLAMA_31_8B, Head.LM, Layout(4, 1))
+    assert one / four == pytest.approx(ratio) and 3.5 < ratio < 4.0  # the embedding and head shard too
+    big = refit(LLAMA_33_70B, Layout(1, 1)) - setup
+    assert big / one == pytest.approx(LLAMA_33_70B.num_params() / LLAMA_31_8B.num_params(), rel=1e-6)
+    across = refit(LLAMA_31_8B, Layout(1, 1), Links(tp_intra=False)) - setup
+    assert across / one == pytest.approx(cl.intra_node_link.bytes_per_s / cl.inter_node_link.bytes_per_s)
 
 
 def test_step_overhead_is_part_of_the_step() -> None:
