@@ -20,7 +20,7 @@ from transitions.errors import CoverageError
 from transitions.geometry import Shard, tensor_stages
 from transitions.layout import COUNTERS, COUNTERS_KIND, NUM_COUNTERS, Slot, unit_slots
 from transitions.primitives import Merge, Primitive
-from transitions.transfer_plan import Piece
+from transitions.transfer_plan import Piece, make_piece
 
 Intervals = list[tuple[int, int]]
 Cover = list[tuple[EMU, int, Box, int, int]]  # (source unit, source GPU, source box, lo, hi)
@@ -165,8 +165,7 @@ def derive_target(target: EMU, sources: tuple[EMU, ...], gpu: int, from_gpu: int
                 slots = src_slots[(id(s), g)] = unit_slots(s, g)
             offs, lens = list(offsets), list(lengths)
             offs[dim], lens[dim] = lo, hi - lo
-            out.append(Piece(src_worker=g, dst_worker=gpu, src_slot=slots[key], dst_slot=dst_slot,
-                             box=(tuple(offs), tuple(lens)), src_unit=s.uid, dst_unit=uid))
+            out.append(make_piece(g, gpu, slots[key], dst_slot, (tuple(offs), tuple(lens)), s.uid, uid))
     return out
 
 

@@ -64,24 +64,17 @@ def layer_class(prim: Primitive, layer: int) -> tuple[int, ...]:
 def _groups(prim: Primitive, target: EMU, gpu: int) -> list[tuple[list[Shard], tuple[int, ...] | None]]:
     """The shards ``target`` holds on ``gpu`` in order: (shards, None) for fixed tensors, (first
     layer's shards, layers) for a run of consecutive layers of one class."""
-    if gpu not in target.gpus:
-        return []
     home = target
     while home.final is not None:  # a part in final shape holds its final unit's shards (EMU.shards)
         home = home.final
     out: list[tuple[list[Shard], tuple[int, ...] | None]] = []
     run_class: tuple[int, ...] | None = None
+    # blocks are maximal (never two of fixed tensors, nor two of one layer, in a row): each fixed block is
+    # a group, and a layer's block starts a run or extends the open one
     for layer, shards in _rank_blocks(home.state, home.layout, home.gpus.index(gpu)):
         last = out[-1][1] if out else None
         if layer is None:
-            if out and last is None:
-                out[-1][0].extend(shards)
-            else:
-                out.append((list(shards), None))
-            continue
-        if last is not None and layer == last[-1]:
-            if len(last) == 1:
-                out[-1][0].extend(shards)  # the run's first layer: its shards are the ones derived
+            out.append((list(shards), None))
             continue
         cls = layer_class(prim, layer)
         if last is not None and cls == run_class and layer == last[-1] + 1:
