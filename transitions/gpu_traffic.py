@@ -157,9 +157,11 @@ def streamed(prim: Primitive, target: EMU, gpu: int, src: int, segs: list[Segmen
     alone = True  # every piece a zero-copy message by itself
     for seg in segs:
         mine = [p for p in seg.pieces if p.src_worker == src]
-        shifts = None if seg.count == 1 or not mine else steps(prim, target, gpu, src, mine, seg.layers)  # type: ignore[arg-type]
-        if shifts is None and seg.count > 1 and mine:
-            return None
+        shifts = None
+        if seg.count > 1 and mine:
+            shifts = steps(prim, target, gpu, src, mine, seg.layers)  # type: ignore[arg-type]
+            if shifts is None:
+                return None
         alone = alone and all(_direct_alone(p) for p in mine)
         feeds.append((mine, shifts))
     if alone:

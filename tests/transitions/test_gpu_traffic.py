@@ -152,3 +152,25 @@ def test_pairs_of_zero_copy_pieces_hold_no_bucket_as_the_bucketizer_says() -> No
                         else:
                             other += 1
     assert alone >= 10 and other >= 10  # both paths taken
+
+
+def test_a_piece_goes_direct_alone_from_exactly_direct_min_bytes() -> None:
+    """The shortcut's test is the bucketizer's: a contiguous run of DIRECT_MIN_BYTES goes direct."""
+    from transitions.layout import make_slot
+    from transitions.transfer_plan import DIRECT_MIN_BYTES, messages
+
+    n = DIRECT_MIN_BYTES // 4
+    slot = make_slot("w", "param", "float32", (2 * n,), (0,), (2 * n,), 0, ())
+
+    def piece(k: int) -> Piece:
+        return Piece(src_worker=0, dst_worker=1, src_slot=slot, dst_slot=slot, box=((0,), (k,)), src_unit="a",
+                     dst_unit="b")
+
+    assert gpu_traffic._direct_alone(piece(n)) and not gpu_traffic._direct_alone(piece(n - 1))
+    # the one a run by itself, the other a bucket by itself that lies in place on both sides: neither holds memory
+    assert [m.src_start for m in messages([piece(n), piece(n - 1)])] == [0, 0]
+    assert gpu_traffic.pair_wire([piece(n - 1)]) == gpu_traffic.pair_wire([piece(n)]) == PairWire((), ())
+    strided = make_slot("w", "param", "float32", (4, 2 * n), (0, 0), (4, 2 * n), 0, ())
+    wide = Piece(src_worker=0, dst_worker=1, src_slot=strided, dst_slot=strided, box=((0, 0), (2, n)), src_unit="a",
+                 dst_unit="b")  # n columns of 2 rows of 2n: 2 * DIRECT_MIN_BYTES, not contiguous
+    assert wide.num_bytes == 2 * DIRECT_MIN_BYTES and not gpu_traffic._direct_alone(wide)
