@@ -349,10 +349,14 @@ def main() -> None:
     p.add_argument("--storm-agents", type=int, default=150)
     p.add_argument("--storm-rounds", type=int, default=7)
     p.add_argument("--only", choices=("cold-start", "scale", "handshake-storm"), default=None)
+    p.add_argument("--quick", action="store_true",
+                   help="all three parts, the 1,024 agents kept: 5 s of scale, 3 cold starts, 3 storm rounds")
     args = p.parse_args()
+    if args.quick:
+        args.seconds, args.cold_runs, args.storm_rounds = 5.0, 3, 3
     with tempfile.TemporaryDirectory(prefix="nereus-bench-") as d:
         tmp = Path(d)
-        out: dict[str, Any] = {"benchmark": "daemon", "cpu_count": os.cpu_count(),
+        out: dict[str, Any] = {"benchmark": "daemon", "quick": args.quick, "cpu_count": os.cpu_count(),
                                "load_avg_1m_at_start": round(os.getloadavg()[0], 2)}
         if args.only in (None, "cold-start"):
             out["cold_start"] = cold_start(tmp, args.cold_runs)

@@ -197,9 +197,9 @@ def throughput(pool: LocalCoordinator, model: str, repeats: int) -> dict[str, An
     return out
 
 
-def emu_vs_restart(model: str, repeats: int) -> dict[str, Any]:
+def emu_vs_restart(model: str, repeats: int, changes: tuple[str, ...] = tuple(CHANGES)) -> dict[str, Any]:
     out = {}
-    for name in CHANGES:
+    for name in changes:
         change = Change(model, name)
         emu_s: list[float] = []
         restart_s: list[float] = []
@@ -286,13 +286,17 @@ def main() -> None:
                         help="max bucket per pair per round")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cpu: gloo; cuda: NCCL, needs one GPU per worker")
+    parser.add_argument("--quick", action="store_true",
+                        help="the same real workers and path: 1 repeat, tiny-3m, restart for the TP change only")
     args = parser.parse_args()
+    if args.quick:
+        args.model, args.restart_models, args.repeats = "tiny-3m", ["tiny-3m"], 1
     BUCKET_BYTES[0] = int(args.bucket_mib * (1 << 20))
     DEVICE[0] = args.device
     if args.device == "cuda" and torch.cuda.device_count() < NUM_WORKERS:
         parser.error(f"--device cuda needs {NUM_WORKERS} GPUs (NCCL runs one rank per GPU), "
                      f"this machine has {torch.cuda.device_count()}")
-    result: dict[str, Any] = {"ratio": RATIO, "model": args.model, "state_bytes_per_replica": state_bytes(args.model),
+    result: dict[str, Any] = {"ratio": RATIO, "quick": args.quick, "model": args.model, "state_bytes_per_replica": state_bytes(args.model),
                               "workers": NUM_WORKERS, "max_bucket_bytes": BUCKET_BYTES[0],
                               "backend": "nccl" if args.device == "cuda" else "gloo",
                               "torch": torch.__version__, "load_average_at_start": os.getloadavg()[0],
@@ -303,7 +307,7 @@ def main() -> None:
     if not args.skip_restart:
         by_model = {}
         for model in args.restart_models:
-            by_model[model] = emu_vs_restart(model, args.repeats)
+            by_model[model] = emu_vs_restart(model, args.repeats, tuple(CHANGES)[:1] if args.quick else tuple(CHANGES))
             print(f"{model}: " + ", ".join(f"{k} {v['speedup']:.0f}x" for k, v in by_model[model].items()),
                   file=sys.stderr)
         result["emu_vs_checkpoint_restart"] = {

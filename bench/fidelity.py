@@ -348,6 +348,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--table", action="store_true", help="print a Markdown table instead of JSON")
+    ap.add_argument("--quick", action="store_true", help="the same run (it takes about a second)")
     args = ap.parse_args()
     result = run()
     text = json.dumps(result, indent=2)

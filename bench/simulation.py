@@ -55,7 +55,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--sizes", default="128,1024,4096")
     ap.add_argument("--out")
+    ap.add_argument("--quick", action="store_true", help="200 steps at 128 and 1,024 GPUs")
     args = ap.parse_args()
+    if args.quick:
+        args.steps, args.sizes = 200, "128,1024"
     job = SimJob(model="llama-3.1-8b", algo="ppo", device="mi250x", prompts_per_step=1024)
     out = {"steps": args.steps, "job": job.spec(500), "load_average": os.getloadavg(), "sizes": {}}
     for size in (int(s) for s in args.sizes.split(",")):
