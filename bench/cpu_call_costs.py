@@ -1,6 +1,6 @@
 """Per-call costs of the engine's distributed calls on this machine's CPU workers (2 gloo ranks). JSON.
 
-    .venv/bin/python bench/cpu_call_costs.py [--repeats 200]
+    .venv/bin/python bench/cpu_call_costs.py [--repeats 200] [--quick]
 
 What the cost model's eager-device classes need and no FLOP or byte count sees (planner.cost,
 CPU_CALL_S): a small gloo all-reduce over loopback (a TP all-reduce of one decode step), a

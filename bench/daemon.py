@@ -1,6 +1,6 @@
 """Benchmark of nereusd: cold start, and the control plane under 1,024 simulated agents. Prints JSON.
 
-    .venv/bin/python bench/daemon.py [--agents 1024] [--seconds 30] [--jobs 8]
+    .venv/bin/python bench/daemon.py [--agents 1024] [--seconds 30] [--jobs 8] [--quick]
 
 1. Cold start: ``nereusd serve`` spawned several times; seconds from exec to READY=1 on $NOTIFY_SOCKET
    (what systemd waits for), median and max.

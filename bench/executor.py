@@ -9,7 +9,7 @@
    both grow with the state, so the speedup depends on the state size: a fit over the models gives
    the state size up to which the live transition is >= 100x faster on this machine.
 
-Run: ``.venv/bin/python bench/executor.py [--model tiny-25m] [--restart-models tiny-3m tiny-25m]``
+Run: ``.venv/bin/python bench/executor.py [--model tiny-25m] [--restart-models tiny-3m tiny-25m] [--quick]``
 (CPU, gloo, 4 workers).
 """
 

@@ -1,6 +1,6 @@
 """Cost-model fidelity against public measurements: what was priced, predicted vs published, ratio. JSON.
 
-    .venv/bin/python bench/fidelity.py [--out FILE] [--table]
+    .venv/bin/python bench/fidelity.py [--out FILE] [--table] [--quick]
 
 Each row is one published figure (RL step times, training and generation throughput, time per output
 token at several concurrencies, memory footprints, the paper's 16-GPU example), the setting it was

@@ -3,7 +3,7 @@ side by side in one run (JSON on stdout).
 
 Every layout runs the same PPO job (actor, reference, critic and a learned reward model, all
 ``tiny-3m``; 6 model-stages) on 1 or 2 local gloo ranks; each stage's time is the slowest rank's.
-Ratios are against the single-process layout. Run: ``python bench/rl_step.py [--steps 3]``
+Ratios are against the single-process layout. Run: ``python bench/rl_step.py [--steps 3] [--quick]``
 """
 
 from __future__ import annotations

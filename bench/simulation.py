@@ -1,6 +1,6 @@
 """Benchmark of the simulator: wall time, controller passes/s and decisions at 128, 1,024 and 4,096 GPUs. JSON.
 
-    .venv/bin/python bench/simulation.py [--steps 1000] [--sizes 128,1024,4096] [--out FILE]
+    .venv/bin/python bench/simulation.py [--steps 1000] [--sizes 128,1024,4096] [--out FILE] [--quick]
 
 Wall time depends on what else runs on the machine; CPU time (process time) is reported beside it,
 with the load average at the start.

@@ -1,6 +1,6 @@
 """Benchmark of Slurm tracking: one batched poll for all jobs vs asking per job. Prints JSON.
 
-    .venv/bin/python bench/slurm_poll.py [--jobs 32] [--repeats 5] [--synthetic 1024]
+    .venv/bin/python bench/slurm_poll.py [--jobs 32] [--repeats 5] [--synthetic 1024] [--quick]
 
 1. On the real lab cluster (tests/slurm/lab.py; started or joined, needs root): ``--jobs`` jobs are
    submitted, then, side by side in one run, the wall time of

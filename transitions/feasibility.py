@@ -8,7 +8,9 @@ timeline starts from every intact unit of every model-stage (co-resident state i
 
 ``order_by_memory`` walks the DAG: ready releases first (rule 1), then acquisitions by stage order
 gen -> inf -> train (rule 2) and longest remaining path; two other priorities, then an exact search on
-small DAGs, are tried when that is blocked. An acquisition that does not fit waits on the GPU it is
+small DAGs, are tried when that is blocked. On DAGs of at most TIMED_NODE_LIMIT nodes a pass guided by
+durations (the node that would end earliest under the execution rule, idle time counted) is tried as
+well and kept where its makespan is less (the memory-only order ran up to 2x the optimum there). An acquisition that does not fit waits on the GPU it is
 blocked on and is retried after the next release there; the release that made it fit becomes a
 resource edge. If nothing can run, InfeasibleError names the GPU and bytes; edges that close a cycle
 raise transitions.errors.DagCycleError.
