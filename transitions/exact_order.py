@@ -23,7 +23,7 @@ from __future__ import annotations
 from transitions.primitives import Footprint
 
 EXACT_MAKESPAN_NODES = 16  # DAGs this small are searched (the budget bounds the time, not the size)
-EXACT_BUDGET = 1_000  # expansions (each new state, and each set whose memory completion is decided): ~10 ms at most
+EXACT_BUDGET = 1_000  # expansions (new states, and sets whose memory completion is decided): <= ~10 ms of CPU
 _EPS = 1e-12
 
 
