@@ -10,10 +10,10 @@ timeline starts from every intact unit of every model-stage (co-resident state i
 gen -> inf -> train (rule 2) and longest remaining path; two other priorities, then an exact search on
 small DAGs, are tried when that is blocked. On DAGs of at most TIMED_NODE_LIMIT nodes a pass guided by
 durations (the node that would end earliest under the execution rule, idle time counted) is tried as
-well and kept where its makespan is less (the memory-only order ran up to 2x the optimum there). An acquisition that does not fit waits on the GPU it is
-blocked on and is retried after the next release there; the release that made it fit becomes a
-resource edge. If nothing can run, InfeasibleError names the GPU and bytes; edges that close a cycle
-raise transitions.errors.DagCycleError.
+well and kept where its makespan is less (the memory-only order ran up to 2x the optimum there). An
+acquisition that does not fit waits on the GPU it is blocked on and is retried after the next release
+there; the release that made it fit becomes a resource edge. If nothing can run, InfeasibleError
+names the GPU and bytes; edges that close a cycle raise transitions.errors.DagCycleError.
 ``policy="per_stage"`` is the naive per-model-stage migration: stages one after another, no waiting.
 Pure: no torch, no I/O.
 """
@@ -195,8 +195,10 @@ def _greedy(
     demand = [max((fp.alloc_bytes.get(g, 0) + fp.buffer_bytes.get(g, 0) for g in fp.gpus), default=0)
               for fp in fps] if priority == "peak" else []
     # bytes that successors free (net): running such a node first lets their releases come sooner
-    net_free = [max(0, sum(fp.free_bytes.values()) - sum(fp.alloc_bytes.values())) for fp in fps]
-    unlocks = [sum(net_free[j] for j in succ[i]) for i in range(n)] if priority == "unlock" else []
+    unlocks: list[int] = []
+    if priority == "unlock":
+        net_free = [max(0, sum(fp.free_bytes.values()) - sum(fp.alloc_bytes.values())) for fp in fps]
+        unlocks = [sum(net_free[j] for j in succ[i]) for i in range(n)]
     timed = priority == "time"
     seconds = durations if durations is not None and timed else [0.0] * n
     ready_at = [0.0] * n  # the timed pass: when a node's data predecessors have all ended
