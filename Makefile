@@ -36,16 +36,18 @@ test: $(STAMP) lint typecheck
 	$(BIN)/python -m pytest -n 2 --dist loadgroup $(PYTEST_ARGS)
 
 # Every benchmark, JSON into runs/bench/ (each compares its own figures side by side as ratios).
+# `make bench QUICK=1`: each one's --quick form (each under 50 s on 2 cores; the 1,024-GPU sizes kept).
+QUICK_FLAG := $(if $(QUICK),--quick,)
 bench: $(STAMP)
 	mkdir -p runs/bench
 	$(BIN)/python bench/decisions.py --quick > runs/bench/decisions.json
 	$(BIN)/python bench/transition_dag.py --quick > runs/bench/transition_dag.json
-	$(BIN)/python bench/executor.py > runs/bench/executor.json
-	$(BIN)/python bench/rl_step.py > runs/bench/rl_step.json
-	$(BIN)/python bench/daemon.py --seconds 15 > runs/bench/daemon.json
-	$(BIN)/python bench/slurm_poll.py > runs/bench/slurm_poll.json
-	$(BIN)/python bench/live_job.py > runs/bench/live_job.json
-	$(BIN)/python bench/fidelity.py > runs/bench/fidelity.json
+	$(BIN)/python bench/executor.py $(QUICK_FLAG) > runs/bench/executor.json
+	$(BIN)/python bench/rl_step.py $(QUICK_FLAG) > runs/bench/rl_step.json
+	$(BIN)/python bench/daemon.py $(if $(QUICK),--quick,--seconds 15) > runs/bench/daemon.json
+	$(BIN)/python bench/slurm_poll.py $(QUICK_FLAG) > runs/bench/slurm_poll.json
+	$(BIN)/python bench/live_job.py $(QUICK_FLAG) > runs/bench/live_job.json
+	$(BIN)/python bench/fidelity.py $(QUICK_FLAG) > runs/bench/fidelity.json
 	@echo "JSON in runs/bench/"
 
 # Mutation testing of planner/, the pure transitions/ modules and the controller (slow: hours on 2 cores;

@@ -170,7 +170,10 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--save", type=Path, default=None, help="write the measured rows (rl_step.py's format)")
+    ap.add_argument("--quick", action="store_true", help="with --measure: 1 round of 2 steps per layout")
     args = ap.parse_args()
+    if args.quick:
+        args.rounds, args.steps = 1, 2
     if args.measure:
         rows = measure(args.rounds, args.steps)
         if args.save:

@@ -1,6 +1,6 @@
 """Per-call costs of the engine's distributed calls on this machine's CPU workers (2 gloo ranks). JSON.
 
-    .venv/bin/python bench/cpu_call_costs.py [--repeats 200]
+    .venv/bin/python bench/cpu_call_costs.py [--repeats 200] [--quick]
 
 What the cost model's eager-device classes need and no FLOP or byte count sees (planner.cost,
 CPU_CALL_S): a small gloo all-reduce over loopback (a TP all-reduce of one decode step), a
@@ -95,7 +95,10 @@ def _pipeline(rank: int, world: int, repeats: int) -> dict[str, float]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--repeats", type=int, default=200)
+    ap.add_argument("--quick", action="store_true", help="50 repeats")
     args = ap.parse_args()
+    if args.quick:
+        args.repeats = 50
     per_rank = run_local(_rank, 2, args.repeats, timeout_s=300)
     res = {k: max(r[k] for r in per_rank) for k in per_rank[0]}
     res["tp_linear_extra_per_linear_s"] = (res["tp_linear_pair_s"] - res["plain_linear_pair_s"]

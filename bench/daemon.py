@@ -1,6 +1,6 @@
 """Benchmark of nereusd: cold start, and the control plane under 1,024 simulated agents. Prints JSON.
 
-    .venv/bin/python bench/daemon.py [--agents 1024] [--seconds 30] [--jobs 8]
+    .venv/bin/python bench/daemon.py [--agents 1024] [--seconds 30] [--jobs 8] [--quick]
 
 1. Cold start: ``nereusd serve`` spawned several times; seconds from exec to READY=1 on $NOTIFY_SOCKET
    (what systemd waits for), median and max.
@@ -349,10 +349,14 @@ def main() -> None:
     p.add_argument("--storm-agents", type=int, default=150)
     p.add_argument("--storm-rounds", type=int, default=7)
     p.add_argument("--only", choices=("cold-start", "scale", "handshake-storm"), default=None)
+    p.add_argument("--quick", action="store_true",
+                   help="all three parts, the 1,024 agents kept: 5 s of scale, 3 cold starts, 3 storm rounds")
     args = p.parse_args()
+    if args.quick:
+        args.seconds, args.cold_runs, args.storm_rounds = 5.0, 3, 3
     with tempfile.TemporaryDirectory(prefix="nereus-bench-") as d:
         tmp = Path(d)
-        out: dict[str, Any] = {"benchmark": "daemon", "cpu_count": os.cpu_count(),
+        out: dict[str, Any] = {"benchmark": "daemon", "quick": args.quick, "cpu_count": os.cpu_count(),
                                "load_avg_1m_at_start": round(os.getloadavg()[0], 2)}
         if args.only in (None, "cold-start"):
             out["cold_start"] = cold_start(tmp, args.cold_runs)

@@ -28,7 +28,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=15, help="warm (and as many cold) transitions")
     ap.add_argument("--change", default="tp1xdp2->tp2xdp2", choices=sorted(be.CHANGES))
+    ap.add_argument("--quick", action="store_true", help="3 warm and 3 cold transitions")
     args = ap.parse_args()
+    if args.quick:
+        args.runs = 3
     change = be.Change("tiny-3m", args.change)
     out: dict[str, list[float]] = {"seconds": [], "cold_s": [], "node_s": [], "outside_nodes_s": []}
     with LocalCoordinator(4, timeout_s=120) as pool:

@@ -9,13 +9,14 @@
    both grow with the state, so the speedup depends on the state size: a fit over the models gives
    the state size up to which the live transition is >= 100x faster on this machine.
 
-Run: ``.venv/bin/python bench/executor.py [--model tiny-25m] [--restart-models tiny-3m tiny-25m]``
+Run: ``.venv/bin/python bench/executor.py [--model tiny-25m] [--restart-models tiny-3m tiny-25m] [--quick]``
 (CPU, gloo, 4 workers).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -153,12 +154,12 @@ def clear_caches(ctx: Any) -> int:
     return cleared
 
 
-def throughput(pool: LocalCoordinator, model: str, repeats: int) -> dict[str, Any]:
+def throughput(pool: LocalCoordinator, model: str, repeats: int, fan_out: bool = True) -> dict[str, Any]:
     """Per change and path: the slowest worker's time in the executor (transfers, packing and local
     copies) vs one raw buffer per pair of the same bytes; min over interleaved repeats (this machine
     is shared, so the least disturbed sample is the comparable one), medians alongside."""
     out: dict[str, Any] = {}
-    for name in [*CHANGES, *FAN_OUT]:
+    for name in [*CHANGES, *(FAN_OUT if fan_out else ())]:
         change = Change(model, name)
         for path in FAN_OUT_PATHS if name in FAN_OUT else PATHS:
             pairs = change.dag_pairs()
@@ -197,16 +198,21 @@ def throughput(pool: LocalCoordinator, model: str, repeats: int) -> dict[str, An
     return out
 
 
-def emu_vs_restart(model: str, repeats: int) -> dict[str, Any]:
+def emu_vs_restart(model: str, repeats: int, changes: tuple[str, ...] = tuple(CHANGES),
+                   live: LocalCoordinator | None = None) -> dict[str, Any]:
+    """Per change: the live transition (cold caches and warm) vs checkpoint/restart. ``live``: a pool
+    to run the live side in (--quick: the throughput's own, a spawn saved) instead of a fresh one."""
     out = {}
-    for name in CHANGES:
+    for name in changes:
         change = Change(model, name)
         emu_s: list[float] = []
         restart_s: list[float] = []
         phases = []
         warm_s: list[float] = []
-        with LocalCoordinator(NUM_WORKERS, timeout_s=120, device=DEVICE[0]) as pool:
-            pool.form_generation()
+        with contextlib.nullcontext(live) if live is not None else \
+                LocalCoordinator(NUM_WORKERS, timeout_s=120, device=DEVICE[0]) as pool:
+            if live is None:
+                pool.form_generation()
             for _ in range(repeats):
                 # the whole DAG run as the driver sees it, each worker planning a layout it has not
                 # seen (caches emptied); and again with its caches warm from the previous run
@@ -275,6 +281,18 @@ def state_bytes(model: str) -> int:
     return sum(t.numel for t in model_preset(model).tensors()) * (2 + 3 * 4)
 
 
+def restart_section(models: list[str], repeats: int, changes: tuple[str, ...],
+                    live: LocalCoordinator | None = None) -> dict[str, Any]:
+    by_model = {}
+    for model in models:
+        by_model[model] = emu_vs_restart(model, repeats, changes, live)
+        print(f"{model}: " + ", ".join(f"{k} {v['speedup']:.0f}x" for k, v in by_model[model].items()),
+              file=sys.stderr)
+    return {"emu_vs_checkpoint_restart": {model: {"state_bytes_per_replica": state_bytes(model), **figures}
+                                          for model, figures in by_model.items()},
+            "speedup_vs_state_size": speedup_reach(by_model)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny-25m", help="model of the throughput comparison")
@@ -286,29 +304,29 @@ def main() -> None:
                         help="max bucket per pair per round")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cpu: gloo; cuda: NCCL, needs one GPU per worker")
+    parser.add_argument("--quick", action="store_true",
+                        help="the same real workers and path: 1 repeat, tiny-3m, no fan-out, restart for the TP "
+                             "change only, its live side in the throughput's workers")
     args = parser.parse_args()
+    if args.quick:
+        args.model, args.restart_models, args.repeats = "tiny-3m", ["tiny-3m"], 1
     BUCKET_BYTES[0] = int(args.bucket_mib * (1 << 20))
     DEVICE[0] = args.device
     if args.device == "cuda" and torch.cuda.device_count() < NUM_WORKERS:
         parser.error(f"--device cuda needs {NUM_WORKERS} GPUs (NCCL runs one rank per GPU), "
                      f"this machine has {torch.cuda.device_count()}")
-    result: dict[str, Any] = {"ratio": RATIO, "model": args.model, "state_bytes_per_replica": state_bytes(args.model),
+    result: dict[str, Any] = {"ratio": RATIO, "quick": args.quick, "model": args.model, "state_bytes_per_replica": state_bytes(args.model),
                               "workers": NUM_WORKERS, "max_bucket_bytes": BUCKET_BYTES[0],
                               "backend": "nccl" if args.device == "cuda" else "gloo",
                               "torch": torch.__version__, "load_average_at_start": os.getloadavg()[0],
                               "cpus": os.cpu_count()}
     with LocalCoordinator(NUM_WORKERS, timeout_s=120, device=DEVICE[0]) as pool:
         pool.form_generation()
-        result["throughput"] = throughput(pool, args.model, args.repeats)
-    if not args.skip_restart:
-        by_model = {}
-        for model in args.restart_models:
-            by_model[model] = emu_vs_restart(model, args.repeats)
-            print(f"{model}: " + ", ".join(f"{k} {v['speedup']:.0f}x" for k, v in by_model[model].items()),
-                  file=sys.stderr)
-        result["emu_vs_checkpoint_restart"] = {
-            model: {"state_bytes_per_replica": state_bytes(model), **figures} for model, figures in by_model.items()}
-        result["speedup_vs_state_size"] = speedup_reach(by_model)
+        result["throughput"] = throughput(pool, args.model, args.repeats, fan_out=not args.quick)
+        if args.quick and not args.skip_restart:  # its live side in these workers: a spawn saved
+            result |= restart_section(args.restart_models, args.repeats, tuple(CHANGES)[:1], live=pool)
+    if not args.quick and not args.skip_restart:  # fresh workers, the throughput's gone
+        result |= restart_section(args.restart_models, args.repeats, tuple(CHANGES))
     result["load_average_at_end"] = os.getloadavg()[0]
     json.dump(result, sys.stdout, indent=2)
     print()

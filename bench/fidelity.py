@@ -1,6 +1,6 @@
 """Cost-model fidelity against public measurements: what was priced, predicted vs published, ratio. JSON.
 
-    .venv/bin/python bench/fidelity.py [--out FILE] [--table]
+    .venv/bin/python bench/fidelity.py [--out FILE] [--table] [--quick]
 
 Each row is one published figure (RL step times, training and generation throughput, time per output
 token at several concurrencies, memory footprints, the paper's 16-GPU example), the setting it was
@@ -313,6 +313,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--table", action="store_true", help="print a Markdown table instead of JSON")
+    ap.add_argument("--quick", action="store_true", help="the same run (it takes about a second)")
     args = ap.parse_args()
     result = run()
     text = json.dumps(result, indent=2)

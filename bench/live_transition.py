@@ -344,7 +344,11 @@ def main() -> None:
     parser.add_argument("--restart-after", action="store_true",
                         help="the restart twins after the live rounds, the live pool closed (memory)")
     parser.add_argument("--no-train", action="store_true", help="no train step between changes")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny-3m only, 1 round per pool mode, 1 restart sample of 1 restart case")
     args = parser.parse_args()
+    if args.quick:
+        args.models, args.samples, args.restart_samples, args.restart_cases = ["tiny-3m"], 1, 1, 1
     base, _ = load_job(str(lj.JOB_FILE))
     del RESTART_CASES[args.restart_cases:]
     torch.set_num_threads(1)

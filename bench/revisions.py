@@ -60,8 +60,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="interleaved runs per revision")
     ap.add_argument("--keys", default=".", help="regex over the dotted paths of the figures to compare")
     ap.add_argument("--timeout-s", type=float, default=1800.0, help="bound on one benchmark run")
+    ap.add_argument("--quick", action="store_true", help="1 round per revision (give the benchmark its own --quick)")
     ap.add_argument("bench", nargs=argparse.REMAINDER, help="-- then the benchmark script and its arguments")
     args = ap.parse_args()
+    if args.quick:
+        args.rounds = 1
     argv = args.bench[1:] if args.bench[:1] == ["--"] else args.bench
     if not argv:
         ap.error("name the benchmark after --, e.g. -- bench/executor.py --repeats 3")

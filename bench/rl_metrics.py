@@ -126,7 +126,10 @@ class _PlainWithStats(PlainActorLoss):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--quick", action="store_true", help="5 repeats")
     args = ap.parse_args()
+    if args.quick:
+        args.repeats = 5
     torch.set_num_threads(1)
     torch.manual_seed(0)
     out = {"loss_tallies": [bench_loss(32, 9, 259, args.repeats), bench_loss(4, 256, 32_000, max(3, args.repeats // 3))],

@@ -3,7 +3,7 @@ side by side in one run (JSON on stdout).
 
 Every layout runs the same PPO job (actor, reference, critic and a learned reward model, all
 ``tiny-3m``; 6 model-stages) on 1 or 2 local gloo ranks; each stage's time is the slowest rank's.
-Ratios are against the single-process layout. Run: ``python bench/rl_step.py [--steps 3]``
+Ratios are against the single-process layout. Run: ``python bench/rl_step.py [--steps 3] [--quick]``
 """
 
 from __future__ import annotations
@@ -73,7 +73,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--layouts", nargs="*", default=list(LAYOUTS))
+    ap.add_argument("--quick", action="store_true",
+                    help="2 timed steps of the single-process and TP2 layouts (TP2: 2 real gloo ranks)")
     args = ap.parse_args()
+    if args.quick:
+        args.steps, args.layouts = 2, [name for name in LAYOUTS if name.startswith(("1proc", "TP2"))]
     rows = []
     for name in args.layouts:
         world = LAYOUTS[name][0]
@@ -89,7 +93,7 @@ def main() -> None:
     for r in rows:
         r["step_s_median"] = round(float(r["step_s_median"]), 4)
         r["vs_" + rows[0]["layout"].split()[0]] = round(float(r["step_s_median"]) / float(base), 2)
-    print(json.dumps({"bench": "rl_step", "algo": "ppo", "model": TINY_3M.name,
+    print(json.dumps({"bench": "rl_step", "quick": args.quick, "steps": args.steps, "algo": "ppo", "model": TINY_3M.name,
                       "sequences_per_step": CFG.sequences_per_step,
                       "prompt_tokens": CFG.prompt_tokens, "max_new_tokens": CFG.response_tokens,
                       "threads_per_rank": 1, "results": rows}, indent=1))

@@ -1,6 +1,6 @@
 """The paper's results reproduced in simulation (nereusd/sim): JSON and PNG per result, under runs/sim/.
 
-    .venv/bin/python bench/sim_results.py [--out runs/sim] [--only drift,growth,spot,calibration] [--seed 0]
+    .venv/bin/python bench/sim_results.py [--out runs/sim] [--only drift,growth,spot,calibration] [--seed 0] [--quick]
 
 1. drift: etc/traces/drift_8_32.csv (Llama-3.1-8B PPO, H200): static baseline, Nereus with gamma in
    {0.25, 0.4, 0.5, 0.65, 1.0}, any-gain, switch every 3 steps, oracle. Paper: -27.7% vs static with 2
@@ -313,7 +313,10 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "runs" / "sim"))
     ap.add_argument("--only", default="drift,growth,spot,calibration")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="growth only (1,000 steps to 1,024 GCDs: ~20 s of CPU)")
     args = ap.parse_args()
+    if args.quick:
+        args.only = "growth"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     summary = {}

@@ -86,6 +86,7 @@ TRACES = {
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="etc/traces")
+    ap.add_argument("--quick", action="store_true", help="the same traces (writing them takes under a second)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

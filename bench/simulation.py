@@ -1,6 +1,6 @@
 """Benchmark of the simulator: wall time, controller passes/s and decisions at 128, 1,024 and 4,096 GPUs. JSON.
 
-    .venv/bin/python bench/simulation.py [--steps 1000] [--sizes 128,1024,4096] [--out FILE]
+    .venv/bin/python bench/simulation.py [--steps 1000] [--sizes 128,1024,4096] [--out FILE] [--quick]
 
 Wall time depends on what else runs on the machine; CPU time (process time) is reported beside it,
 with the load average at the start.
@@ -55,7 +55,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--sizes", default="128,1024,4096")
     ap.add_argument("--out")
+    ap.add_argument("--quick", action="store_true", help="200 steps at 128 and 1,024 GPUs")
     args = ap.parse_args()
+    if args.quick:
+        args.steps, args.sizes = 200, "128,1024"
     job = SimJob(model="llama-3.1-8b", algo="ppo", device="mi250x", prompts_per_step=1024)
     out = {"steps": args.steps, "job": job.spec(500), "load_average": os.getloadavg(), "sizes": {}}
     for size in (int(s) for s in args.sizes.split(",")):

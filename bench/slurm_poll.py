@@ -1,6 +1,6 @@
 """Benchmark of Slurm tracking: one batched poll for all jobs vs asking per job. Prints JSON.
 
-    .venv/bin/python bench/slurm_poll.py [--jobs 32] [--repeats 5] [--synthetic 1024]
+    .venv/bin/python bench/slurm_poll.py [--jobs 32] [--repeats 5] [--synthetic 1024] [--quick]
 
 1. On the real lab cluster (tests/slurm/lab.py; started or joined, needs root): ``--jobs`` jobs are
    submitted, then, side by side in one run, the wall time of
@@ -94,8 +94,11 @@ def main() -> int:
     p.add_argument("--jobs", type=int, default=32)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--synthetic", type=int, default=1024)
+    p.add_argument("--quick", action="store_true", help="8 real jobs, 3 repeats; the 1,024 synthetic ones kept")
     args = p.parse_args()
-    out: dict[str, Any] = {"synthetic": synthetic(args.synthetic, args.repeats)}
+    if args.quick:
+        args.jobs, args.repeats = 8, 3
+    out: dict[str, Any] = {"quick": args.quick, "synthetic": synthetic(args.synthetic, args.repeats)}
     try:
         out["real_cluster"] = real_cluster(args.jobs, args.repeats)
     except LabUnavailable as exc:

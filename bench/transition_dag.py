@@ -10,8 +10,9 @@
   node and class counts, the time to expand the unit-level DAG, and the 1.2 ms target.
 - one_gpu_derive: time for one GPU to derive its own transfer list (all primitives touching it) in
   the largest case, with its bytes and buckets.
-- greedy_vs_optimum: makespan of the greedy order vs the best memory-feasible order found by brute
-  force over all topological orders, on small random instances (mean and max gap).
+- greedy_vs_optimum: on >= 200 random instances of 3..EXACT_MAKESPAN_NODES nodes, the makespan of the
+  order the builder ships and of the greedy order alone against the proven optimum (mean and max gap,
+  count within 10%), with the production search's CPU time; the smallest checked by brute force.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from transitions.cost import (  # noqa: E402
 )
 from transitions.dag_pieces import DagMemo  # noqa: E402
 from transitions.emu import UnitState  # noqa: E402
-from transitions.exact_order import fastest_order  # noqa: E402
+from transitions.exact_order import EXACT_BUDGET, EXACT_MAKESPAN_NODES, search_order  # noqa: E402
 from transitions.feasibility import order_by_memory  # noqa: E402
 from transitions.global_dag import TransitionDAG, build_transition, primitive_count  # noqa: E402
 from transitions.node_steps import node_step  # noqa: E402
@@ -192,61 +193,99 @@ def _memory_ok(dag: TransitionDAG, order: tuple[int, ...]) -> bool:
     return True
 
 
-def _greedy_order(dag: TransitionDAG) -> tuple[int, ...]:
-    """The memory-only greedy order (transitions.feasibility), as the builder chose it before the exact
-    search on small DAGs."""
-    return order_by_memory(list(dag.footprints), list(dag.data_edges), list(dag.stage_order), dag.initial_bytes,
-                           dag.capacity_bytes).order
+# size bands of the random instances: (least nodes, most nodes, instances); together >= 200
+BANDS = ((3, 7, 100), (8, 12, 60), (13, EXACT_MAKESPAN_NODES, 40))
+REFERENCE_BUDGET = 2_000_000  # the reference search's expansions: enough to prove every instance here
 
 
-def greedy_vs_optimum(instances: int, max_nodes: int, brute_force: int) -> dict[str, object]:
-    """On random small instances (3..max_nodes nodes, memory tight enough that order matters): the
-    makespan of the memory-only greedy order, and of the order the builder ships (the exact search,
-    transitions.exact_order, on DAGs this small), against the optimum over every memory-feasible
-    order; the first ``brute_force`` instances check that optimum against all n! permutations."""
+def _tight_instances(rng: random.Random) -> tuple[list[tuple[TransitionDAG, ClusterSpec]], int]:
+    """Random changes filling BANDS (by unit-level node count), memory 85-100% of the roomy peak
+    (tight enough that the order matters for memory too), and how many random changes were drawn."""
+    out: list[tuple[TransitionDAG, ClusterSpec]] = []
+    wanted = [count for _, _, count in BANDS]
+    drawn = 0
+    while any(wanted):
+        drawn += 1
+        sc = random_scenario(rng, max_stages=4)
+        try:
+            n = primitive_count(sc.states, sc.old, sc.new)  # sized before any footprint is derived
+            band = next((k for k, (lo, hi, _) in enumerate(BANDS) if lo <= n <= hi and wanted[k]), None)
+            if band is None:
+                continue
+            roomy = build_transition(sc.states, sc.cluster, sc.old, sc.new, capacity_bytes=1 << 50, cache=CACHE,
+                                     exact=True)
+            if roomy.bytes_moved == 0:
+                continue
+            capacity = int(max(roomy.peak_bytes.values()) * rng.uniform(0.85, 1.0))
+            out.append((build_transition(sc.states, sc.cluster, sc.old, sc.new, capacity_bytes=capacity,
+                                         cache=CACHE, exact=True), sc.cluster))
+            wanted[band] -= 1
+        except InfeasibleError:
+            continue
+    return out, drawn
+
+
+def greedy_vs_optimum(brute_force: int) -> dict[str, object]:
+    """On random small instances in BANDS: the makespan of the order the builder ships (the greedy
+    passes, then on DAGs of at most EXACT_MAKESPAN_NODES nodes the search of transitions.exact_order
+    under its budget) and of the greedy alone (what ships above that size), against the optimum (the
+    same search with REFERENCE_BUDGET, which proves it); the first ``brute_force`` instances check that
+    optimum against all n! permutations (every fifth, smallest first). With the search's CPU time under
+    the production budget."""
     rng = random.Random(7)
-    greedy_gaps: list[float] = []
-    shipped_gaps: list[float] = []
-    agree = tried = 0
-    while len(greedy_gaps) < instances:
-        tried += 1
-        sc = random_scenario(rng, max_stages=3)
-        try:
-            if not 3 <= primitive_count(sc.states, sc.old, sc.new) <= max_nodes:
-                continue  # sized before any footprint is derived
-            roomy = build_transition(sc.states, sc.cluster, sc.old, sc.new, capacity_bytes=1 << 50, cache=CACHE)
-        except InfeasibleError:
-            continue
-        n = len(roomy.nodes)
-        if not 3 <= n <= max_nodes or roomy.bytes_moved == 0:
-            continue
-        peak = max(roomy.peak_bytes.values())
-        capacity = int(peak * rng.uniform(0.85, 1.0))  # tight enough that order matters for memory too
-        try:
-            dag = build_transition(sc.states, sc.cluster, sc.old, sc.new, capacity_bytes=capacity, cache=CACHE)
-        except InfeasibleError:
-            continue
-        durations = [primitive_seconds(fp, sc.cluster, DEFAULT_COMMUNICATOR_SETUP_S) for fp in dag.footprints]
+    rows: list[dict[str, float]] = []
+    agree = proven = 0
+    dags, drawn = _tight_instances(rng)
+    for dag, cluster in sorted(dags, key=lambda dc: len(dc[0].nodes)):
+        fps, edges = list(dag.footprints), list(dag.data_edges)
+        durations = [primitive_seconds(fp, cluster, DEFAULT_COMMUNICATOR_SETUP_S) for fp in fps]
+        greedy_order = order_by_memory(fps, edges, list(dag.stage_order), dag.initial_bytes,
+                                       dag.capacity_bytes).order
+        greedy = _makespan(dag, greedy_order, durations)
         shipped = _makespan(dag, dag.order, durations)
-        greedy = _makespan(dag, _greedy_order(dag), durations)
-        best_order = fastest_order(list(dag.footprints), list(dag.data_edges), dag.initial_bytes, capacity, durations)
-        best = min(greedy, shipped) if best_order is None else _makespan(dag, best_order, durations)
-        if len(greedy_gaps) < brute_force:
+        c0 = time.process_time()  # the search as the builder runs it: bounded by the greedy order
+        best_order, finished = search_order(fps, edges, dag.initial_bytes, dag.capacity_bytes, durations,
+                                            greedy)
+        search_ms = 1e3 * (time.process_time() - c0)
+        done = finished  # finished: its order (or the greedy one, if none beat it) is the optimum
+        if not finished:
+            best_order, done = search_order(fps, edges, dag.initial_bytes, dag.capacity_bytes, durations,
+                                            greedy, budget=REFERENCE_BUDGET)
+        proven += done
+        best = greedy if best_order is None else _makespan(dag, best_order, durations)
+        n = len(fps)
+        if n <= 7 and len(rows) % 5 == 0 and len(rows) < 5 * brute_force:  # spread over 3..7 nodes
             brute = min((_makespan(dag, perm, durations) for perm in itertools.permutations(range(n))
-                         if all(perm.index(a) < perm.index(b) for a, b in dag.data_edges) and _memory_ok(dag, perm)),
+                         if all(perm.index(a) < perm.index(b) for a, b in edges) and _memory_ok(dag, perm)),
                         default=best)
             agree += abs(brute - best) <= 1e-9 * max(1.0, brute)
-        greedy_gaps.append((greedy - best) / best if best > 0 else 0.0)
-        shipped_gaps.append((shipped - best) / best if best > 0 else 0.0)
+        rows.append({"nodes": n, "greedy": (greedy - best) / best if best > 0 else 0.0,
+                     "shipped": (shipped - best) / best if best > 0 else 0.0,
+                     "search_ms": search_ms, "search_finished": finished})
 
-    def stats(gaps: list[float]) -> dict[str, float]:
-        gaps = [max(0.0, g) for g in gaps]  # the optimum's own float noise
+    def stats(picked: list[dict[str, float]], key: str) -> dict[str, float]:
+        gaps = [max(0.0, r[key]) for r in picked]  # the optimum's own float noise
         return {"mean_gap_pct": round(100 * statistics.mean(gaps), 2), "max_gap_pct": round(100 * max(gaps), 2),
+                "within_10pct": sum(g <= 0.1 + 1e-9 for g in gaps),
                 "optimal_share_pct": round(100 * sum(g < 1e-9 for g in gaps) / len(gaps), 1)}
 
-    return {"instances": len(greedy_gaps), "drawn": tried, "max_nodes": max_nodes,
-            "shipped_order": stats(shipped_gaps), "greedy_only": stats(greedy_gaps),
-            "brute_force_checked": min(brute_force, len(greedy_gaps)), "brute_force_agrees": agree,
+    bands = []
+    for lo, hi, _ in BANDS:
+        picked = [r for r in rows if lo <= r["nodes"] <= hi]
+        times = [r["search_ms"] for r in picked]
+        bands.append({"nodes": f"{lo}..{hi}", "instances": len(picked), "shipped_order": stats(picked, "shipped"),
+                      "greedy_only": stats(picked, "greedy"),
+                      "search_cpu_ms": {"median": round(statistics.median(times), 3), "max": round(max(times), 2)},
+                      "search_cut_by_budget": sum(not r["search_finished"] for r in picked)})
+    times = [r["search_ms"] for r in rows]
+    return {"instances": len(rows), "drawn": drawn, "exact_makespan_nodes": EXACT_MAKESPAN_NODES,
+            "search_budget": EXACT_BUDGET, "optimum_proven": proven,
+            "shipped_order": stats(rows, "shipped"), "greedy_only": stats(rows, "greedy"),
+            "search_cpu_ms": {"median": round(statistics.median(times), 3), "max": round(max(times), 2)},
+            "search_cut_by_budget": sum(not r["search_finished"] for r in rows), "by_size": bands,
+            "brute_force_checked": sum(r["nodes"] <= 7 and k % 5 == 0 and k < 5 * brute_force
+                                       for k, r in enumerate(rows)),
+            "brute_force_agrees": agree,
             "targets": {"max_gap_pct": 10.0, "mean_gap_pct": 2.0, "instances": 200}}
 
 
@@ -273,7 +312,7 @@ def main() -> None:
                                "cold_cpu_ms": 30, "expand_cpu_ms": 5},
         "load_average_1min": round(os.getloadavg()[0], 1),
         "one_gpu_derive": one_gpu_derive(sizes[-1], "ppo-70b"),
-        "greedy_vs_optimum": greedy_vs_optimum(200, 7, 20 if args.quick else 60),
+        "greedy_vs_optimum": greedy_vs_optimum(20 if args.quick else 60),
     }
     out["bench_s"] = {"wall": round(time.perf_counter() - t0, 1), "cpu": round(time.process_time() - c0, 1)}
     print(json.dumps(out, indent=2))

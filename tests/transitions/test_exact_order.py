@@ -12,8 +12,8 @@ from order_oracle import fits
 from planner.errors import InfeasibleError
 from planner.hardware import ClusterSpec
 from transitions.cost import DEFAULT_COMMUNICATOR_SETUP_S, primitive_seconds, schedule, transition_cost
-from transitions.exact_order import EXACT_MAKESPAN_NODES, fastest_order, makespan
-from transitions.feasibility import order_by_memory
+from transitions.exact_order import EXACT_MAKESPAN_NODES, fastest_order, makespan, search_order
+from transitions.feasibility import _greedy, order_by_memory
 from transitions.global_dag import TransitionDAG, build_transition, primitive_count
 from transitions.planning_cache import PlanningCache
 from transitions.primitives import Footprint
@@ -201,3 +201,41 @@ def test_acquisitions_fill_a_gpu_that_held_nothing_exactly_also_after_backtracki
     assert best == (1, 0, 2) and makespan([a, b, c], [(1, 2)], best, [1.0, 1.0, 3.0]) == 4.0
     # 5 + 6 bytes do not fit in 10, whichever comes first
     assert fastest_order([fp({1: 5}, (1,)), b], [], {}, 10, [1.0, 1.0]) is None
+
+
+def test_zero_duration_nodes_and_a_cut_search_against_every_permutation() -> None:
+    """Destroys and local Merges take no time: the search places such a node at once when it adds no
+    state and delays no GPU, and skips a set of placed nodes reached again with the same end times.
+    Against every permutation (durations 0, 1, 2; releases and net releases among the nodes), the
+    search still returns an order of least makespan. Cut to a few expansions, what it returns still
+    fits and beats the bound, and it says it was cut; order_by_memory's order (greedy, with its
+    duration-aware pass) always fits, and never runs slower than the memory-only order it replaces."""
+    rng = random.Random(17)
+    zero_best = cut = beaten = 0
+    for _ in range(200):
+        fps, edges, initial, _ = _random_instance(rng)
+        durations = [float(rng.choice((0, 0, 1, 2))) for _ in fps]
+        capacity = max(initial.values(), default=0) + rng.choice((3, 5, 8, 12))
+        spans = [_span(fps, edges, p, durations) for p in itertools.permutations(range(len(fps)))
+                 if fits(fps, edges, p, initial, capacity)]
+        if not spans:
+            continue
+        best = min(spans)
+        got, done = search_order(fps, edges, initial, capacity, durations)
+        assert done and got is not None and fits(fps, edges, got, initial, capacity)
+        assert _span(fps, edges, got, durations) == best
+        zero_best += best == 0.0 or any(durations[i] == 0.0 for i in got)
+        short, done = search_order(fps, edges, initial, capacity, durations, bound=max(spans) + 1, budget=2)
+        if not done:
+            cut += 1
+            assert short is None or (fits(fps, edges, short, initial, capacity)
+                                     and _span(fps, edges, short, durations) <= max(spans))
+        try:
+            memory_only = _greedy(fps, edges, [0] * len(fps), initial, capacity, "stage")
+        except InfeasibleError:
+            continue  # the other passes and the memory search: tested in test_feasibility.py
+        timed = order_by_memory(fps, edges, [0] * len(fps), initial, capacity, durations=durations)
+        assert fits(fps, edges, timed.order, initial, capacity)
+        assert _span(fps, edges, timed.order, durations) <= _span(fps, edges, memory_only.order, durations)
+        beaten += _span(fps, edges, timed.order, durations) < _span(fps, edges, memory_only.order, durations)
+    assert zero_best >= 100 and cut >= 50 and beaten >= 1

@@ -138,14 +138,14 @@ def test_plain_changes_may_take_the_replica_class_path_and_nothing_else_does() -
 
 def test_the_greedy_order_is_replaced_only_by_a_strictly_faster_one() -> None:
     """A (GPUs 0, 2) and C (1, 3) send 1 MiB each, B (0, 1) a few bytes. In the greedy order A, B, C, B
-    waits for A and C for B; A, C, B runs A and C side by side, then B."""
+    waits for A and C for B; A, C, B (or B, A, C) runs A and C side by side, B before or after."""
     def sends(src: int, dst: int, nbytes: int) -> Footprint:
         return Footprint(alloc_bytes={}, free_bytes={}, buffer_bytes={}, local_bytes={}, pair_bytes={(src, dst): nbytes})
     fps = [sends(0, 2, 1 << 20), sends(0, 1, 16), sends(1, 3, 1 << 20)]
     durations = [primitive_seconds(fp, CLUSTER, DEFAULT_COMMUNICATOR_SETUP_S) for fp in fps]
     greedy = MemoryOrder(order=(0, 1, 2), resource_edges=(), peak_bytes={})
     got = _fastest(fps, [], {}, 1 << 30, CLUSTER, greedy)
-    assert got.order[-1] == 1 and sorted(got.order) == [0, 1, 2]
+    assert got.order.index(1) in (0, 2) and sorted(got.order) == [0, 1, 2]
     assert makespan(fps, [], got.order, durations) < makespan(fps, [], greedy.order, durations)
     assert got.peak_bytes == {} and got.resource_edges == ()
     # an order that is already the fastest is kept as it is
