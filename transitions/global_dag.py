@@ -48,7 +48,7 @@ from transitions.dag_record import (  # noqa: F401 (re-exported)
 )
 from transitions.emu import EMU, UnitState, job_states
 from transitions.exact_order import EXACT_MAKESPAN_NODES, fastest_order, makespan
-from transitions.feasibility import MemoryOrder, order_by_memory, replay_order
+from transitions.feasibility import TIMED_NODE_LIMIT, MemoryOrder, order_by_memory, replay_order
 from transitions.footprints import footprint
 from transitions.local_dag import LastCopyLostError, plan_stage, plan_units
 from transitions.planning_cache import DEFAULT_CACHE, PlanningCache
@@ -233,9 +233,13 @@ def _ordered(states: Mapping[str, UnitState], local: _Local, intact: dict[str, l
     fps = [footprint(p, cache) for p in nodes]
     initial = held_bytes([u for units in intact.values() for u in units])
     stage_order = [_stage_of(p, states) for p in nodes]
-    result: MemoryOrder = order_by_memory(fps, edges, stage_order, initial, capacity, policy=policy)
-    if policy == "global" and 1 < len(nodes) <= EXACT_MAKESPAN_NODES:
-        result = _fastest(fps, edges, initial, capacity, cluster, result)
+    # durations as transition_cost prices them, for the greedy's duration-aware pass and the exact search
+    # (only DAGs small enough for either: a larger one's greedy is memory-only)
+    durations = _durations(fps, cluster) if policy == "global" and len(nodes) <= TIMED_NODE_LIMIT else None
+    result: MemoryOrder = order_by_memory(fps, edges, stage_order, initial, capacity, policy=policy,
+                                          durations=durations)
+    if durations is not None and 1 < len(nodes) <= EXACT_MAKESPAN_NODES:
+        result = _fastest(fps, edges, initial, capacity, durations, result)
     return DagBody(
         nodes=tuple(nodes), stage_order=tuple(stage_order),
         data_edges=tuple(edges), resource_edges=tuple(result.resource_edges), order=tuple(result.order),
@@ -245,13 +249,16 @@ def _ordered(states: Mapping[str, UnitState], local: _Local, intact: dict[str, l
     )
 
 
-def _fastest(fps: list[Footprint], edges: list[tuple[int, int]], initial: dict[int, int], capacity: int,
-             cluster: ClusterSpec, greedy: MemoryOrder) -> MemoryOrder:
-    """The greedy order, or a strictly faster memory-feasible one (durations as transition_cost
-    prices them by default)."""
+def _durations(fps: list[Footprint], cluster: ClusterSpec) -> list[float]:
+    """Each node's seconds as transition_cost prices them by default."""
     from transitions.cost import DEFAULT_COMMUNICATOR_SETUP_S, primitive_seconds  # cost imports this module
 
-    durations = [primitive_seconds(fp, cluster, DEFAULT_COMMUNICATOR_SETUP_S) for fp in fps]
+    return [primitive_seconds(fp, cluster, DEFAULT_COMMUNICATOR_SETUP_S) for fp in fps]
+
+
+def _fastest(fps: list[Footprint], edges: list[tuple[int, int]], initial: dict[int, int], capacity: int,
+             durations: list[float], greedy: MemoryOrder) -> MemoryOrder:
+    """The greedy order, or a strictly faster memory-feasible one."""
     order = fastest_order(fps, edges, initial, capacity, durations, makespan(fps, edges, greedy.order, durations))
     return greedy if order is None else replay_order(fps, list(order), initial, capacity)
 

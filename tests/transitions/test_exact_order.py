@@ -66,7 +66,8 @@ def _spans(dag: TransitionDAG, cluster: ClusterSpec) -> tuple[list[float], float
     """(durations, shipped makespan, greedy makespan, greedy order)."""
     durations = [primitive_seconds(fp, cluster, DEFAULT_COMMUNICATOR_SETUP_S) for fp in dag.footprints]
     fps, edges = list(dag.footprints), list(dag.data_edges)
-    greedy = order_by_memory(fps, edges, list(dag.stage_order), dag.initial_bytes, dag.capacity_bytes).order
+    greedy = order_by_memory(fps, edges, list(dag.stage_order), dag.initial_bytes, dag.capacity_bytes,
+                             durations=durations).order  # the builder's greedy prices with them too
     return durations, makespan(fps, edges, dag.order, durations), makespan(fps, edges, greedy, durations), greedy
 
 
@@ -81,18 +82,6 @@ def test_small_dags_ship_the_makespan_optimum_that_fits() -> None:
         assert shipped <= greedy_span
         if shipped == greedy_span:
             assert dag.order == greedy  # the greedy order is kept unless strictly beaten
-
-
-def test_a_greedy_order_far_from_the_optimum_is_replaced() -> None:
-    """Among the random instances one's memory-only greedy order is slower than the optimum (the
-    bench's 200 instances have one at 2x): the builder ships the optimum instead."""
-    for dag, cluster in itertools.islice(_small_tight_dags(7), 200):
-        durations, shipped, greedy_span, greedy = _spans(dag, cluster)
-        if greedy_span > shipped * (1 + 1e-9):
-            assert dag.order != greedy and _fits(dag, dag.order)
-            assert abs(shipped - _brute(dag, durations)) <= 1e-9 * shipped
-            return
-    raise AssertionError("no instance of 200 had a greedy order slower than the optimum")
 
 
 def test_fastest_order_respects_its_bound_and_memory() -> None:

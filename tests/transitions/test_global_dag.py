@@ -16,7 +16,7 @@ from transitions.cost import DEFAULT_COMMUNICATOR_SETUP_S, primitive_seconds
 from transitions.emu import UnitState
 from transitions.exact_order import makespan
 from transitions.feasibility import MemoryOrder
-from transitions.global_dag import _fastest, build_transition, build_weight_sync, primitive_count
+from transitions.global_dag import _durations, _fastest, build_transition, build_weight_sync, primitive_count
 from transitions.local_dag import LastCopyLostError
 from transitions.primitives import Destroy, Extend, Footprint
 from transitions.replay import replay
@@ -144,19 +144,19 @@ def test_the_greedy_order_is_replaced_only_by_a_strictly_faster_one() -> None:
     fps = [sends(0, 2, 1 << 20), sends(0, 1, 16), sends(1, 3, 1 << 20)]
     durations = [primitive_seconds(fp, CLUSTER, DEFAULT_COMMUNICATOR_SETUP_S) for fp in fps]
     greedy = MemoryOrder(order=(0, 1, 2), resource_edges=(), peak_bytes={})
-    got = _fastest(fps, [], {}, 1 << 30, CLUSTER, greedy)
+    got = _fastest(fps, [], {}, 1 << 30, durations, greedy)
     assert got.order.index(1) in (0, 2) and sorted(got.order) == [0, 1, 2]
     assert makespan(fps, [], got.order, durations) < makespan(fps, [], greedy.order, durations)
     assert got.peak_bytes == {} and got.resource_edges == ()
     # an order that is already the fastest is kept as it is
     best = MemoryOrder(order=got.order, resource_edges=(), peak_bytes={})
-    assert _fastest(fps, [], {}, 1 << 30, CLUSTER, best) is best
+    assert _fastest(fps, [], {}, 1 << 30, durations, best) is best
     # the replacement is replayed on memory: with GPU 0 full, B's byte waits on R's release (node 3)
     release = Footprint(alloc_bytes={}, free_bytes={0: 1}, buffer_bytes={}, local_bytes={0: 1}, pair_bytes={})
     small = Footprint(alloc_bytes={0: 1}, free_bytes={}, buffer_bytes={}, local_bytes={}, pair_bytes={(0, 1): 16})
     fps = [fps[0], small, fps[2], release]
     greedy = MemoryOrder(order=(3, 0, 1, 2), resource_edges=((3, 1),), peak_bytes={0: 10})
-    got = _fastest(fps, [(3, 1)], {0: 10}, 10, CLUSTER, greedy)
+    got = _fastest(fps, [(3, 1)], {0: 10}, 10, _durations(fps, CLUSTER), greedy)
     assert got.order != greedy.order and got.order.index(3) < got.order.index(1)
     assert got.resource_edges == ((3, 1),) and got.peak_bytes[0] == 10
 

@@ -56,7 +56,8 @@ def _first_change_of(rng: random.Random, nodes: int) -> tuple[TransitionDAG, lis
         dag = build_transition(sc.states, sc.cluster, sc.old, sc.new, capacity_bytes=1 << 50, exact=True)
         fps, edges = list(dag.footprints), list(dag.data_edges)
         durations = [primitive_seconds(fp, sc.cluster, DEFAULT_COMMUNICATOR_SETUP_S) for fp in fps]
-        greedy = order_by_memory(fps, edges, list(dag.stage_order), dag.initial_bytes, dag.capacity_bytes).order
+        greedy = order_by_memory(fps, edges, list(dag.stage_order), dag.initial_bytes, dag.capacity_bytes,
+                                 durations=durations).order  # the builder's greedy prices with them too
         if fastest_order(fps, edges, dag.initial_bytes, dag.capacity_bytes, durations,
                          makespan(fps, edges, greedy, durations)) is not None:
             return dag, durations, greedy
