@@ -113,6 +113,13 @@ def last_run(ctx: Any) -> dict[str, float]:
     return dict(getattr(runner, "LAST_RUN", {}))
 
 
+def settle_pool(ctx: Any) -> None:
+    """Wait for the worker's warm pool to finish its refill after the last run (untimed)."""
+    from transitions.executor import warm_pool
+
+    warm_pool.POOL.settle()
+
+
 def pool_stats(ctx: Any) -> dict[str, int]:
     from transitions.executor import warm_pool
 
@@ -215,11 +222,16 @@ def live_sample(pool: LocalCoordinator, cfg: RunConfig, old: GlobalPlan, new: Gl
         "nodes_s": node_s, "wire_bytes": sum(pairs.values()), "local_bytes": sum(local.values()),
         "local_bytes_max_worker": max(local.values(), default=0),
         "executor_copied_bytes": sum(r.bytes_copied_locally for reps in outcome.reports.values() for r in reps),
-        "executor_remapped_bytes": sum(r.bytes_remapped for reps in outcome.reports.values() for r in reps)}
+        "executor_remapped_bytes": sum(r.bytes_remapped for reps in outcome.reports.values() for r in reps),
+        # the slowest worker's node time in parts: copies of bytes staying on it, bucket packing, unpacking
+        "node_parts_max_s": {k: max(sum(getattr(r, k) for r in reps) for reps in outcome.reports.values())
+                             for k in ("local_copy_s", "pack_s", "unpack_s")}}
     spans = pool.call(last_run, workers=needed)
     fig["worker_spans_max_s"] = {k: max(sp.get(k, 0.0) for sp in spans.values()) for k in next(iter(spans.values()))} \
         if all(spans.values()) else {}
-    # the baselines, right after, between the same processes (the generation of ``needed``); not timed
+    # the baselines, right after, between the same processes (the generation of ``needed``); not timed;
+    # first the workers' warm pools finish refilling what the run emptied (their thread would slow them)
+    pool.call(settle_pool, workers=needed)
     wire = pairs or {(needed[0], needed[1]): 1}
     fig["wire_s"] = max(pool.call(pair_exchange, workers=needed, timeout_s=TIMEOUT_S, pairs=wire, warm=True).values())
     fig["wire_cold_s"] = max(pool.call(pair_exchange, workers=needed, timeout_s=TIMEOUT_S, pairs=wire,
