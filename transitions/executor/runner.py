@@ -5,7 +5,9 @@ deriving its own pieces and messages (``transitions.node_steps``): targets are a
 node starts, sources freed by the node that frees them, Merges of parts already in final shape only
 relabel; local-only nodes right after a remote one run alongside its transfers. On CPU a unit cut
 from one the worker gives up is built from that unit's pages before the nodes sending from it
-(``early_build``), or else inside that unit's buffer once nothing reads it any more (``in_place``).
+(``early_build``), or else inside that unit's buffer once nothing reads it any more (``in_place``);
+a node's local runs out of a unit nothing reads after it (a merge keeping its own part) move as pages
+once its transfers are done (``lend``), and the warm pool refills what moves emptied after the run.
 A large Extend fan-out runs as one broadcast per unit rank (``fan_out``); a Restore node reads the
 worker's share of its unit from a checkpoint (``restore``). Time per node is measured next to the
 cost model's prediction.
