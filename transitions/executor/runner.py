@@ -93,6 +93,7 @@ def run_dag(dag: TransitionDAG, worker: int, units: dict[str, RankState], channe
     point (old units are only freed after their readers).
     """
     memo = memo if memo is not None else DagMemo()
+    warm_pool.POOL.settle()  # the last run's refill holds the pool's mappings: done first (bounded)
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     t0 = time.perf_counter()
     prepared = _prepare(dag, worker, channel.device, predicted_s, max_bucket_bytes, in_place, fan_out, memo)
