@@ -115,7 +115,9 @@ def raw_exchange(ctx: Any, *, pairs: dict[tuple[int, int], int], warm: bool = Fa
     default): the receive buffer is allocated fresh, as a transition's new state is; warm: buffers
     allocated and touched before the clock starts (pure transport, a stricter baseline)."""
     from transitions.channel import P2POp
+    from transitions.executor import warm_pool
 
+    warm_pool.POOL.settle()  # the executor's refill after its last run, done before this baseline
     ops = []
     for (src, dst), n in pairs.items():
         if ctx.worker_id == src:

@@ -77,6 +77,7 @@ REPORTED = tuple(name for name, *_ in CHAIN if not name.startswith("("))
 # the cases timed by checkpoint/restart too (each restart costs seconds)
 RESTART_CASES = [REPORTED[0], REPORTED[2]]
 TIMEOUT_S = lj.TIMEOUT_S
+MODES = ["off", "on"]  # the warm pool's, round by round (--pool-on-only: "on" alone)
 
 
 def model_of(name: str) -> ModelSpec:
@@ -111,6 +112,13 @@ def last_run(ctx: Any) -> dict[str, float]:
     from transitions.executor import runner
 
     return dict(getattr(runner, "LAST_RUN", {}))
+
+
+def settle_pool(ctx: Any) -> None:
+    """Wait for the worker's warm pool to finish its refill after the last run (untimed)."""
+    from transitions.executor import warm_pool
+
+    warm_pool.POOL.settle()
 
 
 def pool_stats(ctx: Any) -> dict[str, int]:
@@ -215,11 +223,16 @@ def live_sample(pool: LocalCoordinator, cfg: RunConfig, old: GlobalPlan, new: Gl
         "nodes_s": node_s, "wire_bytes": sum(pairs.values()), "local_bytes": sum(local.values()),
         "local_bytes_max_worker": max(local.values(), default=0),
         "executor_copied_bytes": sum(r.bytes_copied_locally for reps in outcome.reports.values() for r in reps),
-        "executor_remapped_bytes": sum(r.bytes_remapped for reps in outcome.reports.values() for r in reps)}
+        "executor_remapped_bytes": sum(r.bytes_remapped for reps in outcome.reports.values() for r in reps),
+        # the slowest worker's node time in parts: copies of bytes staying on it, bucket packing, unpacking
+        "node_parts_max_s": {k: max(sum(getattr(r, k) for r in reps) for reps in outcome.reports.values())
+                             for k in ("local_copy_s", "pack_s", "unpack_s")}}
     spans = pool.call(last_run, workers=needed)
     fig["worker_spans_max_s"] = {k: max(sp.get(k, 0.0) for sp in spans.values()) for k in next(iter(spans.values()))} \
         if all(spans.values()) else {}
-    # the baselines, right after, between the same processes (the generation of ``needed``); not timed
+    # the baselines, right after, between the same processes (the generation of ``needed``); not timed;
+    # first the workers' warm pools finish refilling what the run emptied (their thread would slow them)
+    pool.call(settle_pool, workers=needed)
     wire = pairs or {(needed[0], needed[1]): 1}
     fig["wire_s"] = max(pool.call(pair_exchange, workers=needed, timeout_s=TIMEOUT_S, pairs=wire, warm=True).values())
     fig["wire_cold_s"] = max(pool.call(pair_exchange, workers=needed, timeout_s=TIMEOUT_S, pairs=wire,
@@ -241,7 +254,7 @@ def live_sample(pool: LocalCoordinator, cfg: RunConfig, old: GlobalPlan, new: Gl
 
 def rounds(cfg: RunConfig, samples: int, pool_bytes: int, restart_samples: int, train: bool,
            restart_after: bool = False) -> dict[str, dict[str, list[dict[str, Any]]]]:
-    """``2 * samples`` rounds of the chain on one pool, the warm pool on and off in turn; after each
+    """``len(MODES) * samples`` rounds of the chain on one pool, the warm pool on and off in turn (MODES); after each
     round, the next restart twin of every reported case while restart samples remain."""
     raw: dict[str, dict[str, list[dict[str, Any]]]] = {m: {n: [] for n in REPORTED} for m in ("on", "off")}
     restarts: dict[str, list[dict[str, float]]] = {n: [] for n in REPORTED}
@@ -253,8 +266,8 @@ def rounds(cfg: RunConfig, samples: int, pool_bytes: int, restart_samples: int, 
         pool.call(bind, workers=sorted(plan.gpus), timeout_s=TIMEOUT_S, collective=True, cfg=cfg, plan=plan)
         # round 0 warms up, unreported: the processes, and the pool as a running job's would be (it
         # holds what the workers freed in the chain's edges before: on a joining worker, its old units)
-        for rnd in range(2 * samples + 1):
-            mode = ("warm-up", "off", "on")[min(rnd, 1 + (rnd - 1) % 2)]
+        for rnd in range(len(MODES) * samples + 1):
+            mode = "warm-up" if rnd == 0 else MODES[(rnd - 1) % len(MODES)]
             pool.call(set_pool, nbytes=0 if mode == "off" else pool_bytes)
             plans: dict[str, tuple[GlobalPlan, GlobalPlan]] = {}
             for i, (name, _, layout) in enumerate(CHAIN):
@@ -296,7 +309,7 @@ def summary(raw: dict[str, Any]) -> dict[str, Any]:
     med = statistics.median
     for name in REPORTED:
         case: dict[str, Any] = {}
-        for mode in ("off", "on"):
+        for mode in MODES:
             figs = raw[mode][name]
             ratios = [f["transition_s"] / max(f["wire_s"] + f["local_s"], 1e-9) for f in figs]
             cold = [f["transition_s"] / max(f["wire_cold_s"] + f["local_s"], 1e-9) for f in figs]
@@ -325,7 +338,8 @@ def summary(raw: dict[str, Any]) -> dict[str, Any]:
             "restart_samples": len(restart_s), "restart_s": med(restart_s) if restart_s else None,
             "restart_over_transition": med(restart_s) / on["transition_s"] if restart_s else None,
             "restart_over_apply": med(restart_s) / on["apply_s"] if restart_s else None,
-            "restart_over_apply_pool_off": med(restart_s) / case["pool off"]["apply_s"] if restart_s else None,
+            "restart_over_apply_pool_off": med(restart_s) / case["pool off"]["apply_s"]
+            if restart_s and "pool off" in case else None,
             "restart_phases_s_median": {k: med(r[k] for r in raw["restart"][name])
                                         for k in raw["restart"][name][0] if k != "restart_s"} if restart_s else {},
             "samples_restart_s": restart_s})
@@ -346,9 +360,12 @@ def main() -> None:
     parser.add_argument("--no-train", action="store_true", help="no train step between changes")
     parser.add_argument("--quick", action="store_true",
                         help="tiny-3m only, 1 round per pool mode, 1 restart sample of 1 restart case")
+    parser.add_argument("--pool-on-only", action="store_true", help="every round with the warm pool on")
     args = parser.parse_args()
     if args.quick:
         args.models, args.samples, args.restart_samples, args.restart_cases = ["tiny-3m"], 1, 1, 1
+    if args.pool_on_only:
+        MODES[:] = ["on"]
     base, _ = load_job(str(lj.JOB_FILE))
     del RESTART_CASES[args.restart_cases:]
     torch.set_num_threads(1)
@@ -368,7 +385,7 @@ def main() -> None:
     result["load_average_at_end"] = os.getloadavg()
     result["bench_seconds"] = time.perf_counter() - started
     result["ratios"] = {f"{m} {c} [{mode}]": v[f"pool {mode}"]["ratio"] for m, r in result["models"].items()
-                        for c, v in r["cases"].items() for mode in ("off", "on")}
+                        for c, v in r["cases"].items() for mode in MODES}
     result["ratios"] |= {f"{m} {c}: restart/apply": v["restart_over_apply"] for m, r in result["models"].items()
                          for c, v in r["cases"].items()}
     json.dump(result, sys.stdout, indent=1)

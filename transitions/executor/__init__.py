@@ -11,6 +11,8 @@ plan it runs is pure data derived from the DAG (``transitions.layout``, ``transi
 - ``runner``: the DAG runner, one method per kind of node (``run_dag``);
 - ``fan_out``: Extend fan-outs as broadcasts;
 - ``in_place`` and ``early_build``: units built inside, or from the pages of, the unit they are cut from;
+- ``lend``: a node's local runs out of a donor nothing reads any more, moved as pages after its transfers;
+- ``warm_pool``: touched mappings kept for the next buffers, refilled between runs;
 - ``restore``: restore nodes, a unit's shards read from a DCP checkpoint (``transitions.restore_dag``);
 - ``logical``: the logical state a set of workers holds, assembled from their dumps (and its digests).
 """

@@ -5,7 +5,9 @@ deriving its own pieces and messages (``transitions.node_steps``): targets are a
 node starts, sources freed by the node that frees them, Merges of parts already in final shape only
 relabel; local-only nodes right after a remote one run alongside its transfers. On CPU a unit cut
 from one the worker gives up is built from that unit's pages before the nodes sending from it
-(``early_build``), or else inside that unit's buffer once nothing reads it any more (``in_place``).
+(``early_build``), or else inside that unit's buffer once nothing reads it any more (``in_place``);
+a node's local runs out of a unit nothing reads after it (a merge keeping its own part) move as pages
+once its transfers are done (``lend``), and the warm pool refills what moves emptied after the run.
 A large Extend fan-out runs as one broadcast per unit rank (``fan_out``); a Restore node reads the
 worker's share of its unit from a checkpoint (``restore``). Time per node is measured next to the
 cost model's prediction.
@@ -16,6 +18,7 @@ A run that stops halfway (a peer died, a timeout) loses no logical state unless 
 
 from __future__ import annotations
 
+import resource
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -27,10 +30,12 @@ import torch
 from transitions.channel import DataChannel
 from transitions.dag_pieces import DagMemo
 from transitions.early_builds import EarlyBuild, early_builds
+from transitions.executor import warm_pool
 from transitions.executor.buffers import RankState, allocate_unit
 from transitions.executor.early_build import Built, build_early
 from transitions.executor.fan_out import run_fan_out
 from transitions.executor.in_place import build_in_place
+from transitions.executor.lend import Lent, lend_pages, movable_pieces
 from transitions.executor.restore import CheckpointReader
 from transitions.executor.rounds import BucketPool, OnRound, StepReport, run_step
 from transitions.fan_outs import FanOut, fan_outs
@@ -53,7 +58,8 @@ IN_PLACE = True
 # point-to-point copies 0.73-0.78 s here, and NCCL pipelines broadcasts along a ring.
 FAN_OUT_MIN_BYTES = 32 << 20
 # this process's last run_dag in spans (seconds): planning (``_prepare``), forming the fan-out groups,
-# the opening barrier, the nodes, destroying the groups; read by benchmarks (bench/live_transition.py)
+# the opening barrier, the nodes, destroying the groups; and the minor page faults it took (first touches
+# of fresh memory); read by benchmarks (bench/live_transition.py)
 LAST_RUN: dict[str, float] = {}
 
 
@@ -67,6 +73,7 @@ class _Prepared:
     plans: dict[int, InPlace]  # in-place builds, by node
     fans: list[FanOut]
     predicted_s: Sequence[float] | None  # per node, the cost model's
+    early: bool = False  # units cut from others are built from their pages (CPU, ``in_place``)
 
 
 def run_dag(dag: TransitionDAG, worker: int, units: dict[str, RankState], channel: DataChannel, *,
@@ -86,6 +93,8 @@ def run_dag(dag: TransitionDAG, worker: int, units: dict[str, RankState], channe
     point (old units are only freed after their readers).
     """
     memo = memo if memo is not None else DagMemo()
+    warm_pool.POOL.settle()  # the last run's refill holds the pool's mappings: done first (bounded)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     t0 = time.perf_counter()
     prepared = _prepare(dag, worker, channel.device, predicted_s, max_bucket_bytes, in_place, fan_out, memo)
     t1 = time.perf_counter()
@@ -103,7 +112,10 @@ def run_dag(dag: TransitionDAG, worker: int, units: dict[str, RankState], channe
             channel.destroy_group(group)
         LAST_RUN.clear()
         LAST_RUN.update(prepare_s=t1 - t0, groups_s=t2 - t1, barrier_s=run.barrier_s, nodes_s=t3 - t2 - run.barrier_s,
-                        destroy_groups_s=time.perf_counter() - t3)
+                        destroy_groups_s=time.perf_counter() - t3,
+                        minor_faults=resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
+        if channel.device.type == "cpu" and warm_pool.WARM_POOL_BYTES > 0:
+            warm_pool.POOL.refill_async()  # what this run emptied, populated before the next one
 
 
 def _prepare(dag: TransitionDAG, worker: int, device: torch.device, predicted_s: Sequence[float] | None,
@@ -126,7 +138,8 @@ def _prepare(dag: TransitionDAG, worker: int, device: torch.device, predicted_s:
                 if node in steps and node not in builds else None
             if plan is not None and plan.donor not in broadcast:
                 plans[node] = plan
-    return _Prepared(steps=steps, order=order, builds=builds, plans=plans, fans=fans, predicted_s=predicted_s)
+    return _Prepared(steps=steps, order=order, builds=builds, plans=plans, fans=fans, predicted_s=predicted_s,
+                     early=early)
 
 
 def _unstepped(prim: Primitive) -> bool:
@@ -154,6 +167,7 @@ class _DagRun:
     deferred: dict[int, list[InPlace]] = field(default_factory=dict)  # node -> in-place builds after it
     relabel: list[Merge] = field(default_factory=list)
     readers: dict[tuple[str, str], CheckpointReader] = field(default_factory=dict)  # (url, tag) -> reader
+    lent: dict[str, Lent] = field(default_factory=dict)  # donor uid -> pages moved out of it, until it is freed
     barrier_s: float = 0.0  # the opening barrier's wait
 
     def run(self) -> list[StepReport]:
@@ -164,6 +178,11 @@ class _DagRun:
                 if made.build.donor in self.units:
                     made.undo()
                     self.units.pop(made.build.target.uid, None)
+            for lent in self.lent.values():  # likewise for pages a node's local copies moved
+                if lent.donor in self.units:
+                    lent.undo()
+                    for uid in lent.targets:
+                        self.units.pop(uid, None)
             raise
         return self.reports
 
@@ -278,11 +297,23 @@ class _DagRun:
             allocated += _allocate_targets(self.dag.nodes[rider], worker, units, self.channel.device)
         moving = step if plan is None else replace(
             step, local=tuple(p for p in step.local if p.dst_worker != worker or p.dst_unit not in later))
+        # local runs out of a donor nothing reads any more once this node's transfers are done: their
+        # pages change buffers after them instead of being copied beside them
+        moves = movable_pieces(self.dag, index, moving, worker, units, self.prepared.order,
+                               self._kept_donors()) if plan is None and self.prepared.early else []
+        if moves:
+            moved_ids = {id(p) for p in moves}
+            moving = replace(moving, local=tuple(p for p in moving.local if id(p) not in moved_ids))
         try:
             report, rider_s = run_step(moving, worker, self._resolve, self.channel, self.timeout_s,
                                        self.on_round, pool, [self.prepared.steps[r] for r in riders])
             for done in (node, *riders):
                 self._build_deferred(done, report)
+            for lent in lend_pages(moves, units) if moves else ():
+                self.lent[lent.donor] = lent
+                report.bytes_remapped += lent.moved_bytes
+                report.bytes_copied_locally += lent.copied
+                report.local_copy_s += lent.seconds
         except BaseException:
             for uid in allocated:  # half-filled: never mistake them for a surviving copy
                 units.pop(uid, None)
@@ -294,6 +325,12 @@ class _DagRun:
             self._free(rider)
             self.reports.append(_rider_report(self.prepared.steps[rider], worker, seconds, step.primitive))
             self.carried.add(rider)
+
+    def _kept_donors(self) -> set[str]:
+        """Units whose bytes a planned early, in-place or broadcast build still reads."""
+        prep = self.prepared
+        return ({b.donor for b in prep.builds.values()} | {pl.donor for pl in prep.plans.values()}
+                | {f.source.uid for f in prep.fans} | set(self.built))
 
     def _resolve(self, p: Piece, is_source: bool) -> RankState:
         return self.units[p.src_unit if is_source else p.dst_unit]
@@ -314,6 +351,7 @@ class _DagRun:
             if unit.holds(self.worker):
                 self.units.pop(unit.uid, None)  # Destroy (or a Merge's parts): the buffer goes with it
                 self.built.pop(unit.uid, None)  # an early build from it is final
+                self.lent.pop(unit.uid, None)  # so are the pages moved out of it
 
 
 def _rider_report(step: Step, worker: int, seconds: float, host: str) -> StepReport:

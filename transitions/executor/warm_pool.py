@@ -12,6 +12,13 @@ of it takes the best-fitting one. Pages an early build moved out of it (``pages.
 The pool holds at most ``WARM_POOL_BYTES`` (a mapping that does not fit is unmapped), so a worker
 keeps at most that much beyond its live state; ``trim`` unmaps everything held. 0 turns it off. The
 bound is $NEREUS_WARM_POOL_BYTES, else 1/16 of the host's memory (at most 8 GiB).
+
+A mapping whose pages moved out (an early build, pages lent by a merge's local runs) or were given
+back (``release_tail``) returns to the pool empty there, and the next transition writing it paid
+the first touches after all: tiny-25m's TP merge and TP split took 78-156 MiB of page faults per
+worker (~0.1 s). ``refill`` populates what the pool holds again (``MADV_POPULATE_WRITE``: only the
+missing pages, at the kernel's zeroing speed); the runner starts it on a thread once a run is done
+(``refill_async``), so the zeroing happens between transitions, not inside the next one.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import ctypes.util
 import mmap
 import os
 import threading
+import time
 import weakref
 from dataclasses import dataclass, field
 
@@ -52,7 +60,10 @@ _LIBC.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_
 _LIBC.mmap.restype = ctypes.c_void_p
 _LIBC.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
 _LIBC.munmap.restype = ctypes.c_int
+_LIBC.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_LIBC.madvise.restype = ctypes.c_int
 _MAP_FAILED = ctypes.c_void_p(-1).value
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault the range in, writable, as a write would
 
 
 @dataclass(slots=True)
@@ -61,6 +72,8 @@ class _Stats:
     reused_bytes: int = 0
     fresh: int = 0  # buffers newly mapped
     fresh_bytes: int = 0
+    refills: int = 0  # refill passes
+    refill_s: float = 0.0  # their time on the refilling thread
 
 
 @dataclass
@@ -71,6 +84,7 @@ class WarmPool:
     held_bytes: int = 0
     stats: _Stats = field(default_factory=_Stats)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    refilling: threading.Thread | None = None
 
     def take(self, num_bytes: int) -> torch.Tensor:
         """A uint8 CPU buffer of ``num_bytes`` in a private anonymous mapping of its own (page-aligned):
@@ -102,6 +116,43 @@ class WarmPool:
                 self.held_bytes += length
         if not keep:
             _LIBC.munmap(addr, length)
+
+    def refill(self) -> int:
+        """Populate every held mapping's missing pages (present ones are left as they are). Each
+        mapping leaves the pool while it is populated, so no buffer is handed out of it meanwhile
+        (a request then maps fresh memory) and none is unmapped under it. Returns the bytes walked."""
+        start = time.perf_counter()
+        with self.lock:
+            todo, self.free = self.free, []
+            self.held_bytes -= sum(n for _, n in todo)
+        done = 0
+        try:
+            for addr, length in todo:
+                _LIBC.madvise(addr, length, _MADV_POPULATE_WRITE)  # refused (old kernel): stays as it is
+                done += length
+        finally:
+            for addr, length in todo:
+                self._give(addr, length)
+            with self.lock:
+                self.stats.refills += 1
+                self.stats.refill_s += time.perf_counter() - start
+        return done
+
+    def refill_async(self) -> threading.Thread | None:
+        """``refill`` on a daemon thread (madvise runs without the GIL); None when one still runs.
+        ``settle`` waits for it."""
+        with self.lock:
+            if self.refilling is not None and self.refilling.is_alive():
+                return None
+            self.refilling = threading.Thread(target=self.refill, name="nereus-pool-refill", daemon=True)
+        self.refilling.start()
+        return self.refilling
+
+    def settle(self, timeout_s: float = 60.0) -> None:
+        """Wait (bounded) for a running ``refill_async``."""
+        thread = self.refilling
+        if thread is not None:
+            thread.join(timeout_s)
 
     def trim(self) -> int:
         """Unmap every held mapping; returns the bytes given back."""
