@@ -26,6 +26,7 @@ from nereusd.wire.keys import KeyStore, load_bundle
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
+ADMIN_REPLY_S = 30.0  # the bound on one admin reply (see DaemonHandle.admin_reply)
 
 
 _HANDED_OUT: set[int] = set()
@@ -133,7 +134,9 @@ class DaemonHandle:
         """The daemon's reply to one admin request, refused or not."""
         c = self.client("admin", "admin")
         try:
-            reply = c.request(protocol.AdminRequest(op=op, args=args), timeout_s=10)
+            # 30 s: a daemon just started answers once its planner warm-up is done (imports and a small
+            # decision, ~0.5 s of CPU); on a machine loaded ~15 deep that has taken over 10 s of wall time
+            reply = c.request(protocol.AdminRequest(op=op, args=args), timeout_s=ADMIN_REPLY_S)
         finally:
             c.close()
             self.clients.remove(c)
