@@ -77,16 +77,16 @@ def test_deep_models_match_with_layers_skipped(seed: int) -> None:
     assert _check(nodes, PlanningCache()) == len(nodes)
 
 
-def _pairs(prim: Primitive) -> Iterator[tuple[list[Piece], PairWire | None]]:
+def _pairs(prim: Primitive, bucket: int | None = SMALL_BUCKET) -> Iterator[tuple[list[Piece], PairWire | None]]:
     """Every pair of ``prim``: its pieces from every piece at once, and its wire streamed by layer runs
-    with buckets of ``SMALL_BUCKET`` bytes."""
+    with buckets of ``bucket`` bytes (None: the default)."""
     for target in prim.targets:
         for gpu in target.gpus:
             segs = gpu_traffic.gpu_segments(prim, target, gpu)
             counter = [p for p in counter_pieces(prim) if p.dst_worker == gpu]
             every = counter + derive_target(target, prim.sources, gpu)
             for src in sorted({p.src_worker for p in every} - {gpu}):
-                wire = gpu_traffic.streamed(prim, target, gpu, src, segs, (counter or [None])[0], SMALL_BUCKET)
+                wire = gpu_traffic.streamed(prim, target, gpu, src, segs, (counter or [None])[0], bucket)
                 yield [p for p in every if p.src_worker == src], wire
 
 
@@ -138,19 +138,13 @@ def test_pairs_of_zero_copy_pieces_hold_no_bucket_as_the_bucketizer_says() -> No
                       old=GlobalPlan(version=1, stages=tuple(random_stage_plan(rng, n, LLAMA_31_8B, 8, 2) for n in names)),
                       new=GlobalPlan(version=2, stages=tuple(random_stage_plan(rng, n, LLAMA_31_8B, 8, 2) for n in names)))
         for prim in _nodes(sc):
-            for target in prim.targets:
-                for gpu in target.gpus:
-                    segs = gpu_traffic.gpu_segments(prim, target, gpu)
-                    counter = [p for p in counter_pieces(prim) if p.dst_worker == gpu]
-                    every = counter + derive_target(target, prim.sources, gpu)
-                    for src in sorted({p.src_worker for p in every} - {gpu}):
-                        pieces = [p for p in every if p.src_worker == src]
-                        wire = gpu_traffic.streamed(prim, target, gpu, src, segs, (counter or [None])[0])
-                        assert wire == gpu_traffic.pair_wire(pieces, DEFAULT_BUCKET_BYTES)
-                        if all(gpu_traffic._direct_alone(p) for p in pieces if p not in counter):
-                            alone += 1
-                        else:
-                            other += 1
+            counters = counter_pieces(prim)
+            for pieces, wire in _pairs(prim, None):
+                assert wire == gpu_traffic.pair_wire(pieces, DEFAULT_BUCKET_BYTES)
+                if all(gpu_traffic._direct_alone(p) for p in pieces if p not in counters):
+                    alone += 1
+                else:
+                    other += 1
     assert alone >= 10 and other >= 10  # both paths taken
 
 

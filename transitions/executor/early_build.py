@@ -9,36 +9,22 @@ back (``Built.undo``), so the survivors are exactly those of the DAG's order.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from transitions.dag_pieces import DagMemo
 from transitions.early_builds import EarlyBuild, build_pieces
 from transitions.executor.buffers import MAP_MIN_BYTES, RankState, allocate_unit, piece_view
-from transitions.executor.pages import memmove, move_or_copy, move_pages
+from transitions.executor.pages import PagesMoved, move_or_copy
 from transitions.global_dag import TransitionDAG
 from transitions.layout import PAGE_BYTES
 
 
 @dataclass(slots=True)
-class Built:
+class Built(PagesMoved):
     """An early build done, kept until the DAG frees its donor so a failure can undo it."""
 
     build: EarlyBuild
     target: RankState
-    moved: list[tuple[int, int, int]] = field(default_factory=list)
-    copied: int = 0
-    seconds: float = 0.0
-
-    @property
-    def moved_bytes(self) -> int:
-        return sum(n for _, _, n in self.moved)
-
-    def undo(self) -> None:
-        """Give the donor its pages back (the target, dropped by the caller, keeps empty ones)."""
-        for dst, src, n in reversed(self.moved):
-            if not move_pages(src, dst, n):
-                memmove(src, dst, n)
-        self.moved.clear()
 
 
 def build_early(build: EarlyBuild, units: dict[str, RankState], dag: TransitionDAG, memo: DagMemo) -> Built:

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from transitions.executor.buffers import MAP_MIN_BYTES, RankState
-from transitions.executor.pages import MOVE_MIN_BYTES, memmove, move_or_copy, move_pages
+from transitions.executor.pages import MOVE_MIN_BYTES, PagesMoved, move_or_copy
 from transitions.global_dag import TransitionDAG
 from transitions.layout import PAGE_BYTES, contiguous_range
 from transitions.primitives import Destroy, Merge
@@ -26,25 +26,11 @@ from transitions.transfer_plan import Piece, Step
 
 
 @dataclass(slots=True)
-class Lent:
+class Lent(PagesMoved):
     """Pages moved out of ``donor`` into ``targets``, kept until the DAG frees the donor."""
 
     donor: str
     targets: set[str] = field(default_factory=set)
-    moved: list[tuple[int, int, int]] = field(default_factory=list)  # (dst, src, bytes)
-    copied: int = 0
-    seconds: float = 0.0
-
-    @property
-    def moved_bytes(self) -> int:
-        return sum(n for _, _, n in self.moved)
-
-    def undo(self) -> None:
-        """Give the donor its pages back (the targets, dropped by the caller, keep empty ones)."""
-        for dst, src, n in reversed(self.moved):
-            if not move_pages(src, dst, n):
-                memmove(src, dst, n)
-        self.moved.clear()
 
 
 def _mapped(state: RankState) -> bool:

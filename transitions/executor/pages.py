@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import mmap
+from dataclasses import dataclass, field
 
 import torch
 
@@ -76,3 +77,25 @@ def move_or_copy(d: int, s: int, n: int, moved: list[tuple[int, int, int]], page
     memmove(d, s, n)
     return n, 0
 
+
+@dataclass(slots=True, kw_only=True)
+class PagesMoved:
+    """What a move out of a donor's buffer did, kept until the DAG frees the donor so that a failure
+    can undo it: the page runs moved ((dst, src, bytes) each), the bytes copied where pages could not
+    move, and the seconds it took (early builds, transitions.executor.early_build; lent local pieces,
+    transitions.executor.lend)."""
+
+    moved: list[tuple[int, int, int]] = field(default_factory=list)
+    copied: int = 0
+    seconds: float = 0.0
+
+    @property
+    def moved_bytes(self) -> int:
+        return sum(n for _, _, n in self.moved)
+
+    def undo(self) -> None:
+        """Give the donor its pages back (the targets, dropped by the caller, keep empty ones)."""
+        for dst, src, n in reversed(self.moved):
+            if not move_pages(src, dst, n):
+                memmove(src, dst, n)
+        self.moved.clear()
