@@ -19,7 +19,7 @@ import json
 import time
 from collections.abc import Callable, Iterable, Iterator
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nereusd.controller import TransitionSketch
 from nereusd.wire import protocol
@@ -31,6 +31,9 @@ from planner.models import model_preset
 from planner.plan import GlobalPlan
 from planner.transition_calibration import TransitionCalibrator, TransitionSample
 from planner.workflow import JobSpec, Workload, same_model_job, without_old_logprob_pass, workflow_preset
+
+if TYPE_CHECKING:  # the DAG's type only: transitions is imported where a transition is built
+    from transitions.dag_record import TransitionDAG
 
 # the start-up warm-up stops starting new work past this (issue 17: reported, < 1 s; the step under
 # way when it runs out still finishes, so the margin)
@@ -237,7 +240,7 @@ def _warm_geometry(spec: dict[str, Any], plan: GlobalPlan, deadline: float) -> t
     return True, ranks
 
 
-def _parts(dag: Any, gpus: list[int], node_of_gpu: Callable[[int], str]) -> dict[str, dict[str, Any]]:
+def _parts(dag: TransitionDAG, gpus: list[int], node_of_gpu: Callable[[int], str]) -> dict[str, dict[str, Any]]:
     """Each node's part: its GPUs, and the ids of the DAG nodes that touch any of them (from the DAG's
     replica classes where it has them: no unit-level expansion)."""
     parts: dict[str, dict[str, Any]] = {}
@@ -256,7 +259,7 @@ def _parts(dag: Any, gpus: list[int], node_of_gpu: Callable[[int], str]) -> dict
     return parts
 
 
-def _primitive_counts(dag: Any) -> dict[str, int]:
+def _primitive_counts(dag: TransitionDAG) -> dict[str, int]:
     """How many primitives of each kind, from the replica classes where the DAG has them."""
     if not dag.expanded and dag.replicas is not None:
         counts: dict[str, int] = {}

@@ -217,7 +217,7 @@ def rank_shard_tuple(model: ModelSpec, head: Head, layout: Layout, rank: int,
     return tuple(out)
 
 
-@lru_cache(maxsize=64)
+@lru_cache(maxsize=256)  # (model, head, TP degree, TP rank, kinds): a PPO job's models and kinds fill ~60
 def _tp_rank_shards(model: ModelSpec, head: Head, tp: int, tp_rank: int, kinds: tuple[StateKind, ...]
                     ) -> tuple[tuple[Shard, ...], ...]:
     """Per tensor (model order), the shards TP rank ``tp_rank`` of ``tp`` holds of it, one per state kind
