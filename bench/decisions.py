@@ -163,8 +163,15 @@ def daemon_path(repeats: int) -> dict[str, Any]:
                 # the whole step: the orders, then the DAG record's unit-level body stored after them
                 "median_step_ms": round(statistics.median(r["step_ms"] for r in got), 2),
                 "admitted": sum(r["admitted"] for r in got), "samples": len(got),
+                # every node's "part done" report of the admitted transition, through the controller
+                "median_reports_cpu_ms": _median_or_none([r["reports_cpu_ms"] for r in got]),
                 "gpus": [r["gpus"] for r in got]}
     return {"summary": summary, "rows": rows}
+
+
+def _median_or_none(values: list[float | None]) -> float | None:
+    got = [v for v in values if v is not None]
+    return round(statistics.median(got), 2) if got else None
 
 
 def daemon_first_decision(model: str) -> dict[str, Any]:

@@ -96,7 +96,7 @@ def daemon_decisions(model: str, rounds: int) -> dict[str, Any]:
         record(job.lose(f"n{k:04d}"))
         record(job.grow(3))
     rows = [{k: t[k] for k in ("from_version", "to_version", "predicted_s", "bytes_moved", "dag") if k in t}
-            for t in job.store.transitions("j")]
+            for t in job.store.transitions("j", detail=True)]
     return {"decisions": _digest(seen), "orders": _digest(orders), "transitions": _digest(rows),
             "count": len(rows)}
 

@@ -178,7 +178,7 @@ class AdminOps:
         return [{k: v for k, v in t.items() if k != "dag"} for t in self.d.store.transitions(j["job_id"])]
 
     def transition(self, args: protocol.IdArgs) -> dict[str, Any]:
-        t = self.d.store.transition(args.id)
+        t = self.d.store.transition(args.id, detail=True)
         if t is None:
             raise AdminError("not-found", f"no transition {args.id}")
         return {**t, "history": self.d.store.history("transition", str(args.id))}

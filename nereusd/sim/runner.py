@@ -42,18 +42,18 @@ from nereusd.sim.world import (
     QuietLog,
     SimCluster,
     SimJob,
-    SimStore,
     VirtualClock,
     cluster_of,
     plan_gpus,
     workload_of,
 )
+from nereusd.store import Store
 from nereusd.wire import protocol
 from planner import admission
 from planner.errors import SpecError
 from planner.plan import GlobalPlan
 
-__all__ = ["OOM_RETRIES", "POLICIES", "RunResult", "SimCluster", "SimJob", "SimPort", "SimStore", "StepRecord",
+__all__ = ["OOM_RETRIES", "POLICIES", "RunResult", "SimCluster", "SimJob", "SimPort", "StepRecord",
            "VirtualClock", "plan_gpus", "save_json", "scale_plan", "simulate"]
 
 POLICIES = ("nereus", "any-gain", "every:K", "static", "restart", "oracle")
@@ -93,7 +93,7 @@ class _ControlledRun:
                  store_path: str | Path, track_prediction_error: bool) -> None:
         self.trace, self.every, self.track_prediction_error = trace, every, track_prediction_error
         self.clock = VirtualClock()
-        self.store = SimStore(Path(store_path), clock=self.clock)
+        self.store = Store(Path(store_path), clock=self.clock)
         self.job_id = "sim"
         spec0 = job.spec(trace.rows[0].mean_response_tokens)
         self.store.add_job(job_id=self.job_id, user="sim", spec=spec0)
@@ -176,7 +176,7 @@ class _ControlledRun:
         """The simulated agents run the ordered transition in ground-truth time and report their parts."""
         ctl, first = self.ctl, self.orders[0][1]
         tid = first.transition_id
-        t = self.store.transition(tid) or {}
+        t = self.store.transition(tid, detail=True) or {}
         new_gpus = set(first.part["plan"] and [g for s in first.part["plan"]["stages"]
                                                for gs in s["gpu_sets"] for g in gs])
         involved = len(new_gpus | (plan_gpus(old) if old else set()))

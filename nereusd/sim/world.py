@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from nereusd.allocation import AllocationEvent, EventKind, NodeAllocation
@@ -66,31 +65,6 @@ class SimJob:
             workload["max_response_tokens"] = self.max_response_tokens
         return {"model": self.model, "algo": self.algo, "device": self.device,
                 "gpus_per_node": self.gpus_per_node, "workload": workload}
-
-
-class SimStore(Store):
-    """The daemon's store (same schema, same methods) with one read made cheap: a transition's DAG,
-    megabytes of JSON at 1,024 GPUs and never changed once stored, is decoded once instead of on every
-    node's report (the controller reads the transition row per report: O(nodes x DAG) per transition)."""
-
-    def __init__(self, path: Path, clock: Callable[[], float]) -> None:
-        super().__init__(path, clock=clock)
-        cols = [r["name"] for r in self.db.execute("PRAGMA table_info(transitions)").fetchall()]
-        self._light = ", ".join("NULL AS dag" if c == "dag" else c for c in cols)
-        self._dags: dict[int, Any] = {}
-
-    def transition(self, transition_id: int) -> dict[str, Any] | None:
-        row = self._one(f"SELECT {self._light} FROM transitions WHERE id=?", transition_id)
-        if row is None:
-            return None
-        if transition_id not in self._dags:
-            if len(self._dags) >= 4:  # only the transition in flight is read per report; keep a few
-                self._dags.pop(next(iter(self._dags)))
-            raw = self.db.execute("SELECT dag FROM transitions WHERE id=?", (transition_id,)).fetchone()
-            self._dags[transition_id] = raw["dag"]
-        row["dag"] = self._dags[transition_id]
-        return row
-
 
 
 _GPUS: dict[int, tuple[GlobalPlan, frozenset[int]]] = {}

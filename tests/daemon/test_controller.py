@@ -115,7 +115,7 @@ def test_initial_placement_drift_and_node_loss_are_decided_and_recorded(tmp_path
     assert dec3 is not None and dec3["urgent"] and dec3["admitted"] and dec3["rule"] == "urgent-feasibility"
     assert "GPU pool changed: 4 -> 3 GPUs" in str(dec3["inputs"]["trigger"]["reasons"])
     assert {n for n, _ in orders} == {"n1", "n2", "n3"}  # only the survivors are ordered
-    last = store.transitions("j")[-1]
+    last = store.transitions("j", detail=True)[-1]
     assert last["dag"]["lost_units"] or last["dag"]["nodes"]  # the DAG rebuilds from intact units
     _ack_all(ctl, orders, measured_s=0.2)
     plan = plan_from_dict(store.plan("j")["plan"])  # type: ignore[index]

@@ -289,7 +289,7 @@ def test_orders_leave_before_the_dag_records_body_which_follows_them(tmp_path: P
     send = ctl.send_order
 
     def watching(node: str, order: Any) -> bool:
-        seen.append(store.transition(order.transition_id)["dag"])  # type: ignore[index]
+        seen.append(store.transition(order.transition_id, detail=True)["dag"])  # type: ignore[index]
         return send(node, order)
 
     ctl.send_order = watching  # type: ignore[method-assign]
@@ -298,6 +298,6 @@ def test_orders_leave_before_the_dag_records_body_which_follows_them(tmp_path: P
     ctl.on_node_joined("n3", "new")
     assert ctl.step() is not None and len(seen) == 3
     assert all("nodes" not in dag and {"cost", "l_tran", "primitives", "num_nodes"} <= set(dag) for dag in seen)
-    stored = store.transition(orders[0][1].transition_id)["dag"]  # type: ignore[index]
+    stored = store.transition(orders[0][1].transition_id, detail=True)["dag"]  # type: ignore[index]
     assert len(stored["nodes"]) == stored["num_nodes"] == sum(stored["primitives"].values())
     assert {k: stored[k] for k in seen[0]} == seen[0]  # the head as it was when the orders left

@@ -94,10 +94,34 @@ def test_node_states_and_a_transitions_detail(tmp_path: Path) -> None:
                            predicted_s=0.0, parts=["n0"])
     s.add_transition_detail(tid, {"nodes": [{"id": 0}], "bytes_moved": 999})
     # the head's keys first and kept (the detail derives the same figures; the head is what was decided)
-    assert list(s.transition(tid)["dag"].items()) == [  # type: ignore[index]
+    assert list(s.transition(tid, detail=True)["dag"].items()) == [  # type: ignore[index]
         ("kind", "transition"), ("bytes_moved", 7), ("nodes", [{"id": 0}])]
+    assert [t["dag"] for t in s.transitions("j", detail=True)] == [s.transition(tid, detail=True)["dag"]]  # type: ignore[index]
+    # what the daemon reads on every part's report: the head alone, the body neither parsed nor rewritten
+    assert s.transition(tid)["dag"] == head  # type: ignore[index]
+    assert [t["dag"] for t in s.transitions("j")] == [t["dag"] for t in s.open_transitions("j")] == [head]
+    s.set_transition_state(tid, "ordered", "sent", parts_pending=["n0"])
+    assert s.db.execute("SELECT dag FROM transitions WHERE id=?", (tid,)).fetchone()["dag"] == head
+    assert s.transition(tid, detail=True)["dag"]["nodes"] == [{"id": 0}]  # type: ignore[index]
     s.add_transition_detail(tid + 1, {"nodes": []})  # a transition that is gone: nothing written
     assert s.transition(tid + 1) is None
+    assert s.db.execute("SELECT count(*) AS n FROM transition_details").fetchone()["n"] == 1
+
+
+def test_a_transition_stored_before_schema_5_reads_whole(tmp_path: Path) -> None:
+    """Rows written before the body had its own table carry head and body in ``dag``: read as they are."""
+    db = sqlite3.connect(tmp_path / "s.db")
+    db.executescript("".join(_MIGRATIONS[:4]) + "PRAGMA user_version=4;")
+    db.execute("INSERT INTO jobs VALUES ('j', 'alice', NULL, 'running', '{}', 0, 0, 0)")
+    db.execute("INSERT INTO transitions(job_id, state, from_version, to_version, dag, bytes_moved, predicted_s, "
+               "parts_pending, created_at, updated_at) VALUES ('j', 'done', 1, 2, ?, 7, 1.0, '[]', 0, 0)",
+               (json.dumps({"kind": "transition", "nodes": [{"id": 0}]}),))
+    db.commit()
+    db.close()
+    s = Store(tmp_path / "s.db")
+    assert s.migrated_from == 4
+    (t,) = s.transitions("j", detail=True)
+    assert t["dag"] == {"kind": "transition", "nodes": [{"id": 0}]} == s.transition(t["id"])["dag"]  # type: ignore[index]
 
 
 GOOD = protocol.Heartbeat(job_id="j", node="n", seq=1)
