@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sqlite3
 import time
+from collections.abc import Callable
 from typing import Any
 
 from nereusd.allocation import AllocationError, ElasticJob
@@ -19,6 +20,7 @@ from nereusd.wire import protocol
 
 LEAVE_REASONS = {"preempt": "preemption notice", "time-limit": "time limit", "shutdown": "agent shutdown"}
 TRANSIENT = (sqlite3.OperationalError, OSError)  # a full disk, a locked db: retried, never "damaged"
+LOST_PER_TICK = 64  # silent nodes marked lost per tick; the rest on the next ticks
 
 
 class AgentSessions:
@@ -39,11 +41,10 @@ class AgentSessions:
     resend_to: list[tuple[str, str]]
     leaving: dict[tuple[str, str], str]
 
-    def _start_controller(self, job_id: str) -> JobController:
-        raise NotImplementedError
-
-    def _record_refusal(self, job_id: str, op: str, arg: Any, reason: str) -> None:
-        raise NotImplementedError
+    # the Daemon's methods these call (nereusd.daemon, nereusd.source_requests)
+    _start_controller: Callable[[str], JobController]
+    _record_refusal: Callable[[str, str, Any, str], None]
+    _mark_damaged: Callable[[str, str], None]
 
     def _agent_message(self) -> None:
         got = self.agents.receive()
@@ -235,3 +236,33 @@ class AgentSessions:
         return True
 
     # --- admin messages -----------------------------------------------------------------------------
+
+    def _check_heartbeats(self) -> None:
+        """Mark silent nodes lost, at most LOST_PER_TICK per tick (a mass loss is spread over ticks, so the
+        loop keeps answering while 1,024 nodes go)."""
+        timeout = self.settings.control.heartbeat_timeout_s
+        now = time.monotonic()
+        silent = [key for key, seen in self.last_seen.items()
+                  if self.node_state.get(key) == "alive" and now - seen > timeout]
+        for key in silent[:LOST_PER_TICK]:
+            job_id, node = key
+            reason = f"no heartbeat for {now - self.last_seen[key]:.1f} s (> {timeout:g} s)"
+            with self.store.transaction():
+                self.store.set_node_state(job_id, node, "lost", reason)
+                self.store.add_event("node-lost", {"node": node, "reason": reason}, job_id=job_id)
+            self.node_state[key] = "lost"
+            self.log.warning("node-lost", job=job_id, node=node, reason=reason)
+            ctl = self.controllers.get(job_id)
+            if ctl is not None:
+                try:
+                    ctl.on_node_lost(node, reason)
+                except TRANSIENT as exc:
+                    self.log.error("node-lost-handling-failed", job=job_id, error=str(exc))
+                except Exception as exc:
+                    self._mark_damaged(job_id, f"node-lost handling failed: {type(exc).__name__}: {exc}")
+
+    def _flush_heartbeats(self) -> None:
+        if self.heartbeats_to_flush:
+            batch = [(j, n, t) for (j, n), t in self.heartbeats_to_flush.items()]
+            self.heartbeats_to_flush = {}
+            self.store.touch_heartbeats(batch)

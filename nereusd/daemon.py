@@ -44,7 +44,6 @@ import zmq
 from nereusd.admin import AdminBackend, AdminError, AdminOps
 from nereusd.agent_sessions import TRANSIENT, AgentSessions
 from nereusd.allocation import (
-    AllocationError,
     AllocationSource,
     ElasticJob,
 )
@@ -59,6 +58,7 @@ from nereusd.control import (
 from nereusd.controller import JobController, PlannerPort
 from nereusd.metrics import Metrics
 from nereusd.settings import Settings
+from nereusd.source_requests import SourceRequests
 from nereusd.source_worker import _SourceWorker, replay_allocation  # noqa: F401 (re-exported)
 from nereusd.startup import (  # noqa: F401 (re-exported: the CLI, benches and tests import them here)
     STORE_MARKER,
@@ -80,7 +80,6 @@ SLOW_HANDLER_S = 0.2
 AGENT_BATCH_S = 0.05  # agent messages served per pass before the admin socket is looked at again
 ADMIN_BATCH = 16
 RESTART_GRACE_S = 5.0  # added to the heartbeat time-out for nodes restored from the store
-LOST_PER_TICK = 64  # silent nodes marked lost per tick; the rest on the next ticks
 
 
 
@@ -100,7 +99,7 @@ def make_growth(d: Daemon) -> Any:
                         time_limit_lead_s=s.time_limit_lead_s)
 
 
-class Daemon(AgentSessions):
+class Daemon(AgentSessions, SourceRequests):
     agents: CurveRouter
     admin: CurveRouter
 
@@ -310,11 +309,6 @@ class Daemon(AgentSessions):
     def node_workers(self, job_id: str, node: str) -> list[dict[str, Any]]:
         return self.worker_states.get((job_id, node), [])
 
-    def pending_members(self, job_id: str) -> list[str]:
-        """Member jobs asked for that hold no node yet (``nereusctl jobs``)."""
-        pending = getattr(self.source, "pending_members", None)
-        return list(pending(job_id)) if pending is not None else []
-
     def draining_nodes(self, job_id: str) -> dict[str, str]:
         ctl = self.controllers.get(job_id)
         return dict(ctl.draining) if ctl else {}
@@ -362,69 +356,6 @@ class Daemon(AgentSessions):
             raise
         self._start_controller(job_id)
         self.log.info("job-added", job=job_id, user=user, slurm_job_id=slurm_job_id)
-
-    def source_request(self, op: str, job_id: str, arg: Any) -> None:
-        """Check a grow/shrink against what the job holds now, then queue it for the source thread. A
-        shrink is graceful: nodes a plan uses are drained first (JobController.drain) and released once the
-        transition away from them is done. A refusal raises AllocationError and is stored as an event."""
-        try:
-            self._source_request(op, job_id, arg)
-        except AllocationError as exc:
-            self._record_refusal(job_id, op, arg, str(exc))
-            raise
-
-    def _record_refusal(self, job_id: str, op: str, arg: Any, reason: str) -> None:
-        nodes = list(arg) if isinstance(arg, (list, tuple)) else arg
-        self.log.warning("alloc-refused", job=job_id, op=op, nodes=nodes, reason=reason)
-        if self.store.job(job_id) is not None:
-            self.store.add_event("alloc-refused", {"op": op, "nodes": nodes, "reason": reason}, job_id=job_id)
-
-    def _queue_release(self, job_id: str, nodes: list[str]) -> None:
-        """Drained nodes go back to the source, except leaving ones: Slurm takes those itself."""
-        ctl = self.controllers.get(job_id)
-        for n in [n for n in nodes if self.leaving.get((job_id, n)) == "draining"]:
-            if ctl is not None:
-                self._let_go(ctl, n, ctl.draining.get(n, "leaving"))
-        nodes = [n for n in nodes if self.leaving.get((job_id, n)) != "released"]
-        if not nodes:
-            return
-        if self.worker is None:
-            self.log.warning("drained-node-not-released", job=job_id, nodes=nodes, reason="no allocation source")
-            return
-        self.worker.requests.put(("shrink", (job_id, list(nodes))))
-
-    def _source_request(self, op: str, job_id: str, arg: Any) -> None:
-        if self.worker is None or self.source is None:
-            raise AllocationError("the daemon runs without an allocation source")
-        tracked = {j.job_id: j for j in self.source.jobs()}
-        if job_id not in tracked:
-            raise AllocationError(f"job {job_id!r} has no elastic allocation (its spec has no 'elastic')")
-        row = self.store.job(job_id)
-        if row is not None and row["state"] in TERMINAL_JOB_STATES:
-            raise AllocationError(f"{op} {job_id}: the job is {row['state']}; nothing to change")
-        held = self.source.allocation(job_id).node_names
-        free = getattr(self.source, "free_nodes", None)
-        free_count = len(free()) if free is not None else None
-        if op == "grow":
-            asked = self.pending_members(job_id)
-            room = tracked[job_id].max_nodes - len(held) - len(asked)
-            if arg > room:
-                raise AllocationError(f"grow {job_id}: {arg} more node(s) would pass max_gpus="
-                                      f"{tracked[job_id].max_gpus} (it holds {len(held)}, {len(asked)} pending, "
-                                      f"room for {max(room, 0)})")
-            if free_count is not None and arg > free_count:
-                raise AllocationError(f"grow {job_id}: {arg} node(s) asked, {free_count} free")
-        else:
-            unknown = [n for n in arg if n not in held]
-            if unknown:
-                raise AllocationError(f"shrink {job_id}: it holds no node {', '.join(map(repr, unknown))} "
-                                      f"(it holds: {', '.join(held) or 'none'})")
-            ctl = self.controllers.get(job_id)
-            if ctl is not None:  # the rest drain first and are released by the controller
-                arg = ctl.drain(list(arg), "alloc --shrink")
-                if not arg:
-                    return
-        self.worker.requests.put((op, (job_id, arg)))
 
     def close(self) -> None:
         if self.worker is not None:
@@ -550,52 +481,6 @@ class Daemon(AgentSessions):
         if self.growth is not None:
             self._guarded(self.growth.tick)
         self._update_gauges()
-
-    def _take_refusals(self, worker: _SourceWorker) -> None:
-        """Requests the source refused in its thread: stored as events; refused releases rejoin the pool."""
-        while True:
-            try:
-                op, args, reason = worker.refused.get_nowait()
-            except queue.Empty:
-                return
-            job_id, arg = (args[0], args[1]) if len(args) >= 2 else (str(args[0]) if args else "?", None)
-            try:
-                self._record_refusal(job_id, op, arg, f"the allocation source refused it: {reason}")
-                ctl = self.controllers.get(job_id)
-                if ctl is not None and op == "shrink":
-                    ctl.on_release_refused(list(arg or ()), reason)
-            except TRANSIENT as exc:
-                self.log.error("alloc-refusal-not-recorded", job=job_id, error=str(exc))
-
-    def _check_heartbeats(self) -> None:
-        """Mark silent nodes lost, at most LOST_PER_TICK per tick (a mass loss is spread over ticks, so the
-        loop keeps answering while 1,024 nodes go)."""
-        timeout = self.settings.control.heartbeat_timeout_s
-        now = time.monotonic()
-        silent = [key for key, seen in self.last_seen.items()
-                  if self.node_state.get(key) == "alive" and now - seen > timeout]
-        for key in silent[:LOST_PER_TICK]:
-            job_id, node = key
-            reason = f"no heartbeat for {now - self.last_seen[key]:.1f} s (> {timeout:g} s)"
-            with self.store.transaction():
-                self.store.set_node_state(job_id, node, "lost", reason)
-                self.store.add_event("node-lost", {"node": node, "reason": reason}, job_id=job_id)
-            self.node_state[key] = "lost"
-            self.log.warning("node-lost", job=job_id, node=node, reason=reason)
-            ctl = self.controllers.get(job_id)
-            if ctl is not None:
-                try:
-                    ctl.on_node_lost(node, reason)
-                except TRANSIENT as exc:
-                    self.log.error("node-lost-handling-failed", job=job_id, error=str(exc))
-                except Exception as exc:
-                    self._mark_damaged(job_id, f"node-lost handling failed: {type(exc).__name__}: {exc}")
-
-    def _flush_heartbeats(self) -> None:
-        if self.heartbeats_to_flush:
-            batch = [(j, n, t) for (j, n), t in self.heartbeats_to_flush.items()]
-            self.heartbeats_to_flush = {}
-            self.store.touch_heartbeats(batch)
 
     def _update_gauges(self) -> None:
         counts: dict[str, int] = {}
