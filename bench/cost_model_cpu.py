@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 import dataclasses  # noqa: E402
 import os  # noqa: E402
+import time  # noqa: E402
 
 from agent.engine.loop import uniform_plan  # noqa: E402
 from bench.rl_step import CFG, LAYOUTS  # noqa: E402
@@ -78,29 +79,60 @@ def _plan(name: str) -> GlobalPlan:
     return GlobalPlan(version=plan.version, stages=tuple(stages))
 
 
-def measure(rounds: int, steps: int) -> list[dict[str, Any]]:
+def _spin(seconds: float, q: Any) -> None:
+    t0 = time.perf_counter()
+    c0 = time.process_time()
+    while time.perf_counter() - t0 < seconds:
+        pass
+    q.put((time.process_time() - c0, time.perf_counter() - t0))
+
+
+def host_cores_probe(seconds: float = 0.25, ranks: int = 2) -> float:
+    """The CPU cores ``ranks`` busy processes get between them right now (ClusterSpec.host_cores): each
+    spins for ``seconds`` of wall time; cores = their CPU seconds / wall. On an idle 2-core machine ~2;
+    on this one, shared with other sessions, 0.5-1.2 (they get an even split of what is left)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_spin, args=(seconds, q)) for _ in range(ranks)]
+    for p in procs:
+        p.start()
+    got = [q.get(timeout=60) for _ in procs]
+    for p in procs:
+        p.join(timeout=10)
+    return sum(cpu for cpu, _ in got) / statistics.mean(wall for _, wall in got)
+
+
+def measure(rounds: int, steps: int, layouts: list[str] | None = None) -> list[dict[str, Any]]:
     """Every layout of bench/rl_step.py once per round, interleaved; stage times: median over rounds of
-    each round's median step (rl_step.summarise)."""
+    each round's median step (rl_step.summarise). Around each layout's run the machine's free cores are
+    probed (host_cores_probe, before and after: the mean): what the model is given for that run."""
     import torch
 
     from agent.engine.launch import run_local
     from bench.rl_step import run as run_layout
     from bench.rl_step import summarise
 
-    per: dict[str, list[dict[str, Any]]] = {name: [] for name in LAYOUTS}
+    names = layouts or list(LAYOUTS)
+    per: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     loads = []
     for _ in range(rounds):
-        for name, (world, _, _) in LAYOUTS.items():
+        for name in names:
+            world = LAYOUTS[name][0]
             loads.append(os.getloadavg()[0])
+            before = host_cores_probe()
             if world == 1:
                 torch.set_num_threads(1)
                 per_rank = [run_layout(0, 1, name, steps)]
             else:
                 per_rank = run_local(run_layout, world, name, steps, timeout_s=600)
-            per[name].append(summarise(name, per_rank))
+            row = summarise(name, per_rank)
+            row["host_cores"] = round((before + host_cores_probe()) / 2, 3)
+            per[name].append(row)
     # the machine's load drifts within minutes: each round's times are scaled by the anchor (the first
     # layout) of the same round against its median, so the layouts compare at one load
-    anchor = [float(r["step_s_median"]) for r in per[next(iter(LAYOUTS))]]
+    anchor = [float(r["step_s_median"]) for r in per[names[0]]]
     scale = [statistics.median(anchor) / a for a in anchor]
     out = []
     for name, rs in per.items():
@@ -109,7 +141,9 @@ def measure(rounds: int, steps: int) -> list[dict[str, Any]]:
         out.append({"layout": name, "rounds": len(rs),
                     "step_s_median": statistics.median(float(r["step_s_median"]) * f for r, f in zip(rs, scale)),
                     "stage_s_median": stages,
-                    "step_s_rounds_raw": [round(float(r["step_s_median"]), 4) for r in rs]})
+                    "step_s_rounds_raw": [round(float(r["step_s_median"]), 4) for r in rs],
+                    # unscaled, per round, with the cores probed around each run (run_with_cores reads them)
+                    "rounds_raw": [{"host_cores": r["host_cores"], "stage_s_median": r["stage_s_median"]} for r in rs]})
     out[0]["load_1min"] = {"min": min(loads), "max": max(loads)}
     return out
 
@@ -133,6 +167,44 @@ def run(rows: list[dict[str, Any]], anchor: str, passes: int = 8) -> dict[str, A
                     "error_vs_step": round((p.step_latency_s - r["step_s_median"]) / r["step_s_median"], 3),
                     "stage_errors": stage_err})
     oos = [abs(o["error_vs_stage_sum"]) for o in out if not o["anchor"]]
+    return {"anchor": anchor, "calibrated_efficiencies": {c.value: round(v, 4) for c, v in eff.learned.items()},
+            "plans": out, "out_of_sample": {"count": len(oos), "mean_abs_error": round(statistics.mean(oos), 3)
+                                            if oos else None, "max_abs_error": round(max(oos), 3) if oos else None}}
+
+
+def run_with_cores(rows: list[dict[str, Any]], anchor: str, passes: int = 8) -> dict[str, Any] | None:
+    """:func:`run` with the machine's free cores given to the model (ClusterSpec.host_cores, probed around
+    each layout's run) instead of scaling rounds by the anchor: calibrated on every round of the anchor
+    (each with its own cores), each other layout's round predicted with its own cores; a layout's error
+    is the median over its rounds of predicted / measured - 1 (stage sums, weight-sync included)."""
+    if not all("rounds_raw" in r for r in rows):
+        return None  # rows from rl_step.py or an older save: no probe
+    job, base = _job(), cluster_preset("cpu", 2)
+    by_name = {r["layout"]: r for r in rows}
+
+    def at(cores: float):  # type: ignore[no-untyped-def]
+        return dataclasses.replace(base, host_cores=max(cores, 1e-3))
+
+    eff: Efficiencies | None = None
+    for _ in range(passes):
+        for rnd in by_name[anchor]["rounds_raw"]:
+            eff = fit_from_stage_times(job, _plan(anchor), rnd["stage_s_median"], eff, cluster=at(rnd["host_cores"]))
+    assert eff is not None
+    out = []
+    for name, r in by_name.items():
+        errs: list[float] = []
+        stage_errs: dict[str, list[float]] = {}
+        for rnd in r["rounds_raw"]:
+            p = predict(job, at(rnd["host_cores"]), _plan(name), eff)
+            errs.append(p.step_latency_s / sum(rnd["stage_s_median"].values()) - 1)
+            for k, v in rnd["stage_s_median"].items():
+                if k in p.stage_seconds and v > 0:
+                    stage_errs.setdefault(k, []).append(p.stage_seconds[k] / v - 1)
+        out.append({"layout": name, "anchor": name == anchor,
+                    "host_cores": [rnd["host_cores"] for rnd in r["rounds_raw"]],
+                    "error_rounds": [round(e, 3) for e in errs], "error": round(statistics.median(errs), 3),
+                    "stage_errors": {k: round(statistics.median(v), 3) for k, v in stage_errs.items()}})
+    oos = [abs(o["error"]) for o in out if not o["anchor"]]
     return {"anchor": anchor, "calibrated_efficiencies": {c.value: round(v, 4) for c, v in eff.learned.items()},
             "plans": out, "out_of_sample": {"count": len(oos), "mean_abs_error": round(statistics.mean(oos), 3)
                                             if oos else None, "max_abs_error": round(max(oos), 3) if oos else None}}
@@ -182,7 +254,8 @@ def main() -> int:
         rows = json.loads(args.rl_step_json.read_text())["results"]
     else:
         ap.error("give rl_step.py's JSON or --measure")
-    print(json.dumps({**run(rows, args.anchor), "leave_one_out": leave_one_out(rows)}, indent=2))
+    print(json.dumps({**run(rows, args.anchor), "leave_one_out": leave_one_out(rows),
+                      "with_host_cores": run_with_cores(rows, args.anchor)}, indent=2))
     return 0
 
 

@@ -79,3 +79,42 @@ def test_gpu_presets_have_no_host_launch_terms(layout: Layout) -> None:
         terms = microbatch_terms(TINY_3M, ms, layout, W, 4, False, gpu, Links())
         assert not {t.op_class for t in terms} & {OpClass.LAUNCH_FORWARD, OpClass.LAUNCH_DECODE,
                                                   OpClass.LAUNCH_BACKWARD, OpClass.LAUNCH_DISTRIBUTED}
+
+
+def _seconds(layout: Layout, dp: int, cluster, stage=REF_INF, b: int = 8, g: int = 1):  # type: ignore[no-untyped-def]
+    from planner.cost import PRIORS, stage_cost
+
+    return stage_cost(TINY_3M, stage, layout, W, micro_batch_size=b, grad_accum=g, recompute=False, dp=dp,
+                      cluster=cluster, links=Links(), eff=PRIORS)
+
+
+def test_ranks_sharing_too_few_host_cores_queue_for_them() -> None:
+    """ClusterSpec.host_cores: k busy ranks on c < k cores take k/c times as long; a lone rank on at
+    least a core is not slowed; devices of their own (GPU presets) and host_cores 0 never are."""
+    import dataclasses
+
+    free = _seconds(Layout(1, 1), 2, CPU)
+    assert _seconds(Layout(1, 1), 2, dataclasses.replace(CPU, host_cores=1.0)).seconds == pytest.approx(2 * free.seconds)
+    assert _seconds(Layout(1, 1), 2, dataclasses.replace(CPU, host_cores=2.0)).seconds == pytest.approx(free.seconds)
+    alone = _seconds(Layout(1, 1), 1, CPU).seconds
+    assert _seconds(Layout(1, 1), 1, dataclasses.replace(CPU, host_cores=1.0)).seconds == pytest.approx(alone)
+    assert _seconds(Layout(1, 1), 1, dataclasses.replace(CPU, host_cores=0.5)).seconds == pytest.approx(2 * alone)
+    gpu = cluster_preset("h200", 8)
+    assert _seconds(Layout(1, 1), 8, dataclasses.replace(gpu, host_cores=0.5)).seconds == pytest.approx(
+        _seconds(Layout(1, 1), 8, gpu).seconds)
+
+
+def test_a_pipeline_rank_waiting_in_the_bubble_leaves_its_core_to_the_other() -> None:
+    """Only a rank's time outside the bubble queues: PP2 on one core stretches by 2 x (1 - bubble share),
+    and its terms stretch with it (what the calibration reads)."""
+    import dataclasses
+
+    from planner.cost import PRIORS
+
+    free = _seconds(Layout(1, 2), 1, CPU, b=4, g=2)
+    shared = _seconds(Layout(1, 2), 1, dataclasses.replace(CPU, host_cores=1.0), b=4, g=2)
+    factor = 2 * (free.seconds - free.bubble_s) / free.seconds
+    assert 1 < factor < 2
+    assert shared.seconds == pytest.approx(factor * free.seconds)
+    assert shared.bubble_s == pytest.approx(factor * free.bubble_s)
+    assert sum(t.seconds(PRIORS) for t in shared.terms) == pytest.approx(shared.seconds)
