@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/cost_model_cpu.py --measure [--rounds 3 --steps 3] [--save FILE]
     .venv/bin/python bench/cost_model_cpu.py FILE [--anchor "1proc TP1xPP1"]
+    .venv/bin/python bench/cost_model_cpu.py --quick | --collective-chain
 
 ``--measure`` runs bench/rl_step.py's layouts itself, interleaved (every layout once per round), so
 that the layouts share the machine's load: on 2 cores shared with other sessions the same layout's
@@ -79,35 +80,54 @@ def _plan(name: str) -> GlobalPlan:
     return GlobalPlan(version=plan.version, stages=tuple(stages))
 
 
-def _spin(seconds: float, q: Any) -> None:
+def _chain_rank(rank: int, world: int, repeats: int) -> dict[str, float]:
+    import torch
+    import torch.distributed as dist
+
+    def median_between_barriers(fn) -> float:  # type: ignore[no-untyped-def]
+        for _ in range(10):
+            fn()
+        out = []
+        for _ in range(repeats):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+        return statistics.median(out)
+
+    x, small = torch.randn(16, 256), torch.randn(16, 256)
+    got = {"plain_op_s": median_between_barriers(lambda: small.mul_(1.0)),
+           "all_reduce_median_s": median_between_barriers(lambda: dist.all_reduce(x))}
+    dist.barrier()
     t0 = time.perf_counter()
-    c0 = time.process_time()
-    while time.perf_counter() - t0 < seconds:
-        pass
-    q.put((time.process_time() - c0, time.perf_counter() - t0))
+    for _ in range(repeats):
+        small.mul_(1.0)
+        dist.all_reduce(x)
+    got["all_reduce_chained_mean_s"] = (time.perf_counter() - t0) / repeats - got["plain_op_s"]
+    return got
 
 
-def host_cores_probe(seconds: float = 0.25, ranks: int = 2) -> float:
-    """The CPU cores ``ranks`` busy processes get between them right now (ClusterSpec.host_cores): each
-    spins for ``seconds`` of wall time; cores = their CPU seconds / wall. On an idle 2-core machine ~2;
-    on this one, shared with other sessions, 0.5-1.2 (they get an even split of what is left)."""
-    import multiprocessing as mp
+def collective_chain(repeats: int = 300) -> dict[str, Any]:
+    """What planner.eager.COLLECTIVE_LAUNCHES prices: a small gloo all-reduce (a TP2 layer's, 16 x 256)
+    on 2 ranks as the median between barriers and as the mean in a chain (one plain op between calls,
+    as a pass issues them); the slower rank's figures, in us and in plain-op units past the link's two
+    hops (planner.hardware.LOOPBACK)."""
+    from agent.engine.launch import run_local
+    from planner.hardware import LOOPBACK
 
-    ctx = mp.get_context("fork")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_spin, args=(seconds, q)) for _ in range(ranks)]
-    for p in procs:
-        p.start()
-    got = [q.get(timeout=60) for _ in procs]
-    for p in procs:
-        p.join(timeout=10)
-    return sum(cpu for cpu, _ in got) / statistics.mean(wall for _, wall in got)
+    load = os.getloadavg()[0]
+    ranks = run_local(_chain_rank, 2, repeats, timeout_s=300)
+    got = {k: max(r[k] for r in ranks) for k in ranks[0]}
+    hops = 2 * LOOPBACK.latency_s
+    return {"load_1min": round(load, 2), **{k: round(v * 1e6, 1) for k, v in got.items()},
+            "chained_over_median": round(got["all_reduce_chained_mean_s"] / got["all_reduce_median_s"], 2),
+            "launch_units_median": round((got["all_reduce_median_s"] - hops) / got["plain_op_s"], 1),
+            "launch_units_chained": round((got["all_reduce_chained_mean_s"] - hops) / got["plain_op_s"], 1)}
 
 
 def measure(rounds: int, steps: int, layouts: list[str] | None = None) -> list[dict[str, Any]]:
     """Every layout of bench/rl_step.py once per round, interleaved; stage times: median over rounds of
-    each round's median step (rl_step.summarise). Around each layout's run the machine's free cores are
-    probed (host_cores_probe, before and after: the mean): what the model is given for that run."""
+    each round's median step (rl_step.summarise)."""
     import torch
 
     from agent.engine.launch import run_local
@@ -121,15 +141,14 @@ def measure(rounds: int, steps: int, layouts: list[str] | None = None) -> list[d
         for name in names:
             world = LAYOUTS[name][0]
             loads.append(os.getloadavg()[0])
-            before = host_cores_probe()
             if world == 1:
                 torch.set_num_threads(1)
                 per_rank = [run_layout(0, 1, name, steps)]
             else:
                 per_rank = run_local(run_layout, world, name, steps, timeout_s=600)
-            row = summarise(name, per_rank)
-            row["host_cores"] = round((before + host_cores_probe()) / 2, 3)
-            per[name].append(row)
+            per[name].append(summarise(name, per_rank))
+            print(f"round {len(per[name])}/{rounds} {name}: step {per[name][-1]['step_s_median']:.3f} s, "
+                  f"load {loads[-1]:.1f}", file=sys.stderr, flush=True)
     # the machine's load drifts within minutes: each round's times are scaled by the anchor (the first
     # layout) of the same round against its median, so the layouts compare at one load
     anchor = [float(r["step_s_median"]) for r in per[names[0]]]
@@ -141,9 +160,7 @@ def measure(rounds: int, steps: int, layouts: list[str] | None = None) -> list[d
         out.append({"layout": name, "rounds": len(rs),
                     "step_s_median": statistics.median(float(r["step_s_median"]) * f for r, f in zip(rs, scale)),
                     "stage_s_median": stages,
-                    "step_s_rounds_raw": [round(float(r["step_s_median"]), 4) for r in rs],
-                    # unscaled, per round, with the cores probed around each run (run_with_cores reads them)
-                    "rounds_raw": [{"host_cores": r["host_cores"], "stage_s_median": r["stage_s_median"]} for r in rs]})
+                    "step_s_rounds_raw": [round(float(r["step_s_median"]), 4) for r in rs]})
     out[0]["load_1min"] = {"min": min(loads), "max": max(loads)}
     return out
 
@@ -167,44 +184,6 @@ def run(rows: list[dict[str, Any]], anchor: str, passes: int = 8) -> dict[str, A
                     "error_vs_step": round((p.step_latency_s - r["step_s_median"]) / r["step_s_median"], 3),
                     "stage_errors": stage_err})
     oos = [abs(o["error_vs_stage_sum"]) for o in out if not o["anchor"]]
-    return {"anchor": anchor, "calibrated_efficiencies": {c.value: round(v, 4) for c, v in eff.learned.items()},
-            "plans": out, "out_of_sample": {"count": len(oos), "mean_abs_error": round(statistics.mean(oos), 3)
-                                            if oos else None, "max_abs_error": round(max(oos), 3) if oos else None}}
-
-
-def run_with_cores(rows: list[dict[str, Any]], anchor: str, passes: int = 8) -> dict[str, Any] | None:
-    """:func:`run` with the machine's free cores given to the model (ClusterSpec.host_cores, probed around
-    each layout's run) instead of scaling rounds by the anchor: calibrated on every round of the anchor
-    (each with its own cores), each other layout's round predicted with its own cores; a layout's error
-    is the median over its rounds of predicted / measured - 1 (stage sums, weight-sync included)."""
-    if not all("rounds_raw" in r for r in rows):
-        return None  # rows from rl_step.py or an older save: no probe
-    job, base = _job(), cluster_preset("cpu", 2)
-    by_name = {r["layout"]: r for r in rows}
-
-    def at(cores: float):  # type: ignore[no-untyped-def]
-        return dataclasses.replace(base, host_cores=max(cores, 1e-3))
-
-    eff: Efficiencies | None = None
-    for _ in range(passes):
-        for rnd in by_name[anchor]["rounds_raw"]:
-            eff = fit_from_stage_times(job, _plan(anchor), rnd["stage_s_median"], eff, cluster=at(rnd["host_cores"]))
-    assert eff is not None
-    out = []
-    for name, r in by_name.items():
-        errs: list[float] = []
-        stage_errs: dict[str, list[float]] = {}
-        for rnd in r["rounds_raw"]:
-            p = predict(job, at(rnd["host_cores"]), _plan(name), eff)
-            errs.append(p.step_latency_s / sum(rnd["stage_s_median"].values()) - 1)
-            for k, v in rnd["stage_s_median"].items():
-                if k in p.stage_seconds and v > 0:
-                    stage_errs.setdefault(k, []).append(p.stage_seconds[k] / v - 1)
-        out.append({"layout": name, "anchor": name == anchor,
-                    "host_cores": [rnd["host_cores"] for rnd in r["rounds_raw"]],
-                    "error_rounds": [round(e, 3) for e in errs], "error": round(statistics.median(errs), 3),
-                    "stage_errors": {k: round(statistics.median(v), 3) for k, v in stage_errs.items()}})
-    oos = [abs(o["error"]) for o in out if not o["anchor"]]
     return {"anchor": anchor, "calibrated_efficiencies": {c.value: round(v, 4) for c, v in eff.learned.items()},
             "plans": out, "out_of_sample": {"count": len(oos), "mean_abs_error": round(statistics.mean(oos), 3)
                                             if oos else None, "max_abs_error": round(max(oos), 3) if oos else None}}
@@ -242,20 +221,27 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--save", type=Path, default=None, help="write the measured rows (rl_step.py's format)")
-    ap.add_argument("--quick", action="store_true", help="with --measure: 1 round of 2 steps per layout")
+    ap.add_argument("--quick", action="store_true",
+                    help="measure 1 round of 1 step of the anchor, TP2 and PP2 (under 50 s of CPU)")
+    ap.add_argument("--collective-chain", action="store_true",
+                    help="only measure what COLLECTIVE_LAUNCHES prices (collective_chain)")
     args = ap.parse_args()
+    if args.collective_chain:
+        print(json.dumps(collective_chain(100 if args.quick else 300), indent=2))
+        return 0
+    layouts = None
     if args.quick:
-        args.rounds, args.steps = 1, 2
+        args.measure, args.rounds, args.steps = True, 1, 1
+        layouts = [args.anchor, "TP2", "PP2"]
     if args.measure:
-        rows = measure(args.rounds, args.steps)
+        rows = measure(args.rounds, args.steps, layouts)
         if args.save:
             args.save.write_text(json.dumps({"bench": "cost_model_cpu", "results": rows}, indent=1) + "\n")
     elif args.rl_step_json is not None:
         rows = json.loads(args.rl_step_json.read_text())["results"]
     else:
         ap.error("give rl_step.py's JSON or --measure")
-    print(json.dumps({**run(rows, args.anchor), "leave_one_out": leave_one_out(rows),
-                      "with_host_cores": run_with_cores(rows, args.anchor)}, indent=2))
+    print(json.dumps({**run(rows, args.anchor), "leave_one_out": leave_one_out(rows)}, indent=2))
     return 0
 
 

@@ -406,26 +406,4 @@ def stage_cost(model: ModelSpec, ms: ModelStage, layout: Layout, workload: Workl
     terms = tuple(t.scaled(rep) for t in mb) + tuple(t.scaled(t.repeat * steps) for t in sync) + fixed
     seconds = sum(t.seconds(eff) for t in terms)
     bubble = mb_s * (layout.pp - 1) * steps
-    factor = host_bound_factor(cluster, dp * layout.size, seconds, bubble)
-    if factor > 1.0:  # the node's cores, not its ranks' own work, set the pace: every term stretches alike
-        terms = tuple(t.scaled(t.repeat * factor) for t in terms)
-        seconds, bubble = seconds * factor, bubble * factor
     return StageCost(seconds=seconds, terms=terms, bubble_s=bubble)
-
-
-def host_bound_factor(cluster: ClusterSpec, stage_gpus: int, seconds: float, bubble_s: float) -> float:
-    """How much a shared host's cores stretch one replica's time (>= 1; 1 on devices of their own).
-
-    On an eager host whose workers share fewer cores than they are (ClusterSpec.host_cores < ranks: a
-    development machine other jobs load too), the ranks' busy time queues for the cores: a node's k
-    busy ranks finish their work no sooner than k x busy / cores, where busy is a rank's time outside
-    the pipeline bubble (a rank waiting on its peer leaves its core to the others). A lone rank on
-    0.66 of a core runs 1.5x slower; two ranks on it each run 3x slower, so halving a rank's work over
-    DP2 does not halve its time. Measured on the development machine (2 cores shared with other
-    sessions): two busy processes got 0.33-0.37 of a core each where one alone got 0.66 (an even split
-    of the cores the machine leaves this job). Ranks are packed onto nodes (the search's placement)."""
-    cores = cluster.host_cores
-    if cores <= 0 or seconds <= 0 or launch_overhead_s(cluster) <= 0:
-        return 1.0
-    ranks = min(cluster.gpus_per_node, stage_gpus)
-    return max(1.0, ranks * max(seconds - bubble_s, 0.0) / (cores * seconds))

@@ -120,13 +120,9 @@ class ClusterSpec:
     step_overhead_s: float = 0.0
     # set-up of each step's train -> generation weight refit (IPC handles, conversion, engine reload)
     refit_setup_s: float = 0.0
-    # Eager host devices only (launch_overhead_s > 0: the CPU preset): the CPU cores a node's workers get
-    # in all, when that is fewer than its workers (a shared machine). 0: one core per worker. See
-    # planner.cost.host_bound_seconds.
-    host_cores: float = 0.0
 
     def __post_init__(self) -> None:
-        for field in ("step_overhead_s", "refit_setup_s", "host_cores"):
+        for field in ("step_overhead_s", "refit_setup_s"):
             if not (getattr(self, field) >= 0):
                 raise SpecError(f"cluster.{field}", f"must be >= 0, got {getattr(self, field)}")
         if self.num_nodes < 1:

@@ -30,7 +30,6 @@ from planner.cost import (
     raw_seconds,
     sync_raw,
 )
-from planner.eager import launch_overhead_s
 from planner.hardware import ClusterSpec
 from planner.memory import HEADROOM_FRACTION, WORKSPACE_BYTES, params_per_gpu, resident_bytes, transient_parts
 from planner.models import ModelSpec
@@ -255,10 +254,6 @@ def option_table(job: JobSpec, ms: ModelStage, cluster: ClusterSpec, num_gpus: i
         sync = np.zeros((1, 1))
     mb_s = np.maximum(gemm_a * b + gemm_c, mem_c) + other_a * b + other_c
     seconds = mb_s * (g + pp_l - 1) * mini + sync * mini + fixed
-    if cluster.host_cores > 0 and launch_overhead_s(cluster) > 0:  # cost.host_bound_factor, row-wise
-        busy = seconds - mb_s * (pp_l - 1) * mini
-        ranks = np.minimum(gpn, dp * size_l)
-        seconds = np.maximum(seconds, ranks * np.maximum(busy, 0.0) / cluster.host_cores)
     # + slack: the affine read-off may sit a few bytes under transient_bytes' own rounding
     in_flight = np.minimum(pp_l, g) - 1
     trans = (c0 + b * (c1 + in_flight * c2)).astype(np.int64) + TRANSIENT_SLACK_BYTES

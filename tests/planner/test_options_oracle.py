@@ -214,19 +214,3 @@ def test_the_frontier_compares_rows_only_within_their_group() -> None:
     t = _table([2, 4, 4], [5, 5, 5], [0, 10, 9], [1.0, 1.0, 2.0])
     assert sorted(frontier(t, tolerance=0.0).tp.tolist()) == [0, 1, 2]
     assert len(frontier(_table([], [], [], []))) == 0
-
-
-def test_rows_on_a_shared_eager_host_are_the_models_host_bound_figures() -> None:
-    """With fewer host cores than ranks (ClusterSpec.host_cores) every row is still stage_cost's own
-    figure, and rows with more busy ranks than cores are slower than on cores of their own."""
-    import dataclasses
-
-    own = _cluster(EAGER)
-    shared = dataclasses.replace(own, host_cores=1.5)
-    for stage in ("actor-train", "ref-inf"):
-        table = option_table(JOB, JOB.workflow.stage(stage), shared, 8, EFF, WIDE)
-        _check_rows(table, stage, shared)
-        base = option_table(JOB, JOB.workflow.stage(stage), own, 8, EFF, WIDE)
-        assert _rows(table) == _rows(base)
-        assert np.all(table.seconds >= base.seconds * (1 - 1e-12))
-        assert np.any(table.seconds > 1.3 * base.seconds) and np.any(table.seconds == base.seconds)
