@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/cost_model_cpu.py --measure [--rounds 3 --steps 3] [--save FILE]
     .venv/bin/python bench/cost_model_cpu.py FILE [--anchor "1proc TP1xPP1"]
+    .venv/bin/python bench/cost_model_cpu.py --quick | --collective-chain
 
 ``--measure`` runs bench/rl_step.py's layouts itself, interleaved (every layout once per round), so
 that the layouts share the machine's load: on 2 cores shared with other sessions the same layout's
@@ -33,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 import dataclasses  # noqa: E402
 import os  # noqa: E402
+import time  # noqa: E402
 
 from agent.engine.loop import uniform_plan  # noqa: E402
 from bench.rl_step import CFG, LAYOUTS  # noqa: E402
@@ -78,7 +80,52 @@ def _plan(name: str) -> GlobalPlan:
     return GlobalPlan(version=plan.version, stages=tuple(stages))
 
 
-def measure(rounds: int, steps: int) -> list[dict[str, Any]]:
+def _chain_rank(rank: int, world: int, repeats: int) -> dict[str, float]:
+    import torch
+    import torch.distributed as dist
+
+    def median_between_barriers(fn) -> float:  # type: ignore[no-untyped-def]
+        for _ in range(10):
+            fn()
+        out = []
+        for _ in range(repeats):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+        return statistics.median(out)
+
+    x, small = torch.randn(16, 256), torch.randn(16, 256)
+    got = {"plain_op_s": median_between_barriers(lambda: small.mul_(1.0)),
+           "all_reduce_median_s": median_between_barriers(lambda: dist.all_reduce(x))}
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        small.mul_(1.0)
+        dist.all_reduce(x)
+    got["all_reduce_chained_mean_s"] = (time.perf_counter() - t0) / repeats - got["plain_op_s"]
+    return got
+
+
+def collective_chain(repeats: int = 300) -> dict[str, Any]:
+    """What planner.eager.COLLECTIVE_LAUNCHES prices: a small gloo all-reduce (a TP2 layer's, 16 x 256)
+    on 2 ranks as the median between barriers and as the mean in a chain (one plain op between calls,
+    as a pass issues them); the slower rank's figures, in us and in plain-op units past the link's two
+    hops (planner.hardware.LOOPBACK)."""
+    from agent.engine.launch import run_local
+    from planner.hardware import LOOPBACK
+
+    load = os.getloadavg()[0]
+    ranks = run_local(_chain_rank, 2, repeats, timeout_s=300)
+    got = {k: max(r[k] for r in ranks) for k in ranks[0]}
+    hops = 2 * LOOPBACK.latency_s
+    return {"load_1min": round(load, 2), **{k: round(v * 1e6, 1) for k, v in got.items()},
+            "chained_over_median": round(got["all_reduce_chained_mean_s"] / got["all_reduce_median_s"], 2),
+            "launch_units_median": round((got["all_reduce_median_s"] - hops) / got["plain_op_s"], 1),
+            "launch_units_chained": round((got["all_reduce_chained_mean_s"] - hops) / got["plain_op_s"], 1)}
+
+
+def measure(rounds: int, steps: int, layouts: list[str] | None = None) -> list[dict[str, Any]]:
     """Every layout of bench/rl_step.py once per round, interleaved; stage times: median over rounds of
     each round's median step (rl_step.summarise)."""
     import torch
@@ -87,10 +134,12 @@ def measure(rounds: int, steps: int) -> list[dict[str, Any]]:
     from bench.rl_step import run as run_layout
     from bench.rl_step import summarise
 
-    per: dict[str, list[dict[str, Any]]] = {name: [] for name in LAYOUTS}
+    names = layouts or list(LAYOUTS)
+    per: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     loads = []
     for _ in range(rounds):
-        for name, (world, _, _) in LAYOUTS.items():
+        for name in names:
+            world = LAYOUTS[name][0]
             loads.append(os.getloadavg()[0])
             if world == 1:
                 torch.set_num_threads(1)
@@ -98,9 +147,11 @@ def measure(rounds: int, steps: int) -> list[dict[str, Any]]:
             else:
                 per_rank = run_local(run_layout, world, name, steps, timeout_s=600)
             per[name].append(summarise(name, per_rank))
+            print(f"round {len(per[name])}/{rounds} {name}: step {per[name][-1]['step_s_median']:.3f} s, "
+                  f"load {loads[-1]:.1f}", file=sys.stderr, flush=True)
     # the machine's load drifts within minutes: each round's times are scaled by the anchor (the first
     # layout) of the same round against its median, so the layouts compare at one load
-    anchor = [float(r["step_s_median"]) for r in per[next(iter(LAYOUTS))]]
+    anchor = [float(r["step_s_median"]) for r in per[names[0]]]
     scale = [statistics.median(anchor) / a for a in anchor]
     out = []
     for name, rs in per.items():
@@ -170,12 +221,20 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--save", type=Path, default=None, help="write the measured rows (rl_step.py's format)")
-    ap.add_argument("--quick", action="store_true", help="with --measure: 1 round of 2 steps per layout")
+    ap.add_argument("--quick", action="store_true",
+                    help="measure 1 round of 1 step of the anchor, TP2 and PP2 (under 50 s of CPU)")
+    ap.add_argument("--collective-chain", action="store_true",
+                    help="only measure what COLLECTIVE_LAUNCHES prices (collective_chain)")
     args = ap.parse_args()
+    if args.collective_chain:
+        print(json.dumps(collective_chain(100 if args.quick else 300), indent=2))
+        return 0
+    layouts = None
     if args.quick:
-        args.rounds, args.steps = 1, 2
+        args.measure, args.rounds, args.steps = True, 1, 1
+        layouts = [args.anchor, "TP2", "PP2"]
     if args.measure:
-        rows = measure(args.rounds, args.steps)
+        rows = measure(args.rounds, args.steps, layouts)
         if args.save:
             args.save.write_text(json.dumps({"bench": "cost_model_cpu", "results": rows}, indent=1) + "\n")
     elif args.rl_step_json is not None:

@@ -118,10 +118,11 @@ def _matmul_params(model: ModelSpec, ms: ModelStage, layout: Layout) -> int:
 
 def gemm_peak(cluster: ClusterSpec, model: ModelSpec, layout: Layout, tokens: float) -> float:
     """Attainable GEMM FLOP/s for ``tokens`` rows per GPU (DeviceSpec.gemm_half_tokens): FLOPs stay FLOPs,
-    the shape lowers the peak they run at."""
+    the shape lowers the peak they run at, from the device's matmul ceiling (DeviceSpec.matmul_ceiling)."""
     dev = cluster.device
     width = model.hidden_size / layout.tp
-    return dev.peak_flops_bf16 / ((1.0 + dev.gemm_half_tokens / tokens) * (1.0 + dev.gemm_half_width / width))
+    return dev.peak_flops_bf16 * dev.matmul_ceiling / ((1.0 + dev.gemm_half_tokens / tokens)
+                                                      * (1.0 + dev.gemm_half_width / width))
 
 
 # (op class, work, peak per s, messages, latency s) of one term: what OpTerm holds, without building one
@@ -188,7 +189,7 @@ def microbatch_raw(model: ModelSpec, ms: ModelStage, layout: Layout, workload: W
         decode_bytes = float(w * model.bytes_per_param * r)
         # roofline pair: the search keeps both; stage_cost takes the larger of the two
         # decode GEMMs at the plain peak: their small-M regime is the weight read the roofline keeps
-        terms.append((OpClass.GEMM, decode_flops, dev.peak_flops_bf16, 0.0, 0.0))
+        terms.append((OpClass.GEMM, decode_flops, dev.peak_flops_bf16 * dev.matmul_ceiling, 0.0, 0.0))
         terms.append((OpClass.MEMORY_BOUND, decode_bytes, dev.hbm_bytes_per_s, 0.0, 0.0))
         terms.append((OpClass.GEMM, 2.0 * w * b * p, gemm_peak(cluster, model, layout, b * p), 0.0, 0.0))
         terms.append((OpClass.ATTENTION_PREFILL, attention_flops(p), dev.peak_flops_bf16, 0.0, 0.0))

@@ -13,7 +13,8 @@ waits on its peer's socket, and a pipeline schedule step builds its actions and 
 receives. They are counted here in units of one plain launch, measured side by side on this machine
 by ``bench/cpu_call_costs.py`` (2 gloo ranks, medians of 200 calls; 2026-12-02, load 5.5 on 2 cores:
 plain in-place op 5.2 us, DTensor in-place op 64 us, DTensor linear +294 us over a plain one, a
-small gloo all-reduce 253 us (100 us of it the link's two hops, planner.hardware.LOOPBACK), a 2-stage
+small gloo all-reduce 253 us (100 us of it the link's two hops, planner.hardware.LOOPBACK; 2.6x that
+as the mean of a chain of them, COLLECTIVE_LAUNCHES), a 2-stage
 GPipe step of one micro-batch 795 us over its modules' time). In launch units they scale with what
 the calibration learns of the launch classes on any plan (a loaded machine slows all host work
 alike), so a fit on one layout prices the host work of TP and PP layouts it has not run.
@@ -46,7 +47,12 @@ LAUNCHES_PER_PARAM_TENSOR = 16
 # Distributed calls in plain-launch units (bench/cpu_call_costs.py, see above):
 TP_LINEAR_LAUNCHES = 57.0  # a DTensor (column/row parallel) linear's extra host time, 294 / 5.2 us
 DTENSOR_OP_LAUNCHES = 12.0  # an in-place op on a DTensor parameter, 64 / 5.2 us
-COLLECTIVE_LAUNCHES = 29.0  # a small gloo collective beyond its link latency, (253 - 100) / 5.2 us
+# a small gloo collective beyond its link latency, priced at its mean in a chain (what a pass's 2 per layer
+# add up to), not at its median between barriers: under load a collective waits for its peer to be
+# scheduled, a heavy tail the barrier hides. Chained mean / barrier median, 6 runs of 300 (2 ranks, one
+# plain op between, load 4.4-8.5 on 2 cores; 2026-12-03): 1.6-3.5x, median 2.6; 2.6 x 253 us = 658 us,
+# (658 - 100) / 5.2 us = 107 (the median alone, (253 - 100) / 5.2 = 29, left TP2 plans 20-35% fast).
+COLLECTIVE_LAUNCHES = 107.0
 PIPELINE_HOP_LAUNCHES = 76.0  # one stage's share of a schedule step per micro-batch, 795 / 2 / 5.2 us
 # the engine's tensor-parallel linears (agent/engine/parallel.tp_plan): q, k, v, o, gate, up, down per
 # layer, and the vocab-parallel embedding and head at the ends of the model

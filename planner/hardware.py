@@ -36,9 +36,12 @@ class DeviceSpec:
     # runs at half its peak; tensor-core tiles and waves make small GEMMs slow on GPUs (see planner.cost)
     gemm_half_tokens: float = GEMM_HALF_TOKENS
     gemm_half_width: float = GEMM_HALF_WIDTH
+    # share of the data-sheet peak the device's best matmul reaches, relative to an H100 SXM's (the GEMM
+    # class's efficiency and its prior are H100 figures): see MATMUL_CEILING_NOTE
+    matmul_ceiling: float = 1.0
 
     def __post_init__(self) -> None:
-        for field in ("memory_bytes", "peak_flops_bf16", "hbm_bytes_per_s", "host_bytes_per_s"):
+        for field in ("memory_bytes", "peak_flops_bf16", "hbm_bytes_per_s", "host_bytes_per_s", "matmul_ceiling"):
             if getattr(self, field) <= 0:
                 raise SpecError(f"device.{field}", f"must be > 0, got {getattr(self, field)}")
 
@@ -54,6 +57,16 @@ class LinkSpec:
             raise SpecError(f"link.{self.name}", "bandwidth must be > 0 and latency >= 0")
 
 
+# Maximum achievable matmul FLOPS (MAMF: the best bf16 matmul over a sweep of shapes, mean of 100 runs;
+# stas00/ml-engineering compute/accelerator/README.md, "Maximum Achievable Matmul FLOPS comparison
+# table"): A100 SXM 271.2 of 312 TFLOP/s (86.9%), H100 SXM 794.5 of 989 (80.3%), MI250X 147.0 of 191.5
+# per GCD (76.7%). One GEMM efficiency per class, learned on H100s, prices an A100 8% slow without it
+# (torchtitan's A100 rows, bench/fidelity.py). DeviceSpec.matmul_ceiling is the share relative to
+# H100's; H200 is H100's die at the same clocks (1.0); the CPU worker has no such figure (1.0).
+MATMUL_CEILING_NOTE = "MAMF share / H100 SXM's 80.3%"
+A100_MATMUL_CEILING = 0.869 / 0.803
+MI250X_MATMUL_CEILING = 0.767 / 0.803
+
 # --- device presets -------------------------------------------------------------------------------
 # NVIDIA H100 SXM5 80GB data sheet: 989 TFLOP/s dense BF16 (1,979 with sparsity), 3.35 TB/s HBM3.
 # Host link: PCIe Gen5 x16 (H100/H200 SXM) is 64 GB/s per direction; Gen4 x16 (A100) 32 GB/s; Frontier's
@@ -66,12 +79,12 @@ H200 = DeviceSpec(name="h200-141gb", memory_bytes=141 * GB, peak_flops_bf16=989e
 # NVIDIA A100 SXM data sheet: 312 TFLOP/s dense BF16, 2.039 TB/s HBM2e (80GB part); the paper's
 # cluster runs a 64 GB variant, so memory is 64 GB with the SXM compute and bandwidth figures.
 A100_64G = DeviceSpec(name="a100-64gb", memory_bytes=64 * GB, peak_flops_bf16=312e12, hbm_bytes_per_s=2.039e12,
-                      host_bytes_per_s=32e9)
+                      host_bytes_per_s=32e9, matmul_ceiling=A100_MATMUL_CEILING)
 # AMD Instinct MI250X data sheet: 383 TFLOP/s peak BF16, 3.2 TB/s, 128 GB HBM2e for the whole
 # package of two GCDs; one GCD (what the runtime sees as a GPU) has half of each.
 MI250X_GCD = DeviceSpec(
     name="mi250x-gcd-64gb", memory_bytes=64 * GB, peak_flops_bf16=191.5e12, hbm_bytes_per_s=1.6e12,
-    host_bytes_per_s=36e9,
+    host_bytes_per_s=36e9, matmul_ceiling=MI250X_MATMUL_CEILING,
 )
 # A CPU worker slot on the project's development machine (2 cores of an AMD EPYC Zen 5, AVX-512):
 # peak fp32 (the engine's dtype on CPU) of one core from the core's design: two 512-bit FMA pipes,

@@ -35,9 +35,9 @@ def test_a_forward_pass_launches_per_layer_and_once_outside() -> None:
 @pytest.mark.parametrize(("layout", "layers", "expected"), [
     (Layout(1, 1), 4, 0.0),
     (Layout(1, 2), 2, 76.0),  # the schedule step only
-    (Layout(2, 1), 4, (7 * 4 + 2) * 57 + (2 * 4 + 2) * 29),  # 1710 + 290: both ends on the one stage
-    (Layout(2, 2), 2, (7 * 2 + 1) * 57 + (2 * 2 + 1) * 29 + 76),  # the ends shared by two stages
-    (Layout(4, 4), 1, (7 + 0.5) * 57 + (2 + 0.5) * 29 + 76),
+    (Layout(2, 1), 4, (7 * 4 + 2) * 57 + (2 * 4 + 2) * 107),  # 1710 + 1070: both ends on the one stage
+    (Layout(2, 2), 2, (7 * 2 + 1) * 57 + (2 * 2 + 1) * 107 + 76),  # the ends shared by two stages
+    (Layout(4, 4), 1, (7 + 0.5) * 57 + (2 + 0.5) * 107 + 76),
 ])
 def test_distributed_calls_of_a_pass(layout: Layout, layers: int, expected: float) -> None:
     assert distributed_pass_launches(layout, layers) == pytest.approx(expected)
@@ -52,7 +52,7 @@ def test_parameter_tensors_and_optimizer_launches_on_the_most_loaded_rank() -> N
     assert [param_tensors(TINY, Layout(1, pp)) for pp in (1, 2, 4)] == [4 * 9 + 3, 2 * 9 + 3, 9 + 3]
     assert param_tensors(TINY, Layout(2, 1)) == 39  # TP splits tensors, it does not add any
     assert optimizer_launches(TINY, Layout(1, 1)) == (39 * 16.0, 0.0)
-    assert optimizer_launches(TINY, Layout(1, 2)) == (21 * 16.0, 29.0)  # grad-norm over the PP group
+    assert optimizer_launches(TINY, Layout(1, 2)) == (21 * 16.0, 107.0)  # grad-norm over the PP group
     # TP2 x PP2: 2 layers' 14 sharded linears + half the 2 ends, each of 16 launches a DTensor op (12 units,
     # 11 beyond the plain one), and grad-norm collectives over both groups
-    assert optimizer_launches(TINY, Layout(2, 2)) == pytest.approx((21 * 16.0, 15 * 16 * 11 + 2 * 29))
+    assert optimizer_launches(TINY, Layout(2, 2)) == pytest.approx((21 * 16.0, 15 * 16 * 11 + 2 * 107))

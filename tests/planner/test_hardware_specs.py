@@ -142,3 +142,33 @@ def test_presets_match_the_data_sheets_they_cite() -> None:
     assert [SYSTEMS[n].cluster().num_gpus for n in ("paper-mi250x-1024", "paper-a100-256", "paper-h200-64")] == [
         1024, 256, 64]
     assert SYSTEMS["cpu-dev"].cluster(2).inter_node_link.bytes_per_s == 3e9  # gloo loopback, 48 Gb/s
+
+
+def test_a_devices_matmul_ceiling_scales_every_gemm_term_and_nothing_else() -> None:
+    """DeviceSpec.matmul_ceiling (MAMF share relative to H100's): an A100's GEMMs run 86.9 / 80.3 of the
+    H100-calibrated rate of its peak, its attention and weight reads do not move; bad ceilings are refused."""
+    import dataclasses
+
+    from planner.cost import Links, OpClass, gemm_peak, microbatch_terms
+    from planner.hardware import A100_64G, H100, H200, MI250X_GCD, ClusterSpec, cluster_preset
+    from planner.models import LLAMA_31_8B
+    from planner.plan import Layout
+    from planner.workflow import ACTOR_GEN, Workload
+
+    assert A100_64G.matmul_ceiling == pytest.approx(0.869 / 0.803)
+    assert MI250X_GCD.matmul_ceiling == pytest.approx(0.767 / 0.803)
+    assert H100.matmul_ceiling == H200.matmul_ceiling == 1.0
+    cl = cluster_preset("a100", 4)
+    flat = ClusterSpec(device=dataclasses.replace(A100_64G, matmul_ceiling=1.0), num_nodes=1, gpus_per_node=4,
+                       intra_node_link=cl.intra_node_link, inter_node_link=cl.inter_node_link)
+    assert gemm_peak(cl, LLAMA_31_8B, Layout(2, 1), 512) == pytest.approx(
+        A100_64G.matmul_ceiling * gemm_peak(flat, LLAMA_31_8B, Layout(2, 1), 512))
+    w = Workload(prompts_per_step=8, prompt_tokens=64, response_tokens=32)
+    got = microbatch_terms(LLAMA_31_8B, ACTOR_GEN, Layout(1, 1), w, 8, False, cl, Links())
+    ref = microbatch_terms(LLAMA_31_8B, ACTOR_GEN, Layout(1, 1), w, 8, False, flat, Links())
+    for a, b in zip(got, ref, strict=True):
+        scale = A100_64G.matmul_ceiling if a.op_class is OpClass.GEMM else 1.0
+        assert a.peak_per_s == pytest.approx(scale * b.peak_per_s) and a.work == b.work
+    for bad in (0.0, -1.0):
+        with pytest.raises(SpecError, match="matmul_ceiling"):
+            dataclasses.replace(H100, matmul_ceiling=bad)
