@@ -84,6 +84,12 @@ class RunDag:
     in_place: bool | None = None  # None: the executor's default (transitions.executor.IN_PLACE, CPU only)
     fan_out: bool | None = None  # Extend fan-outs as broadcasts; None: the executor's default (large ones)
     drop_held: bool = False  # drop every unit held first: a restore, whose DAG replaces them from a checkpoint
+    # a function run first, in the same command, as ``Call`` runs one (``fn(ctx)``, not collective): the
+    # engine's release, say, so that a transition costs one round trip to the workers, not two; if it
+    # fails, nothing moves: the worker breaks the generation (its peers fail at the opening barrier)
+    # and the reply is its error
+    before: Callable[..., Any] | None = None
+    derived: bytes | None = None  # what the driver derived for this worker (transitions.executor.shipped)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

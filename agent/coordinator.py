@@ -41,8 +41,9 @@ from planner.errors import NereusError, SpecError
 from planner.hardware import ClusterSpec
 from transitions.channel import GenerationSpec
 from transitions.cost import DEFAULT_COMMUNICATOR_SETUP_S, primitive_seconds
+from transitions.dag_pieces import DagMemo
 from transitions.emu import EMU
-from transitions.executor import StepReport
+from transitions.executor import StepReport, shipped
 from transitions.global_dag import TransitionDAG
 from transitions.restore_dag import restore_dag
 from transitions.survival import uncovered_state
@@ -145,15 +146,21 @@ class CommandDriver:
     def run_dag(self, dag: TransitionDAG, cluster: ClusterSpec, *, max_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                 kill_at: dict[int, tuple[str, int]] | None = None,
                 setup_s: float = DEFAULT_COMMUNICATOR_SETUP_S, in_place: bool | None = None,
-                fan_out: bool | None = None) -> TransitionOutcome:
+                fan_out: bool | None = None, before: Callable[..., Any] | None = None,
+                derived: DagMemo | None = None) -> TransitionOutcome:
         """Every worker runs its nodes of ``dag``; on a failure the survivors re-form a generation and
-        the model-stages whose state no surviving unit still covers are reported (checkpoint needed)."""
+        the model-stages whose state no surviving unit still covers are reported (checkpoint needed).
+        ``before``: ``fn(ctx)`` run on every worker first, in the same command (e.g. the engine's
+        ``release``: one round trip instead of two). ``derived``: a memo in which the caller derived
+        the DAG's steps already (``dag_messages``): each worker is sent its share of it
+        (``transitions.executor.shipped``) instead of deriving it again."""
         start = time.perf_counter()
         predicted = tuple(primitive_seconds(fp, cluster, setup_s) for fp in dag.footprints)
         members = self.spec.members if self.spec is not None else self.alive
         cmds: dict[int, Command] = {
             w: RunDag(dag=dag, predicted_s=predicted, max_bucket_bytes=max_bucket_bytes,
-                      kill_at=(kill_at or {}).get(w), in_place=in_place, fan_out=fan_out)
+                      kill_at=(kill_at or {}).get(w), in_place=in_place, fan_out=fan_out, before=before,
+                      derived=shipped.pack(dag, derived, w) if derived is not None else None)
             for w in members
         }
         replies = self.request(cmds)

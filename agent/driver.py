@@ -224,9 +224,10 @@ class JobDriver(Recovery):
                     from transitions.executor import IN_PLACE
                     from transitions.node_steps import dag_messages
 
-                    dag_bytes = sum(m.num_bytes for m in dag_messages(dag, DagMemo(), early=IN_PLACE))
-                    self.hub.call(release, workers=sorted(needed), timeout_s=60.0)  # the old views go first
-                    outcome = self.hub.run_dag(dag, cluster)
+                    memo = DagMemo()  # every worker's steps: their bytes reported, and shipped to each
+                    dag_bytes = sum(m.num_bytes for m in dag_messages(dag, memo, early=IN_PLACE))
+                    # the old views go first, in the same command (one round trip to the workers)
+                    outcome = self.hub.run_dag(dag, cluster, before=release, derived=memo)
                     if not outcome.committed:
                         self.dead |= set(outcome.dead_workers)
                         raise WorkerDied(f"transition DAG failed: {outcome.errors}")

@@ -127,11 +127,17 @@ def _run_dag(ctx: WorkerContext, cmd: RunDag) -> Any:
         if cmd.kill_at == (model_stage, rnd):
             os.kill(os.getpid(), signal.SIGKILL)
 
+    if cmd.before is not None:
+        try:
+            cmd.before(ctx)
+        except Exception as exc:  # the peers are on their way to the run's opening barrier: fail them now
+            ctx.channel.break_(f"{getattr(cmd.before, '__name__', 'before')} failed: {type(exc).__name__}: {exc}")
+            raise
     if cmd.drop_held:
         ctx.units.clear()  # a restore: the checkpoint's state replaces what was held
     return run_dag(cmd.dag, ctx.worker_id, ctx.units, ctx.channel, predicted_s=cmd.predicted_s,
                    max_bucket_bytes=cmd.max_bucket_bytes, on_round=on_round, in_place=cmd.in_place,
-                   fan_out=cmd.fan_out, memo=ctx.memo)
+                   fan_out=cmd.fan_out, memo=ctx.memo, derived=cmd.derived)
 
 
 def _dump(ctx: WorkerContext, cmd: Dump) -> dict[str, list[dict[str, Any]]]:

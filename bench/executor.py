@@ -203,7 +203,8 @@ def throughput(pool: LocalCoordinator, model: str, repeats: int, fan_out: bool =
 def emu_vs_restart(model: str, repeats: int, changes: tuple[str, ...] = tuple(CHANGES),
                    live: LocalCoordinator | None = None) -> dict[str, Any]:
     """Per change: the live transition (cold caches and warm) vs checkpoint/restart. ``live``: a pool
-    to run the live side in (--quick: the throughput's own, a spawn saved) instead of a fresh one."""
+    to run the live side in (--quick: the throughput's own, a spawn saved) instead of a fresh one; it
+    then plays the old processes of the last change's first restart, and is closed by it."""
     out = {}
     for name in changes:
         change = Change(model, name)
@@ -224,8 +225,12 @@ def emu_vs_restart(model: str, repeats: int, changes: tuple[str, ...] = tuple(CH
                     samples.append(outcome.seconds)
         for i in range(min(repeats, 2)):  # each restart costs seconds: two samples are enough
             with tempfile.TemporaryDirectory(prefix="nereus-bench-") as tmp:
-                first = LocalCoordinator(NUM_WORKERS, timeout_s=120, device=DEVICE[0])
-                first.form_generation()
+                # the old processes: the live pool itself for the last change's first restart (--quick:
+                # four spawns saved; it is done with), else fresh ones
+                first = live if live is not None and i == 0 and name == changes[-1] else \
+                    LocalCoordinator(NUM_WORKERS, timeout_s=120, device=DEVICE[0])
+                if first is not live:
+                    first.form_generation()
                 first.init_units(change.old_units, seed=2)
                 t0 = time.perf_counter()
                 first.save_checkpoint(tmp, f"ck{i}")

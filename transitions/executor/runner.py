@@ -30,7 +30,7 @@ import torch
 from transitions.channel import DataChannel
 from transitions.dag_pieces import DagMemo
 from transitions.early_builds import EarlyBuild, early_builds
-from transitions.executor import warm_pool
+from transitions.executor import shipped, warm_pool
 from transitions.executor.buffers import RankState, allocate_unit
 from transitions.executor.early_build import Built, build_early
 from transitions.executor.fan_out import run_fan_out
@@ -80,7 +80,7 @@ def run_dag(dag: TransitionDAG, worker: int, units: dict[str, RankState], channe
             predicted_s: Sequence[float] | None = None, max_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
             timeout_s: float | None = None, on_round: OnRound | None = None,
             in_place: bool | None = None, fan_out: bool | None = None,
-            memo: DagMemo | None = None) -> list[StepReport]:
+            memo: DagMemo | None = None, derived: bytes | None = None) -> list[StepReport]:
     """Run the DAG nodes that touch ``worker``, in the DAG's order, on ``units`` (EMU uid -> state).
 
     Each worker runs its nodes one at a time in the global order, so pairs meet in the same node and
@@ -88,7 +88,9 @@ def run_dag(dag: TransitionDAG, worker: int, units: dict[str, RankState], channe
     the same on every worker of the run, since receivers derive the senders' early builds; either way
     a failure finds the same copies alive. ``fan_out``: None runs as broadcasts the fan-outs copying
     at least ``FAN_OUT_MIN_BYTES`` per rank. ``memo`` keeps what is derived from ``dag`` (a worker
-    passes its own, so a DAG run twice is derived once; None: a fresh one for this run).
+    passes its own, so a DAG run twice is derived once; None: a fresh one for this run). ``derived``:
+    what the driver already derived for this worker (``transitions.executor.shipped.pack``), put into
+    ``memo`` first, so that the planning finds it instead of deriving it again.
     Raises ChannelBroken on any communication failure; ``units`` then holds whatever existed at that
     point (old units are only freed after their readers).
     """
@@ -96,6 +98,8 @@ def run_dag(dag: TransitionDAG, worker: int, units: dict[str, RankState], channe
     warm_pool.POOL.settle()  # the last run's refill holds the pool's mappings: done first (bounded)
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     t0 = time.perf_counter()
+    if derived is not None:
+        shipped.seed(memo, dag, derived)
     prepared = _prepare(dag, worker, channel.device, predicted_s, max_bucket_bytes, in_place, fan_out, memo)
     t1 = time.perf_counter()
     # every worker of the generation forms every group, in the same order (new_group is collective)
