@@ -64,6 +64,14 @@ def test_the_idle_time_a_node_leaves_counts_against_it() -> None:
     assert _timed(fps, [1.0, 2.0, 0.5], edges=[(0, 2)], initial={0: 5, 1: 5}) == (0, 1, 2)
 
 
+def test_equal_ends_go_to_the_longest_remaining_path() -> None:
+    """Nodes 0 and 1 would both end at 1 s, from 0 s, in the same stage; node 1 has a successor (node
+    2), so its remaining path is longer and it runs first."""
+    fps = [_fp(alloc={0: 1}), _fp(alloc={1: 1}), _fp(alloc={2: 1})]
+    assert _timed(fps, [1.0, 1.0, 1.0], edges=[(1, 2)]) == (1, 0, 2)
+    assert _timed(fps, [1.0, 1.0, 1.0], edges=[(0, 2)]) == (0, 1, 2)
+
+
 def test_a_rank_that_moved_since_it_was_queued_is_taken_again() -> None:
     """Nodes 0 (1 s) and 1 (1.5 s) share GPU 0, node 2 (2 s) has GPU 1: after node 0, node 1 would end
     at 2.5 s, no longer before node 2 (2 s), which goes first."""
@@ -82,6 +90,12 @@ def test_order_by_memory_keeps_the_timed_order_only_where_it_is_strictly_faster(
     # node 0) at 1 s: faster by a rounding error only, so the stage order stays
     assert _timed(fps, [0.75, 0.25, 1e-12], edges=[(1, 2)], stages=[0, 1, 1]) == (1, 2, 0)
     assert order_by_memory(*args, durations=[0.75, 0.25, 1e-12]).order == (0, 1, 2)
+    # a node on no GPU (it waits on nothing) running as long as the stage order (11 s): both orders end
+    # at 11 s, so the stage order stays
+    four = (fps + [_fp()], [(1, 2)], [0, 1, 1, 0], {}, ROOM)
+    assert order_by_memory(*four).order == (3, 0, 1, 2)  # no state added: the release rank
+    assert _timed(four[0], [5.0, 1.0, 5.0, 11.0], edges=[(1, 2)], stages=[0, 1, 1, 0]) == (3, 1, 0, 2)
+    assert order_by_memory(*four, durations=[5.0, 1.0, 5.0, 11.0]).order == (3, 0, 1, 2)
     # side by side on GPUs 0 and 1, both orders end at 2 s: the stage order (stage 0 first) stays
     side = [_fp(alloc={0: 1}), _fp(alloc={1: 1})]
     assert _timed(side, [1.0, 2.0]) == (0, 1)
