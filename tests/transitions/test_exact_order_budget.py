@@ -102,3 +102,36 @@ def test_small_budgets_prove_what_they_reach_and_the_optimum_of_every_permutatio
                 assert got is None or makespan(fps, edges, got, durations) == min(spans)
                 proven[budget] += 1
     assert proven[30] >= 56 and proven[35] >= 104 and proven[40] >= 148 and proven[50] >= 189, proven
+
+
+def test_a_zero_time_node_that_adds_state_is_not_forced_first() -> None:
+    """GPU 0 holds 9 of 10 bytes. Node 0 adds 1 byte there in no time; node 1 needs 1 byte of buffers
+    there for 1 s and node 2 (10 s on GPU 1) waits on it; node 3 frees 5 bytes on GPU 0 in 10 s. Run
+    first, node 0 would fill GPU 0 until node 3 ends (makespan 21 s); node 1 first lets node 2 run
+    beside node 3 (11 s), the optimum of every permutation."""
+    fps = [_fp(alloc={0: 1}), Footprint(alloc_bytes={}, free_bytes={}, buffer_bytes={0: 1}, local_bytes={0: 1},
+                                        pair_bytes={}), _fp(alloc={1: 1}), _fp(free={0: 5})]
+    edges, durations = [(1, 2)], [0.0, 1.0, 10.0, 10.0]
+    spans = [makespan(fps, edges, p, durations) for p in itertools.permutations(range(4))
+             if fits(fps, edges, p, {0: 9}, 10)]
+    best = fastest_order(fps, edges, {0: 9}, 10, durations)
+    assert best is not None and fits(fps, edges, best, {0: 9}, 10)
+    assert makespan(fps, edges, best, durations) == min(spans) == 11.0 < max(spans) == 21.0
+
+
+def test_a_search_cut_by_its_budget_never_claims_a_proof() -> None:
+    """150 random DAGs of 3..6 nodes (seed 9), each searched with budgets of 1..12 expansions: where the
+    search says it completed, its answer is the optimum of every permutation (None: no order fits)."""
+    rng = random.Random(9)
+    claimed = 0
+    for _ in range(150):
+        fps, edges, durations = _instance(rng, rng.randint(3, 6))
+        spans = [makespan(fps, edges, p, durations) for p in itertools.permutations(range(len(fps)))
+                 if fits(fps, edges, p, INITIAL, CAPACITY)]
+        for budget in range(1, 13):
+            got, done = search_order(fps, edges, INITIAL, CAPACITY, durations, budget=budget)
+            if done:
+                claimed += 1
+                assert (got is None) == (not spans)
+                assert got is None or makespan(fps, edges, got, durations) == min(spans)
+    assert claimed >= 100, claimed  # 139 searches complete within these budgets
