@@ -240,7 +240,7 @@ def greedy_vs_optimum(brute_force: int) -> dict[str, object]:
         fps, edges = list(dag.footprints), list(dag.data_edges)
         durations = [primitive_seconds(fp, cluster, DEFAULT_COMMUNICATOR_SETUP_S) for fp in fps]
         greedy_order = order_by_memory(fps, edges, list(dag.stage_order), dag.initial_bytes,
-                                       dag.capacity_bytes).order
+                                       dag.capacity_bytes, durations=durations).order  # as the builder
         greedy = _makespan(dag, greedy_order, durations)
         shipped = _makespan(dag, dag.order, durations)
         c0 = time.process_time()  # the search as the builder runs it: bounded by the greedy order

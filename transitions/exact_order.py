@@ -20,6 +20,7 @@ the answer is then feasible, and faster than the bound, but not proven optimal.
 
 from __future__ import annotations
 
+from transitions.feasibility import bottom_levels
 from transitions.primitives import Footprint
 
 EXACT_MAKESPAN_NODES = 16  # DAGs this small are searched (the budget bounds the time, not the size)
@@ -44,26 +45,6 @@ def makespan(fps: list[Footprint], edges: list[tuple[int, int]], order: tuple[in
         for g in fps[i].gpus:
             gpu_end[g] = end[i]
     return max(end, default=0.0)
-
-
-def _tails(n: int, succ: list[list[int]], durations: list[float]) -> list[float]:
-    """Longest path of durations from each node to a sink, its own included (edges form a DAG)."""
-    tail: list[float | None] = [None] * n
-
-    def visit(i: int) -> float:
-        stack = [(i, False)]
-        while stack:
-            j, done = stack.pop()
-            if tail[j] is not None:
-                continue
-            if done:
-                tail[j] = durations[j] + max((tail[k] or 0.0 for k in succ[j]), default=0.0)
-                continue
-            stack.append((j, True))
-            stack.extend((k, False) for k in succ[j] if tail[k] is None)
-        return tail[i] or 0.0
-
-    return [visit(i) for i in range(n)]
 
 
 class _Search:
@@ -93,7 +74,7 @@ class _Search:
             self.succ[a].append(b)
             self.succ_mask[a] |= 1 << b
             self.indeg[b] += 1
-        self.tail = _tails(n, self.succ, durations)
+        self.tail = bottom_levels(n, edges, durations)  # longest path of durations to a sink, its own included
         self.by_tail: list[list[int]] = [[] for _ in index]  # per GPU: its nodes, longest tail first
         for i in sorted(range(n), key=lambda i: -self.tail[i]):
             for g in self.gpus[i]:
@@ -130,8 +111,7 @@ class _Search:
                 if indeg[j] >= 0:
                     top = tail[j]
                     break
-            rest = self.remaining[g]
-            lb = max(lb, self.gpu_end[g] + (rest if rest > top else top))
+            lb = max(lb, self.gpu_end[g] + max(self.remaining[g], top))
         return lb
 
     def run(self, span: float) -> None:
@@ -173,9 +153,6 @@ class _Search:
         """Whether some memory-feasible order completes the set ``placed`` (``last``, just added to
         the current one, on top of self.used); memory depends on the set alone, so each set is
         decided once (each new set counts against the budget)."""
-        known = self.completes.get(placed)
-        if known is not None:
-            return known
         used = list(self.used)
         for g, _, change in self.effect[last]:
             used[g] += change
@@ -218,8 +195,8 @@ class _Search:
     def unplace(self, i: int, saved: list[float]) -> None:
         for j in self.succ[i]:
             self.indeg[j] += 1
-        for (g, _, change), gpu_end in zip(self.effect[i], saved, strict=True):
-            self.gpu_end[g] = gpu_end
+        for k, (g, _, change) in enumerate(self.effect[i]):
+            self.gpu_end[g] = saved[k]
             self.used[g] -= change
             self.remaining[g] += self.durations[i]
         self.order.pop()
@@ -228,12 +205,11 @@ class _Search:
 
 
 def fastest_order(fps: list[Footprint], edges: list[tuple[int, int]], initial_bytes: dict[int, int],
-                  capacity: int, durations: list[float], bound: float = float("inf"),
-                  budget: int = EXACT_BUDGET) -> tuple[int, ...] | None:
+                  capacity: int, durations: list[float], bound: float = float("inf")) -> tuple[int, ...] | None:
     """The memory-feasible topological order with the least makespan, if one is strictly below
     ``bound`` (None otherwise: e.g. the greedy order, whose makespan is the bound, is already optimal).
-    After ``budget`` expansions: the fastest found so far (see the module's docstring)."""
-    return search_order(fps, edges, initial_bytes, capacity, durations, bound, budget)[0]
+    After EXACT_BUDGET expansions: the fastest found so far (see the module's docstring)."""
+    return search_order(fps, edges, initial_bytes, capacity, durations, bound)[0]
 
 
 def search_order(fps: list[Footprint], edges: list[tuple[int, int]], initial_bytes: dict[int, int],

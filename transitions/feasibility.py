@@ -8,9 +8,10 @@ timeline starts from every intact unit of every model-stage (co-resident state i
 
 ``order_by_memory`` walks the DAG: ready releases first (rule 1), then acquisitions by stage order
 gen -> inf -> train (rule 2) and longest remaining path; two other priorities, then an exact search on
-small DAGs, are tried when that is blocked. On DAGs of at most TIMED_NODE_LIMIT nodes a pass guided by
-durations (the node that would end earliest under the execution rule, idle time counted) is tried as
-well and kept where its makespan is less (the memory-only order ran up to 2x the optimum there). An
+small DAGs, are tried when that is blocked. Given each node's duration (the builder gives them on DAGs
+of at most TIMED_NODE_LIMIT nodes), a pass guided by them (the node that would end earliest under the
+execution rule, idle time counted) is tried as well and kept where its makespan is less (the
+memory-only order ran up to 2x the optimum there). An
 acquisition that does not fit waits on the GPU it is blocked on and is retried after the next release
 there; the release that made it fit becomes a resource edge. If nothing can run, InfeasibleError
 names the GPU and bytes; edges that close a cycle raise transitions.errors.DagCycleError.
@@ -70,7 +71,7 @@ def bottom_levels(num_nodes: int, edges: list[tuple[int, int]], weight: list[flo
 EXACT_NODE_LIMIT = 24  # DAGs this small get an exact search when the greedy orders are blocked
 EXACT_STATE_LIMIT = 50_000  # bound on that search (sets of executed nodes visited)
 PRIORITIES = ("stage", "peak", "unlock")
-TIMED_NODE_LIMIT = 64  # DAGs this small also get the duration-aware pass (about doubles the greedy's time)
+TIMED_NODE_LIMIT = 64  # the builder prices DAGs this small for the duration-aware pass (about doubles the greedy's time)
 _EPS = 1e-12
 
 
@@ -87,11 +88,11 @@ def order_by_memory(
 
     ``global``: the paper's greedy (releases first, gen -> inf -> train); if it is blocked, the same
     with the largest transient demand first, then with the acquisitions that unlock the most freed
-    bytes first. On DAGs of at most TIMED_NODE_LIMIT nodes also a duration-aware pass (releases first,
-    then the acquisition that would end earliest under the execution rule), kept where its makespan
-    is strictly less. If all are blocked and the DAG is small, an exact search over executed sets.
-    ``durations``: each node's seconds (transitions.cost.primitive_seconds); None: estimated from the
-    footprints (estimated_seconds). ``per_stage``: the naive order, which cannot wait. (On 1,000
+    bytes first. Given ``durations`` (each node's seconds: transitions.cost.primitive_seconds) also a
+    duration-aware pass (releases first, then the acquisition that would end earliest under the
+    execution rule), kept where its makespan is strictly less; None: the memory-only passes alone. If
+    all are blocked and the DAG is small, an exact search over executed sets. ``per_stage``: the naive
+    order, which cannot wait. (On 1,000
     feasible random shared-GPU cases the first pass alone succeeds on 87.0%, the three passes on
     96.6%, with the exact search on 100%.)
     """
@@ -111,16 +112,15 @@ def order_by_memory(
             break
         except InfeasibleError as err:
             first = first or err
-    if 1 < len(fps) <= TIMED_NODE_LIMIT:
-        seconds = estimated_seconds(fps) if durations is None else durations
+    if durations is not None:
         gpus = [tuple(fp.gpus) for fp in fps]
         try:
-            timed = _greedy(fps, edges, stage_order, initial_bytes, capacity_bytes, "time", seconds, gpus)
+            timed = _greedy(fps, edges, stage_order, initial_bytes, capacity_bytes, "time", (durations, gpus))
         except InfeasibleError:
             pass
         else:
-            if found is None or (_makespan(gpus, edges, timed.order, seconds)
-                                 < _makespan(gpus, edges, found.order, seconds) - _EPS):
+            if found is None or (_makespan(gpus, edges, timed.order, durations)
+                                 < _makespan(gpus, edges, found.order, durations) - _EPS):
                 found = timed
     if found is not None:
         return found
@@ -150,31 +150,6 @@ def _makespan(gpus: list[tuple[int, ...]], edges: list[tuple[int, int]], order: 
     return max(end, default=0.0)
 
 
-SETUP_EQUIVALENT_BYTES = 1e9  # estimated_seconds' unit: a communicator's setup (20 ms) at 50 GB/s
-HBM_OVER_LINK = 50.0  # a local copy (read + write at HBM speed) against the link, per byte
-
-
-def estimated_seconds(fps: list[Footprint]) -> list[float]:
-    """Each node's duration, in communicator setups, as transitions.cost.primitive_seconds shapes it
-    without a cluster: nothing for a node that sends nothing; one setup plus its busiest GPU's bytes
-    sent or received (and local copies, HBM_OVER_LINK times cheaper) otherwise."""
-    out = []
-    for fp in fps:
-        if not fp.pair_bytes:
-            out.append(0.0)
-            continue
-        load = {g: 2.0 * b / HBM_OVER_LINK for g, b in fp.local_bytes.items()}
-        sent: dict[int, int] = {}
-        received: dict[int, int] = {}
-        for (src, dst), nbytes in fp.pair_bytes.items():
-            sent[src] = sent.get(src, 0) + nbytes
-            received[dst] = received.get(dst, 0) + nbytes
-        for g in {*sent, *received}:
-            load[g] = load.get(g, 0.0) + max(sent.get(g, 0), received.get(g, 0))
-        out.append(1.0 + max(load.values()) / SETUP_EQUIVALENT_BYTES)
-    return out
-
-
 def _greedy(
     fps: list[Footprint],
     edges: list[tuple[int, int]],
@@ -182,12 +157,12 @@ def _greedy(
     initial_bytes: dict[int, int],
     capacity_bytes: int,
     priority: str,
-    durations: list[float] | None = None,
-    node_gpus: list[tuple[int, ...]] | None = None,
+    timing: tuple[list[float], list[tuple[int, ...]]] | None = None,
 ) -> MemoryOrder:
-    """One greedy pass. ``priority="time"`` (with ``durations``): the node that would end earliest,
-    counting the idle time it leaves on its GPUs, first (a release only when it delays no GPU). Keys
-    are refreshed lazily: a popped node whose key moved past the next one's is pushed back."""
+    """One greedy pass. ``priority="time"`` (with ``timing``: each node's seconds and GPUs): the node
+    that would end earliest, counting the idle time it leaves on its GPUs, first (a release only when
+    it delays no GPU). Keys are refreshed lazily: a popped node whose key moved past the next one's is
+    pushed back."""
     n = len(fps)
     succ, indeg = adjacency(n, edges)
     level = bottom_levels(n, edges, [float(fp.moved_bytes + 1) for fp in fps])
@@ -200,39 +175,33 @@ def _greedy(
         net_free = [max(0, sum(fp.free_bytes.values()) - sum(fp.alloc_bytes.values())) for fp in fps]
         unlocks = [sum(net_free[j] for j in succ[i]) for i in range(n)]
     timed = priority == "time"
-    seconds = durations if durations is not None and timed else [0.0] * n
+    seconds, gpus = timing if timing is not None else ([], [])
     ready_at = [0.0] * n  # the timed pass: when a node's data predecessors have all ended
-    end = [0.0] * n
     gpu_end: dict[int, float] = {}
-    gpus: list[tuple[int, ...]] = []
-    grows: list[bool] = []
-    if timed:
-        gpus = [tuple(fp.gpus) for fp in fps] if node_gpus is None else node_gpus
-        # a node that adds no state anywhere and takes no time counts as a release
-        grows = [acquire[i] and (seconds[i] > 0 or any(fp.alloc_bytes.get(g, 0) > fp.free_bytes.get(g, 0)
-                                                       for g in fp.gpus)) for i, fp in enumerate(fps)]
+    # the timed pass: a node that adds no state anywhere and takes no time counts as a release
+    grows = [acquire[i] and (seconds[i] > 0 or any(fp.alloc_bytes.get(g, 0) > fp.free_bytes.get(g, 0)
+                                                   for g in fp.gpus)) for i, fp in enumerate(fps)] if timed else []
 
     def start(i: int) -> float:
         t = ready_at[i]
         for g in gpus[i]:
-            e = gpu_end.get(g, 0.0)
-            if e > t:
-                t = e
+            t = max(t, gpu_end.get(g, 0.0))
         return t
 
     def key(i: int) -> tuple[float, ...]:
+        # a bool ranks False (a release; in the timed pass, a node to run at once) before True
         if priority == "per_stage":
-            return (stage_order[i], 0 if not acquire[i] else 1, i)
+            return (stage_order[i], acquire[i], i)
         if priority == "peak":
-            return (0 if not acquire[i] else 1, -demand[i], stage_order[i], -level[i], i)
+            return (acquire[i], -demand[i], stage_order[i], -level[i], i)
         if priority == "unlock":
-            return (0 if not acquire[i] else 1, -unlocks[i], stage_order[i], -level[i], i)
+            return (acquire[i], -unlocks[i], stage_order[i], -level[i], i)
         if timed:  # the end it would have, plus the idle time it would leave on its GPUs
             t = start(i)
             idle = sum(t - gpu_end.get(g, 0.0) for g in gpus[i])
-            now = not grows[i] and idle == 0.0  # adds no state, takes no time, delays no GPU: at once
-            return (0 if now else 1, t + seconds[i] + idle, t, stage_order[i], -level[i], i)
-        return (0 if not acquire[i] else 1, stage_order[i], -level[i], i)
+            later = grows[i] or idle != 0.0  # not: adds no state, takes no time, delays no GPU: at once
+            return (later, t + seconds[i] + idle, t, stage_order[i], -level[i], i)
+        return (acquire[i], stage_order[i], -level[i], i)
 
     heap = [(key(i), i) for i in range(n) if indeg[i] == 0]
     heapq.heapify(heap)
@@ -247,7 +216,7 @@ def _greedy(
         was, i = heapq.heappop(heap)
         if timed and heap:
             now = key(i)
-            if now > was and now > heap[0][0]:
+            if now > heap[0][0]:  # (was, the least key, is below heap[0][0]: so now rose past was too)
                 heapq.heappush(heap, (now, i))
                 continue
         fp = fps[i]
@@ -265,12 +234,11 @@ def _greedy(
                 resource.append((last_release[gpu], i))
         order.append(i)
         if timed:
-            end[i] = start(i) + seconds[i]
+            end = start(i) + seconds[i]
             for g in gpus[i]:
-                gpu_end[g] = end[i]
+                gpu_end[g] = end
             for j in succ[i]:
-                if end[i] > ready_at[j]:
-                    ready_at[j] = end[i]
+                ready_at[j] = max(ready_at[j], end)
         apply_footprint(fp, used, peak)
         for g, freed in fp.free_bytes.items():
             if freed > fp.alloc_bytes.get(g, 0):

@@ -1,6 +1,7 @@
 """transitions.global_dag on what its other tests left open: a model-stage whose every replica is lost
 is rebuilt only from a training stage of its own role (the reference model shares the actor's
-architecture, model and head, but not its weights); a DAG of exactly the exact search's size gets it."""
+architecture, model and head, but not its weights); a DAG of exactly the exact search's size gets it,
+and one of exactly TIMED_NODE_LIMIT nodes the duration-aware greedy pass."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from planner.plan import GlobalPlan, Layout
 from planner.workflow import ACTOR_GEN, ACTOR_TRAIN, REF_INF
 from transitions.cost import DEFAULT_COMMUNICATOR_SETUP_S, primitive_seconds
 from transitions.exact_order import EXACT_MAKESPAN_NODES, fastest_order, makespan
-from transitions.feasibility import order_by_memory
+from transitions.feasibility import TIMED_NODE_LIMIT, order_by_memory
 from transitions.global_dag import LastCopyLostError, TransitionDAG, build_transition, primitive_count
 from transitions.replay import replay
 from transitions.scenarios import random_scenario, stage_plan, stage_states
@@ -109,3 +110,21 @@ def test_a_refresh_naming_an_unknown_stage_lists_the_known_ones() -> None:
             build_transition(STATES, CLUSTER, old, new, refresh=refresh)
         assert err.value.field == "refresh"
         assert err.value.allowed == "actor-gen, ref-inf, actor-train"
+
+
+def test_a_dag_of_exactly_the_timed_limit_gets_the_duration_aware_pass() -> None:
+    """The 84th random change of seed 20 (up to 6 model-stages) has exactly TIMED_NODE_LIMIT nodes, too
+    many for the exact search: the builder (unit by unit) prices them for the greedy's duration-aware pass, whose order
+    it ships, faster than the memory-only passes' order."""
+    rng = random.Random(20)
+    for _ in range(84):
+        sc = random_scenario(rng, max_stages=6)
+    assert primitive_count(sc.states, sc.old, sc.new) == TIMED_NODE_LIMIT > EXACT_MAKESPAN_NODES
+    dag = build_transition(sc.states, sc.cluster, sc.old, sc.new, capacity_bytes=1 << 50, exact=True)
+    fps, edges = list(dag.footprints), list(dag.data_edges)
+    durations = [primitive_seconds(fp, sc.cluster, DEFAULT_COMMUNICATOR_SETUP_S) for fp in fps]
+    memory_only = order_by_memory(fps, edges, list(dag.stage_order), dag.initial_bytes, dag.capacity_bytes).order
+    timed = order_by_memory(fps, edges, list(dag.stage_order), dag.initial_bytes, dag.capacity_bytes,
+                            durations=durations).order
+    assert dag.order == timed
+    assert makespan(fps, edges, dag.order, durations) < makespan(fps, edges, memory_only, durations)
