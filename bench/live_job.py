@@ -3,7 +3,7 @@
 1. Transitions of the real engine's live state (etc/jobs/live.toml's RunConfig, 4 spawned CPU
    workers via LocalCoordinator): a DP growth 2 -> 4 workers (Extend), a shrink 4 -> 2, a TP change and
    a PP change. Per kind: the wall time of the live transition as the job driver pays it (the steps of
-   ``JobDriver.apply``: generation, DAG build, release, run_dag, bind) vs the cost model's L_tran; the
+   ``JobDriver.apply``: generation, DAG build and its steps, run_dag with the release in its command, bind) vs the cost model's L_tran; the
    bytes moved and their rate vs a raw gloo send/recv of a buffer of the same size between two
    workers of the same run; and the same change by checkpoint/restart (DCP save, the old processes
    exit, new processes for the new worker count, generation, DCP load, bind): ``restart_s / live_s``.
@@ -51,6 +51,9 @@ from bench.executor import clear_caches, raw_exchange  # noqa: E402
 from planner.plan import GlobalPlan, Layout, StagePlan  # noqa: E402
 from planner.workflow import StageKind  # noqa: E402
 from transitions.cost import transition_cost  # noqa: E402
+from transitions.dag_pieces import DagMemo  # noqa: E402
+from transitions.executor import IN_PLACE  # noqa: E402
+from transitions.node_steps import dag_messages  # noqa: E402
 
 JOB_FILE = ROOT / "etc" / "jobs" / "live.toml"
 TIMEOUT_S = 300.0  # per command; a loaded 2-core machine is slow, never this slow
@@ -126,10 +129,11 @@ def live_transition(pool: LocalCoordinator, cfg: RunConfig, old: GlobalPlan, new
     t1 = time.perf_counter()
     cluster = live_cluster(cfg, old, new)
     dag = live_dag(cfg, old, new, cluster=cluster)
+    memo = DagMemo()  # as JobDriver.apply: every worker's steps derived once, shipped to each
+    dag_messages(dag, memo, early=IN_PLACE)
     t2 = time.perf_counter()
-    pool.call(release, workers=needed, timeout_s=TIMEOUT_S)
-    t3 = time.perf_counter()
-    outcome = pool.run_dag(dag, cluster)
+    # the old views released in the same command as the DAG (one round trip to the workers)
+    outcome = pool.run_dag(dag, cluster, before=release, derived=memo)
     if not outcome.committed:
         raise RuntimeError(f"live transition {old.version} -> {new.version} failed: {outcome.errors}")
     t4 = time.perf_counter()
@@ -141,8 +145,8 @@ def live_transition(pool: LocalCoordinator, cfg: RunConfig, old: GlobalPlan, new
     cost = transition_cost(dag, cluster)
     sent = sum(r.bytes_sent for reps in outcome.reports.values() for r in reps)
     return {"live_s": t6 - t0, "L_tran_s": cost.seconds, "bytes_moved": sent, "model_bytes_moved": cost.bytes_moved,
-            "phases_s": {"generation": (t1 - t0) + (t5 - t4), "dag_build": t2 - t1, "release": t3 - t2,
-                         "run_dag": t4 - t3, "bind": t6 - t5}}
+            "phases_s": {"generation": (t1 - t0) + (t5 - t4), "dag_build": t2 - t1, "run_dag": t4 - t2,
+                         "bind": t6 - t5}}
 
 
 def raw_p2p(pool: LocalCoordinator, members: list[int], nbytes: int) -> float:
@@ -456,7 +460,8 @@ def main() -> None:
             "kind's restart twin, round by round (the live pool idles during the restarts). Not reported: the local splits dp2'->tp2 and dp2'->pp2 "
             "(no bytes move; they set up the TP and PP merges) and the reset to the round's start.",
             "live_s: what JobDriver.apply pays from after the workers are assigned: generation(s), live_dag "
-            "build, release, run_dag, bind (the engine re-bound on the moved buffers, with its weight sync). "
+            "build and each worker's steps (shipped to the workers), run_dag with the engine's release in the "
+            "same command, bind (the engine re-bound on the moved buffers, with its weight sync). "
             "No caches primed by the same case: before every live sample the workers' planning caches and "
             "DagMemo and the bench process's (which builds the DAG) are emptied; the processes stay warm, "
             "as a running job's do. Workers 2 and 3 are up but idle before the growth (a joining node's "
