@@ -33,7 +33,6 @@ refuses a stale binding). CPU (gloo) only, as the engine.
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import hashlib
 import threading
@@ -45,22 +44,32 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from agent.engine.loop import RLLoop, RunConfig, role_model
+from agent.engine.live_plan import (  # noqa: F401 (re-exported: callers import them from here)
+    FROZEN_ROLES,
+    TRAINER_OF,
+    fed_placements,
+    live_cluster,
+    live_dag,
+    live_placements,
+    live_units,
+    placed_plan,
+    placed_units,
+    rank_plan,
+    stage_states,
+)
+from agent.engine.loop import RLLoop, RunConfig
 from agent.engine.parallel import StageEngine
 from agent.engine.step_stats import StepStats
-from agent.engine.sync import PARAMS, SYNC_TIMEOUT_S, TRAINING_STATE, SyncReport, plan_placement
+from agent.engine.sync import SYNC_TIMEOUT_S, TRAINING_STATE, SyncReport
 from planner.errors import SpecError
-from planner.hardware import ClusterSpec
 from planner.plan import GlobalPlan
-from planner.workflow import Role, StageKind
+from planner.workflow import StageKind
 from transitions.channel import DataChannel
 from transitions.cost import transition_cost
 from transitions.dag_pieces import DagMemo
-from transitions.emu import EMU, UnitState
+from transitions.emu import EMU
 from transitions.executor import RankState, allocate_unit, run_dag
 from transitions.global_dag import TransitionDAG, build_transition
-from transitions.layout import StagePlacement
-from transitions.local_dag import plan_units
 from transitions.node_steps import dag_messages
 from transitions.placement_dag import placement_cluster
 
@@ -68,97 +77,6 @@ from transitions.placement_dag import placement_cluster
 # data position (prompts consumed: agent.engine.data.DataPosition; steps x prompts per step for a
 # synthetic task, whose prompts derive from the step)
 VERSION, OPTIMIZER_STEPS, RL_STEPS, DATA_POSITION = 0, 1, 2, 3
-# which trainer's parameters refresh a generation/inference stage of a role
-TRAINER_OF = {Role.ACTOR: "actor-train", Role.CRITIC: "critic-train"}
-FROZEN_ROLES = (Role.REFERENCE, Role.REWARD)
-
-
-# --- pure: which state is live, and how it moves ------------------------------------------------------
-
-
-def live_placements(cfg: RunConfig, plan: GlobalPlan) -> tuple[StagePlacement, ...]:
-    """The model-stages whose state derives from no other stage, in workflow order: training stages
-    (parameters, exp_avg, exp_avg_sq in the engine's fp32) and frozen inference stages (parameters)."""
-    out = []
-    for ms in cfg.workflow.model_stages:
-        if ms.kind is StageKind.TRAINING:
-            kinds = TRAINING_STATE
-        elif ms.role in FROZEN_ROLES:
-            kinds = PARAMS
-        else:
-            continue  # refreshed from its trainer every step
-        spec, head, _ = role_model(cfg, ms.role)
-        out.append(plan_placement(spec, head, plan.stage(ms.name), ms.name, kinds))
-    return tuple(out)
-
-
-def fed_placements(cfg: RunConfig, plan: GlobalPlan) -> tuple[tuple[StagePlacement, str], ...]:
-    """(placement, trainer) of every stage the weight sync refreshes from a trainer's parameters."""
-    out = []
-    for ms in cfg.workflow.model_stages:
-        trainer = TRAINER_OF.get(ms.role)
-        if ms.kind is StageKind.TRAINING or trainer is None:
-            continue
-        spec, head, _ = role_model(cfg, ms.role)
-        out.append((plan_placement(spec, head, plan.stage(ms.name), ms.name, PARAMS), trainer))
-    return tuple(out)
-
-
-def stage_states(cfg: RunConfig, placements: tuple[StagePlacement, ...]) -> dict[str, UnitState]:
-    """What every unit of each placed model-stage holds, with the workflow's own role and kind (a
-    reward model is no critic: no transition may rebuild one from the other's replicas)."""
-    out = {}
-    for p in placements:
-        ms = cfg.workflow.stage(p.model_stage)
-        out[p.model_stage] = UnitState(model_stage=p.model_stage, stage_kind=ms.kind, role=ms.role, model=p.model,
-                                       head=p.head, kinds=p.kinds)
-    return out
-
-
-def _units(cfg: RunConfig, placements: tuple[StagePlacement, ...], plan: GlobalPlan,
-           version: int) -> tuple[EMU, ...]:
-    states = stage_states(cfg, placements)
-    return tuple(u for p in placements for u in plan_units(states[p.model_stage], plan.stage(p.model_stage), version))
-
-
-def _subplan(plan: GlobalPlan, placements: tuple[StagePlacement, ...], version: int) -> GlobalPlan:
-    names = {p.model_stage for p in placements}
-    return GlobalPlan(version=version, stages=tuple(sp for sp in plan if sp.model_stage in names))
-
-
-def live_units(cfg: RunConfig, plan: GlobalPlan) -> tuple[EMU, ...]:
-    """The units of the live stages under ``plan`` (uids at ``plan.version``): what a worker's
-    ``ctx.units`` holds between steps, what a checkpoint of the job saves and loads."""
-    return _units(cfg, live_placements(cfg, plan), plan, plan.version)
-
-
-def live_cluster(cfg: RunConfig, *plans: GlobalPlan) -> ClusterSpec:
-    """One local node with a device per worker id up to the highest any plan uses (as the executor
-    tests); the daemon passes its own cluster instead."""
-    return placement_cluster(*(live_placements(cfg, p) for p in plans))
-
-
-def live_dag(cfg: RunConfig, old: GlobalPlan, new: GlobalPlan, *, cluster: ClusterSpec | None = None,
-             lost: frozenset[int] = frozenset()) -> TransitionDAG:
-    """The DAG moving every live stage's units from ``old`` to ``new`` (``new.version`` > ``old.version``;
-    the units it leaves are ``live_units(cfg, new)``). ``lost``: workers that died since ``old`` (their
-    units are gone; LastCopyLostError when one held the last copy of something)."""
-    before, after = live_placements(cfg, old), live_placements(cfg, new)
-    return build_transition(stage_states(cfg, before), cluster or placement_cluster(before, after),
-                            _subplan(old, before, old.version), _subplan(new, after, new.version),
-                            lost_gpus=frozenset(lost))
-
-
-def rank_plan(plan: GlobalPlan, members: tuple[int, ...]) -> GlobalPlan:
-    """``plan`` with worker ids replaced by their ranks in a generation of ``members`` (rank order)."""
-    rank = {w: r for r, w in enumerate(members)}
-    outside = sorted(plan.gpus - set(rank))
-    if outside:
-        raise SpecError("plan.gpu_sets", f"workers {outside} are not members of the generation",
-                        ", ".join(map(str, members)))
-    return dataclasses.replace(plan, stages=tuple(
-        dataclasses.replace(sp, gpu_sets=tuple(tuple(rank[w] for w in gpus) for gpus in sp.gpu_sets))
-        for sp in plan))
 
 
 # --- views: engine tensors that live in unit buffers ------------------------------------------------
@@ -284,9 +202,9 @@ class LiveLoop(RLLoop):
         trainers = tuple(live[name] for name in dict.fromkeys(t for _, t in fed))
         both = (*trainers, *(p for p, _ in fed))
         cluster = placement_cluster(both)
-        dag = build_transition(stage_states(self.cfg, both), cluster, _subplan(plan, trainers, version),
-                               _subplan(plan, both, version + 1), refresh={p.model_stage: t for p, t in fed})
-        return (dag, _units(self.cfg, trainers, plan, version), _units(self.cfg, both[len(trainers):], plan, version + 1),
+        dag = build_transition(stage_states(self.cfg, both), cluster, placed_plan(plan, trainers, version),
+                               placed_plan(plan, both, version + 1), refresh={p.model_stage: t for p, t in fed})
+        return (dag, placed_units(self.cfg, trainers, plan, version), placed_units(self.cfg, both[len(trainers):], plan, version + 1),
                 transition_cost(dag, cluster).seconds)
 
     def _before_training(self) -> None:
