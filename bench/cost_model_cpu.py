@@ -84,20 +84,11 @@ def _chain_rank(rank: int, world: int, repeats: int) -> dict[str, float]:
     import torch
     import torch.distributed as dist
 
-    def median_between_barriers(fn) -> float:  # type: ignore[no-untyped-def]
-        for _ in range(10):
-            fn()
-        out = []
-        for _ in range(repeats):
-            dist.barrier()
-            t0 = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - t0)
-        return statistics.median(out)
+    from bench.cpu_call_costs import median_between_barriers
 
     x, small = torch.randn(16, 256), torch.randn(16, 256)
-    got = {"plain_op_s": median_between_barriers(lambda: small.mul_(1.0)),
-           "all_reduce_median_s": median_between_barriers(lambda: dist.all_reduce(x))}
+    got = {"plain_op_s": median_between_barriers(lambda: small.mul_(1.0), repeats),
+           "all_reduce_median_s": median_between_barriers(lambda: dist.all_reduce(x), repeats)}
     dist.barrier()
     t0 = time.perf_counter()
     for _ in range(repeats):

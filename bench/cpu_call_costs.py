@@ -27,7 +27,9 @@ import torch.distributed as dist  # noqa: E402
 from agent.engine.launch import run_local  # noqa: E402
 
 
-def _median_s(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
+def median_between_barriers(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
+    """The median seconds of ``fn`` over ``repeats`` calls, each started together on every rank (a
+    barrier before each; 10 untimed calls first)."""
     for _ in range(10):
         fn()
     out = []
@@ -44,9 +46,9 @@ def _rank(rank: int, world: int, repeats: int) -> dict[str, float]:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     x = torch.randn(16, 256)
-    out: dict[str, float] = {"all_reduce_16x256_s": _median_s(lambda: dist.all_reduce(x), repeats)}
+    out: dict[str, float] = {"all_reduce_16x256_s": median_between_barriers(lambda: dist.all_reduce(x), repeats)}
     big = torch.randn(16 * 28, 256)
-    out["all_reduce_448x256_s"] = _median_s(lambda: dist.all_reduce(big), repeats)
+    out["all_reduce_448x256_s"] = median_between_barriers(lambda: dist.all_reduce(big), repeats)
     buf = torch.randn(16, 1, 256)
 
     def hop() -> None:
@@ -57,9 +59,9 @@ def _rank(rank: int, world: int, repeats: int) -> dict[str, float]:
             dist.recv(buf, 0)
             dist.send(buf, 0)
 
-    out["send_recv_round_trip_s"] = _median_s(hop, repeats)
+    out["send_recv_round_trip_s"] = median_between_barriers(hop, repeats)
     logits = torch.randn(16, 512)
-    out["broadcast_16x512_s"] = _median_s(lambda: dist.broadcast(logits, 0), repeats)
+    out["broadcast_16x512_s"] = median_between_barriers(lambda: dist.broadcast(logits, 0), repeats)
     # one column/row linear pair (an MLP) at a decode step's shape, DTensor TP2 vs plain
     mesh = init_device_mesh("cpu", (world,))
     plain = torch.nn.Sequential(torch.nn.Linear(256, 688, bias=False), torch.nn.Linear(688, 256, bias=False))
@@ -67,12 +69,12 @@ def _rank(rank: int, world: int, repeats: int) -> dict[str, float]:
     parallelize_module(tp, mesh, {"0": ColwiseParallel(), "1": RowwiseParallel()})
     h = torch.randn(16, 1, 256)
     with torch.no_grad():
-        out["plain_linear_pair_s"] = _median_s(lambda: plain(h), repeats)
-        out["tp_linear_pair_s"] = _median_s(lambda: tp(h), repeats)
+        out["plain_linear_pair_s"] = median_between_barriers(lambda: plain(h), repeats)
+        out["tp_linear_pair_s"] = median_between_barriers(lambda: tp(h), repeats)
         small = torch.randn(16, 256)
-        out["plain_op_s"] = _median_s(lambda: small.mul_(1.0), repeats)
+        out["plain_op_s"] = median_between_barriers(lambda: small.mul_(1.0), repeats)
         w = next(tp[0].parameters())  # a DTensor
-        out["dtensor_op_s"] = _median_s(lambda: w.mul_(1.0), repeats)
+        out["dtensor_op_s"] = median_between_barriers(lambda: w.mul_(1.0), repeats)
     out.update(_pipeline(rank, world, repeats))
     return out
 
@@ -87,8 +89,8 @@ def _pipeline(rank: int, world: int, repeats: int) -> dict[str, float]:
     stage = PipelineStage(mod, rank, world, torch.device("cpu"), input_args=x, output_args=x)
     sched = ScheduleGPipe(stage, 1)
     with torch.no_grad():
-        step = _median_s(lambda: sched.step(x) if rank == 0 else sched.step(), repeats)
-        alone = _median_s(lambda: mod(x), repeats)
+        step = median_between_barriers(lambda: sched.step(x) if rank == 0 else sched.step(), repeats)
+        alone = median_between_barriers(lambda: mod(x), repeats)
     return {"gpipe_step_2_stages_s": step, "gpipe_module_s": alone}
 
 
