@@ -63,11 +63,9 @@ def _merged(head: dict[str, Any], detail: dict[str, Any]) -> dict[str, Any]:
     return {**head, **{k: v for k, v in detail.items() if k not in head}}
 
 
-def _whole(row: dict[str, Any] | None) -> dict[str, Any] | None:
+def _whole(row: dict[str, Any]) -> dict[str, Any]:
     """A transition row read with its body (transition_details): ``dag`` the head merged with the body
     (rows stored before schema 5 carry both in ``dag``)."""
-    if row is None:
-        return None
     body = row.pop("detail", None)
     if body:
         row["dag"] = _merged(row["dag"] or {}, body)
@@ -363,13 +361,13 @@ class Store:
         all the daemon reads), or with ``detail`` the whole record (the unit-level body merged in)."""
         if not detail:
             return self._one("SELECT * FROM transitions WHERE id=?", transition_id)
-        return _whole(self._one(f"{_TRANSITION_WHOLE} WHERE t.id=?", transition_id))
+        row = self._one(f"{_TRANSITION_WHOLE} WHERE t.id=?", transition_id)
+        return None if row is None else _whole(row)
 
     def transitions(self, job_id: str, *, detail: bool = False) -> list[dict[str, Any]]:
         if not detail:
             return self._all("SELECT * FROM transitions WHERE job_id=? ORDER BY id", job_id)
-        return [t for t in map(_whole, self._all(f"{_TRANSITION_WHOLE} WHERE t.job_id=? ORDER BY t.id", job_id))
-                if t is not None]
+        return [_whole(t) for t in self._all(f"{_TRANSITION_WHOLE} WHERE t.job_id=? ORDER BY t.id", job_id)]
 
     def open_transitions(self, job_id: str | None = None) -> list[dict[str, Any]]:
         """The planned and ordered transitions, heads only (``transition`` reads one whole)."""
