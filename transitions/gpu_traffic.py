@@ -29,7 +29,7 @@ from transitions.layout import COUNTERS, COUNTERS_KIND, NUM_COUNTERS, contiguous
 from transitions.planning_cache import PlanningCache
 from transitions.primitives import Extend, Primitive, Split
 from transitions.transfer_plan import Piece, messages
-from transitions.wire_stream import PairStream, per_round
+from transitions.wire_stream import PairStream, Rec, per_round
 
 Role = tuple[int, int]  # (source index, position in its GPUs): a source GPU relative to the units
 Covers = list[tuple[Shard, int, Cover]]  # transitions.covers.covers of one target GPU
@@ -150,9 +150,11 @@ def pair_wire(pieces: list[Piece], max_bucket_bytes: int | None = None) -> PairW
 
 
 def streamed(prim: Primitive, target: EMU, gpu: int, src: int, segs: list[Segment], counter: Piece | None,
-             max_bucket_bytes: int | None = None) -> PairWire | None:
+             max_bucket_bytes: int | None = None, cache: PlanningCache | None = None) -> PairWire | None:
     """The pair ``src -> gpu``'s wire, each run of like layers streamed from its first layer's pieces
-    (transitions.wire_stream); None if some layer's slots are not the first's shifted."""
+    (transitions.wire_stream); None if some layer's slots are not the first's shifted. With ``cache``,
+    memoised by the stream's own input (``PairStream.content_key``): pairs of other target GPUs whose
+    pieces lie alike in their buffers (middle PP stages, TP ranks) share one streaming."""
     feeds: list[tuple[list[Piece], list[list[tuple[int, int]]] | None]] = []
     alone = True  # every piece a zero-copy message by itself
     for seg in segs:
@@ -170,15 +172,23 @@ def streamed(prim: Primitive, target: EMU, gpu: int, src: int, segs: list[Segmen
         # the counters may be packed, alone in a bucket that lies in place on both sides. Nothing is held.
         return PairWire((), ())
     stream = PairStream(max_bucket_bytes)
+    recs: list[tuple[list[Rec], list[list[tuple[int, int]]] | None]] = []
     if counter is not None and counter.src_worker == src:
-        stream.feed(stream.rec(counter))
-    for mine, shifts in feeds:
+        recs.append(([stream.rec(counter)], None))
+    recs += [([stream.rec(p) for p in mine], shifts) for mine, shifts in feeds]
+    key = stream.content_key(recs) if cache is not None else ()
+    if cache is not None:
+        hit = cache.pair_streams.get(key)
+        if hit is not None:
+            return hit
+    for run, shifts in recs:
         if shifts is None:
-            for p in mine:
-                stream.feed(stream.rec(p))
+            for r in run:
+                stream.feed(r)
         else:
-            stream.feed_run(mine, shifts)
-    return PairWire(*stream.finish())
+            stream.feed_recs(run, shifts)
+    wire = PairWire(*stream.finish())
+    return wire if cache is None else cache.pair_streams.put(key, wire)
 
 
 def _direct_alone(p: Piece) -> bool:
@@ -187,9 +197,9 @@ def _direct_alone(p: Piece) -> bool:
         and contiguous_range(p.dst_slot, p.box) is not None
 
 
-def _wire(prim: Primitive, target: EMU, gpu: int, src: int, segs: list[Segment], counter: Piece | None
-          ) -> PairWire:
-    wire = streamed(prim, target, gpu, src, segs, counter)
+def _wire(prim: Primitive, target: EMU, gpu: int, src: int, segs: list[Segment], counter: Piece | None,
+          cache: PlanningCache) -> PairWire:
+    wire = streamed(prim, target, gpu, src, segs, counter, cache=cache)
     if wire is not None:
         return wire
     every = ([] if counter is None else [counter]) + derive_target(target, prim.sources, gpu)
@@ -210,7 +220,7 @@ def dst_wires(prim: Primitive, target: EMU, gpu: int, key: tuple[object, ...], e
         wire = cache.pair_wires.get(pkey)
         if wire is None:
             segs = gpu_segments(prim, target, gpu) if segs is None else segs
-            wire = cache.pair_wires.put(pkey, _wire(prim, target, gpu, src, segs, counter))
+            wire = cache.pair_wires.put(pkey, _wire(prim, target, gpu, src, segs, counter, cache))
         out.append((src, wire))
     return out
 

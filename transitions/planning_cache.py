@@ -44,6 +44,7 @@ CLASS_SHAPE_ENTRIES = 4096
 GPU_ENTRIES = 16384  # per target GPU's relative key, and per pair of one: a few ints each
 PLAN_ENTRIES = 256  # per stage plan: GPU arrays, owners, held bytes
 PAIR_ENTRIES = 64  # per pair of stage plans, and per relative shape of one
+STREAM_ENTRIES = 4096  # per streamed pair's input: a key of its pieces' ranges and shifts (a few KB each)
 
 
 class Memo(Generic[K, V]):
@@ -127,6 +128,8 @@ class PlanningCache:
     # gpu_traffic: relative key of a target GPU -> its traffic; and with a sender's positions -> that pair's wire
     dst_traffic: Memo[tuple[object, ...], DstTraffic] = field(default_factory=lambda: Memo(GPU_ENTRIES))
     pair_wires: Memo[tuple[object, ...], PairWire] = field(default_factory=lambda: Memo(GPU_ENTRIES))
+    # gpu_traffic: a pair's streamed input (wire_stream.PairStream.content_key) -> its wire
+    pair_streams: Memo[tuple[object, ...], PairWire] = field(default_factory=lambda: Memo(STREAM_ENTRIES))
     # replica_classes: relative shape of a class -> (canonical footprint, touched labels, empty)
     class_shapes: Memo[tuple[object, ...], tuple[Footprint, np.ndarray, bool]] = field(
         default_factory=lambda: Memo(CLASS_SHAPE_ENTRIES))
@@ -149,6 +152,7 @@ class PlanningCache:
 
     def memos(self) -> dict[str, Memo[Any, Any] | IdentityMemo[Any]]:
         return {"footprints": self.footprints, "dst_traffic": self.dst_traffic, "pair_wires": self.pair_wires,
+                "pair_streams": self.pair_streams,
                 "class_shapes": self.class_shapes,
                 "shape_stages": self.shape_stages, "stage_pairs": self.stage_pairs,
                 "gpu_arrays": self.gpu_arrays, "owners": self.owners, "held_bytes": self.held_bytes}

@@ -207,7 +207,46 @@ class PairStream:
 
     def feed_run(self, pieces: list[Piece], shifts: list[list[tuple[int, int]]]) -> None:
         """Layer after layer: ``pieces`` with each piece shifted by that layer's (source, target) bytes."""
-        base = [self.rec(p) for p in pieces]
+        self.feed_recs([self.rec(p) for p in pieces], shifts)
+
+    def content_key(self, feeds: list[tuple[list[Rec], list[list[tuple[int, int]]] | None]]) -> tuple[object, ...]:
+        """Everything the stream's output depends on if fed ``feeds`` (each a list of records made by
+        ``rec``, fed one by one where its shifts are None, else by ``feed_recs``), up to moving every
+        source-side byte offset by one whole number of pages and every target-side one by another: the
+        stream only compares offsets of one side with each other, takes their differences and aligns
+        them to pages or ALIGN_BYTES (``slot_start``), none of which such a move changes. Per record:
+        its bytes, byte ranges and slot (offset, size) less its side's base (the first record's slot
+        start, rounded down to a page), which records are one piece and which units are one unit (only
+        compared for equality), and for a piece too big for a bucket the box and slot geometry its
+        parts follow from; then the feeds' boundaries and shifts (differences already). Equal keys:
+        the same buckets in the same rounds, by construction. gpu_traffic memoises a pair's wire by it,
+        so middle PP stages, TP ranks and replicas whose pieces lie alike share one streaming."""
+        first = next((recs[0] for recs, _ in feeds if recs), None)
+        if first is None:
+            return (self.max,)
+        bs, bd = first.src_slot[0] - first.src_slot[0] % PAGE_BYTES, first.dst_slot[0] - first.dst_slot[0] % PAGE_BYTES
+        pieces: dict[int, int] = {}
+        units: dict[str, int] = {}
+        out: list[object] = [self.max]
+        for recs, shifts in feeds:
+            for r in recs:
+                p = r.piece
+                parts = None
+                if r.nbytes > self.max:  # what _split would cut it into follows from its box and slots
+                    ss, ds = p.src_slot, p.dst_slot
+                    parts = (tuple(o - b for o, b in zip(p.box[0], ss.offsets)), p.box[1], ss.lengths, ss.order,
+                             ss.dtype, tuple(o - b for o, b in zip(p.box[0], ds.offsets)), ds.lengths, ds.order,
+                             ds.dtype)
+                out.append((pieces.setdefault(id(p), len(pieces)), r.nbytes,
+                            None if r.src is None else (r.src[0] - bs, r.src[1] - bs),
+                            None if r.dst is None else (r.dst[0] - bd, r.dst[1] - bd),
+                            r.src_slot[0] - bs, r.src_slot[1], r.dst_slot[0] - bd, r.dst_slot[1],
+                            units.setdefault(p.src_unit, len(units)), units.setdefault(p.dst_unit, len(units)), parts))
+            out.append(None if shifts is None else _shift_key(shifts))
+        return tuple(out)
+
+    def feed_recs(self, base: list[Rec], shifts: list[list[tuple[int, int]]]) -> None:
+        """``feed_run`` of records made by ``rec``."""
         first, stride = _even_from(shifts)
         seen: dict[tuple[object, ...], tuple[int, int, int, int]] = {}
         j = 0
@@ -264,6 +303,28 @@ class PairStream:
         self.volume += times * grow
         self._shift(times * period * stride[0], times * period * stride[1])
         return times * period
+
+
+def _shift_key(shifts: list[list[tuple[int, int]]]) -> tuple[object, ...]:
+    """``shifts`` exactly, compact: the first layer's shifts, then runs of equal per-layer moves
+    ((source, target) bytes per piece from the layer before) with their lengths; layers of like slots
+    move alike, so a run of 80 layers is a few tuples, not 80 lists."""
+    if not shifts or any(len(layer) != len(shifts[0]) for layer in shifts):
+        return tuple(map(tuple, shifts))  # not one piece list per layer: kept whole
+    out: list[object] = [tuple(shifts[0])]
+    move: tuple[tuple[int, int], ...] | None = None
+    times = 0
+    for prev, cur in zip(shifts, shifts[1:]):
+        step = tuple((c[0] - p[0], c[1] - p[1]) for c, p in zip(cur, prev))
+        if step == move:
+            times += 1
+            continue
+        if move is not None:
+            out.append((move, times))
+        move, times = step, 1
+    if move is not None:
+        out.append((move, times))
+    return tuple(out)
 
 
 def _even_from(shifts: list[list[tuple[int, int]]]) -> tuple[int, tuple[int, int]]:

@@ -36,5 +36,5 @@ def test_sizes_names_every_memo_by_its_field() -> None:
     cache = PlanningCache()
     cache.footprints.put(("x",), object())  # type: ignore[arg-type]
     sizes = cache.sizes()
-    assert sizes == {"footprints": 1, "dst_traffic": 0, "pair_wires": 0, "class_shapes": 0,
+    assert sizes == {"footprints": 1, "dst_traffic": 0, "pair_wires": 0, "pair_streams": 0, "class_shapes": 0,
                      "shape_stages": 0, "stage_pairs": 0, "gpu_arrays": 0, "owners": 0, "held_bytes": 0}
