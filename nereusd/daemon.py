@@ -1,7 +1,7 @@
 """The nereusd serve loop: one thread polls the agent and admin sockets and runs the job controllers.
 
 Start-up: open the store (migrating it), load the CURVE keys (creating the server pair on first
-start), start ZAP, bind the agent and admin ROUTERs and the metrics endpoint, write the bound
+start), start ZAP, bind the agent and admin ROUTERs and the metrics endpoint (nereusd.transport), write the bound
 endpoints to ``<state_dir>/endpoints.json``, re-arm every stored job (its nodes get a fresh
 heartbeat grace, so agents that survived a daemon crash reconnect without being marked lost), then
 tell systemd READY=1 ($NOTIFY_SOCKET, if set).
@@ -47,13 +47,8 @@ from nereusd.allocation import (
     AllocationSource,
     ElasticJob,
 )
-from nereusd.connections import ConnectionGuard
 from nereusd.control import (
-    ADMIN_DOMAIN,
-    AGENT_DOMAIN,
-    CurveRouter,
     SessionTable,
-    start_authenticator,
 )
 from nereusd.controller import JobController, PlannerPort
 from nereusd.metrics import Metrics
@@ -69,6 +64,7 @@ from nereusd.startup import (  # noqa: F401 (re-exported: the CLI, benches and t
     sd_notify,
 )
 from nereusd.store import TERMINAL_JOB_STATES
+from nereusd.transport import Transport
 from nereusd.wire import protocol
 from nereusd.wire.keys import KeyStore
 from nereusd.wire.logs import get_logger
@@ -99,9 +95,7 @@ def make_growth(d: Daemon) -> Any:
                         time_limit_lead_s=s.time_limit_lead_s)
 
 
-class Daemon(AgentSessions, SourceRequests):
-    agents: CurveRouter
-    admin: CurveRouter
+class Daemon(AgentSessions, SourceRequests, Transport):
 
     def __init__(self, settings: Settings, *, source: AllocationSource | None = None,
                  planner: PlannerPort | None = None, planner_name: str = "none", new_store: bool = False) -> None:
@@ -166,72 +160,6 @@ class Daemon(AgentSessions, SourceRequests):
         self.growth = make_growth(self)  # a Slurm job grows toward max_gpus by itself (nereusd/growth.py)
         self._restore()
         self.startup_s = time.monotonic() - t0
-
-    def _bind(self, settings: Settings) -> None:
-        ctl = settings.control
-        fd_limit = raise_fd_limit()
-        # agents and admin each get a context: their own I/O thread (CURVE crypto) and ZAP handler, so
-        # nereusctl's handshake never waits behind a storm of agent handshakes (control.start_authenticator)
-        self.ctx = zmq.Context()
-        self.admin_ctx = zmq.Context()
-        self.ctx.set(zmq.MAX_SOCKETS, max(1024, fd_limit))
-        self.auth = start_authenticator(self.ctx, self.keys, self.log, (AGENT_DOMAIN,))
-        self.admin_auth = start_authenticator(self.admin_ctx, KeyStore(self.keys.root), self.log, (ADMIN_DOMAIN,))
-        try:
-            server_keys = self.keys.server_keys()
-        except SpecError as exc:
-            raise StartupError(str(exc)) from None
-        # ZMTP pings drop a dead connection (a crashed host) so its agent can reconnect with its routing id;
-        # no sooner than a node would be marked lost anyway, so a loaded client is never cut off early
-        hb = max(1.0, ctl.heartbeat_interval_s * 2)
-        hb_timeout = max(3 * hb, ctl.heartbeat_timeout_s)
-        for name, port in (("agents", ctl.port), ("admin", ctl.admin_port)):
-            try:
-                router = CurveRouter(self.ctx if name == "agents" else self.admin_ctx,
-                                     domain=AGENT_DOMAIN if name == "agents" else ADMIN_DOMAIN,
-                                     server_keys=server_keys, host=ctl.bind_host, port=port,
-                                     max_message_bytes=ctl.max_message_bytes, log=self.log, heartbeat_s=hb,
-                                     heartbeat_timeout_s=hb_timeout,
-                                     on_reject=lambda code: self.metrics.rejected.labels(code).inc())
-            except zmq.ZMQError as exc:
-                key = "control.port" if name == "agents" else "control.admin_port"
-                raise StartupError(f"cannot bind the {name} socket to tcp://{ctl.bind_host}:{port} ({exc}): "
-                                   f"check control.bind_host (an address of this host) and {key} (a free port)"
-                                   ) from None
-            setattr(self, name, router)
-        self.connections = ConnectionGuard(self.agents.sock, limit_of=self.connection_limit,
-                                           silent_s=ctl.silent_connection_s, log=self.log)
-        self.agents.admit = self.connections.admit
-        self.endpoints = {"control": f"tcp://{ctl.bind_host}:{self.agents.port}",
-                          "admin": f"tcp://{ctl.bind_host}:{self.admin.port}", "metrics": None}
-        if settings.metrics.enabled:
-            try:
-                port = self.metrics.serve(ctl.bind_host, settings.metrics.port)
-            except OSError as exc:
-                raise StartupError(f"cannot serve metrics on {ctl.bind_host}:{settings.metrics.port} "
-                                   f"({exc.strerror or exc}): set metrics.port to a free port, or "
-                                   "metrics.enabled = false") from None
-            self.endpoints["metrics"] = f"http://{ctl.bind_host}:{port}/metrics"
-        try:
-            _write_atomic_json(self.state_dir / "endpoints.json", {**self.endpoints, "pid": os.getpid()})
-        except OSError as exc:
-            raise StartupError(f"cannot write {self.state_dir / 'endpoints.json'}: {exc.strerror}") from None
-
-    def _close_transport(self) -> None:
-        if getattr(self, "connections", None) is not None:
-            self.connections.close()
-        for name in ("agents", "admin"):
-            router = getattr(self, name, None)
-            if router is not None:
-                router.close()
-        for name in ("auth", "admin_auth"):
-            if getattr(self, name, None) is not None:
-                getattr(self, name).stop()
-        for name in ("ctx", "admin_ctx"):
-            if getattr(self, name, None) is not None:
-                getattr(self, name).term()
-                setattr(self, name, None)
-        self.metrics.close()
 
     # --- start-up and shutdown ----------------------------------------------------------------------
     def _restore(self) -> None:
