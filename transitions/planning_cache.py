@@ -44,7 +44,7 @@ CLASS_SHAPE_ENTRIES = 4096
 GPU_ENTRIES = 16384  # per target GPU's relative key, and per pair of one: a few ints each
 PLAN_ENTRIES = 256  # per stage plan: GPU arrays, owners, held bytes
 PAIR_ENTRIES = 64  # per pair of stage plans, and per relative shape of one
-STREAM_ENTRIES = 4096  # per streamed pair's input: a key of its pieces' ranges and shifts (a few KB each)
+STREAM_ENTRIES = 1024  # per streamed pair's input: its pieces' ranges and shifts, ~20 KB a key at 70B (<= ~45 MB)
 
 
 class Memo(Generic[K, V]):
