@@ -343,8 +343,23 @@ def sync_raw(model: ModelSpec, ms: ModelStage, layout: Layout, dp: int, cluster:
     if dp > 1:  # last: the option tables read the DP all-reduce as sync_raw(...)[-1]
         link = cluster.intra_node_link if links.dp_intra else cluster.inter_node_link
         cls = OpClass.DP_ALLREDUCE_INTRA if links.dp_intra else OpClass.DP_ALLREDUCE_INTER
-        terms.append((cls, n * model.grad_bytes_per_param * _ring(dp), link.bytes_per_s, _hops(dp), link.latency_s))
+        rails = 1 if links.dp_intra else dp_rails(cluster, layout)
+        terms.append((cls, n * model.grad_bytes_per_param * _ring(dp), link.bytes_per_s * rails, _hops(dp),
+                      link.latency_s))
     return terms
+
+
+def dp_rails(cluster: ClusterSpec, layout: Layout) -> int:
+    """NICs one DP group's all-reduce drives at once when it spans nodes: its members on one node
+    (replicas packed node by node, as the search places them), each on its own NIC's share.
+
+    NCCL splits a collective over several rings (channels), each leaving the node through a different
+    NIC, so a group with m members per node moves its ring bytes over m NICs at once: bus bandwidth
+    (nccl-tests doc/PERFORMANCE.md: ``busbw = S/t * 2(n-1)/n``, "should reflect the speed of the
+    hardware bottleneck") is the node's NIC bandwidth, not one GPU's share, when every GPU of the node
+    is in the group (DP-only layouts), and one GPU's share when only one is (a TP or PP group filling
+    the node). Within a node the same group's NVLink part runs beside it and is faster."""
+    return max(1, cluster.gpus_per_node // layout.size)
 
 
 def roofline(terms: tuple[OpTerm, ...], eff: Mapping[OpClass, float]) -> tuple[OpTerm, ...]:
