@@ -198,7 +198,9 @@ def microbatch_raw(model: ModelSpec, ms: ModelStage, layout: Layout, workload: W
         kv_tokens = p * r + workload.response_tokens_second_moment / 2
         terms.append((OpClass.ATTENTION_DECODE, float(b * kv_tokens * kv_bytes_per_token_per_gpu(model, layout)),
                       dev.hbm_bytes_per_s, 0.0, 0.0))
-        terms.append((OpClass.DECODE_OVERHEAD, b * r * DECODE_SEQUENCE_OVERHEAD_S, 1.0, 0.0, 0.0))
+        # the engine's CPU time per decode step: per live sequence, and per step (ClusterSpec)
+        terms.append((OpClass.DECODE_OVERHEAD, r * (b * DECODE_SEQUENCE_OVERHEAD_S + cluster.decode_step_overhead_s),
+                      1.0, 0.0, 0.0))
         if tp > 1:
             terms.append(tp_allreduces(2 * layers, b * p))
             terms.append(tp_allreduces(2 * layers * r, b))
@@ -294,7 +296,8 @@ def fixed_raw(model: ModelSpec, ms: ModelStage, layout: Layout, workload: Worklo
                                         - workload.prompt_tokens) / 2
         terms.append((OpClass.ATTENTION_DECODE, float(ctx * tail * kv_bytes_per_token_per_gpu(model, layout)),
                       dev.hbm_bytes_per_s, 0.0, 0.0))
-        terms.append((OpClass.DECODE_OVERHEAD, tail * DECODE_SEQUENCE_OVERHEAD_S, 1.0, 0.0, 0.0))
+        terms.append((OpClass.DECODE_OVERHEAD, tail * (DECODE_SEQUENCE_OVERHEAD_S + cluster.decode_step_overhead_s),
+                      1.0, 0.0, 0.0))
         if layout.tp > 1:
             terms.append((tp_cls, 2 * layers * tail * BYTES_BF16 * model.hidden_size * _ring(layout.tp),
                           tp_link.bytes_per_s, 2 * layers * tail * _hops(layout.tp), tp_link.latency_s))

@@ -59,9 +59,9 @@ def _cluster(**kw) -> ClusterSpec:  # type: ignore[no-untyped-def]
 
 
 def test_a_cluster_refuses_negative_overheads_and_empty_nodes() -> None:
-    c = _cluster(step_overhead_s=0.0, refit_setup_s=0.0)  # zero is allowed
+    c = _cluster(step_overhead_s=0.0, refit_setup_s=0.0, decode_step_overhead_s=0.0)  # zero is allowed
     assert (c.num_gpus, c.all_gpus()) == (1, (0,))
-    for field in ("step_overhead_s", "refit_setup_s"):
+    for field in ("step_overhead_s", "refit_setup_s", "decode_step_overhead_s"):
         assert _refusal(_cluster, **{field: -0.5}) == f"cluster.{field}: must be >= 0, got -0.5"
         assert _refusal(_cluster, **{field: float("nan")}) == f"cluster.{field}: must be >= 0, got nan"
     assert _refusal(_cluster, num_nodes=0) == "cluster.num_nodes: must be >= 1, got 0"
@@ -160,7 +160,8 @@ def test_a_devices_matmul_ceiling_scales_every_gemm_term_and_nothing_else() -> N
     assert H100.matmul_ceiling == H200.matmul_ceiling == 1.0
     cl = cluster_preset("a100", 4)
     flat = ClusterSpec(device=dataclasses.replace(A100_64G, matmul_ceiling=1.0), num_nodes=1, gpus_per_node=4,
-                       intra_node_link=cl.intra_node_link, inter_node_link=cl.inter_node_link)
+                       intra_node_link=cl.intra_node_link, inter_node_link=cl.inter_node_link,
+                       decode_step_overhead_s=cl.decode_step_overhead_s)
     assert gemm_peak(cl, LLAMA_31_8B, Layout(2, 1), 512) == pytest.approx(
         A100_64G.matmul_ceiling * gemm_peak(flat, LLAMA_31_8B, Layout(2, 1), 512))
     w = Workload(prompts_per_step=8, prompt_tokens=64, response_tokens=32)
