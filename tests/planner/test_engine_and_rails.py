@@ -78,6 +78,10 @@ def test_an_inter_node_dp_all_reduce_uses_one_nic_per_group_member_on_a_node() -
     cl = h200(64)  # 8 GPUs per node, 50 GB/s of NIC per GPU
     assert [dp_rails(cl, Layout(t, p)) for t, p in ((1, 1), (2, 1), (1, 2), (4, 1), (8, 1), (4, 4))] == [
         8, 4, 4, 2, 1, 1]
+    # whole members only: a TP4 replica on 6-GPU nodes leaves one group member per node
+    six = dataclasses.replace(cl, gpus_per_node=6, num_nodes=4)
+    assert [dp_rails(six, Layout(t, 1)) for t in (1, 2, 4, 8)] == [6, 3, 1, 1]
+    assert all(type(dp_rails(six, Layout(t, 1))) is int for t in (1, 4))
 
     def all_reduce(layout: Layout, dp: int) -> tuple[float, float]:
         c = stage_cost(LLAMA_31_8B, ACTOR_TRAIN, layout, W, micro_batch_size=1, grad_accum=1, recompute=True,
