@@ -148,5 +148,4 @@ def cluster_from_dict(data: Mapping[str, Any], source: str = "cluster") -> Clust
     refit = _number(c, "refit_setup_s", f"{source}:cluster", positive=False) if "refit_setup_s" in c else (
         system.refit_setup_s if system else 0.0)
     return ClusterSpec(device=device, num_nodes=num_nodes, gpus_per_node=per_node, intra_node_link=intra_link,
-                       inter_node_link=inter_link, step_overhead_s=overhead, refit_setup_s=refit,
-                       decode_step_overhead_s=system.decode_step_overhead_s if system else 0.0)
+                       inter_node_link=inter_link, step_overhead_s=overhead, refit_setup_s=refit)

@@ -183,7 +183,6 @@ class SystemSpec:
     num_nodes: int | None = None  # a named machine (the paper's testbeds) has a size
     step_overhead_s: float = 0.0
     refit_setup_s: float = 0.0
-    decode_step_overhead_s: float = 0.0
 
     def inter_node_link(self, gpus_per_node: int | None = None) -> LinkSpec:
         return nic_link(f"{self.name}-fabric", nics_per_node=self.nics_per_node, gbit_per_s=self.nic_gbit_per_s,
@@ -205,8 +204,7 @@ class SystemSpec:
             raise SpecError("gpus", f"{num_gpus} is not a multiple of {per_node} GPUs per node")
         return ClusterSpec(device=self.device, num_nodes=num_gpus // per_node, gpus_per_node=per_node,
                            intra_node_link=self.intra_node_link, inter_node_link=inter,
-                           step_overhead_s=self.step_overhead_s, refit_setup_s=self.refit_setup_s,
-                           decode_step_overhead_s=self.decode_step_overhead_s)
+                           step_overhead_s=self.step_overhead_s, refit_setup_s=self.refit_setup_s)
 
 
 # Fixed per-step overhead of an RL framework on GPU systems (data processing, batching for log-probs
@@ -221,16 +219,18 @@ GPU_STEP_OVERHEAD_S = 4.0
 # (transitions.cost.DEFAULT_COMMUNICATOR_SETUP_S is the DAG's per-primitive analogue).
 GPU_REFIT_SETUP_S = 1.0
 
-# Serial CPU time per decode step of the generation engine, whatever the batch: scheduling, input
-# preparation and output bookkeeping that the GPU waits for unless the engine overlaps them. vLLM
-# issue 10634 (V1 engine, before async scheduling; vLLM PR 19970 added that in June 2025, experimental
-# and off by default) measured a 5-6 ms gap between two decode steps of Llama-2-7B at batch 256; less
-# the per-sequence part (planner.cost.DECODE_SEQUENCE_OVERHEAD_S x 256 = 3.84 ms, vLLM RFC 6854),
-# 5.5 - 3.84 = 1.66 ms per step. The RL frameworks' pinned engines run that way (NeMo-RL v0.3.0 / v0.4.0:
-# vllm 0.9.0 / 0.10.0, no async scheduling in their configs). An engine that overlaps it (a serving
-# sweep on vLLM 0.21: 6.48 ms per token at batch 1, where 16 GB of weights take 4.8 ms at the full
-# 3.35 TB/s, leaves no 1.66 ms serial) has 0: a ClusterSpec built by hand, and the CPU system (its
-# decode loop's host time is the launch classes, planner.eager).
+# Serial CPU time per decode step of a generation engine that does not overlap its scheduling with the
+# GPU (ClusterSpec.decode_step_overhead_s), whatever the batch: scheduling, input preparation and
+# output bookkeeping. vLLM issue 10634 (V1 engine, before async scheduling; vLLM PR 19970 added that in
+# June 2025, experimental and off by default) measured a 5-6 ms gap between two decode steps of
+# Llama-2-7B at batch 256; less the per-sequence part (planner.cost.DECODE_SEQUENCE_OVERHEAD_S x 256 =
+# 3.84 ms, vLLM RFC 6854), 5.5 - 3.84 = 1.66 ms per step. The RL frameworks' pinned engines run that
+# way (NeMo-RL v0.3.0 / v0.4.0: vllm 0.9.0 / 0.10.0, no async scheduling in their configs: bench/
+# fidelity_rl.py prices their steps with it). An engine that overlaps it has none (a serving sweep on
+# vLLM 0.21: 6.48 ms per token at batch 1, where 16 GB of weights take 4.8 ms at the full 3.35 TB/s,
+# leaves no room for 1.66 ms in series). The presets carry 0: which engine a job runs is the job's, and
+# the simulator's ground truth (nereusd/sim/truth.py) runs 0.5 ms per iteration, which a 1.66 ms prior
+# could not be calibrated down to (efficiencies stay <= 1.5).
 GPU_DECODE_STEP_OVERHEAD_S = 1.66e-3
 
 # Node designs from vendor and site documentation:
@@ -241,29 +241,29 @@ GPU_DECODE_STEP_OVERHEAD_S = 1.66e-3
 SYSTEMS: dict[str, SystemSpec] = {sys_.name: sys_ for sys_ in (
     SystemSpec(name="dgx-h100", device=H100, gpus_per_node=8, intra_node_link=NVLINK4, nics_per_node=8,
                nic_gbit_per_s=400, step_overhead_s=GPU_STEP_OVERHEAD_S,
-               refit_setup_s=GPU_REFIT_SETUP_S, decode_step_overhead_s=GPU_DECODE_STEP_OVERHEAD_S),
+               refit_setup_s=GPU_REFIT_SETUP_S),
     SystemSpec(name="dgx-h200", device=H200, gpus_per_node=8, intra_node_link=NVLINK4, nics_per_node=8,
                nic_gbit_per_s=400, step_overhead_s=GPU_STEP_OVERHEAD_S,
-               refit_setup_s=GPU_REFIT_SETUP_S, decode_step_overhead_s=GPU_DECODE_STEP_OVERHEAD_S),
+               refit_setup_s=GPU_REFIT_SETUP_S),
     SystemSpec(name="hgx-a100-64gb", device=A100_64G, gpus_per_node=4, intra_node_link=NVLINK3, nics_per_node=4,
                nic_gbit_per_s=200, step_overhead_s=GPU_STEP_OVERHEAD_S,
-               refit_setup_s=GPU_REFIT_SETUP_S, decode_step_overhead_s=GPU_DECODE_STEP_OVERHEAD_S),
+               refit_setup_s=GPU_REFIT_SETUP_S),
     SystemSpec(name="frontier-mi250x", device=MI250X_GCD, gpus_per_node=8, intra_node_link=INFINITY_FABRIC,
                nics_per_node=4, nic_gbit_per_s=200, nic_latency_s=6e-6, step_overhead_s=GPU_STEP_OVERHEAD_S,
-               refit_setup_s=GPU_REFIT_SETUP_S, decode_step_overhead_s=GPU_DECODE_STEP_OVERHEAD_S),
+               refit_setup_s=GPU_REFIT_SETUP_S),
     SystemSpec(name="cpu-dev", device=CPU, gpus_per_node=2, intra_node_link=LOOPBACK, nics_per_node=1,
                nic_gbit_per_s=48, nic_latency_s=50e-6),  # gloo loopback, 3 GB/s
     # the paper's three testbeds (PAPER.md): 1,024 MI250X GCDs, 256 A100-64GB, 64 H200-141GB
     SystemSpec(name="paper-mi250x-1024", device=MI250X_GCD, gpus_per_node=8, intra_node_link=INFINITY_FABRIC,
                nics_per_node=4, nic_gbit_per_s=200, nic_latency_s=6e-6, num_nodes=128,
                step_overhead_s=GPU_STEP_OVERHEAD_S,
-               refit_setup_s=GPU_REFIT_SETUP_S, decode_step_overhead_s=GPU_DECODE_STEP_OVERHEAD_S),
+               refit_setup_s=GPU_REFIT_SETUP_S),
     SystemSpec(name="paper-a100-256", device=A100_64G, gpus_per_node=4, intra_node_link=NVLINK3, nics_per_node=4,
                nic_gbit_per_s=100, num_nodes=64, step_overhead_s=GPU_STEP_OVERHEAD_S,
-               refit_setup_s=GPU_REFIT_SETUP_S, decode_step_overhead_s=GPU_DECODE_STEP_OVERHEAD_S),
+               refit_setup_s=GPU_REFIT_SETUP_S),
     SystemSpec(name="paper-h200-64", device=H200, gpus_per_node=8, intra_node_link=NVLINK4, nics_per_node=8,
                nic_gbit_per_s=400, num_nodes=8, step_overhead_s=GPU_STEP_OVERHEAD_S,
-               refit_setup_s=GPU_REFIT_SETUP_S, decode_step_overhead_s=GPU_DECODE_STEP_OVERHEAD_S),
+               refit_setup_s=GPU_REFIT_SETUP_S),
 )}
 # device preset -> the usual system built from it
 _SYSTEM_OF_DEVICE = {"h100-80gb": "dgx-h100", "h200-141gb": "dgx-h200", "a100-64gb": "hgx-a100-64gb",

@@ -77,10 +77,9 @@ def test_unseen_classes_keep_their_priors_and_window_is_bounded() -> None:
 def test_prediction_error_falls_step_by_step() -> None:
     """A running job: each step measures every class once (25% noise); the planner's prediction of a fixed
     plan approaches the truth (the same cost model under the hidden efficiencies). Mean over 16 runs.
-    No fixed per-step overhead (nor per decode step): it is the same in truth and prediction and would
-    only dilute the errors."""
+    No fixed per-step overhead: it is the same in truth and prediction and would only dilute the errors."""
     j = job("ppo", prompts=64, response_tokens=2048)
-    cl = dataclasses.replace(h200(16), step_overhead_s=0.0, decode_step_overhead_s=0.0)
+    cl = dataclasses.replace(h200(16), step_overhead_s=0.0)
     plan = search(j, cl).plan
     truth = predict(j, cl, plan, HIDDEN).step_latency_s
     curves = []
@@ -100,9 +99,7 @@ def test_prediction_error_falls_step_by_step() -> None:
 
 def test_stage_times_become_per_class_records() -> None:
     j = job("ppo", prompts=64, response_tokens=2048)
-    # the engine's per-decode-step time is one more DECODE_OVERHEAD share of actor-gen, whose one
-    # measured time the records split by prior shares: left out, as the fit tests above leave it
-    cl = dataclasses.replace(h200(16), decode_step_overhead_s=0.0)
+    cl = h200(16)
     res = search(j, cl)
     pred = res.prediction
     truth = predict(j, cl, res.plan, HIDDEN)
@@ -130,9 +127,9 @@ def test_bad_measurements_name_the_field() -> None:
 
 def test_fit_from_stage_times_converges_on_the_running_plan() -> None:
     """What the daemon does each step: measured model-stage times in, efficiencies out (no fixed per-step
-    or per-decode-step overhead, which is exact in both and only dilutes the errors)."""
+    overhead, which is exact in both and only dilutes the errors)."""
     j = job("ppo", prompts=64, response_tokens=2048)
-    cl = dataclasses.replace(h200(16), step_overhead_s=0.0, decode_step_overhead_s=0.0)
+    cl = dataclasses.replace(h200(16), step_overhead_s=0.0)
     plan = search(j, cl).plan
     truth = predict(j, cl, plan, HIDDEN)
     rng = np.random.default_rng(11)

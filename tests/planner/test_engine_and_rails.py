@@ -9,7 +9,6 @@ import dataclasses
 import pytest
 from planner_jobs import h200
 
-from planner.cluster_file import cluster_from_dict
 from planner.cost import (
     DECODE_SEQUENCE_OVERHEAD_S,
     Links,
@@ -32,20 +31,16 @@ def _decode_overhead(terms: list) -> float:  # type: ignore[type-arg]
     return sum(t[1] for t in terms if t[0] is OpClass.DECODE_OVERHEAD)
 
 
-def test_gpu_systems_pay_a_serial_time_per_decode_step_and_the_cpu_system_does_not() -> None:
+def test_the_decode_step_time_is_the_engines_and_the_presets_assume_none() -> None:
     assert pytest.approx(5.5e-3 - 256 * DECODE_SEQUENCE_OVERHEAD_S) == GPU_DECODE_STEP_OVERHEAD_S  # issue 10634
     assert pytest.approx(1.66e-3) == GPU_DECODE_STEP_OVERHEAD_S
-    for name, system in SYSTEMS.items():
-        want = 0.0 if system.device.name == "cpu" else GPU_DECODE_STEP_OVERHEAD_S
-        assert system.decode_step_overhead_s == want, name
-    assert cluster_preset("h100", 16).decode_step_overhead_s == GPU_DECODE_STEP_OVERHEAD_S
-    assert cluster_preset("cpu", 2).decode_step_overhead_s == 0.0
-    # a cluster file takes it from its system; without one nothing is assumed
-    dgx = cluster_from_dict({"cluster": {"system": "dgx-h100", "num_nodes": 2}})
-    assert dgx.decode_step_overhead_s == GPU_DECODE_STEP_OVERHEAD_S
-    plain = cluster_from_dict({"cluster": {"num_nodes": 1, "gpus_per_node": 2}, "device": {"preset": "h100"},
-                               "intra_node": {"gb_per_s": 100}, "inter_node": {"gb_per_s": 10}})
-    assert plain.decode_step_overhead_s == 0.0
+    for name in ("h100", "h200", "a100", "mi250x", "cpu"):
+        assert cluster_preset(name, 8 if name != "cpu" else 2).decode_step_overhead_s == 0.0
+    assert all(s.cluster(s.gpus_per_node * (s.num_nodes or 1)).decode_step_overhead_s == 0.0 for s in SYSTEMS.values())
+    # without it a decode step costs only its per-sequence engine time
+    cl = h200(8)
+    got = _decode_overhead(microbatch_raw(LLAMA_31_8B, ACTOR_GEN, Layout(1, 1), W, 8, False, cl, Links()))
+    assert got == pytest.approx(500 * 8 * DECODE_SEQUENCE_OVERHEAD_S)
 
 
 def test_the_decode_step_time_is_per_step_not_per_sequence() -> None:

@@ -160,8 +160,7 @@ def test_a_devices_matmul_ceiling_scales_every_gemm_term_and_nothing_else() -> N
     assert H100.matmul_ceiling == H200.matmul_ceiling == 1.0
     cl = cluster_preset("a100", 4)
     flat = ClusterSpec(device=dataclasses.replace(A100_64G, matmul_ceiling=1.0), num_nodes=1, gpus_per_node=4,
-                       intra_node_link=cl.intra_node_link, inter_node_link=cl.inter_node_link,
-                       decode_step_overhead_s=cl.decode_step_overhead_s)
+                       intra_node_link=cl.intra_node_link, inter_node_link=cl.inter_node_link)
     assert gemm_peak(cl, LLAMA_31_8B, Layout(2, 1), 512) == pytest.approx(
         A100_64G.matmul_ceiling * gemm_peak(flat, LLAMA_31_8B, Layout(2, 1), 512))
     w = Workload(prompts_per_step=8, prompt_tokens=64, response_tokens=32)
