@@ -3,11 +3,12 @@ recipe's setting (cited where defined), with NeMo-RL's colocated refit as it run
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
 from planner.cost import Links, OpClass, OpTerm, stage_cost
-from planner.hardware import H100, cluster_preset
+from planner.hardware import GPU_DECODE_STEP_OVERHEAD_S, H100, cluster_preset
 from planner.memory import params_per_gpu
 from planner.models import LLAMA_31_8B, LLAMA_33_70B, QWEN3_32B, Head
 from planner.plan import GlobalPlan, Layout, StagePlan
@@ -101,7 +102,9 @@ def _nemo_rl(model: Any, gpus: int, mean_gen: int, prompt: int, gen_tp: int, tra
     w = Workload(prompts_per_step=2048, prompt_tokens=prompt, response_tokens=mean_gen,
                  max_response_tokens=4096 - prompt, response_tokens_std=float(mean_gen), train_mini_batches_per_step=4)
     job = same_model_job(grpo(learned_reward=False), model, w)  # math: rule-based reward
-    cl = cluster_preset("h100", gpus)
+    # NeMo-RL's pinned engine (vllm 0.9.0 at v0.3.0, 0.10.0 at v0.4.0; pyproject.toml at those tags)
+    # schedules each decode step in series with the GPU: planner.hardware.GPU_DECODE_STEP_OVERHEAD_S
+    cl = dataclasses.replace(cluster_preset("h100", gpus), decode_step_overhead_s=GPU_DECODE_STEP_OVERHEAD_S)
     gen_dp, train_dp = gpus // gen_tp, gpus // train.size
     seq = w.tokens_per_sequence
     lp_b, lp_m = _packed(PACK_TOKENS * logprob_b, seq, 2048 // train_dp)

@@ -198,7 +198,9 @@ def microbatch_raw(model: ModelSpec, ms: ModelStage, layout: Layout, workload: W
         kv_tokens = p * r + workload.response_tokens_second_moment / 2
         terms.append((OpClass.ATTENTION_DECODE, float(b * kv_tokens * kv_bytes_per_token_per_gpu(model, layout)),
                       dev.hbm_bytes_per_s, 0.0, 0.0))
-        terms.append((OpClass.DECODE_OVERHEAD, b * r * DECODE_SEQUENCE_OVERHEAD_S, 1.0, 0.0, 0.0))
+        # the engine's CPU time per decode step: per live sequence, and per step (ClusterSpec)
+        terms.append((OpClass.DECODE_OVERHEAD, r * (b * DECODE_SEQUENCE_OVERHEAD_S + cluster.decode_step_overhead_s),
+                      1.0, 0.0, 0.0))
         if tp > 1:
             terms.append(tp_allreduces(2 * layers, b * p))
             terms.append(tp_allreduces(2 * layers * r, b))
@@ -294,7 +296,8 @@ def fixed_raw(model: ModelSpec, ms: ModelStage, layout: Layout, workload: Worklo
                                         - workload.prompt_tokens) / 2
         terms.append((OpClass.ATTENTION_DECODE, float(ctx * tail * kv_bytes_per_token_per_gpu(model, layout)),
                       dev.hbm_bytes_per_s, 0.0, 0.0))
-        terms.append((OpClass.DECODE_OVERHEAD, tail * DECODE_SEQUENCE_OVERHEAD_S, 1.0, 0.0, 0.0))
+        terms.append((OpClass.DECODE_OVERHEAD, tail * (DECODE_SEQUENCE_OVERHEAD_S + cluster.decode_step_overhead_s),
+                      1.0, 0.0, 0.0))
         if layout.tp > 1:
             terms.append((tp_cls, 2 * layers * tail * BYTES_BF16 * model.hidden_size * _ring(layout.tp),
                           tp_link.bytes_per_s, 2 * layers * tail * _hops(layout.tp), tp_link.latency_s))
@@ -343,8 +346,23 @@ def sync_raw(model: ModelSpec, ms: ModelStage, layout: Layout, dp: int, cluster:
     if dp > 1:  # last: the option tables read the DP all-reduce as sync_raw(...)[-1]
         link = cluster.intra_node_link if links.dp_intra else cluster.inter_node_link
         cls = OpClass.DP_ALLREDUCE_INTRA if links.dp_intra else OpClass.DP_ALLREDUCE_INTER
-        terms.append((cls, n * model.grad_bytes_per_param * _ring(dp), link.bytes_per_s, _hops(dp), link.latency_s))
+        rails = 1 if links.dp_intra else dp_rails(cluster, layout)
+        terms.append((cls, n * model.grad_bytes_per_param * _ring(dp), link.bytes_per_s * rails, _hops(dp),
+                      link.latency_s))
     return terms
+
+
+def dp_rails(cluster: ClusterSpec, layout: Layout) -> int:
+    """NICs one DP group's all-reduce drives at once when it spans nodes: its members on one node
+    (replicas packed node by node, as the search places them), each on its own NIC's share.
+
+    NCCL splits a collective over several rings (channels), each leaving the node through a different
+    NIC, so a group with m members per node moves its ring bytes over m NICs at once: bus bandwidth
+    (nccl-tests doc/PERFORMANCE.md: ``busbw = S/t * 2(n-1)/n``, "should reflect the speed of the
+    hardware bottleneck") is the node's NIC bandwidth, not one GPU's share, when every GPU of the node
+    is in the group (DP-only layouts), and one GPU's share when only one is (a TP or PP group filling
+    the node). Within a node the same group's NVLink part runs beside it and is faster."""
+    return max(1, cluster.gpus_per_node // layout.size)
 
 
 def roofline(terms: tuple[OpTerm, ...], eff: Mapping[OpClass, float]) -> tuple[OpTerm, ...]:

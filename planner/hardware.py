@@ -133,9 +133,11 @@ class ClusterSpec:
     step_overhead_s: float = 0.0
     # set-up of each step's train -> generation weight refit (IPC handles, conversion, engine reload)
     refit_setup_s: float = 0.0
+    # the generation engine's serial CPU time per decode step, at any batch (GPU_DECODE_STEP_OVERHEAD_S)
+    decode_step_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
-        for field in ("step_overhead_s", "refit_setup_s"):
+        for field in ("step_overhead_s", "refit_setup_s", "decode_step_overhead_s"):
             if not (getattr(self, field) >= 0):
                 raise SpecError(f"cluster.{field}", f"must be >= 0, got {getattr(self, field)}")
         if self.num_nodes < 1:
@@ -216,6 +218,20 @@ GPU_STEP_OVERHEAD_S = 4.0
 # waking its weights, IPC handles, format conversion) is ~1 s
 # (transitions.cost.DEFAULT_COMMUNICATOR_SETUP_S is the DAG's per-primitive analogue).
 GPU_REFIT_SETUP_S = 1.0
+
+# Serial CPU time per decode step of a generation engine that does not overlap its scheduling with the
+# GPU (ClusterSpec.decode_step_overhead_s), whatever the batch: scheduling, input preparation and
+# output bookkeeping. vLLM issue 10634 (V1 engine, before async scheduling; vLLM PR 19970 added that in
+# June 2025, experimental and off by default) measured a 5-6 ms gap between two decode steps of
+# Llama-2-7B at batch 256; less the per-sequence part (planner.cost.DECODE_SEQUENCE_OVERHEAD_S x 256 =
+# 3.84 ms, vLLM RFC 6854), 5.5 - 3.84 = 1.66 ms per step. The RL frameworks' pinned engines run that
+# way (NeMo-RL v0.3.0 / v0.4.0: vllm 0.9.0 / 0.10.0, no async scheduling in their configs: bench/
+# fidelity_rl.py prices their steps with it). An engine that overlaps it has none (a serving sweep on
+# vLLM 0.21: 6.48 ms per token at batch 1, where 16 GB of weights take 4.8 ms at the full 3.35 TB/s,
+# leaves no room for 1.66 ms in series). The presets carry 0: which engine a job runs is the job's, and
+# the simulator's ground truth (nereusd/sim/truth.py) runs 0.5 ms per iteration, which a 1.66 ms prior
+# could not be calibrated down to (efficiencies stay <= 1.5).
+GPU_DECODE_STEP_OVERHEAD_S = 1.66e-3
 
 # Node designs from vendor and site documentation:
 # - NVIDIA DGX H100/H200 user guide: 8 GPUs, NVLink 4, 8x ConnectX-7 400 Gb/s (compute fabric) -> 50 GB/s per GPU.

@@ -25,6 +25,7 @@ from planner.cost import (
     _ring,
     backward_seconds,
     dp_exposed_fraction,
+    dp_rails,
     fixed_raw,
     gemm_peak,
     microbatch_raw,
@@ -277,10 +278,20 @@ def test_the_optimizer_step_and_the_dp_all_reduce() -> None:
     # Adam reads and writes 16 B per parameter; no all-reduce alone
     _approx(sync_raw(M, ACTOR_TRAIN, Layout(1, 1), 1, CL, Links()),
             [(OpClass.MEMORY_BOUND, 2.0 * n * 16, 1e10, 0.0, 0.0)])
-    # DP4 over the inter-node link: a ring moves 1.5x the bf16 gradients, a tree of 4 takes 4 hops
+    # DP4 over the inter-node link: a ring moves 1.5x the bf16 gradients, a tree of 4 takes 4 hops; the
+    # group's 4 members on each 4-GPU node drive 4 NICs at once (planner.cost.dp_rails)
     got = sync_raw(M, ACTOR_TRAIN, Layout(1, 1), 4, CL, Links(dp_intra=False))
     _approx(got, [(OpClass.MEMORY_BOUND, 2.0 * n * 16, 1e10, 0.0, 0.0),
-                  (OpClass.DP_ALLREDUCE_INTER, n * 2 * 1.5, 5e8, 4.0, 3e-4)])
+                  (OpClass.DP_ALLREDUCE_INTER, n * 2 * 1.5, 4 * 5e8, 4.0, 3e-4)])
+    # TP2 replicas: 2 of a group's members per node, 2 NICs; a TP4 replica fills the node: one NIC
+    n2 = params_per_gpu(M, Head.LM, Layout(2, 1))
+    _approx(sync_raw(M, ACTOR_TRAIN, Layout(2, 1), 4, CL, Links(dp_intra=False))[-1:],
+            [(OpClass.DP_ALLREDUCE_INTER, n2 * 2 * 1.5, 2 * 5e8, 4.0, 3e-4)])
+    n4 = params_per_gpu(M, Head.LM, Layout(4, 1))
+    _approx(sync_raw(M, ACTOR_TRAIN, Layout(4, 1), 4, CL, Links(dp_intra=False))[-1:],
+            [(OpClass.DP_ALLREDUCE_INTER, n4 * 2 * 1.5, 5e8, 4.0, 3e-4)])
+    assert [dp_rails(CL, Layout(t, p)) for t, p in ((1, 1), (2, 1), (1, 2), (2, 2), (4, 1), (4, 2))] == [
+        4, 2, 2, 1, 1, 1]
     got = sync_raw(M, ACTOR_TRAIN, Layout(1, 1), 2, CL, Links())
     _approx(got[-1:], [(OpClass.DP_ALLREDUCE_INTRA, n * 2 * 1.0, 7e9, 2.0, 1e-5)])
     # eager: the optimizer's launches between the update and the all-reduce (which stays last)

@@ -59,9 +59,9 @@ def _cluster(**kw) -> ClusterSpec:  # type: ignore[no-untyped-def]
 
 
 def test_a_cluster_refuses_negative_overheads_and_empty_nodes() -> None:
-    c = _cluster(step_overhead_s=0.0, refit_setup_s=0.0)  # zero is allowed
+    c = _cluster(step_overhead_s=0.0, refit_setup_s=0.0, decode_step_overhead_s=0.0)  # zero is allowed
     assert (c.num_gpus, c.all_gpus()) == (1, (0,))
-    for field in ("step_overhead_s", "refit_setup_s"):
+    for field in ("step_overhead_s", "refit_setup_s", "decode_step_overhead_s"):
         assert _refusal(_cluster, **{field: -0.5}) == f"cluster.{field}: must be >= 0, got -0.5"
         assert _refusal(_cluster, **{field: float("nan")}) == f"cluster.{field}: must be >= 0, got nan"
     assert _refusal(_cluster, num_nodes=0) == "cluster.num_nodes: must be >= 1, got 0"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -9,6 +11,7 @@ from planner_jobs import h200, job
 
 from planner.errors import InfeasibleError, SpecError
 from planner.exhaustive import exhaustive_search
+from planner.hardware import GPU_DECODE_STEP_OVERHEAD_S
 from planner.options import batch_sequences
 from planner.plan import GlobalPlan
 from planner.search import order_pool, search
@@ -109,6 +112,11 @@ def test_more_gpus_never_slower() -> None:
     times = [search(j, h200(n)).objective_s for n in (8, 16, 32, 64)]
     assert all(b <= a * (1 + 1e-9) for a, b in zip(times, times[1:]))
     assert times[-1] < times[0] / 2
+    # an engine's serial time per decode step does not shrink with GPUs (each replica decodes every
+    # step of its longest response): a floor of the same size on 8 and on 64 GPUs
+    slow = [search(j, dataclasses.replace(h200(n), decode_step_overhead_s=GPU_DECODE_STEP_OVERHEAD_S)).objective_s
+            for n in (8, 64)]
+    assert slow[1] - times[-1] >= 0.95 * (slow[0] - times[0]) > 0
 
 
 def test_long_responses_change_the_plan() -> None:
