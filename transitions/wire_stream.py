@@ -14,6 +14,8 @@ tests/transitions/test_gpu_traffic.py checks it against ``messages``.
 
 from __future__ import annotations
 
+from itertools import groupby
+
 from transitions import transfer_plan
 from transitions.layout import PAGE_BYTES, align, contiguous_range, slot_start
 from transitions.transfer_plan import (
@@ -216,16 +218,16 @@ class PairStream:
         stream only compares offsets of one side with each other, takes their differences and aligns
         them to pages or ALIGN_BYTES (``slot_start``), none of which such a move changes. Per record:
         its bytes, byte ranges and slot (offset, size) less its side's base (the first record's slot
-        start, rounded down to a page), which records are one piece and which units are one unit (only
+        start, rounded down to a page), which records are of one unit on either side (units are only
         compared for equality), and for a piece too big for a bucket the box and slot geometry its
-        parts follow from; then the feeds' boundaries and shifts (differences already). Equal keys:
+        parts follow from; then the feeds' boundaries and shifts (differences already). Which records
+        are one piece object only decides how much of a run is skipped, never what is emitted. Equal keys:
         the same buckets in the same rounds, by construction. gpu_traffic memoises a pair's wire by it,
         so middle PP stages, TP ranks and replicas whose pieces lie alike share one streaming."""
         first = next((recs[0] for recs, _ in feeds if recs), None)
         if first is None:
             return (self.max,)
         bs, bd = first.src_slot[0] - first.src_slot[0] % PAGE_BYTES, first.dst_slot[0] - first.dst_slot[0] % PAGE_BYTES
-        pieces: dict[int, int] = {}
         units: dict[str, int] = {}
         out: list[object] = [self.max]
         for recs, shifts in feeds:
@@ -237,7 +239,7 @@ class PairStream:
                     parts = (tuple(o - b for o, b in zip(p.box[0], ss.offsets)), p.box[1], ss.lengths, ss.order,
                              ss.dtype, tuple(o - b for o, b in zip(p.box[0], ds.offsets)), ds.lengths, ds.order,
                              ds.dtype)
-                out.append((pieces.setdefault(id(p), len(pieces)), r.nbytes,
+                out.append((r.nbytes,
                             None if r.src is None else (r.src[0] - bs, r.src[1] - bs),
                             None if r.dst is None else (r.dst[0] - bd, r.dst[1] - bd),
                             r.src_slot[0] - bs, r.src_slot[1], r.dst_slot[0] - bd, r.dst_slot[1],
@@ -311,20 +313,8 @@ def _shift_key(shifts: list[list[tuple[int, int]]]) -> tuple[object, ...]:
     move alike, so a run of 80 layers is a few tuples, not 80 lists."""
     if not shifts or any(len(layer) != len(shifts[0]) for layer in shifts):
         return tuple(map(tuple, shifts))  # not one piece list per layer: kept whole
-    out: list[object] = [tuple(shifts[0])]
-    move: tuple[tuple[int, int], ...] | None = None
-    times = 0
-    for prev, cur in zip(shifts, shifts[1:]):
-        step = tuple((c[0] - p[0], c[1] - p[1]) for c, p in zip(cur, prev))
-        if step == move:
-            times += 1
-            continue
-        if move is not None:
-            out.append((move, times))
-        move, times = step, 1
-    if move is not None:
-        out.append((move, times))
-    return tuple(out)
+    moves = [tuple((c[0] - p[0], c[1] - p[1]) for c, p in zip(cur, prev)) for prev, cur in zip(shifts, shifts[1:])]
+    return (tuple(shifts[0]), *((move, len(list(run))) for move, run in groupby(moves)))
 
 
 def _even_from(shifts: list[list[tuple[int, int]]]) -> tuple[int, tuple[int, int]]:

@@ -195,3 +195,86 @@ def test_a_piece_too_big_for_a_bucket_keys_the_parts_it_splits_into() -> None:
 def test_an_empty_feed_keys_the_bound_alone() -> None:
     stream = PairStream(1 << 20)
     assert stream.content_key([]) == (1 << 20,) == stream.content_key([([], None)])
+
+
+def _rec(p: Piece, nbytes: int = 4096, src: tuple[int, int] | None = (4096, 8192),
+         dst: tuple[int, int] | None = (65536, 69632), src_slot: tuple[int, int] = (4096, 4096),
+         dst_slot: tuple[int, int] = (65536, 8192)) -> Rec:
+    return Rec(p, -1, 0, 0, nbytes, src, dst, src_slot, dst_slot)
+
+
+def _base_piece(su: str = "s", du: str = "d") -> Piece:
+    return piece(slot("t", 4, 256, 0, 256, 0), slot("t", 4, 256, 0, 256, 0), (0, 4), (0, 256), su, du)
+
+
+def _key(feeds: list[tuple[list[Rec], list[list[tuple[int, int]]] | None]], bucket: int = 1 << 20) -> tuple[object, ...]:
+    return PairStream(bucket).content_key(feeds)
+
+
+def test_every_field_of_every_record_is_in_the_key() -> None:
+    """What the stream reads of a record (bytes, both byte ranges, both slots, units) moves the key,
+    for the first record (whose slots set each side's base) and for a later one alike."""
+    p, q = _base_piece(), _base_piece()
+    shifts = [[(0, 0)], [(4096, 8192)], [(8192, 16384)]]
+
+    def feeds(first: Rec, second: Rec) -> list[tuple[list[Rec], list[list[tuple[int, int]]] | None]]:
+        return [([first], None), ([second], shifts)]
+
+    base = _key(feeds(_rec(p), _rec(q)))
+    changes = [dict(nbytes=4097), dict(src=(4112, 8192)), dict(src=(4096, 8208)), dict(src=None),
+               dict(dst=(65552, 69632)), dict(dst=(65536, 69648)), dict(dst=None), dict(src_slot=(4112, 4096)),
+               dict(src_slot=(4096, 4112)), dict(dst_slot=(65552, 8192)), dict(dst_slot=(65536, 8208))]
+    for change in changes:
+        assert _key(feeds(_rec(p, **change), _rec(q))) != base, ("first", change)  # type: ignore[arg-type]
+        assert _key(feeds(_rec(p), _rec(q, **change))) != base, ("later", change)  # type: ignore[arg-type]
+    # units: only which records share one on either side
+    assert _key(feeds(_rec(p), _rec(_base_piece(su="s2")))) != base
+    assert _key(feeds(_rec(p), _rec(_base_piece(du="d2")))) != base
+    assert _key(feeds(_rec(_base_piece("x", "y")), _rec(_base_piece("x", "y")))) == base
+    # the shifts and the bound
+    assert _key([([_rec(p)], None), ([_rec(q)], [[(0, 0)], [(4096, 8192)], [(8192, 16400)]])]) != base
+    assert _key([([_rec(p)], None), ([_rec(q)], None)]) != base
+    assert _key(feeds(_rec(p), _rec(q)), 1 << 19) != base
+
+
+def _moved_recs(by_src: int, by_dst: int) -> list[tuple[list[Rec], list[list[tuple[int, int]]] | None]]:
+    p = _base_piece()
+
+    def at(src: tuple[int, int], dst: tuple[int, int], ss: int, ds: int) -> Rec:
+        return _rec(p, src=(src[0] + by_src, src[1] + by_src), dst=(dst[0] + by_dst, dst[1] + by_dst),
+                    src_slot=(ss + by_src, 4096), dst_slot=(ds + by_dst, 8192))
+
+    return [([at((4096, 8192), (65536, 69632), 4096, 65536), at((12288, 16384), (73728, 77824), 12288, 73728)],
+             None)]
+
+
+def test_whole_pages_keep_the_key_and_anything_less_does_not() -> None:
+    base = _key(_moved_recs(0, 0))
+    assert _key(_moved_recs(3 * PAGE_BYTES, 0)) == base == _key(_moved_recs(0, 5 * PAGE_BYTES))
+    assert _key(_moved_recs(PAGE_BYTES, 7 * PAGE_BYTES)) == base
+    for by in (16, 48, PAGE_BYTES // 2, PAGE_BYTES + 16):  # alignment to pages may differ: another key
+        assert _key(_moved_recs(by, 0)) != base
+        assert _key(_moved_recs(0, by)) != base
+
+
+def test_a_big_piece_keys_its_box_against_each_slot() -> None:
+    """A piece too big for the bucket is split by rows of its box; each part's byte range follows from
+    the box's offsets within each side's slot, its lengths and each slot's shape, order and dtype."""
+    def big(src_slot_cols: tuple[int, int], dst_slot_cols: tuple[int, int], cols: tuple[int, int],
+            order: tuple[int, ...] = (), dtype: str = "float32", rows: int = 4) -> Rec:
+        src = replace(slot("t", rows, 8000, *src_slot_cols, 0, order), dtype=dtype)
+        dst = slot("t", rows, 8000, *dst_slot_cols, 0)
+        p = piece(src, dst, (0, rows), cols)
+        return _rec(p, nbytes=p.num_bytes, src=None, dst=None, src_slot=(0, src.num_bytes), dst_slot=(0, dst.num_bytes))
+
+    def key(r: Rec) -> tuple[object, ...]:
+        return _key([([r], None)], 16 << 10)
+
+    base = key(big((0, 4000), (0, 4000), (1000, 4000)))
+    # the same box 1000 columns into a slot that starts 500 columns later: offsets - slot start differ
+    assert key(big((500, 4500), (0, 4000), (500, 3500))) != base
+    assert key(big((0, 4000), (500, 4500), (1000, 4000))) != key(big((0, 4000), (0, 4000), (1000, 4000)))
+    assert key(big((0, 4000), (0, 4000), (1000, 4000), order=(1, 0))) != base
+    assert key(big((0, 4000), (0, 4000), (1000, 4000), dtype="bfloat16")) != base
+    assert key(big((0, 5000), (0, 4000), (1000, 4000))) != base  # the source slot's shape
+    assert key(big((0, 4000), (0, 5000), (1000, 4000))) != base  # the target slot's shape
