@@ -278,3 +278,27 @@ def test_a_big_piece_keys_its_box_against_each_slot() -> None:
     assert key(big((0, 4000), (0, 4000), (1000, 4000), dtype="bfloat16")) != base
     assert key(big((0, 5000), (0, 4000), (1000, 4000))) != base  # the source slot's shape
     assert key(big((0, 4000), (0, 5000), (1000, 4000))) != base  # the target slot's shape
+
+
+def test_a_pair_met_again_is_served_from_the_memo() -> None:
+    """A second build with the stream memo kept (its per-GPU memos empty) gets every streamed pair's
+    wire from it: the very object the first derived, never a new streaming."""
+    from transitions.gpu_traffic import PairWire, dst_key, dst_traffic, dst_wires
+
+    cache, nodes = _pp_change(2, 2, 1, 8)
+    again = PlanningCache()
+    again.pair_streams = cache.pair_streams
+    served = 0
+    for prim in nodes:
+        for target in prim.targets:
+            for gpu in target.gpus:
+                key = dst_key(prim, target, gpu)
+                entry, segs = dst_traffic(prim, target, gpu, key, cache)
+                first = dst_wires(prim, target, gpu, key, entry, segs, cache)
+                second = dst_wires(prim, target, gpu, key, *dst_traffic(prim, target, gpu, key, again), again)
+                for (src, a), (src2, b) in zip(first, second, strict=True):
+                    assert src == src2 and a == b
+                    if a != PairWire((), ()):  # a streamed pair (zero-copy ones are answered without streaming)
+                        assert b is a
+                        served += 1
+    assert served > 0
