@@ -278,6 +278,14 @@ def test_a_big_piece_keys_its_box_against_each_slot() -> None:
     assert key(big((0, 4000), (0, 4000), (1000, 4000), dtype="bfloat16")) != base
     assert key(big((0, 5000), (0, 4000), (1000, 4000))) != base  # the source slot's shape
     assert key(big((0, 4000), (0, 5000), (1000, 4000))) != base  # the target slot's shape
+    # the box's offset within each slot, not the two offsets' sum nor its lengths: the source side ...
+    at = key(big((500, 4500), (0, 5000), (1000, 4000)))
+    assert key(big((250, 4250), (250, 5250), (1250, 4250))) != at  # box + slot start alike, box - slot not
+    assert key(big((500, 4500), (100, 5100), (1100, 4100))) != at  # box lengths - slot start alike
+    # ... and the target side
+    at = key(big((0, 5000), (500, 4500), (1000, 4000)))
+    assert key(big((250, 5250), (250, 4250), (1250, 4250))) != at
+    assert key(big((100, 5100), (500, 4500), (1100, 4100))) != at
 
 
 def test_a_pair_met_again_is_served_from_the_memo() -> None:
