@@ -274,16 +274,13 @@ def class_peaks(plan: ReplicaPlan, held: dict[int, int]) -> dict[int, int]:
     labels (distinct GPUs), so a class whose members share no GPU runs at once, the others member by
     member. A GPU's peak is the highest of what it holds at the start and while any member runs on it
     (held + alloc + buffer); a GPU held nothing at the start enters only once that is above zero.
-    The GPUs held at the start come first, in ``held``'s order, then the others by id."""
-    top = max([len(plan.initial) - 1, *held, *(int(c.g.max()) for c in plan.classes if c.g.size)], default=0)
-    now = np.zeros(top + 1, dtype=np.int64)
-    if held:
-        now[list(held)] = list(held.values())
+    The GPUs held at the start come first, in ``held``'s order, then the others by id. ``held`` and the
+    classes name GPUs of the plan's cluster only (``_relabelled_stage`` refuses any other)."""
+    now = np.zeros(len(plan.initial), dtype=np.int64)  # every GPU of the plan's cluster
+    now[list(held)] = list(held.values())
     high = now.copy()
     for k in plan.class_order:
         c = plan.classes[k]
-        if not len(c.touched):
-            continue
         need = c.alloc + c.buf
         for g in ((c.g,) if c.single else c.g):  # rows: one member at a time
             high[g] = np.maximum(high[g], now[g] + need)
@@ -303,14 +300,14 @@ def class_gpu_index(plan: ReplicaPlan) -> dict[int, tuple[int, ...]]:
     ids: list[np.ndarray] = []
     for k in plan.class_order:
         c = plan.classes[k]
-        if not len(c.touched):
-            continue
         gpus.append(c.g.ravel())
-        ids.append(np.repeat(plan.first[k] + np.arange(c.size, dtype=np.int64), len(c.touched)))
+        ids.append(np.repeat(plan.first[k] + np.arange(c.size), len(c.touched)))
     if not gpus:
         return {}
     gpu, node = np.concatenate(gpus), np.concatenate(ids)
-    by_gpu = np.argsort(gpu, kind="stable")  # execution order kept within each GPU
+    if not len(gpu):  # no class touches a GPU
+        return {}
+    by_gpu = np.argsort(gpu * len(gpu) + np.arange(len(gpu)))  # by GPU, then in execution order
     gpu, node = gpu[by_gpu], node[by_gpu]
     starts = [0, *(np.flatnonzero(np.diff(gpu)) + 1).tolist(), len(gpu)]
     gl, nl = gpu.tolist(), node.tolist()

@@ -133,8 +133,8 @@ class ReplicaPlan:
         renamed: list[tuple[str, str]] = []
         for sc in self.stages:
             st = sc.stage
-            cur = stage_units(st, self.old_version, True)
-            tgt = stage_units(st, self.new_version, False)
+            cur = stage_units(st.state, st.current, self.old_version)
+            tgt = stage_units(st.state, st.target, self.new_version)
             parts = tgt if st.nq == 1 else stage_parts(st, tgt)
             old_units += cur
             new_units += tgt
@@ -168,10 +168,9 @@ def make_emu(uid: str, state: UnitState, layout: Layout, gpus: tuple[int, ...], 
     return unit
 
 
-def stage_units(st: ReplicaStage, version: int, current: bool) -> list[EMU]:
-    """``plan_units`` of the stage's current (or target) plan: its units at ``version``."""
-    plan = st.current if current else st.target
-    name, state, layout = st.state.model_stage, st.state, plan.layout
+def stage_units(state: UnitState, plan: StagePlan, version: int) -> list[EMU]:
+    """``plan_units(state, plan, version)``: the plan's units at ``version``."""
+    name, layout = state.model_stage, plan.layout
     return [make_emu(unit_uid(name, version, i), state, layout, tuple(g), version, None)
             for i, g in enumerate(plan.gpu_sets)]
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import fields
+from types import SimpleNamespace
 
+import numpy as np
 from test_replica_classes import symmetric_case
 
 from planner.plan import Layout
@@ -27,8 +29,8 @@ from transitions.footprints import on_gpus
 from transitions.global_dag import build_transition
 from transitions.local_dag import plan_units, target_parts
 from transitions.planning_cache import PlanningCache
-from transitions.primitives import Footprint
-from transitions.replica_plan import ReplicaPlan, make_emu, member
+from transitions.primitives import Footprint, PrimitiveKind
+from transitions.replica_plan import ReplicaClass, ReplicaPlan, make_emu, member
 
 
 def test_make_emu_sets_every_field_as_the_dataclass_does() -> None:
@@ -98,17 +100,60 @@ def test_member_footprints_map_every_label_map() -> None:
     assert member_footprints(canon, []) == []
 
 
-def test_class_peaks_enter_a_gpu_only_above_zero_and_keep_the_start() -> None:
+def test_class_peaks_and_index_over_random_plans_from_an_empty_start() -> None:
     for seed in range(60):
         dag = build_transition(*symmetric_case(seed), capacity_bytes=1 << 50, exact=False, cache=PlanningCache())
         if dag.replicas is None:
             continue
         plan = dag.replicas
-        # a start that holds nothing anywhere, and one with a GPU beyond every class's
-        for held in ({}, {max(len(plan.initial), 1) + 5: 1}):
-            used, peak = dict(held), dict(held)
-            fps = [on_gpus(c.canon, g) for sc in plan.stages for c in sc.classes for g in c.gpus.tolist()]
-            for i in plan.order():
-                apply_footprint(fps[i], used, peak)
-            assert class_peaks(plan, held) == peak
+        used: dict[int, int] = {}
+        peak: dict[int, int] = {}
+        fps = [on_gpus(c.canon, g) for sc in plan.stages for c in sc.classes for g in c.gpus.tolist()]
+        for i in plan.order():
+            apply_footprint(fps[i], used, peak)
+        assert class_peaks(plan, {}) == peak
         assert class_gpu_index(plan) == gpu_index(fps, tuple(plan.order()))
+
+
+def _class(canon: Footprint, gpus: list[list[int]], first: int) -> ReplicaClass:
+    c = ReplicaClass(kind=PrimitiveKind.EXTEND, stage="s", stage_order=0, canon=canon,
+                     gpus=np.array(gpus, dtype=np.int64).reshape(len(gpus), -1), unit=np.arange(len(gpus)),
+                     refs=np.zeros((len(gpus), 0), dtype=np.int64),
+                     touched=np.array(sorted(canon.gpus), dtype=np.int64), first=first)
+    c._finish()
+    return c
+
+
+def _replay(classes: list[ReplicaClass], order: list[int], held: dict[int, int]) -> dict[int, int]:
+    used, peak = dict(held), dict(held)
+    for k in order:
+        for row in classes[k].gpus.tolist():
+            apply_footprint(on_gpus(classes[k].canon, row), used, peak)
+    return peak
+
+
+def test_class_peaks_by_hand_with_members_sharing_a_gpu() -> None:
+    # A: two members on GPUs (0, 1) and (2, 3), allocating 5 (+1 bucket) on label 0, freeing 2 on label 1,
+    # copying locally on label 2 (touched, nothing allocated: GPUs 6 and 7 never rise above zero).
+    # B: two members sharing GPU 4 (label 0), each allocating 3 there and 1 on label 1: the second sees
+    # the first's 3; GPU 5 peaks at exactly 1 byte.
+    a = _class(Footprint(alloc_bytes={0: 5}, free_bytes={1: 2}, buffer_bytes={0: 1}, local_bytes={2: 4},
+                         pair_bytes={}), [[0, 1, 6], [2, 3, 7]], first=0)
+    b = _class(Footprint(alloc_bytes={0: 3, 1: 1}, free_bytes={}, buffer_bytes={}, local_bytes={},
+                         pair_bytes={(1, 0): 8}), [[4, 5], [4, 8]], first=2)
+    empty = _class(Footprint(alloc_bytes={}, free_bytes={}, buffer_bytes={}, local_bytes={}, pair_bytes={}),
+                   [[], []], first=4)
+    assert a.single and not b.single and not len(empty.touched)
+    plan = SimpleNamespace(initial=np.zeros(10, dtype=np.int64), classes=[a, b, empty], class_order=[2, 1, 0],
+                           first=[0, 2, 4])
+    held = {3: 10, 1: 10, 4: 2}
+    got = class_peaks(plan, held)  # type: ignore[arg-type]
+    assert got == _replay([a, b, empty], [2, 1, 0], held)
+    assert got == {3: 10, 1: 10, 4: 8, 0: 6, 2: 6, 5: 1, 8: 1}
+    assert list(got) == [3, 1, 4, 0, 2, 5, 8] and all(type(v) is int for v in got.values())
+    assert class_gpu_index(plan) == {0: (0,), 1: (0,), 2: (1,), 3: (1,), 4: (2, 3), 5: (2,), 6: (0,), 7: (1,),  # type: ignore[arg-type]
+                                     8: (3,)}
+    only_empty = SimpleNamespace(initial=np.zeros(10, dtype=np.int64), classes=[empty], class_order=[0], first=[0])
+    assert class_gpu_index(only_empty) == {}  # type: ignore[arg-type]
+    assert class_gpu_index(SimpleNamespace(classes=[], class_order=[], first=[])) == {}  # type: ignore[arg-type]
+    assert class_peaks(only_empty, {}) == {}  # type: ignore[arg-type]
