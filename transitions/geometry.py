@@ -307,3 +307,35 @@ def layout_rank_bytes(model: ModelSpec, head: Head, layout: Layout,
         for pp_rank in range(layout.pp):
             out[layout.rank_of(tp_rank, pp_rank)] = per_stage[pp_rank] * per_element
     return tuple(out)
+
+
+
+@lru_cache(maxsize=1024)
+def layouts_nest(model: ModelSpec, head: Head, sub: Layout, final: Layout) -> bool:
+    """transitions.emu.parts_nest from the TP boxes and PP stages alone (no shard, box or rank map is
+    built): whether every rank of a ``final`` unit holds a subset of what its strided ``sub`` part rank
+    (TP rank // k_tp, PP rank // k_pp) holds, tensor by tensor; every state kind of a unit has the same
+    box, so the kinds (never empty: a unit holds parameters) do not matter. A pair of boxes is compared
+    once per shape, split, heads and TP rank."""
+    if final.tp % sub.tp or final.pp % sub.pp:
+        raise SpecError("layout", f"{final} does not split into {sub}")
+    check_layout(model, sub)
+    check_layout(model, final)
+    k_tp, k_pp = final.tp // sub.tp, final.pp // sub.pp
+    seen: dict[tuple[tuple[int, ...], int, int | None, int], tuple[bool, bool]] = {}  # (empty, inside)
+    for tensor in _tensors(model, head):
+        held = tensor_stages(tensor, model, sub.pp)
+        for stage in tensor_stages(tensor, model, final.pp):
+            for tp_rank in range(final.tp):
+                key = (tensor.shape, id(tensor.parallel), tensor.num_heads, tp_rank)
+                found = seen.get(key)
+                if found is None:
+                    offsets, lengths = tp_box(tensor, model, final.tp, tp_rank)
+                    outer_offsets, outer_lengths = tp_box(tensor, model, sub.tp, tp_rank // k_tp)
+                    found = seen[key] = (0 in lengths, 0 not in outer_lengths and all(
+                        o1 <= o2 and o2 + n2 <= o1 + n1
+                        for o1, n1, o2, n2 in zip(outer_offsets, outer_lengths, offsets, lengths)))
+                empty, inside = found
+                if not empty and (stage // k_pp not in held or not inside):
+                    return False  # a shard the part's rank does not hold (whole, or that box of it)
+    return True

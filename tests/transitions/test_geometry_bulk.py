@@ -14,13 +14,15 @@ import pytest
 from planner.errors import SpecError
 from planner.models import TINY_3M, Head, ModelSpec
 from planner.plan import Layout
-from planner.workflow import StageKind
+from planner.workflow import Role, StageKind
+from transitions.emu import UnitState, parts_nest
 from transitions.geometry import (
     INFERENCE_KINDS,
     TRAINING_KINDS,
     Shard,
     StateKind,
     layout_rank_bytes,
+    layouts_nest,
     make_shard,
     rank_shard_tuple,
     state_kinds,
@@ -143,3 +145,48 @@ def test_the_inline_slot_builder_is_the_plain_one(model: ModelSpec) -> None:
                                     layout=Layout(1, 1), gpu_sets=((0,),)), 0)[0]
     assert any(s.byte_offset % PAGE_BYTES == 0 and s.num_bytes >= 64 << 10 and s.byte_offset for s in big)
     assert any(s.byte_offset % PAGE_BYTES and s.byte_offset % 16 == 0 for s in big)
+
+
+# one kv head for every query head group, at most 8 ranks: TP 8 puts 8 ranks on one kv head
+GQA1 = ModelSpec(name="gqa1", num_layers=6, hidden_size=16, num_attention_heads=8, num_kv_heads=1, head_dim=2,
+                 ffn_hidden_size=24, vocab_size=16)
+
+
+def test_layouts_nest_is_parts_nest() -> None:
+    layouts = [Layout(tp, pp) for tp in (1, 2, 4, 8) for pp in (1, 2, 3, 4, 6)]
+    nest = apart = refused = 0
+    for model, head, sub, final in itertools.product([ODD, GQA1, TINY_3M], Head, layouts, layouts):
+        state = UnitState(model_stage="s", stage_kind=StageKind.TRAINING, role=Role.ACTOR, model=model, head=head,
+                          kinds=TRAINING_KINDS)
+        try:
+            want: bool | str = parts_nest(state, sub, final)
+        except SpecError as e:
+            want = e.field
+        try:
+            got: bool | str = layouts_nest(model, head, sub, final)
+        except SpecError as e:
+            got = e.field
+        assert got == want, (model.name, head, sub, final)
+        nest += want is True
+        apart += want is False
+        refused += isinstance(want, str)
+    assert nest and apart and refused
+
+
+def test_layouts_nest_by_hand() -> None:
+    # TP 2 inside TP 1 (a whole tensor holds both halves); PP 2 layers {0,1},{2,3} inside PP 1
+    assert layouts_nest(ODD, Head.LM, Layout(1, 1), Layout(2, 2))
+    # PP 3 of 6 layers: {0,1},{2,3},{4,5}; PP 1 parts of a PP 3 unit hold everything
+    assert layouts_nest(GQA1, Head.LM, Layout(1, 1), Layout(1, 3))
+    # the k/v heads of GQA1 (one kv head): TP 8 ranks each hold the whole head, inside TP 2's too
+    assert layouts_nest(GQA1, Head.LM, Layout(2, 1), Layout(8, 1))
+    # ODD's vocab of 5 over TP 4 ([0,2) [2,4) [4,5) [5,5)) does not nest in TP 2's ([0,3) [3,5))
+    assert not layouts_nest(ODD, Head.LM, Layout(2, 1), Layout(4, 1))
+    # PP 4 of 4 layers in PP 2 ({0,1},{2,3}; the tied embedding on stages 0 and 3 -> 0 and 1) nests; PP 4
+    # of 6 layers ({0,1},{2,3},{4},{5}) in PP 2 ({0,1,2},{3,4,5}) does not: layer 3 maps to stage 0
+    assert layouts_nest(ODD, Head.LM, Layout(1, 2), Layout(1, 4))
+    assert not layouts_nest(GQA1, Head.LM, Layout(1, 2), Layout(1, 4))
+    with pytest.raises(SpecError, match="does not split"):
+        layouts_nest(ODD, Head.LM, Layout(2, 1), Layout(1, 1))
+    with pytest.raises(SpecError, match="does not split"):
+        layouts_nest(ODD, Head.LM, Layout(1, 2), Layout(1, 3))
