@@ -246,11 +246,32 @@ def _tp_rank_shards(model: ModelSpec, head: Head, tp: int, tp_rank: int, kinds: 
                     ) -> tuple[tuple[Shard, ...], ...]:
     """Per tensor (model order), the shards TP rank ``tp_rank`` of ``tp`` holds of it, one per state kind
     (none where its chunk of an uneven split is empty): what any PP stage holding the tensor holds, so
-    every layout of one TP degree (PP 1, 2, 4, ... and each of their stages) shares these objects."""
+    every layout of one TP degree (PP 1, 2, 4, ... and each of their stages) shares these objects, and
+    every head shares those of the tensors all heads hold alike (``_common_shards``)."""
+    common = _common_shards(model, tp, tp_rank, kinds)
+    own = [t for t in _tensors(model, head) if t.name not in common]
+    built = dict(zip((t.name for t in own), _shards_of(model, own, tp, tp_rank, kinds)))
+    return tuple([common[t.name] if t.name in common else built[t.name] for t in _tensors(model, head)])
+
+
+@lru_cache(maxsize=128)
+def _common_shards(model: ModelSpec, tp: int, tp_rank: int, kinds: tuple[StateKind, ...]
+                   ) -> dict[str, tuple[Shard, ...]]:
+    """By name, the shards TP rank ``tp_rank`` holds of every tensor that each head's model holds alike
+    (the decoder, the embedding, the final norm: all but the head's own weight)."""
+    specs = [_tensors(model, h) for h in Head]
+    others = [dict((t.name, t) for t in tensors) for tensors in specs[1:]]
+    shared = [t for t in specs[0] if all(o.get(t.name) == t for o in others)]
+    return dict(zip((t.name for t in shared), _shards_of(model, shared, tp, tp_rank, kinds)))
+
+
+def _shards_of(model: ModelSpec, tensors: list[TensorSpec], tp: int, tp_rank: int,
+               kinds: tuple[StateKind, ...]) -> list[tuple[Shard, ...]]:
+    """Per tensor, its shards on TP rank ``tp_rank`` of ``tp`` (one per kind; none if its box is empty)."""
     per_kind = [(kind, kind.bytes_per_element(model)) for kind in kinds]
     out: list[tuple[Shard, ...]] = []
     boxes: dict[tuple[tuple[int, ...], int, int | None], tuple[tuple[int, ...], tuple[int, ...]]] = {}
-    for tensor in _tensors(model, head):
+    for tensor in tensors:
         # the box depends on the shape, split and heads alone: every layer's tensors repeat a few
         spec = (tensor.shape, id(tensor.parallel), tensor.num_heads)
         box = boxes.get(spec)
@@ -262,7 +283,7 @@ def _tp_rank_shards(model: ModelSpec, head: Head, tp: int, tp_rank: int, kinds: 
             continue
         name, shape = tensor.name, tensor.shape
         out.append(tuple([make_shard(name, kind, shape, offsets, lengths, nbytes) for kind, nbytes in per_kind]))
-    return tuple(out)
+    return out
 
 
 @lru_cache(maxsize=256)

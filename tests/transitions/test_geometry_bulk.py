@@ -190,3 +190,14 @@ def test_layouts_nest_by_hand() -> None:
         layouts_nest(ODD, Head.LM, Layout(2, 1), Layout(1, 1))
     with pytest.raises(SpecError, match="does not split"):
         layouts_nest(ODD, Head.LM, Layout(1, 2), Layout(1, 3))
+
+
+def test_heads_share_the_shards_of_the_tensors_they_hold_alike() -> None:
+    lm = rank_shard_tuple(TINY_3M, Head.LM, Layout(2, 1), 1, TRAINING_KINDS)
+    value = rank_shard_tuple(TINY_3M, Head.VALUE, Layout(2, 1), 1, TRAINING_KINDS)
+    own = {t.name for t in TINY_3M.tensors(Head.LM)} ^ {t.name for t in TINY_3M.tensors(Head.VALUE)}
+    assert own and not any(s.tensor in own for s in lm if s.tensor in {v.tensor for v in value})
+    by_key = {s.key: s for s in value}
+    shared = [s for s in lm if s.key in by_key]
+    assert len(shared) == len(lm) - sum(s.tensor in own for s in lm) > 0
+    assert all(by_key[s.key] is s for s in shared)  # one object per shard, whichever head asked first
