@@ -15,6 +15,7 @@ from planner.errors import SpecError
 from planner.models import TINY_3M, Head, ModelSpec
 from planner.plan import Layout
 from planner.workflow import Role, StageKind
+from transitions import geometry
 from transitions.emu import UnitState, parts_nest
 from transitions.geometry import (
     INFERENCE_KINDS,
@@ -51,6 +52,14 @@ ODD = ModelSpec(name="odd", num_layers=4, hidden_size=8, num_attention_heads=4, 
 FP32 = ModelSpec(name="fp32", num_layers=3, hidden_size=8, num_attention_heads=4, num_kv_heads=2, head_dim=2,
                  ffn_hidden_size=12, vocab_size=8, bytes_per_param=4)
 KINDS = (INFERENCE_KINDS, TRAINING_KINDS, state_kinds(StageKind.TRAINING, keep_grads=True))
+
+
+@pytest.fixture(autouse=True)
+def _cold_geometry() -> None:
+    """Every test derives its shards afresh: the memos are filled by whatever ran before."""
+    for memo in (geometry.rank_shard_tuple, geometry._tp_rank_shards, geometry._common_shards,
+                 geometry.layout_rank_bytes, geometry.layouts_nest):
+        memo.cache_clear()
 
 
 def test_make_shard_sets_every_field_as_the_dataclass_does() -> None:
@@ -192,10 +201,12 @@ def test_layouts_nest_by_hand() -> None:
         layouts_nest(ODD, Head.LM, Layout(1, 2), Layout(1, 3))
 
 
-def test_heads_share_the_shards_of_the_tensors_they_hold_alike() -> None:
-    lm = rank_shard_tuple(TINY_3M, Head.LM, Layout(2, 1), 1, TRAINING_KINDS)
-    value = rank_shard_tuple(TINY_3M, Head.VALUE, Layout(2, 1), 1, TRAINING_KINDS)
-    own = {t.name for t in TINY_3M.tensors(Head.LM)} ^ {t.name for t in TINY_3M.tensors(Head.VALUE)}
+@pytest.mark.parametrize(("model", "layout", "rank"), [(TINY_3M, Layout(2, 1), 1), (ODD, Layout(4, 1), 3)],
+                         ids=["tiny-3m", "odd-empty-embedding-chunk"])
+def test_heads_share_the_shards_of_the_tensors_they_hold_alike(model: ModelSpec, layout: Layout, rank: int) -> None:
+    lm = rank_shard_tuple(model, Head.LM, layout, rank, TRAINING_KINDS)
+    value = rank_shard_tuple(model, Head.VALUE, layout, rank, TRAINING_KINDS)
+    own = {t.name for t in model.tensors(Head.LM)} ^ {t.name for t in model.tensors(Head.VALUE)}
     assert own and not any(s.tensor in own for s in lm if s.tensor in {v.tensor for v in value})
     by_key = {s.key: s for s in value}
     shared = [s for s in lm if s.key in by_key]
