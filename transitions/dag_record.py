@@ -9,9 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from transitions.emu import EMU, rank_bytes
-from transitions.feasibility import apply_footprint
-from transitions.footprints import on_gpus
+from transitions.emu import EMU
+from transitions.geometry import layout_rank_bytes
 from transitions.primitives import Footprint, Primitive
 from transitions.replica_classes import ReplicaPlan
 
@@ -235,20 +234,90 @@ def _expand(plan: ReplicaPlan) -> DagBody:
     nodes, stage_order, old_units, new_units, renamed = plan.expand()
     # each member's footprint is its class's over its own GPUs (what footprint(member) derives, without
     # relabelling every member to look it up): node ids run stage by stage, class by class
-    fps = [on_gpus(c.canon, gpus) for sc in plan.stages for c in sc.classes for gpus in c.gpus.tolist()]
+    fps = [fp for sc in plan.stages for c in sc.classes for fp in member_footprints(c.canon, c.gpus.tolist())]
     order = tuple(plan.order())
-    used = held_bytes(old_units)
-    peak = dict(used)
-    for i in order:
-        apply_footprint(fps[i], used, peak)
     return DagBody(nodes=tuple(nodes), stage_order=tuple(stage_order), data_edges=tuple(data_edges(nodes)),
                    resource_edges=(), order=order, old_units=tuple(old_units), lost_units=(),
-                   new_units=tuple(new_units), renamed=tuple(renamed), stale_units=(), peak_bytes=peak,
-                   footprints=tuple(fps), gpu_nodes=gpu_index(fps, order))
+                   new_units=tuple(new_units), renamed=tuple(renamed), stale_units=(),
+                   peak_bytes=class_peaks(plan, held_bytes(old_units)), footprints=tuple(fps),
+                   gpu_nodes=class_gpu_index(plan))
+
+
+_new = object.__new__
+# Footprint's slots' own setters (what its frozen dataclass ``__init__`` reaches through
+# object.__setattr__): the expansion builds one footprint per member (~2,500 at 1,024 GPUs)
+_put_alloc, _put_free, _put_buffer, _put_local, _put_pair = (
+    vars(Footprint)[name].__set__ for name in ("alloc_bytes", "free_bytes", "buffer_bytes", "local_bytes",
+                                               "pair_bytes"))
+
+
+def member_footprints(canon: Footprint, rows: list[list[int]]) -> list[Footprint]:
+    """``on_gpus(canon, row)`` for every row (a member's GPU per label), the label maps read once and
+    each footprint built without the dataclass ``__init__`` (Footprint checks nothing).
+    tests/transitions/test_replica_expand.py checks both against on_gpus."""
+    alloc, free, buf = list(canon.alloc_bytes.items()), list(canon.free_bytes.items()), list(canon.buffer_bytes.items())
+    local, pair = list(canon.local_bytes.items()), list(canon.pair_bytes.items())
+    out: list[Footprint] = []
+    for g in rows:
+        fp = _new(Footprint)
+        _put_alloc(fp, {g[k]: v for k, v in alloc})
+        _put_free(fp, {g[k]: v for k, v in free})
+        _put_buffer(fp, {g[k]: v for k, v in buf})
+        _put_local(fp, {g[k]: v for k, v in local})
+        _put_pair(fp, {(g[s], g[d]): v for (s, d), v in pair})
+        out.append(fp)
+    return out
+
+
+def class_peaks(plan: ReplicaPlan, held: dict[int, int]) -> dict[int, int]:
+    """What ``apply_footprint`` of every member in ``plan.order()`` leaves in ``peak`` from ``held``,
+    replayed per class over its member arrays: a member changes only the GPUs of its class's touched
+    labels (distinct GPUs), so a class whose members share no GPU runs at once, the others member by
+    member. A GPU's peak is the highest of what it holds at the start and while any member runs on it
+    (held + alloc + buffer); a GPU held nothing at the start enters only once that is above zero.
+    The GPUs held at the start come first, in ``held``'s order, then the others by id. ``held`` and the
+    classes name GPUs of the plan's cluster only (``_relabelled_stage`` refuses any other)."""
+    now = np.zeros(len(plan.initial), dtype=np.int64)  # every GPU of the plan's cluster
+    now[list(held)] = list(held.values())
+    high = now.copy()
+    for k in plan.class_order:
+        c = plan.classes[k]
+        need = c.alloc + c.buf
+        for g in ((c.g,) if c.single else c.g):  # rows: one member at a time
+            high[g] = np.maximum(high[g], now[g] + need)
+            now[g] += c.delta
+    peak = high.tolist()
+    out = {g: peak[g] for g in held}
+    for g in np.flatnonzero(high > 0).tolist():
+        if g not in out:
+            out[g] = peak[g]
+    return out
+
+
+def class_gpu_index(plan: ReplicaPlan) -> dict[int, tuple[int, ...]]:
+    """``gpu_index(footprints, plan.order())`` from the class arrays: per GPU, the ids of the members
+    touching it in execution order (GPUs by id)."""
+    gpus: list[np.ndarray] = []
+    ids: list[np.ndarray] = []
+    for k in plan.class_order:
+        c = plan.classes[k]
+        gpus.append(c.g.ravel())
+        ids.append(np.repeat(plan.first[k] + np.arange(c.size), len(c.touched)))
+    if not gpus:
+        return {}
+    gpu, node = np.concatenate(gpus), np.concatenate(ids)
+    if not len(gpu):  # no class touches a GPU
+        return {}
+    by_gpu = np.argsort(gpu * len(gpu) + np.arange(len(gpu)))  # by GPU, then in execution order
+    gpu, node = gpu[by_gpu], node[by_gpu]
+    starts = [0, *(np.flatnonzero(np.diff(gpu)) + 1).tolist(), len(gpu)]
+    gl, nl = gpu.tolist(), node.tolist()
+    return {gl[a]: tuple(nl[a:b]) for a, b in zip(starts[:-1], starts[1:])}
 
 
 def held_bytes(units: list[EMU] | tuple[EMU, ...]) -> dict[int, int]:
-    """Bytes ``units`` hold per GPU. A unit's ranks hold ``rank_bytes`` of its state and layout, looked up
+    """Bytes ``units`` hold per GPU. A unit's ranks hold ``rank_bytes`` of its state and layout (summed
+    from the TP boxes by geometry.layout_rank_bytes: no shards built for units nothing moves), looked up
     once per (state, layout) object pair: replicas share both, and hashing a state per unit is dear."""
     out: dict[int, int] = {}
     per_rank: dict[tuple[int, int], tuple[int, ...]] = {}
@@ -260,7 +329,8 @@ def held_bytes(units: list[EMU] | tuple[EMU, ...]) -> dict[int, int]:
         key = (id(u.state), id(u.layout))
         held = per_rank.get(key)
         if held is None:
-            held = per_rank[key] = rank_bytes(u.state, u.layout)
+            state = u.state
+            held = per_rank[key] = layout_rank_bytes(state.model, state.head, u.layout, state.kinds)
         for g, n in zip(u.gpus, held):
             out[g] = out.get(g, 0) + n
     return out

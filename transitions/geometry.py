@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 from functools import lru_cache
+from math import prod
 
 from planner.errors import SpecError
 from planner.models import Head, ModelSpec, Parallel, TensorSpec
@@ -217,20 +218,72 @@ def rank_shard_tuple(model: ModelSpec, head: Head, layout: Layout, rank: int,
     return tuple(out)
 
 
+_new = object.__new__
+# the slots' own setters (what the frozen dataclass's ``__init__`` reaches through object.__setattr__)
+_put_tensor, _put_kind, _put_shape, _put_offsets, _put_lengths, _put_bytes = (
+    vars(Shard)[name].__set__ for name in ("tensor", "kind", "global_shape", "offsets", "lengths",
+                                            "bytes_per_element"))
+
+
+def make_shard(tensor: str, kind: StateKind, global_shape: tuple[int, ...], offsets: tuple[int, ...],
+               lengths: tuple[int, ...], bytes_per_element: int) -> Shard:
+    """``Shard(...)`` of these fields without the dataclass ``__init__`` and its checks (which cost
+    ~4x this): the bulk constructor of ``_tp_rank_shards``, whose boxes come from ``tp_box`` and lie
+    inside the tensor by construction (a cold 70B build makes ~60,000 shards).
+    tests/transitions/test_fast_constructors.py checks it sets every field."""
+    shard = _new(Shard)
+    _put_tensor(shard, tensor)
+    _put_kind(shard, kind)
+    _put_shape(shard, global_shape)
+    _put_offsets(shard, offsets)
+    _put_lengths(shard, lengths)
+    _put_bytes(shard, bytes_per_element)
+    return shard
+
+
 @lru_cache(maxsize=256)  # (model, head, TP degree, TP rank, kinds): a PPO job's models and kinds fill ~60
 def _tp_rank_shards(model: ModelSpec, head: Head, tp: int, tp_rank: int, kinds: tuple[StateKind, ...]
                     ) -> tuple[tuple[Shard, ...], ...]:
     """Per tensor (model order), the shards TP rank ``tp_rank`` of ``tp`` holds of it, one per state kind
     (none where its chunk of an uneven split is empty): what any PP stage holding the tensor holds, so
-    every layout of one TP degree (PP 1, 2, 4, ... and each of their stages) shares these objects."""
-    per_element = [kind.bytes_per_element(model) for kind in kinds]
+    every layout of one TP degree (PP 1, 2, 4, ... and each of their stages) shares these objects, and
+    every head shares those of the tensors all heads hold alike (``_common_shards``)."""
+    common = _common_shards(model, tp, tp_rank, kinds)
+    own = [t for t in _tensors(model, head) if t.name not in common]
+    built = dict(zip((t.name for t in own), _shards_of(model, own, tp, tp_rank, kinds)))
+    return tuple([common[t.name] if t.name in common else built[t.name] for t in _tensors(model, head)])
+
+
+@lru_cache(maxsize=128)
+def _common_shards(model: ModelSpec, tp: int, tp_rank: int, kinds: tuple[StateKind, ...]
+                   ) -> dict[str, tuple[Shard, ...]]:
+    """By name, the shards TP rank ``tp_rank`` holds of every tensor that each head's model holds alike
+    (the decoder, the embedding, the final norm: all but the head's own weight)."""
+    specs = [_tensors(model, h) for h in Head]
+    others = [dict((t.name, t) for t in tensors) for tensors in specs[1:]]
+    shared = [t for t in specs[0] if all(o.get(t.name) == t for o in others)]
+    return dict(zip((t.name for t in shared), _shards_of(model, shared, tp, tp_rank, kinds)))
+
+
+def _shards_of(model: ModelSpec, tensors: list[TensorSpec], tp: int, tp_rank: int,
+               kinds: tuple[StateKind, ...]) -> list[tuple[Shard, ...]]:
+    """Per tensor, its shards on TP rank ``tp_rank`` of ``tp`` (one per kind; none if its box is empty)."""
+    per_kind = [(kind, kind.bytes_per_element(model)) for kind in kinds]
     out: list[tuple[Shard, ...]] = []
-    for tensor in _tensors(model, head):
-        offsets, lengths = tp_box(tensor, model, tp, tp_rank)
-        out.append(() if 0 in lengths else tuple(
-            Shard(tensor=tensor.name, kind=kind, global_shape=tensor.shape, offsets=offsets, lengths=lengths,
-                  bytes_per_element=nbytes) for kind, nbytes in zip(kinds, per_element)))
-    return tuple(out)
+    boxes: dict[tuple[tuple[int, ...], int, int | None], tuple[tuple[int, ...], tuple[int, ...]]] = {}
+    for tensor in tensors:
+        # the box depends on the shape, split and heads alone: every layer's tensors repeat a few
+        spec = (tensor.shape, id(tensor.parallel), tensor.num_heads)
+        box = boxes.get(spec)
+        if box is None:
+            box = boxes[spec] = tp_box(tensor, model, tp, tp_rank)
+        offsets, lengths = box
+        if 0 in lengths:
+            out.append(())
+            continue
+        name, shape = tensor.name, tensor.shape
+        out.append(tuple([make_shard(name, kind, shape, offsets, lengths, nbytes) for kind, nbytes in per_kind]))
+    return out
 
 
 @lru_cache(maxsize=256)
@@ -242,3 +295,68 @@ def unit_rank_bytes(model: ModelSpec, head: Head, layout: Layout, rank: int,
                     kinds: tuple[StateKind, ...] = INFERENCE_KINDS) -> int:
     """Bytes of state unit-local ``rank`` holds."""
     return sum(s.num_bytes for s in unit_shards(model, head, layout, rank, kinds))
+
+
+@lru_cache(maxsize=1024)
+def layout_rank_bytes(model: ModelSpec, head: Head, layout: Layout,
+                      kinds: tuple[StateKind, ...] = INFERENCE_KINDS) -> tuple[int, ...]:
+    """Bytes of state each unit-local rank of a ``layout`` unit holds (``unit_rank_bytes`` of every
+    rank), summed from the TP boxes without building the shards: what a GPU's held memory needs (a
+    cold 70B build asks it of training units it never moves, ~46,000 shards' worth)."""
+    check_layout(model, layout)
+    per_element = sum(kind.bytes_per_element(model) for kind in kinds)
+    stages = layer_stages(model.num_layers, layout.pp)
+    tensors = _tensors(model, head)
+    holders = [(stages[t.layer],) if t.layer is not None else tensor_stages(t, model, layout.pp) for t in tensors]
+    # tensors by box rule (shape, split, heads: every layer repeats a few), with how many of each
+    # every PP stage holds
+    rules: dict[tuple[tuple[int, ...], int, int | None], tuple[TensorSpec, list[int]]] = {}
+    for tensor, held in zip(tensors, holders):
+        spec = (tensor.shape, id(tensor.parallel), tensor.num_heads)
+        rule = rules.get(spec)
+        if rule is None:
+            rule = rules[spec] = (tensor, [0] * layout.pp)
+        for stage in held:
+            rule[1][stage] += 1
+    out = [0] * layout.size
+    for tp_rank in range(layout.tp):
+        per_stage = [0] * layout.pp
+        for tensor, counts in rules.values():
+            numel = prod(tp_box(tensor, model, layout.tp, tp_rank)[1])
+            for stage, count in enumerate(counts):
+                per_stage[stage] += numel * count
+        for pp_rank in range(layout.pp):
+            out[layout.rank_of(tp_rank, pp_rank)] = per_stage[pp_rank] * per_element
+    return tuple(out)
+
+
+
+@lru_cache(maxsize=1024)
+def layouts_nest(model: ModelSpec, head: Head, sub: Layout, final: Layout) -> bool:
+    """transitions.emu.parts_nest from the TP boxes and PP stages alone (no shard, box or rank map is
+    built): whether every rank of a ``final`` unit holds a subset of what its strided ``sub`` part rank
+    (TP rank // k_tp, PP rank // k_pp) holds, tensor by tensor; every state kind of a unit has the same
+    box, so the kinds (never empty: a unit holds parameters) do not matter. A pair of boxes is compared
+    once per shape, split, heads and TP rank."""
+    if final.tp % sub.tp or final.pp % sub.pp:
+        raise SpecError("layout", f"{final} does not split into {sub}")
+    check_layout(model, sub)
+    check_layout(model, final)
+    k_tp, k_pp = final.tp // sub.tp, final.pp // sub.pp
+    seen: dict[tuple[tuple[int, ...], int, int | None, int], tuple[bool, bool]] = {}  # (empty, inside)
+    for tensor in _tensors(model, head):
+        held = tensor_stages(tensor, model, sub.pp)
+        for stage in tensor_stages(tensor, model, final.pp):
+            for tp_rank in range(final.tp):
+                key = (tensor.shape, id(tensor.parallel), tensor.num_heads, tp_rank)
+                found = seen.get(key)
+                if found is None:
+                    offsets, lengths = tp_box(tensor, model, final.tp, tp_rank)
+                    outer_offsets, outer_lengths = tp_box(tensor, model, sub.tp, tp_rank // k_tp)
+                    found = seen[key] = (0 in lengths, 0 not in outer_lengths and all(
+                        o1 <= o2 and o2 + n2 <= o1 + n1
+                        for o1, n1, o2, n2 in zip(outer_offsets, outer_lengths, offsets, lengths)))
+                empty, inside = found
+                if not empty and (stage // k_pp not in held or not inside):
+                    return False  # a shard the part's rank does not hold (whole, or that box of it)
+    return True

@@ -120,24 +120,20 @@ class Slot:
 
 
 _new = object.__new__
-_set = object.__setattr__
+# the slots' own setters, in field order (what a frozen dataclass's ``__init__`` reaches through
+# object.__setattr__): ``_layout_slots`` sets every field of its ~1,500 slots per rank with them
+_PUT = tuple(vars(Slot)[name].__set__ for name in ("tensor", "kind", "dtype", "global_shape", "offsets", "lengths",
+                                                 "byte_offset", "order"))
 
 
 def make_slot(tensor: str, kind: str, dtype: str, global_shape: tuple[int, ...], offsets: tuple[int, ...],
               lengths: tuple[int, ...], byte_offset: int, order: tuple[int, ...]) -> Slot:
     """``Slot(...)`` of these fields, built without the dataclass ``__init__`` (a frozen dataclass's
-    costs ~2.5x this; Slot validates nothing): the bulk constructor of ``_layout_slots``, which builds
-    every slot of a rank (~1,500 of a 70B PP2 rank). tests/transitions/test_fast_constructors.py checks it
-    sets every field."""
+    costs ~2.5x this; Slot validates nothing), as ``_layout_slots`` builds every slot of a rank (~1,500
+    of a 70B PP2 rank) inline. tests/transitions/test_fast_constructors.py checks both set every field."""
     slot = _new(Slot)
-    _set(slot, "tensor", tensor)
-    _set(slot, "kind", kind)
-    _set(slot, "dtype", dtype)
-    _set(slot, "global_shape", global_shape)
-    _set(slot, "offsets", offsets)
-    _set(slot, "lengths", lengths)
-    _set(slot, "byte_offset", byte_offset)
-    _set(slot, "order", order)
+    for put, value in zip(_PUT, (tensor, kind, dtype, global_shape, offsets, lengths, byte_offset, order)):
+        put(slot, value)
     return slot
 
 
@@ -176,18 +172,30 @@ def _layout_slots(model: ModelSpec, head: Head, layout: Layout, rank: int,
     """``rank_slots`` depends on the layout alone, not on where the unit sits: every replica and every
     part in final shape of one layout shares it. Keyed by value (frozen specs), bounded: a pure
     function's memo, not state anyone must empty."""
-    slots: list[Slot] = []
-    offset = 0
-    entries: list[tuple[str, str, str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = [
-        (COUNTERS, COUNTERS_KIND, "int64", (NUM_COUNTERS,), (0,), (NUM_COUNTERS,))
-    ]
-    for s in rank_shard_tuple(model, head, layout, rank, kinds):
-        entries.append((s.tensor, s.kind.value, dtype_of(s.kind, model), s.global_shape, s.offsets, s.lengths))
     orders = _storage_orders(model, head)
-    for tensor, kind, dtype, shape, offs, lens in entries:
-        nbytes = math.prod(lens) * DTYPE_BYTES[dtype]
-        offset = slot_start(offset, nbytes)
-        slots.append(make_slot(tensor, kind, dtype, shape, offs, lens, offset, orders.get(tensor, ())))
+    # per state kind: its name, dtype and item size (one lookup per shard instead of three)
+    per_kind = {kind: (kind.value, dtype_of(kind, model), DTYPE_BYTES[dtype_of(kind, model)]) for kind in kinds}
+    offset = slot_start(0, NUM_COUNTERS * DTYPE_BYTES["int64"])
+    slots = [make_slot(COUNTERS, COUNTERS_KIND, "int64", (NUM_COUNTERS,), (0,), (NUM_COUNTERS,), offset, ())]
+    offset += NUM_COUNTERS * DTYPE_BYTES["int64"]
+    prod, new = math.prod, _new
+    put_tensor, put_kind, put_dtype, put_shape, put_offsets, put_lengths, put_byte_offset, put_order = _PUT
+    for s in rank_shard_tuple(model, head, layout, rank, kinds):
+        kind, dtype, item = per_kind[s.kind]
+        lens = s.lengths
+        nbytes = prod(lens) * item
+        to = PAGE_BYTES if nbytes >= PAGE_ALIGN_MIN_BYTES else ALIGN_BYTES  # slot_start, inlined
+        offset = -(-offset // to) * to
+        slot = new(Slot)
+        put_tensor(slot, s.tensor)
+        put_kind(slot, kind)
+        put_dtype(slot, dtype)
+        put_shape(slot, s.global_shape)
+        put_offsets(slot, s.offsets)
+        put_lengths(slot, lens)
+        put_byte_offset(slot, offset)
+        put_order(slot, orders.get(s.tensor, ()))
+        slots.append(slot)
         offset += nbytes
     return tuple(slots), align(offset)
 
@@ -213,7 +221,7 @@ def _slot_index(model: ModelSpec, head: Head, layout: Layout, rank: int, kinds: 
                 ) -> dict[tuple[str, str], Slot]:
     """A rank's slots by key: one per layout rank, whichever units (replicas, parts) follow it. Bounded
     (each entry indexes one rank's ~3,000 slots at 70B, held by ``_layout_slots`` anyway)."""
-    return {s.key: s for s in _layout_slots(model, head, layout, rank, kinds)[0]}
+    return {(s.tensor, s.kind): s for s in _layout_slots(model, head, layout, rank, kinds)[0]}
 
 
 @lru_cache(maxsize=4096)

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 
 from planner.errors import InfeasibleError
 from planner.plan import Layout, StagePlan
-from transitions.emu import EMU, UnitState, part_gpus, part_indices, parts_nest, t_sub
+from transitions.emu import EMU, UnitState, part_gpus, part_indices, t_sub
+from transitions.geometry import layouts_nest
 from transitions.primitives import Destroy, Extend, Merge, Primitive, Split
 
 
@@ -93,7 +94,7 @@ def plan_stage(
             by_gpu.setdefault(g, u)
 
     sub = t_sub(current[0].layout, target[0].layout) if current else target[0].layout
-    nest = parts_nest(state, sub, target[0].layout) if target[0].layout != sub else True
+    nest = layouts_nest(state.model, state.head, sub, target[0].layout) if target[0].layout != sub else True
     # every current unit as (unit, its T_sub part GPUs -> part index) to find exact placements
     reusable: dict[tuple[int, ...], EMU] = {}
     splittable: dict[tuple[int, ...], tuple[EMU, tuple[int, int]]] = {}

@@ -15,8 +15,9 @@ from itertools import chain
 import numpy as np
 
 from planner.plan import Layout, StagePlan
-from transitions.emu import part_gpus, part_indices, parts_nest
+from transitions.emu import part_gpus, part_indices
 from transitions.footprints import canonical_footprint
+from transitions.geometry import layouts_nest
 from transitions.local_dag import target_parts
 from transitions.planning_cache import PlanningCache
 from transitions.primitives import (
@@ -147,7 +148,7 @@ def _reuse_or_split(st: ReplicaStage, own: np.ndarray, rk: np.ndarray) -> tuple[
     split_c = np.full(len(st.parts), -1, dtype=np.int64)
     if lc == sub:
         reuse = one_owner & (rk == np.arange(sub.size)).all(1)
-        if lt != sub and not parts_nest(st.state, sub, lt):
+        if lt != sub and not layouts_nest(st.state.model, st.state.head, sub, lt):
             reuse[:] = False
         return reuse, split_c
     for k, cols in enumerate(part_columns(lc, sub)):

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 
 from planner.plan import Layout, StagePlan
-from transitions.emu import EMU, UnitState
-from transitions.local_dag import plan_units, target_parts, unit_uid
+from transitions.emu import EMU, UnitState, part_indices
+from transitions.local_dag import unit_uid
 from transitions.planning_cache import PlanningCache
 from transitions.primitives import Destroy, Extend, Footprint, Merge, Primitive, PrimitiveKind, Split
 
@@ -133,16 +133,72 @@ class ReplicaPlan:
         renamed: list[tuple[str, str]] = []
         for sc in self.stages:
             st = sc.stage
-            cur = plan_units(st.state, st.current, self.old_version)
-            tgt = plan_units(st.state, st.target, self.new_version)
-            parts = [p for u in tgt for p in target_parts(u, st.sub)]
+            cur = stage_units(st.state, st.current, self.old_version)
+            tgt = stage_units(st.state, st.target, self.new_version)
+            parts = tgt if st.nq == 1 else stage_parts(st, tgt)
             old_units += cur
             new_units += tgt
             renamed += [(cur[i].uid, tgt[j].uid) for i, j in st.renamed]
             for c in sc.classes:
-                nodes += [member(c, m, cur, tgt, parts) for m in range(c.size)]
+                nodes += members(c, cur, tgt, parts)
                 stage_order += [c.stage_order] * c.size
         return nodes, stage_order, old_units, new_units, renamed
+
+
+_new = object.__new__
+# EMU's slots' own setters, in field order (what its frozen dataclass ``__init__`` reaches through
+# object.__setattr__): the expansion builds every unit and part of a plan (~5,000 at 1,024 GPUs)
+_put_uid, _put_state, _put_layout, _put_gpus, _put_version, _put_final = (
+    vars(EMU)[name].__set__ for name in ("uid", "state", "layout", "gpus", "version", "final"))
+
+
+def make_emu(uid: str, state: UnitState, layout: Layout, gpus: tuple[int, ...], version: int,
+             final: EMU | None) -> EMU:
+    """``EMU(...)`` of these fields without its ``__init__`` checks (right number of GPUs, none twice, a
+    part's inside its final unit's): the expansion's units come from validated StagePlans (and their
+    parts from columns of a unit's GPUs), where those hold by construction.
+    tests/transitions/test_replica_expand.py checks it sets every field."""
+    unit = _new(EMU)
+    _put_uid(unit, uid)
+    _put_state(unit, state)
+    _put_layout(unit, layout)
+    _put_gpus(unit, gpus)
+    _put_version(unit, version)
+    _put_final(unit, final)
+    return unit
+
+
+def stage_units(state: UnitState, plan: StagePlan, version: int) -> list[EMU]:
+    """``plan_units(state, plan, version)``: the plan's units at ``version``."""
+    name, layout = state.model_stage, plan.layout
+    return [make_emu(unit_uid(name, version, i), state, layout, tuple(g), version, None)
+            for i, g in enumerate(plan.gpu_sets)]
+
+
+def stage_parts(st: ReplicaStage, tgt: list[EMU]) -> list[EMU]:
+    """Every target unit's ``target_parts`` (its ``nq`` T_sub parts, in part order), their GPUs read
+    from the stage's part array (built from the same columns ``part_gpus`` takes)."""
+    names = [f".p{a}.{b}" for a, b in part_indices(st.target.layout, st.sub)]
+    rows = st.parts.tolist()
+    out: list[EMU] = []
+    for j, unit in enumerate(tgt):
+        base = j * st.nq
+        out += [make_emu(unit.uid + names[k], unit.state, st.sub, tuple(rows[base + k]), unit.version, unit)
+                for k in range(st.nq)]
+    return out
+
+
+def members(c: ReplicaClass, cur: list[EMU], tgt: list[EMU], parts: list[EMU]) -> list[Primitive]:
+    """Every member of ``c`` as a primitive (``member`` of each, with the member arrays read once)."""
+    units, refs = c.unit.tolist(), c.refs.tolist()
+    if c.kind is PrimitiveKind.DESTROY:
+        return [Destroy(unit=cur[u]) for u in units]
+    if c.kind is PrimitiveKind.SPLIT:
+        return [Split(unit=cur[u], parts=tuple([parts[r] for r in rs])) for u, rs in zip(units, refs)]
+    if c.kind is PrimitiveKind.EXTEND:
+        return [Extend(sources=tuple([cur[r] for r in rs]), target=parts[u]) for u, rs in zip(units, refs)]
+    return [Merge(parts=tuple([parts[r] if r >= 0 else cur[-1 - r] for r in rs]), unit=tgt[u])
+            for u, rs in zip(units, refs)]
 
 
 def member(c: ReplicaClass, m: int, cur: list[EMU], tgt: list[EMU], parts: list[EMU]) -> Primitive:
