@@ -21,7 +21,13 @@ from planner.errors import SpecError
 from planner.models import Head, ModelSpec
 from planner.plan import Layout
 from planner.workflow import JobSpec, Role, StageKind
-from transitions.geometry import Shard, StateKind, check_layout, rank_shard_tuple, state_kinds
+from transitions.geometry import (
+    Shard,
+    StateKind,
+    layout_rank_bytes,
+    rank_shard_tuple,
+    state_kinds,
+)
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, lengths) in global coordinates
 StateKey = tuple[str, StateKind]  # (tensor name, state kind)
@@ -133,11 +139,11 @@ def rank_boxes(state: UnitState, layout: Layout, rank: int) -> dict[StateKey, Bo
     return {s.key: (s.offsets, s.lengths) for s in rank_shards(state, layout, rank)}
 
 
-@lru_cache(maxsize=4096)
 def rank_bytes(state: UnitState, layout: Layout) -> tuple[int, ...]:
-    """Bytes each unit-local rank holds (the unit's memory footprint per GPU)."""
-    check_layout(state.model, layout)
-    return tuple(sum(s.num_bytes for s in rank_shards(state, layout, r)) for r in range(layout.size))
+    """Bytes each unit-local rank holds (the unit's memory footprint per GPU): the sum of its shards'
+    bytes, from the TP boxes without building the shards (transitions.geometry.layout_rank_bytes,
+    memoised there; a unit's memory is asked of plans whose shards nothing else needs)."""
+    return layout_rank_bytes(state.model, state.head, layout, state.kinds)
 
 
 # --- T_sub and strided part placement -------------------------------------------------------------

@@ -9,7 +9,7 @@ from planner.errors import SpecError
 from planner.models import Head, ModelSpec
 from planner.plan import Layout
 from planner.workflow import JobSpec, Role, StageKind, Workload, workflow_preset
-from transitions import emu
+from transitions import emu, geometry
 from transitions.emu import (
     EMU,
     UnitState,
@@ -39,7 +39,7 @@ ODD_STATE = UnitState(model_stage="gen", stage_kind=StageKind.GENERATION, role=R
 
 @pytest.fixture(autouse=True)
 def _cold_caches() -> None:
-    for f in (emu.rank_shards, emu.rank_boxes, emu.rank_bytes, emu.parts_nest):
+    for f in (emu.rank_shards, emu.rank_boxes, geometry.layout_rank_bytes, emu.parts_nest):
         f.cache_clear()
 
 
@@ -103,6 +103,18 @@ def test_per_gpu_shards_boxes_and_bytes() -> None:
     assert part.shards(7) == final.shards(7) and part.shards(3) == ()
     assert part.boxes(7) == final.boxes(7) and part.boxes(3) == {}
     assert part.describe()["final"] == "f"
+
+
+def test_rank_bytes_are_each_ranks_shard_bytes() -> None:
+    for state in (PARAMS, ODD_STATE):
+        for layout in (Layout(1, 1), Layout(1, 2), Layout(2, 1), Layout(1, 3)):
+            try:
+                want = tuple(sum(s.num_bytes for s in emu.rank_shards(state, layout, r)) for r in range(layout.size))
+            except SpecError:
+                with pytest.raises(SpecError):
+                    emu.rank_bytes(state, layout)
+                continue
+            assert emu.rank_bytes(state, layout) == want
 
 
 def test_split_factors_and_part_placement() -> None:
