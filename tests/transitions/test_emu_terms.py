@@ -106,7 +106,11 @@ def test_per_gpu_shards_boxes_and_bytes() -> None:
 
 
 def test_rank_bytes_are_each_ranks_shard_bytes() -> None:
-    for state in (PARAMS, ODD_STATE):
+    training = UnitState(model_stage="train", stage_kind=StageKind.TRAINING, role=Role.ACTOR, model=MICRO,
+                         head=Head.LM, kinds=(StateKind.PARAM, StateKind.MASTER, StateKind.EXP_AVG,
+                                              StateKind.EXP_AVG_SQ, StateKind.GRAD))
+    assert emu.rank_bytes(training, Layout(1, 2)) != emu.rank_bytes(PARAMS, Layout(1, 2))  # every kind counted
+    for state in (PARAMS, ODD_STATE, training):
         for layout in (Layout(1, 1), Layout(1, 2), Layout(2, 1), Layout(1, 3)):
             try:
                 want = tuple(sum(s.num_bytes for s in emu.rank_shards(state, layout, r)) for r in range(layout.size))
