@@ -163,12 +163,17 @@ class LiveStep:
     data_position: int = 0  # prompts consumed after the step (the units' counter)
 
 
-def torn(ctx: Any) -> bool:
+def torn(ctx: Any, step: int | None = None) -> bool:
     """Whether this worker's training state may be torn: its last step failed after the members began
-    the optimizer updates (so the units hold some of that step's updates, not all). The driver asks the
-    survivors after a failed step; torn state is restored from the checkpoint instead of moved."""
+    the optimizer updates (so the units hold some of that step's updates, not all), or (``step``: the
+    step the driver saw fail) the units are not at that step: the step finished here while a peer died
+    before it answered (a node killed in the step's last moments), so what the survivors hold is a step
+    the driver never logged. The driver asks the survivors after a failed step; torn state is restored
+    from the checkpoint instead of moved."""
     engine = ctx.engine
-    return bool(isinstance(engine, LiveEngine) and engine.loop.updating)
+    if not isinstance(engine, LiveEngine):
+        return False
+    return bool(engine.loop.updating) or (step is not None and engine.rl_steps != step)
 
 
 class LiveLoop(RLLoop):
