@@ -167,14 +167,15 @@ class Recovery:
                 self.log.warning("survivor-generation-failed", error=str(exc))
 
     def _check_torn(self) -> None:
-        """After a failed step: did the survivors begin the step's optimizer updates? Then what they
-        hold is part of a step, and the next plan is loaded from the checkpoint instead of moved."""
+        """After a failed step: did the survivors begin the step's optimizer updates, or finish the step
+        (a peer died before answering)? Then what they hold is not the step the driver is at, and the
+        next plan is loaded from the checkpoint instead of moved."""
         from agent.engine.live import torn
 
         assert self.plan is not None
         alive = [w for w in sorted(self.plan.gpus) if w in self.hub.alive]
         try:
-            answers = self.hub.call(torn, workers=alive, timeout_s=60.0)
+            answers = self.hub.call(torn, workers=alive, timeout_s=60.0, step=self.step)
         except WorkerDied:
             answers = {0: True}  # cannot tell: assume the worst
         if any(answers.values()):

@@ -46,7 +46,7 @@ from agent.commands import (
 from transitions.channel import DataChannel
 from transitions.dag_pieces import DagMemo
 from transitions.emu import EMU
-from transitions.executor import RankState, allocate_unit, run_dag
+from transitions.executor import RankState, allocate_unit, background, run_dag, warm_pool
 from transitions.layout import COUNTERS
 
 
@@ -211,6 +211,7 @@ def worker_main(worker_id: int, link: Any, device: str = "cpu", threads: int = 1
     # collector's reach, or the first full collection (0.22 s here) lands in the first transition
     gc.collect()
     gc.freeze()
+    background.start_all()  # their threads' starts (ms at load) paid now, not in a transition
     link.send(Reply(worker=worker_id, seq=0, ok=True, state=ctx.state, value="ready"))  # imports are done
     while True:
         try:
@@ -219,6 +220,8 @@ def worker_main(worker_id: int, link: Any, device: str = "cpu", threads: int = 1
             break  # the coordinator is gone
         if isinstance(cmd, Exit):
             break
+        # the refill its last run asked for: every peer's run is over once the driver sends again
+        warm_pool.POOL.start_pending()
         start = time.perf_counter()
         try:
             value = handle(ctx, cmd)

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import gc
 import hashlib
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -68,7 +67,7 @@ from transitions.channel import DataChannel
 from transitions.cost import transition_cost
 from transitions.dag_pieces import DagMemo
 from transitions.emu import EMU
-from transitions.executor import RankState, allocate_unit, run_dag
+from transitions.executor import RankState, allocate_unit, background, run_dag
 from transitions.global_dag import TransitionDAG, build_transition
 from transitions.node_steps import dag_messages
 from transitions.placement_dag import placement_cluster
@@ -164,12 +163,17 @@ class LiveStep:
     data_position: int = 0  # prompts consumed after the step (the units' counter)
 
 
-def torn(ctx: Any) -> bool:
+def torn(ctx: Any, step: int | None = None) -> bool:
     """Whether this worker's training state may be torn: its last step failed after the members began
-    the optimizer updates (so the units hold some of that step's updates, not all). The driver asks the
-    survivors after a failed step; torn state is restored from the checkpoint instead of moved."""
+    the optimizer updates (so the units hold some of that step's updates, not all), or (``step``: the
+    step the driver saw fail) the units are not at that step: the step finished here while a peer died
+    before it answered (a node killed in the step's last moments), so what the survivors hold is a step
+    the driver never logged. The driver asks the survivors after a failed step; torn state is restored
+    from the checkpoint instead of moved."""
     engine = ctx.engine
-    return bool(isinstance(engine, LiveEngine) and engine.loop.updating)
+    if not isinstance(engine, LiveEngine):
+        return False
+    return bool(engine.loop.updating) or (step is not None and engine.rl_steps != step)
 
 
 class LiveLoop(RLLoop):
@@ -358,14 +362,16 @@ def release(ctx: Any) -> int:
 
     The engine's device meshes and replica groups belong to a generation already re-formed: their
     teardown (gloo joining its threads and closing its pairs: 20-40 ms of waiting, not CPU, per
-    stage here) runs on a thread of its own, so the transition waiting for ``release`` does not."""
+    stage here) runs on the release thread (``transitions.executor.background.RELEASES``, started
+    once: a thread started per release cost its start, 0.2-6.3 ms at load, inside the transition), so
+    the transition waiting for ``release`` does not."""
     engine, ctx.engine = ctx.engine, None
     bound = len(engine.bound) if isinstance(engine, LiveEngine) else 0
     groups = _take_groups(engine) if isinstance(engine, LiveEngine) else []
     del engine
     gc.collect()  # pipeline schedules and meshes may hold cycles
     if groups:
-        threading.Thread(target=groups.clear, name="nereus-release-groups", daemon=True).start()
+        background.RELEASES.submit(groups.clear)
     return bound
 
 

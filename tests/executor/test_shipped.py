@@ -48,6 +48,23 @@ def test_shipped_steps_are_what_the_worker_derives(name: str) -> None:
         assert got.order == own.order
 
 
+def test_the_steps_ship_as_plain_values_and_another_format_is_refused() -> None:
+    import pickle
+
+    dag = placement_dag(*CHAINS["tp1xdp2->tp2xdp2"])
+    driver = DagMemo()
+    dag_messages(dag, driver, early=IN_PLACE)
+    blob = shipped.pack(dag, driver, 0)
+    assert blob is not None
+    # no record class is pickled by reference: steps, messages, pieces and slots are rows of values
+    for name in (b"transfer_plan", b"Piece", b"Message", b"Step", b"Slot"):
+        assert name not in blob, name
+    fmt, *rest = pickle.loads(blob)
+    other = pickle.dumps((fmt + 1, *rest))
+    with pytest.raises(ValueError, match="format"):
+        shipped.seed(DagMemo(), dag, other)
+
+
 @pytest.mark.parametrize("name", list(CHAINS))
 def test_shipped_run_is_bit_exact(pool: LocalCoordinator, name: str) -> None:
     old, new = CHAINS[name]

@@ -13,6 +13,7 @@ plan it runs is pure data derived from the DAG (``transitions.layout``, ``transi
 - ``in_place`` and ``early_build``: units built inside, or from the pages of, the unit they are cut from;
 - ``lend``: a node's local runs out of a donor nothing reads any more, moved as pages after its transfers;
 - ``warm_pool``: touched mappings kept for the next buffers, refilled between runs;
+- ``background``: long-lived threads for work handed off a transition (pool refills, engine releases);
 - ``shipped``: the steps a driver already derived from a DAG, sent to each worker instead of re-derived;
 - ``restore``: restore nodes, a unit's shards read from a DCP checkpoint (``transitions.restore_dag``);
 - ``logical``: the logical state a set of workers holds, assembled from their dumps (and its digests).

@@ -7,7 +7,8 @@ relabel; local-only nodes right after a remote one run alongside its transfers. 
 from one the worker gives up is built from that unit's pages before the nodes sending from it
 (``early_build``), or else inside that unit's buffer once nothing reads it any more (``in_place``);
 a node's local runs out of a unit nothing reads after it (a merge keeping its own part) move as pages
-once its transfers are done (``lend``), and the warm pool refills what moves emptied after the run.
+once its transfers are done (``lend``), and the warm pool refills what moves emptied after the run
+(once the worker's next command arrives: ``warm_pool.WarmPool.start_pending``).
 A large Extend fan-out runs as one broadcast per unit rank (``fan_out``); a Restore node reads the
 worker's share of its unit from a checkpoint (``restore``). Time per node is measured next to the
 cost model's prediction.
@@ -119,7 +120,9 @@ def run_dag(dag: TransitionDAG, worker: int, units: dict[str, RankState], channe
                         destroy_groups_s=time.perf_counter() - t3,
                         minor_faults=resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
         if channel.device.type == "cpu" and warm_pool.WARM_POOL_BYTES > 0:
-            warm_pool.POOL.refill_async()  # what this run emptied, populated before the next one
+            # what this run emptied, populated before the next one; started by the worker's next
+            # command (its peers may still be moving bytes on the same cores now)
+            warm_pool.POOL.refill_later()
 
 
 def _prepare(dag: TransitionDAG, worker: int, device: torch.device, predicted_s: Sequence[float] | None,
