@@ -181,12 +181,7 @@ def streamed(prim: Primitive, target: EMU, gpu: int, src: int, segs: list[Segmen
         hit = cache.pair_streams.get(key)
         if hit is not None:
             return hit
-    for run, shifts in recs:
-        if shifts is None:
-            for r in run:
-                stream.feed(r)
-        else:
-            stream.feed_recs(run, shifts)
+    stream.feed_all(recs)
     wire = PairWire(*stream.finish())
     return wire if cache is None else cache.pair_streams.put(key, wire)
 

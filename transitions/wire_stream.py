@@ -247,6 +247,16 @@ class PairStream:
             out.append(None if shifts is None else _shift_key(shifts))
         return tuple(out)
 
+    def feed_all(self, feeds: list[tuple[list[Rec], list[list[tuple[int, int]]] | None]]) -> None:
+        """``feeds`` as ``content_key`` reads them: each list of records one by one where its shifts
+        are None, else layer after layer (``feed_recs``)."""
+        for recs, shifts in feeds:
+            if shifts is None:
+                for r in recs:
+                    self.feed(r)
+            else:
+                self.feed_recs(recs, shifts)
+
     def feed_recs(self, base: list[Rec], shifts: list[list[tuple[int, int]]]) -> None:
         """``feed_run`` of records made by ``rec``."""
         first, stride = _even_from(shifts)

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from agent.coordinator import LocalCoordinator
+from transitions.executor import warm_pool
 
 
 @pytest.fixture(scope="session")
@@ -15,3 +16,9 @@ def pool() -> Iterator[LocalCoordinator]:
     with LocalCoordinator(4, timeout_s=20) as coord:
         coord.form_generation()
         yield coord
+
+
+@pytest.fixture
+def bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The warm pool bounded at 64 MiB for the case (restored after it)."""
+    monkeypatch.setattr(warm_pool, "WARM_POOL_BYTES", 64 << 20)

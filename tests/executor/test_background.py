@@ -49,14 +49,6 @@ def test_submit_never_waits_for_the_jobs_before_it() -> None:
     assert first.wait(WAIT_S) and second.wait(WAIT_S)
 
 
-@pytest.fixture
-def bound() -> Any:
-    saved = warm_pool.WARM_POOL_BYTES
-    warm_pool.WARM_POOL_BYTES = 64 * MIB
-    yield
-    warm_pool.WARM_POOL_BYTES = saved
-
-
 def test_a_refill_asked_for_waits_for_start_pending_or_settle(bound: None) -> None:
     pool = WarmPool()
     bufs = [pool.take(2 * MIB) for _ in range(2)]

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -18,7 +17,6 @@ from planner.hardware import cluster_preset
 from planner.models import ModelSpec
 from planner.plan import GlobalPlan, Layout, StagePlan
 from planner.workflow import ACTOR_TRAIN
-from transitions.executor import warm_pool
 from transitions.executor.pages import move_pages, release_tail
 from transitions.executor.warm_pool import WarmPool
 from transitions.global_dag import build_transition
@@ -37,14 +35,6 @@ def resident(addr: int, length: int) -> list[bool]:
     vec = (ctypes.c_ubyte * n)()
     assert _LIBC.mincore(addr, length, vec) == 0, ctypes.get_errno()
     return [bool(v & 1) for v in vec]
-
-
-@pytest.fixture
-def bound() -> Iterator[None]:
-    saved = warm_pool.WARM_POOL_BYTES
-    warm_pool.WARM_POOL_BYTES = 64 * MIB
-    yield
-    warm_pool.WARM_POOL_BYTES = saved
 
 
 def test_refill_populates_the_emptied_pages_and_keeps_the_rest(bound: None) -> None:

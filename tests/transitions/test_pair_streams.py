@@ -124,12 +124,7 @@ def _key_and_wire(prefix: list[Piece], layer: list[Piece], shifts: list[list[tup
     stream = PairStream(bucket)
     feeds = _feeds(stream, prefix, layer, shifts, suffix)
     key = stream.content_key(feeds)
-    for recs, sh in feeds:
-        if sh is None:
-            for r in recs:
-                stream.feed(r)
-        else:
-            stream.feed_recs(recs, sh)
+    stream.feed_all(feeds)
     wire = stream.finish()
     assert wire == oracle(_every(prefix, layer, shifts, suffix), bucket)
     return key, wire
