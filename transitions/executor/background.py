@@ -6,7 +6,9 @@ shared 2-core machine (load 5), paid inside the transition by the engine's relea
 down on a thread) and by the warm pool's refill. A ``Background`` starts its thread once (``start``:
 a worker calls it before it reports ready) and afterwards ``submit`` only puts the job on a queue.
 Jobs run one at a time in submission order; a job's exception is kept on its ``Job``, never raised
-on the thread (the thread lives on).
+on the thread (the thread lives on). Not ``concurrent.futures.ThreadPoolExecutor(1)``: its thread is
+not a daemon and is joined at interpreter exit, so a group teardown stuck in gloo would hold a
+worker's exit; and it starts its thread on the first submit, inside the first transition.
 """
 
 from __future__ import annotations
