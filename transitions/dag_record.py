@@ -9,8 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from transitions.emu import EMU
-from transitions.geometry import layout_rank_bytes
+from transitions.emu import EMU, rank_bytes
 from transitions.primitives import Footprint, Primitive
 from transitions.replica_classes import ReplicaPlan
 
@@ -316,8 +315,8 @@ def class_gpu_index(plan: ReplicaPlan) -> dict[int, tuple[int, ...]]:
 
 
 def held_bytes(units: list[EMU] | tuple[EMU, ...]) -> dict[int, int]:
-    """Bytes ``units`` hold per GPU. A unit's ranks hold ``rank_bytes`` of its state and layout (summed
-    from the TP boxes by geometry.layout_rank_bytes: no shards built for units nothing moves), looked up
+    """Bytes ``units`` hold per GPU. A unit's ranks hold ``emu.rank_bytes`` of its state and layout (summed
+    from the TP boxes: no shards built for units nothing moves), looked up
     once per (state, layout) object pair: replicas share both, and hashing a state per unit is dear."""
     out: dict[int, int] = {}
     per_rank: dict[tuple[int, int], tuple[int, ...]] = {}
@@ -329,8 +328,7 @@ def held_bytes(units: list[EMU] | tuple[EMU, ...]) -> dict[int, int]:
         key = (id(u.state), id(u.layout))
         held = per_rank.get(key)
         if held is None:
-            state = u.state
-            held = per_rank[key] = layout_rank_bytes(state.model, state.head, u.layout, state.kinds)
+            held = per_rank[key] = rank_bytes(u.state, u.layout)
         for g, n in zip(u.gpus, held):
             out[g] = out.get(g, 0) + n
     return out

@@ -265,15 +265,24 @@ def _common_shards(model: ModelSpec, tp: int, tp_rank: int, kinds: tuple[StateKi
     return dict(zip((t.name for t in shared), _shards_of(model, shared, tp, tp_rank, kinds)))
 
 
+BoxRule = tuple[tuple[int, ...], int, int | None]
+
+
+def _box_rule(tensor: TensorSpec) -> BoxRule:
+    """What ``tp_box`` reads of a tensor: its shape, split (by identity: one enum member each) and
+    heads; tensors of one rule get the same box on every TP rank (every layer repeats a few)."""
+    return (tensor.shape, id(tensor.parallel), tensor.num_heads)
+
+
 def _shards_of(model: ModelSpec, tensors: list[TensorSpec], tp: int, tp_rank: int,
                kinds: tuple[StateKind, ...]) -> list[tuple[Shard, ...]]:
     """Per tensor, its shards on TP rank ``tp_rank`` of ``tp`` (one per kind; none if its box is empty)."""
     per_kind = [(kind, kind.bytes_per_element(model)) for kind in kinds]
     out: list[tuple[Shard, ...]] = []
-    boxes: dict[tuple[tuple[int, ...], int, int | None], tuple[tuple[int, ...], tuple[int, ...]]] = {}
+    boxes: dict[BoxRule, tuple[tuple[int, ...], tuple[int, ...]]] = {}
     for tensor in tensors:
-        # the box depends on the shape, split and heads alone: every layer's tensors repeat a few
-        spec = (tensor.shape, id(tensor.parallel), tensor.num_heads)
+        # every layer's tensors repeat a few box rules
+        spec = _box_rule(tensor)
         box = boxes.get(spec)
         if box is None:
             box = boxes[spec] = tp_box(tensor, model, tp, tp_rank)
@@ -310,9 +319,9 @@ def layout_rank_bytes(model: ModelSpec, head: Head, layout: Layout,
     holders = [(stages[t.layer],) if t.layer is not None else tensor_stages(t, model, layout.pp) for t in tensors]
     # tensors by box rule (shape, split, heads: every layer repeats a few), with how many of each
     # every PP stage holds
-    rules: dict[tuple[tuple[int, ...], int, int | None], tuple[TensorSpec, list[int]]] = {}
+    rules: dict[BoxRule, tuple[TensorSpec, list[int]]] = {}
     for tensor, held in zip(tensors, holders):
-        spec = (tensor.shape, id(tensor.parallel), tensor.num_heads)
+        spec = _box_rule(tensor)
         rule = rules.get(spec)
         if rule is None:
             rule = rules[spec] = (tensor, [0] * layout.pp)
@@ -330,7 +339,6 @@ def layout_rank_bytes(model: ModelSpec, head: Head, layout: Layout,
     return tuple(out)
 
 
-
 @lru_cache(maxsize=1024)
 def layouts_nest(model: ModelSpec, head: Head, sub: Layout, final: Layout) -> bool:
     """transitions.emu.parts_nest from the TP boxes and PP stages alone (no shard, box or rank map is
@@ -343,12 +351,12 @@ def layouts_nest(model: ModelSpec, head: Head, sub: Layout, final: Layout) -> bo
     check_layout(model, sub)
     check_layout(model, final)
     k_tp, k_pp = final.tp // sub.tp, final.pp // sub.pp
-    seen: dict[tuple[tuple[int, ...], int, int | None, int], tuple[bool, bool]] = {}  # (empty, inside)
+    seen: dict[tuple[object, ...], tuple[bool, bool]] = {}  # (rule, TP rank) -> (empty, inside)
     for tensor in _tensors(model, head):
         held = tensor_stages(tensor, model, sub.pp)
         for stage in tensor_stages(tensor, model, final.pp):
             for tp_rank in range(final.tp):
-                key = (tensor.shape, id(tensor.parallel), tensor.num_heads, tp_rank)
+                key = (*_box_rule(tensor), tp_rank)
                 found = seen.get(key)
                 if found is None:
                     offsets, lengths = tp_box(tensor, model, final.tp, tp_rank)

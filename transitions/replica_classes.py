@@ -34,8 +34,7 @@ import numpy as np
 
 from planner.hardware import ClusterSpec
 from planner.plan import GlobalPlan, StagePlan
-from transitions.emu import UnitState, t_sub
-from transitions.geometry import layout_rank_bytes
+from transitions.emu import UnitState, rank_bytes, t_sub
 from transitions.planning_cache import PlanningCache
 from transitions.replica_local import classes_of, gpu_array, local_plan, part_columns, stage_owners
 from transitions.replica_order import class_order, link
@@ -142,7 +141,7 @@ def _initial(state: UnitState, cp: StagePlan, n_gpus: int, cache: PlanningCache)
 
     def make() -> np.ndarray:
         cur = gpu_array(cp.gpu_sets, cache)
-        per_rank = np.array(layout_rank_bytes(state.model, state.head, cp.layout, state.kinds), dtype=np.int64)
+        per_rank = np.array(rank_bytes(state, cp.layout), dtype=np.int64)
         out = np.zeros(n_gpus, dtype=np.int64)
         np.add.at(out, cur.ravel(), np.tile(per_rank, len(cur)))
         return out
