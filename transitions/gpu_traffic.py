@@ -176,14 +176,15 @@ def streamed(prim: Primitive, target: EMU, gpu: int, src: int, segs: list[Segmen
     if counter is not None and counter.src_worker == src:
         recs.append(([stream.rec(counter)], None))
     recs += [([stream.rec(p) for p in mine], shifts) for mine, shifts in feeds]
-    key = stream.content_key(recs) if cache is not None else ()
-    if cache is not None:
-        hit = cache.pair_streams.get(key)
-        if hit is not None:
-            return hit
-    stream.feed_all(recs)
-    wire = PairWire(*stream.finish())
-    return wire if cache is None else cache.pair_streams.put(key, wire)
+    if cache is None:
+        stream.feed_all(recs)
+        return PairWire(*stream.finish())
+    key = stream.content_key(recs)
+    wire = cache.pair_streams.get(key)
+    if wire is None:
+        stream.feed_all(recs)
+        wire = cache.pair_streams.put(key, PairWire(*stream.finish()))
+    return wire
 
 
 def _direct_alone(p: Piece) -> bool:
