@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from nereusd.allocation import AllocationError
 from nereusd.wire import protocol
+from nereusd.wire.job_models import JobSpecModel
 from planner.errors import NereusError
 
 if TYPE_CHECKING:
@@ -55,7 +56,7 @@ class AdminBackend(Protocol):
         """Nodes being drained before they are given back (node -> why); empty without a controller."""
         ...
 
-    def add_job(self, *, job_id: str, user: str, spec: protocol.JobSpecModel, slurm_job_id: str | None) -> None: ...
+    def add_job(self, *, job_id: str, user: str, spec: JobSpecModel, slurm_job_id: str | None) -> None: ...
 
     def source_request(self, op: str, job_id: str, arg: Any) -> None: ...
 

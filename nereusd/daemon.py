@@ -66,6 +66,7 @@ from nereusd.startup import (  # noqa: F401 (re-exported: the CLI, benches and t
 from nereusd.store import TERMINAL_JOB_STATES
 from nereusd.transport import Transport
 from nereusd.wire import protocol
+from nereusd.wire.job_models import JobSpecModel
 from nereusd.wire.keys import KeyStore
 from nereusd.wire.logs import get_logger
 from planner import admission
@@ -253,7 +254,7 @@ class Daemon(AgentSessions, SourceRequests, Transport):
         self.controllers[job_id] = ctl
         return ctl
 
-    def add_job(self, *, job_id: str, user: str, spec: protocol.JobSpecModel,
+    def add_job(self, *, job_id: str, user: str, spec: JobSpecModel,
                 slurm_job_id: str | None = None) -> None:
         """Validate the job fully (structure, planner presets, elastic relations, the allocation source)
         and only then store it; a refusal raises NereusError naming what is wrong."""

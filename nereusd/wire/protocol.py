@@ -9,7 +9,8 @@ This module is the one validation boundary for everything that comes from outsid
 finite and bounded (no NaN/inf, integers that fit SQLite's 64 bits, sizes and counts in range), every
 name is a ``Name`` (1-64 characters of letters, digits, ``_ . -``, starting with a letter or digit:
 no ``/``, so ``job/node`` keys cannot collide), every string and collection has a maximum length, and
-admin requests carry per-op argument models (``ADMIN_ARGS``). A refused message gets an ErrorReply whose
+admin requests carry per-op argument models (``ADMIN_ARGS``; the bounded field types are
+nereusd.wire.fields, a job's spec nereusd.wire.job_models). A refused message gets an ErrorReply whose
 message names the field; nothing reaches the store before it passed.
 
 Imported by the daemon and by every agent, so it stays cheap: pydantic and msgpack only, no torch.
@@ -21,16 +22,24 @@ import json
 from typing import Annotated, Any, Literal
 
 import msgpack
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    Strict,
-    StringConstraints,
-    TypeAdapter,
-    ValidationError,
-    model_validator,
+from pydantic import BaseModel, ConfigDict, Field, Strict, TypeAdapter, ValidationError, model_validator
+
+from nereusd.wire.fields import (
+    MAX_ITEMS,
+    NAME_PATTERN,
+    NAME_RULE,
+    Args,
+    Bytes,
+    Count,
+    Id,
+    Key,
+    Name,
+    Seconds,
+    SlurmJobId,
+    Text,
+    Tokens,
 )
+from nereusd.wire.job_models import JobSpecModel
 
 PROTOCOL_VERSION = 1
 Encoding = Literal["json", "msgpack"]
@@ -56,28 +65,6 @@ ERROR_CODES = (
     "not-found",  # admin: no such record
     "internal",  # a bug in the daemon; the message is dropped, the daemon keeps serving
 )
-
-
-# --- bounded field types (the documented alphabet and ranges) ---------------------------------------
-
-NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
-NAME_RULE = "1-64 characters of letters, digits, '_', '.', '-', starting with a letter or digit"
-MAX_INT = 2**63 - 1  # SQLite INTEGER
-MAX_SECONDS = 1e7  # ~115 days: longer than any step, stage or transition
-MAX_BYTES = 2**56  # 64 PiB: more than any device, node or transition holds
-MAX_TOKENS = 1e7
-MAX_ITEMS = 256  # devices per node, workers per node, entries of a per-stage/per-device map
-
-# Strict: no "5" for 5, no True for 1; floats take ints but never NaN/inf (1e400 parses to inf).
-Name = Annotated[str, Strict(), StringConstraints(pattern=NAME_PATTERN)]
-Key = Annotated[str, Strict(), StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}$")]
-Text = Annotated[str, Strict(), StringConstraints(max_length=4096)]
-Count = Annotated[int, Strict(), Field(ge=0, le=MAX_INT)]
-Id = Annotated[int, Strict(), Field(ge=1, le=MAX_INT)]
-Bytes = Annotated[int, Strict(), Field(ge=0, le=MAX_BYTES)]
-Seconds = Annotated[float, Strict(), Field(ge=0, le=MAX_SECONDS, allow_inf_nan=False)]
-Tokens = Annotated[float, Strict(), Field(ge=0, le=MAX_TOKENS, allow_inf_nan=False)]
-SlurmJobId = Annotated[str, Strict(), StringConstraints(pattern=r"^[0-9][0-9_+]{0,31}$")]
 
 
 class _Msg(BaseModel):
@@ -242,28 +229,24 @@ class AdminRequest(_Msg):
     args: dict[str, Any] = Field(default_factory=dict, max_length=32)  # checked against ADMIN_ARGS[op]
 
 
-class _Args(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class NoArgs(_Args):
+class NoArgs(Args):
     pass
 
 
-class JobArgs(_Args):
+class JobArgs(Args):
     job: Name
 
 
-class IdArgs(_Args):
+class IdArgs(Args):
     id: Id
 
 
-class EventsArgs(_Args):
+class EventsArgs(Args):
     job: Name | None = None
     limit: int = Field(default=200, ge=1, le=10_000, strict=True)
 
 
-class MeasurementsArgs(_Args):
+class MeasurementsArgs(Args):
     job: Name
     limit: int = Field(default=5000, ge=1, le=100_000, strict=True)  # the latest, oldest first
 
@@ -271,7 +254,7 @@ class MeasurementsArgs(_Args):
 MAX_NODES_PER_REQUEST = 1024
 
 
-class AllocArgs(_Args):
+class AllocArgs(Args):
     job: Name | None = None
     action: Literal["show", "grow", "shrink"] = "show"
     nodes: int | None = Field(default=None, ge=1, le=MAX_NODES_PER_REQUEST, strict=True)  # grow: how many
@@ -290,111 +273,21 @@ class AllocArgs(_Args):
         return self
 
 
-Positive = Annotated[int, Strict(), Field(ge=1, le=1 << 24)]
-
-
-class WorkloadSpec(_Args):
-    """The workload of a job spec (planner.workflow.Workload checks the relations between the fields)."""
-
-    prompts_per_step: Positive
-    samples_per_prompt: Positive = 1
-    prompt_tokens: Positive
-    response_tokens: Positive
-    max_response_tokens: Positive | None = None
-    train_mini_batches_per_step: Positive = 1
-
-
-class RopeScalingSpec(_Args):
-    """Llama 3.1's rope scaling (planner.models.RopeScaling checks the relations)."""
-
-    rope_type: Literal["llama3"] = "llama3"
-    factor: Annotated[float, Strict(), Field(ge=1, le=1e4, allow_inf_nan=False)]
-    low_freq_factor: Annotated[float, Strict(), Field(gt=0, le=1e4, allow_inf_nan=False)]
-    high_freq_factor: Annotated[float, Strict(), Field(gt=0, le=1e4, allow_inf_nan=False)]
-    original_max_position_embeddings: Positive
-
-
-class ArchitectureSpec(_Args):
-    """A model given by its architecture (a job whose model is a HF directory: planner.hf_config reads its
-    config.json) instead of a preset name; planner.models.ModelSpec checks the relations (heads, TP)."""
-
-    name: Annotated[str, Strict(), StringConstraints(min_length=1, max_length=128)]
-    num_layers: Positive
-    hidden_size: Positive
-    num_attention_heads: Positive
-    num_kv_heads: Positive
-    head_dim: Positive
-    ffn_hidden_size: Positive
-    vocab_size: Positive
-    tie_word_embeddings: Annotated[bool, Strict()] = False
-    qk_norm: Annotated[bool, Strict()] = False
-    qkv_bias: Annotated[bool, Strict()] = False
-    rope_theta: Annotated[float, Strict(), Field(gt=0, le=1e12, allow_inf_nan=False)] = 500_000.0
-    rope_scaling: RopeScalingSpec | None = None
-    rms_norm_eps: Annotated[float, Strict(), Field(gt=0, lt=1, allow_inf_nan=False)] = 1e-5
-    bytes_per_param: Literal[2, 4] = 2
-    grad_bytes_per_param: Literal[2, 4] = 2
-
-
-class ElasticSpec(_Args):
-    """An elastic job's allocation (nereusd.allocation.ElasticJob checks the relations)."""
-
-    job_id: Name | None = None  # the daemon sets it to the job's name
-    anchor_job_id: Annotated[str, Strict(), StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}$")]
-    min_gpus: int = Field(ge=1, le=1 << 20, strict=True)
-    max_gpus: int = Field(ge=1, le=1 << 20, strict=True)
-    gpus_per_node: int = Field(ge=1, le=1024, strict=True)
-    slurm_user: Name | None = None  # defaults to the job's user; must equal it
-    member_job_ids: tuple[SlurmJobId, ...] = Field(default=(), max_length=4096)
-    partition: Name | None = None
-    submitted_at_s: float | None = Field(default=None, ge=0, le=1e11, allow_inf_nan=False)
-    extra: dict[Key, Text] = Field(default_factory=dict, max_length=32)  # folder, endpoint, keys_dir ...
-
-
-class JobSpecModel(_Args):
-    """What ``job-add`` stores. Planned jobs give model, algo and workload (the planner resolves the
-    presets before the job is stored); a job without them is only tracked (tests, agents-only runs)."""
-
-    model: Name | ArchitectureSpec | None = None  # a planner preset, or the architecture of a HF directory
-    algo: Name | None = None
-    device: Name | None = None
-    gpus_per_node: int | None = Field(default=None, ge=1, le=1024, strict=True)
-    workload: WorkloadSpec | None = None
-    learned_reward: Annotated[bool, Strict()] | None = None
-    # false: the engine keeps the rollout's log-probs as the old policy's (no recompute pass is priced)
-    old_logprob_pass: Annotated[bool, Strict()] | None = None
-    elastic: ElasticSpec | None = None
-
-    @model_validator(mode="after")
-    def _all_or_none(self) -> JobSpecModel:
-        given = [k for k in ("model", "algo", "workload") if getattr(self, k) is not None]
-        if given and len(given) != 3:
-            missing = sorted({"model", "algo", "workload"} - set(given))
-            raise ValueError(f"a planned job needs model, algo and workload; missing {', '.join(missing)}")
-        if self.elastic is not None and self.gpus_per_node not in (None, self.elastic.gpus_per_node):
-            raise ValueError(f"gpus_per_node {self.gpus_per_node} differs from elastic.gpus_per_node "
-                             f"{self.elastic.gpus_per_node}")
-        return self
-
-    def stored(self) -> dict[str, Any]:
-        return self.model_dump(mode="json", exclude_none=True)
-
-
-class JobAddArgs(_Args):
+class JobAddArgs(Args):
     job: Name
     user: Name
     spec: JobSpecModel = JobSpecModel()
     slurm_job_id: SlurmJobId | None = None
 
 
-ADMIN_ARGS: dict[str, type[_Args]] = {
+ADMIN_ARGS: dict[str, type[Args]] = {
     "status": NoArgs, "jobs": NoArgs, "keys": NoArgs, "job": JobArgs, "job-plan": JobArgs, "decisions": JobArgs,
     "transitions": JobArgs, "transition": IdArgs, "explain": IdArgs, "events": EventsArgs, "alloc": AllocArgs,
     "job-add": JobAddArgs, "measurements": MeasurementsArgs,
 }
 
 
-def admin_args(op: str, args: dict[str, Any]) -> _Args:
+def admin_args(op: str, args: dict[str, Any]) -> Args:
     """The op's argument model, or ProtocolError('invalid') naming the op, the field and what is allowed."""
     model = ADMIN_ARGS.get(op)
     if model is None:

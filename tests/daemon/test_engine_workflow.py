@@ -10,7 +10,7 @@ import pytest
 
 from nereusd.jobfile import job_spec as file_spec
 from nereusd.planning import cluster_for, job_spec
-from nereusd.wire import protocol
+from nereusd.wire.job_models import JobSpecModel
 from planner.cost import PRIORS
 from planner.prediction import predict
 from planner.search import search
@@ -42,4 +42,4 @@ def test_without_the_pass_the_actors_training_is_priced_lower() -> None:
 
 def test_the_wire_takes_a_bool_only() -> None:
     with pytest.raises(Exception, match="old_logprob_pass"):
-        protocol.JobSpecModel.model_validate({"old_logprob_pass": "no"})
+        JobSpecModel.model_validate({"old_logprob_pass": "no"})

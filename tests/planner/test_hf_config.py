@@ -8,7 +8,7 @@ import json
 import pytest
 
 from nereusd.planning import job_spec
-from nereusd.wire import protocol
+from nereusd.wire.job_models import ArchitectureSpec, JobSpecModel
 from planner.errors import SpecError
 from planner.hf_config import model_from_mapping, model_to_mapping, spec_from_hf_config
 from planner.models import MODELS
@@ -22,7 +22,7 @@ QWEN2_CONFIG = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 9
 def test_every_preset_survives_json_both_ways(name: str) -> None:
     spec = MODELS[name]
     assert model_from_mapping(json.loads(json.dumps(model_to_mapping(spec)))) == spec
-    wire = protocol.ArchitectureSpec.model_validate(model_to_mapping(spec)).model_dump(mode="json", exclude_none=True)
+    wire = ArchitectureSpec.model_validate(model_to_mapping(spec)).model_dump(mode="json", exclude_none=True)
     assert model_from_mapping(wire) == spec  # the wire takes it and gives back the same model
 
 
@@ -31,7 +31,7 @@ def test_a_qwen2_config_is_planned_from_its_architecture() -> None:
     assert arch["qkv_bias"] and not arch["qk_norm"] and arch["head_dim"] == 16
     spec = {"model": arch, "algo": "grpo", "device": "cpu", "gpus_per_node": 2,
             "workload": {"prompts_per_step": 8, "samples_per_prompt": 2, "prompt_tokens": 8, "response_tokens": 8}}
-    stored = protocol.JobSpecModel.model_validate(spec).stored()
+    stored = JobSpecModel.model_validate(spec).stored()
     job = job_spec(stored)
     assert job.models[job.workflow.roles[0]] == spec_from_hf_config(QWEN2_CONFIG, name="qwen2-tiny")
 
@@ -59,4 +59,4 @@ def test_a_missing_key_is_named_and_the_wire_refuses_bad_types() -> None:
     with pytest.raises(SpecError, match="model.vocab_size: is missing"):
         model_from_mapping({k: v for k, v in arch.items() if k != "vocab_size"})
     with pytest.raises(Exception, match="num_layers"):
-        protocol.JobSpecModel.model_validate({"model": {**arch, "num_layers": "2"}})
+        JobSpecModel.model_validate({"model": {**arch, "num_layers": "2"}})

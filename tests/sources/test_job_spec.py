@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from nereusd.jobfile import SECTIONS, job_spec
-from nereusd.wire import protocol
+from nereusd.wire.job_models import JobSpecModel
 from planner.errors import SpecError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,7 +34,7 @@ def test_the_live_job_file_as_a_spec() -> None:
                      "train_mini_batches_per_step": 2},
         "elastic": {"anchor_job_id": "local-live", "min_gpus": 2, "max_gpus": 4, "gpus_per_node": 2,
                     "extra": {"job_file": str(LIVE)}}}
-    protocol.JobSpecModel.model_validate(spec)  # what job-add takes, extra.job_file included
+    JobSpecModel.model_validate(spec)  # what job-add takes, extra.job_file included
 
 
 def test_prompt_file_lengths_algo_defaults_and_learned_reward(tmp_path: Path) -> None:
