@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from agent.engine.tokenizer import HFTokenizer
 from planner.errors import SpecError
 from planner.hf_config import (  # re-exported: pure, the daemon reads them
     hf_config,
@@ -173,6 +174,24 @@ def export_step(cfg: ExportConfig, steps_done: int, spec: ModelSpec, state: Mapp
     for old in sorted(root.glob("step-*"))[:-cfg.keep]:
         shutil.rmtree(old, ignore_errors=True)
     return out
+
+
+def export_actor(cfg: ExportConfig | None, step: int, spec: ModelSpec, engine: Any, tok: Any) -> None:
+    """After RL step ``step``, every ``cfg.every_steps`` steps: the actor's full weights (``engine``:
+    actor-train's StageEngine), gathered onto rank 0 and written as a HF directory with the
+    tokenizer's special ids (a HF tokenizer's own files copied beside them). Collective over
+    actor-train's first replica and rank 0, like full_state; a no-op between exports."""
+    if cfg is None or (step + 1) % cfg.every_steps:
+        return
+    state = full_state(engine)
+    if state is None:
+        return
+    if isinstance(tok, HFTokenizer):
+        export_step(cfg, step + 1, spec, state, tokenizer_from=str(tok.dir),
+                    token_ids={"eos_token_id": tok.stop_ids[0], "pad_token_id": tok.pad_id})
+    else:
+        export_step(cfg, step + 1, spec, state,
+                    token_ids={"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id})
 
 
 def full_state(engine: Any, dst: int = 0) -> dict[str, torch.Tensor] | None:

@@ -26,19 +26,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from agent.engine.data import DataConfig, PromptDataset
 from agent.engine.grpo import GRPOConfig, grpo_advantages
-from agent.engine.hf_io import ExportConfig, export_step, full_state
+from agent.engine.hf_io import ExportConfig, export_actor
 from agent.engine.losses import ActorLoss, CriticLoss, pack, token_logprobs
 from agent.engine.measure import StageMeasurement, StageTimer
 from agent.engine.model import load_safetensors
 from agent.engine.parallel import PipelineRunner, StageEngine
 from agent.engine.ppo import PPOConfig, ppo_advantages
 from agent.engine.remax import ReMaxConfig, remax_advantages
-from agent.engine.rewards import RewardConfig, RewardError, RewardFn
+from agent.engine.rewards import RewardConfig, RewardFn
 from agent.engine.rollout import Rollout, SamplingParams, generate
+from agent.engine.scoring import function_scores, model_scores
 from agent.engine.step_stats import StepStats, rollout_stats
 from agent.engine.sync import SyncReport, move_training_state, transfer
 from agent.engine.tasks import ByteTokenizer, Problem, SortDigits, Task, accuracy, problems_for_step
@@ -306,43 +306,11 @@ class RLLoop:
         return Rollout(tokens=tokens, attention_mask=attn, action_mask=action, logprobs=logp, prompt_tokens=p)
 
     def _scores(self, step: int, roll: Rollout, problems: list[Problem], rollout: str = "sampled") -> torch.Tensor:
-        if self.reward is not None:
-            return self._function_scores(roll, problems, self.reward, rollout)
-        vals = self.engines["reward-inf"].forward(roll.tokens, roll.attention_mask, roll.next_tokens,
-                                                  lambda y, e: y)
-        last = roll.attention_mask.shape[1] - 1 - roll.attention_mask.flip(1).argmax(1)
-        return vals.gather(1, last[:, None]).squeeze(1)
-
-    def _function_scores(self, roll: Rollout, problems: list[Problem], reward: RewardFn, rollout: str) -> torch.Tensor:
-        """Scores from the reward function. A user's function runs once, on rank 0, and its scores are
-        broadcast (it may not be deterministic); the built-ins run on every rank. Failures scored
-        ``error_score`` are kept for the step's result, their reason naming the ``rollout``."""
-        responses = roll.responses()
-        n = len(problems)
-        scores = torch.zeros(n, dtype=torch.float64)
-        failed = torch.zeros(1)
-        shared = not reward.cfg.inline and dist.is_initialized() and dist.get_world_size() > 1
-        if not shared or dist.get_rank() == 0:
-            try:
-                report = reward(prompts=[pr.prompt for pr in problems],
-                                responses=[self.tok.decode(r) for r in responses],
-                                ground_truths=[pr.answer for pr in problems],
-                                finished=[self.tok.terminated(r) for r in responses])
-                scores = torch.tensor(report.scores, dtype=torch.float64)
-                self._reward_errors += [(i, reason if rollout == "sampled" else f"{rollout} rollout: {reason}")
-                                        for i, reason in report.errors]
-            except Exception:
-                if not shared:
-                    raise
-                failed.fill_(1.0)
-                dist.broadcast(failed, 0)  # the other ranks stop with it instead of waiting
-                raise
-        if shared:
-            dist.broadcast(failed, 0)
-            if failed.item():
-                raise RewardError(reward.cfg.function, None, "failed on rank 0 (see its error)")
-            dist.broadcast(scores, 0)
-        return scores.float()
+        if self.reward is None:
+            return model_scores(self.engines["reward-inf"], roll)
+        scores, errors = function_scores(roll, problems, self.reward, self.tok, rollout)
+        self._reward_errors += errors
+        return scores
 
     def _data_start(self, step: int) -> int:
         return self.data_position if self.data_position is not None else step * self.cfg.prompts_per_step
@@ -365,25 +333,6 @@ class RLLoop:
                 raise SpecError("max_prompt_tokens", f"{where} has {len(ids)} tokens > {c.prompt_tokens}")
             out.append(ids)
         return out
-
-    def _export(self, step: int) -> None:
-        """Every ``export.every_steps`` steps: the actor's full weights, gathered onto rank 0 and written
-        as a HF directory (collective over actor-train's first replica and rank 0)."""
-        c = self.cfg
-        if c.export is None or (step + 1) % c.export.every_steps:
-            return
-        state = full_state(self.engines["actor-train"])
-        if state is None:
-            return
-        tok_dir = None
-        token_ids: dict[str, int | None] = {}
-        if isinstance(self.tok, HFTokenizer):
-            tok_dir = str(self.tok.dir)
-            token_ids = {"eos_token_id": self.tok.stop_ids[0], "pad_token_id": self.tok.pad_id}
-        else:
-            token_ids = {"bos_token_id": self.tok.bos_id, "eos_token_id": self.tok.eos_id,
-                         "pad_token_id": self.tok.pad_id}
-        export_step(c.export, step + 1, c.model, state, tokenizer_from=tok_dir, token_ids=token_ids)
 
     def step(self, step: int) -> StepResult:
         c, t0 = self.cfg, time.perf_counter()
@@ -459,7 +408,7 @@ class RLLoop:
         acc = float("nan")  # a user's prompts have no task to be accurate at; their reward says it all
         if self.prompts is None and isinstance(self.tok, ByteTokenizer):
             acc = sum(accuracy(pr, r, self.tok) for pr, r in zip(problems, roll.responses())) / len(problems)
-        self._export(step)
+        export_actor(c.export, step, c.model, self.engines["actor-train"], self.tok)
         if self.data_position is not None:
             self.data_position = consumed
         return StepResult(step=step, mean_score=float(scores.mean()), mean_accuracy=acc,
