@@ -18,7 +18,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from nereusd.allocation import AllocationError, AllocationEvent, EventKind
+from nereusd.allocation import AllocationEvent, EventKind
+from nereusd.controller_drain import Drains
+from nereusd.controller_orders import TransitionOrders
 from nereusd.metrics import Metrics
 from nereusd.plan_records import (  # noqa: F401 (re-exported: the daemon, admin and tests import them here)
     PlannerPort,
@@ -40,7 +42,6 @@ from planner.plan import GlobalPlan
 # apart: one predict of one plan, ~5 ms at 32 GPUs and ~7 ms at 1,024 (as much as the calibration step
 # itself), against RL steps of seconds to minutes
 REPREDICT_EVERY_STEPS = 1
-RETRY_BASE_S, RETRY_MAX_S = 1.0, 60.0  # replan back-off after the 1st, 2nd, ... failed transition in a row
 TRANSITIONS_REPLAYED = 64  # completed transitions fed back on restart (more than any calibration window)
 _GONE = frozenset({EventKind.NODE_DOWN, EventKind.SHRUNK, EventKind.PREEMPTED})  # these nodes left the job
 _ENDS = frozenset({EventKind.RELEASED, EventKind.COMPLETED, EventKind.CANCELLED, EventKind.FAILED,
@@ -62,11 +63,12 @@ def _collector_paused() -> Iterator[None]:
             gc.enable()
 
 
-class JobController:
+class JobController(TransitionOrders, Drains):
     """One elastic job. Owns no socket: it orders transitions through ``send_order`` and gives drained
     nodes back through ``release_nodes`` (the allocation source's shrink, run by the daemon).
 
-    A graceful release is a drain (``drain``): the node stays alive and takes part in the transition
+    Its transitions in flight are nereusd.controller_orders' (ordered, re-sent, reported, finished), its
+    graceful releases nereusd.controller_drain's. A graceful release is a drain (``drain``): the node stays alive and takes part in the transition
     that moves its state away, but its GPUs leave the pool that plans are made for; once a committed
     plan no longer uses it, the node is given back. The draining nodes are kept with the monitor state
     (``save_controller_state``), so a restarted daemon goes on draining them.
@@ -182,101 +184,6 @@ class JobController:
         if self.store.count_nodes(self.job_id, "alive") == 0:
             self._set_state("lost", f"every node is lost (last: {node})")
 
-    def drain(self, nodes: list[str], reason: str) -> list[str]:
-        """A graceful release of ``nodes``: returns those the source may take at once (no plan, committed or
-        ordered, uses them); the others drain first: an urgent replan on the pool without them, a transition
-        ordered to every alive node (the draining ones send their state away), and the source is asked to
-        release them once that transition is done (``step``). A drain that would leave no GPU, or no plan
-        that fits, is refused with AllocationError and changes nothing."""
-        before = self.pool
-        self._refresh_pool()
-        if self.pool != before:
-            self.pool_changed_at = self.clock()
-        used = self._gpus_in_use()
-        new = [n for n in dict.fromkeys(nodes) if n not in self.draining]
-        now = [n for n in new if not (self._gpus_of(n) & used)]
-        later = [n for n in new if n not in now]
-        if later:
-            what = f"drain {', '.join(later)} of job {self.job_id}"
-            remaining = frozenset(g for g, n in self.gpu_owner.items() if n not in self.draining and n not in new)
-            if not remaining:
-                raise AllocationError(f"{what}: no GPU would be left to hold the job's state; the node(s) stay "
-                                      "(give the job more nodes first, or end the job)")
-            if self.planner is None:
-                raise AllocationError(f"{what}: no planner is bound to the daemon to plan without them")
-            try:
-                self.planner.search(self._spec_now(), remaining, self.store.max_plan_version(self.job_id) + 1)
-            except (InfeasibleError, SpecError) as exc:
-                raise AllocationError(f"{what}: no plan fits on the {len(remaining)} GPU(s) left ("
-                                      f"{str(exc).splitlines()[0]}); the node(s) stay") from None
-        for n in new:
-            self.draining[n] = reason
-        self._release_asked.update(now)
-        if later:
-            self.urgent_reasons.extend(f"drain {n}" for n in later)
-            self.store.add_event("node-draining", {"nodes": later, "reason": reason}, job_id=self.job_id)
-            self.log.info("node-draining", nodes=later, reason=reason)
-        if new:
-            self.pool_dirty = True
-            self._save()
-        return now
-
-    def on_release_refused(self, nodes: list[str], reason: str) -> None:
-        """The source refused to give drained nodes back: they stay in the job and rejoin its pool."""
-        back = [n for n in nodes if self.draining.pop(n, None) is not None]
-        self._release_asked.difference_update(nodes)
-        if back:
-            self.pool_dirty = True
-            self._save()
-
-    def drained(self, node: str) -> bool:
-        """The node was drained and its release asked of the source: no plan uses it any more."""
-        return node in self._release_asked
-
-    def on_node_left(self, node: str, reason: str) -> None:
-        """A drained node that goes by itself (Slurm takes it: a preemption, a time limit): released in the
-        store without asking the source, and no longer draining."""
-        self.store.set_node_state(self.job_id, node, "released", reason)
-        self._release_asked.discard(node)
-        if self.draining.pop(node, None) is not None:
-            self._save()
-        self.pool_dirty = True
-
-    def check_order_timeouts(self, timeout_s: float, now: float | None = None) -> None:
-        """Fail every ordered transition older than ``timeout_s`` (wall time, as the store keeps it): the job
-        goes back to running and the next pass replans urgently. No transition stays ordered forever."""
-        now = time.time() if now is None else now
-        for t in self.store.open_transitions(self.job_id):
-            if t["state"] == "ordered" and now - float(t["created_at"]) > timeout_s:
-                late = ", ".join(t["parts_pending"]) or "none"
-                self._finish_transition(t, ok=False, reason=f"node(s) {late} did not finish within {timeout_s:g} s")
-
-    def resend_orders(self, node: str) -> int:
-        """Orders the node has not reported, sent again (its agent registered again: restarted, reconnected,
-        or the daemon restarted); returns how many."""
-        sent = 0
-        driver_side = self._holds_driver(node)
-        for t in self.store.open_transitions(self.job_id):
-            if t["state"] != "ordered" or (node not in t["parts_pending"] and not driver_side):
-                continue
-            order = self._orders.get(t["id"], {}).get(node) or self._rebuild_order(t, node)
-            if order is not None and "incarnations" in order.part:
-                # the agents of now (one just registered again): its workers are the ones to take
-                now = {n["node"]: n["incarnation"] for n in self.store.node_states(self.job_id)
-                       if n["node"] in order.part["incarnations"]}
-                order = order.model_copy(update={"part": {**order.part, "incarnations": now}})
-            if order is not None and self.send_order(node, order):
-                sent += 1
-                self.log.info("order-resent", transition=t["id"], node=node)
-        return sent
-
-    def _holds_driver(self, node: str) -> bool:
-        """The node is the anchor Slurm job's (the job's driver runs there): a requeued anchor's new driver
-        takes over the open orders, its own node a part of them or not (agent.driver adopts the survivors)."""
-        anchor = self.job.get("slurm_job_id")
-        row = self.store.node(self.job_id, node)
-        return bool(anchor) and row is not None and str(row.get("slurm_job_id")) == str(anchor)
-
     def on_measurement(self, msg: protocol.Measurement) -> None:
         predicted = _latency(self.prediction) if msg.plan_version == self.job["plan_version"] else None
         self.store.add_measurement(job_id=self.job_id, node=msg.node, step=msg.step, plan_version=msg.plan_version,
@@ -331,24 +238,6 @@ class JobController:
         self.memory_violation = False
         self.pool_dirty = True
         self._save()
-
-    def on_transition_report(self, msg: protocol.TransitionReport) -> None:
-        t = self.store.transition(msg.transition_id)
-        if t is None or t["job_id"] != self.job_id or t["state"] != "ordered":
-            self.log.warning("stale-transition-report", transition=msg.transition_id, node=msg.node)
-            return
-        if not msg.ok:
-            self._finish_transition(t, ok=False, reason=f"node {msg.node}: {msg.error}")
-            return
-        pending = [n for n in t["parts_pending"] if n != msg.node]
-        measured = max(float(t["measured_s"] or 0.0), msg.measured_s)
-        # the last part and the transition's end in one commit: a daemon killed between them came back
-        # with every part done and the transition still ordered, which nothing would ever finish
-        with self.store.transaction():
-            self.store.set_transition_state(t["id"], "ordered", f"{msg.node} done", measured_s=measured,
-                                            parts_pending=pending)
-            if not pending:
-                self._finish_transition_rows(self.store.transition(t["id"]) or t, ok=True, reason="every part done")
 
     # --- active steps -------------------------------------------------------------------------------
     def step(self) -> int | None:
@@ -496,123 +385,6 @@ class JobController:
         self.log.warning("decision", id=did, admitted=restore is not None, rule="checkpoint-restart", reason=reason)
         return did
 
-    def _order_restore(self, decision_id: int, restore: admission.Candidate, exc: InfeasibleError) -> None:
-        """Order ``restore``'s plan with no DAG: the driver finds the last copy gone too and loads the
-        plan's units from its checkpoint. Its time is not a transition's (L_tran learns nothing from it)."""
-        parts: dict[str, dict[str, Any]] = {}
-        for gpu in sorted(restore.plan.gpus):
-            parts.setdefault(self._node_of_gpu(gpu), {"gpus": []})["gpus"].append(gpu)
-        dag = {"kind": "restore", "new_version": restore.plan.version,
-               "reasons": list(exc.reasons) or [str(exc).splitlines()[0]]}
-        self.store.add_plan(job_id=self.job_id, version=restore.plan.version, plan=plan_to_dict(restore.plan),
-                            prediction=admission._plain(restore.prediction))
-        self._order(decision_id, restore.plan, restore.prediction,
-                    TransitionSketch(predicted_s=0.0, bytes_moved=0, dag=dag, parts=parts))
-
-    def _order(self, decision_id: int, new_plan: GlobalPlan, prediction: Any, sketch: TransitionSketch | None) -> None:
-        sketch = sketch or TransitionSketch(predicted_s=0.0, bytes_moved=0, dag={})
-        alive = [n["node"] for n in self.store.node_states(self.job_id) if n["state"] == "alive"]
-        from_version = self.plan.version if self.plan else 0
-        # Stored as ordered (and the job as transitioning) in one commit *before* any order leaves: a
-        # daemon killed in between comes back knowing the transition its agents may already be running.
-        with self.store.transaction():
-            tid = self.store.add_transition(job_id=self.job_id, decision_id=decision_id, from_version=from_version,
-                                            to_version=new_plan.version, dag=sketch.dag,
-                                            bytes_moved=sketch.bytes_moved, predicted_s=sketch.predicted_s,
-                                            parts=alive)
-            self.store.set_transition_state(tid, "ordered", f"sent to {len(alive)} node(s)")
-            self._set_state("transitioning", f"transition {tid} ordered (v{from_version} -> v{new_plan.version})")
-        self.metrics.transition_cost.labels("predicted").observe(sketch.predicted_s)
-        self._pending_prediction = prediction
-        orders = self._orders[tid] = {}
-        shared = self._order_common(new_plan)
-        for node in alive:
-            orders[node] = self._make_order(tid, from_version, new_plan, sketch.parts.get(node, {}), shared)
-            self.send_order(node, orders[node])
-        if sketch.detail is not None:  # the DAG record's body, for nereusctl and the simulator: no order waits
-            self.store.add_transition_detail(tid, sketch.detail())
-
-    def _order_common(self, new_plan: GlobalPlan) -> dict[str, Any]:
-        """What every node's part carries: the plan, the pool map (node -> global GPU ids of every alive node,
-        draining ones included), gpus_per_node and the draining nodes. With the map the job's driver turns
-        (node, device index) into the global GPU id, which is the worker id."""
-        pool: dict[str, list[int]] = {}
-        for gpu, owner in sorted(self.gpu_owner.items()):
-            pool.setdefault(owner, []).append(gpu)
-        # each node's agent incarnation: a driver takes only workers that agent started (a node released
-        # and granted again has new workers; the old ones' beats may not have stopped yet)
-        incarnations = {n["node"]: n["incarnation"] for n in self.store.node_states(self.job_id) if n["node"] in pool}
-        return {"plan": plan_to_dict(new_plan), "pool": pool, "gpus_per_node": self.gpus_per_node,
-                "draining": sorted(self.draining), "incarnations": incarnations}
-
-    def _make_order(self, tid: int, from_version: int, new_plan: GlobalPlan, node_part: dict[str, Any],
-                    shared: dict[str, Any]) -> protocol.TransitionOrder:
-        part = {"plan": shared["plan"], **node_part, **{k: v for k, v in shared.items() if k != "plan"}}
-        return protocol.TransitionOrder(job_id=self.job_id, transition_id=tid, from_version=from_version,
-                                        to_version=new_plan.version, part=part)
-
-    def _rebuild_order(self, t: dict[str, Any], node: str) -> protocol.TransitionOrder | None:
-        """The order of a transition ordered by an earlier daemon (this one kept no copy): the same plan and
-        pool map, and the DAG parts built again (the build is deterministic). The build is done once per
-        transition, for every node it still waits on: each node registering again after a restart then
-        finds its order kept, instead of the serve loop building the whole DAG once per node."""
-        row = self.store.plan(self.job_id, t["to_version"])
-        if row is None:
-            return None
-        new = plan_from_dict(row["plan"])
-        old_row = self.store.plan(self.job_id, t["from_version"]) if t["from_version"] else None
-        parts: dict[str, dict[str, Any]] = {}
-        self._refresh_pool()  # the pool map of now, whether or not a planner is bound to build the DAG again
-        if self.planner is not None:
-            try:
-                sketch = self.planner.transition(self._spec_now(), plan_from_dict(old_row["plan"]) if old_row else None,
-                                                 new, self._participants(), self._node_of_gpu)
-                parts = dict(sketch.parts)
-            except (InfeasibleError, SpecError) as exc:
-                self.log.warning("order-rebuild-without-dag", transition=t["id"], error=str(exc))
-        shared = self._order_common(new)
-        kept = self._orders.setdefault(int(t["id"]), {})
-        for pending in {*t["parts_pending"], node}:
-            kept[pending] = self._make_order(int(t["id"]), int(t["from_version"]), new, parts.get(pending, {}), shared)
-        return kept[node]
-
-    def _finish_transition(self, t: dict[str, Any], *, ok: bool, reason: str) -> None:
-        """The transition ends, in one commit with what follows from it (the plan version committed, the
-        job running again): a daemon killed in between comes back with all of it or none of it (a kill
-        between the transition's row and the plan's left a done transition under a job stuck transitioning)."""
-        with self.store.transaction():
-            self._finish_transition_rows(t, ok=ok, reason=reason)
-
-    def _finish_transition_rows(self, t: dict[str, Any], *, ok: bool, reason: str) -> None:
-        self.store.set_transition_state(t["id"], "done" if ok else "failed", reason)
-        self._orders.pop(int(t["id"]), None)
-        self.metrics.transitions.labels(self.job_id, "done" if ok else "failed").inc()
-        if ok:
-            self.failed_in_row, self.retry_at = 0, -float("inf")
-            self.metrics.transition_cost.labels("measured").observe(float(t["measured_s"] or 0.0))
-            self.metrics.transition_bytes.labels(self.job_id).inc(int(t["bytes_moved"]))
-            self._observe_transition(self.store.transition(t["id"]) or t)
-            row = self.store.plan(self.job_id, t["to_version"])
-            if row is not None:
-                self.plan = plan_from_dict(row["plan"])
-                self.store.commit_plan_version(self.job_id, self.plan.version)
-                self.prediction = self._pending_prediction or self._predict(self.plan)
-                if self.prediction is not None:
-                    self.metrics.step_latency.labels(self.job_id, "predicted").set(_latency(self.prediction) or 0)
-        else:
-            self.pool_dirty = True  # a lost node changes the pool, which triggers the next replan ...
-            # ... and a failure with the pool unchanged (a part failed, an order timed out) replans too
-            self.urgent_reasons.append(f"transition {t['id']} failed: {reason}")
-            self.urgent_reasons.extend(f"drain {n}" for n in self.draining if n not in self._release_asked)
-            self.failed_in_row += 1
-            backoff = min(RETRY_MAX_S, RETRY_BASE_S * 2 ** (self.failed_in_row - 1))
-            self.retry_at = self.clock() + backoff
-            self.log.warning("transition-failed", transition=t["id"], reason=reason, failed_in_row=self.failed_in_row,
-                             retry_in_s=backoff)
-        if self.job["state"] == "transitioning":
-            alive = self.store.count_nodes(self.job_id, "alive") > 0
-            self._set_state("running" if alive else "lost", f"transition {t['id']} {'done' if ok else 'failed'}")
-
     # --- helpers ------------------------------------------------------------------------------------
     def _set_state(self, state: str, reason: str) -> None:
         if self.store.set_job_state(self.job_id, state, reason):
@@ -645,45 +417,6 @@ class JobController:
         """Every alive GPU: the pool plus the draining nodes', which a transition still reads state from."""
         return frozenset(self.gpu_owner) | self.pool
 
-    def _gpus_of(self, node: str) -> set[int]:
-        return {g for g, n in self.gpu_owner.items() if n == node}
-
-    def _gpus_in_use(self) -> set[int]:
-        """GPUs of the committed plan and of the plans of ordered transitions."""
-        used = set(self.plan.gpus) if self.plan is not None else set()
-        for t in self.store.open_transitions(self.job_id):
-            row = self.store.plan(self.job_id, t["to_version"]) if t["state"] == "ordered" else None
-            if row is not None:
-                used |= plan_from_dict(row["plan"]).gpus
-        return used
-
-    def _release_drained(self) -> None:
-        """Ask the source for the draining nodes that no plan uses any more (none while a transition is open)."""
-        waiting = [n for n in self.draining if n not in self._release_asked]
-        if not waiting or self.release_nodes is None or self.store.open_transitions(self.job_id):
-            return
-        used = self._gpus_in_use()
-        ready = [n for n in waiting if not (self._gpus_of(n) & used)]
-        if ready:
-            self._release_asked.update(ready)
-            self.store.add_event("node-drained", {"nodes": ready, "plan_version": self.plan.version if self.plan
-                                                  else None}, job_id=self.job_id)
-            self.log.info("node-drained", nodes=ready)
-            self.release_nodes(ready)
-
-    def _refuse_drain(self, nodes: list[str], decision_id: int) -> None:
-        """The drain's replan ordered no transition (nothing fit, or no DAG reaches it): the nodes stay."""
-        if not nodes:
-            return
-        d = self.store.decision(decision_id) or {}
-        reason = f"decision {decision_id} ordered no transition away from them: {d.get('reason', '?')}"
-        for n in nodes:
-            self.draining.pop(n, None)
-        self.pool_dirty = True
-        self._save()
-        self.store.add_event("alloc-refused", {"op": "shrink", "nodes": nodes, "reason": reason}, job_id=self.job_id)
-        self.log.warning("alloc-refused", op="shrink", nodes=nodes, reason=reason)
-
     def _spec_now(self) -> dict[str, Any]:
         """The job spec with the workload as measured now (the planner plans for today's lengths)."""
         spec = dict(self.job["spec"])
@@ -694,16 +427,6 @@ class JobController:
             spec["workload"] = {**workload, "response_tokens": response,
                                 "max_response_tokens": max(response, int(workload.get("max_response_tokens") or 0))}
         return spec
-
-    def _observe_transition(self, t: dict[str, Any]) -> None:
-        if not isinstance(self.planner, TransitionObserver):
-            return
-        if (t.get("dag") or {}).get("kind") == "restore":
-            return  # no DAG ran: a checkpoint load says nothing about L_tran
-        try:
-            self.planner.observe_transition(self._spec_now(), t)
-        except NereusError as exc:  # a malformed row must not stop the daemon; the correction stays as it was
-            self.log.warning("transition-calibration-skipped", transition=t.get("id"), error=str(exc))
 
     def _node_of_gpu(self, gpu: int) -> str:
         return self.gpu_owner.get(gpu, "?")
