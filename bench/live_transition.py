@@ -125,7 +125,8 @@ _INSTANTS = ("started_at", "ended_at", "received_at")
 def phases(spans: dict[int, dict[str, float]], start: float, end: float) -> dict[str, float]:
     """Where the driver-seen transition went (seconds; workers' clocks are the host's, as the driver's):
     ``dispatch`` until the last worker had its command (the driver's packing and sends, unpickling);
-    ``before`` (the engine's release), ``seed``, ``plan`` (the rest of the planning) and ``early``
+    ``before`` (the engine's release), ``seed``, ``plan`` (the rest of the planning; ``seed_plan_cpu``
+    the CPU time of both, the rest of their span is waiting for a core) and ``early``
     (early builds made before the barrier), each the slowest worker's; ``at_barrier`` when the last
     worker reached the opening barrier; ``nodes`` from there until the last worker's nodes ended;
     ``reply`` from the last worker's end until the driver had every reply."""
@@ -134,7 +135,7 @@ def phases(spans: dict[int, dict[str, float]], start: float, end: float) -> dict
     nodes_end = max(s["ended_at"] - s["destroy_groups_s"] for s in w)
     return {"dispatch": max(s["received_at"] for s in w) - start, "before": max(s["before_s"] for s in w),
             "seed": max(s["seed_s"] for s in w), "plan": max(s["prepare_s"] - s["seed_s"] for s in w),
-            "plan_cpu": max(s["prepare_cpu_s"] for s in w), "early": max(s.get("early_s", 0.0) for s in w),
+            "seed_plan_cpu": max(s["prepare_cpu_s"] for s in w), "early": max(s.get("early_s", 0.0) for s in w),
             "at_barrier": at_barrier - start, "nodes": nodes_end - at_barrier,
             "reply": end - max(s["ended_at"] for s in w)}
 
