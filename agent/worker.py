@@ -61,6 +61,7 @@ class WorkerContext:
     state: WorkerState = WorkerState.INIT
     memo: DagMemo = field(default_factory=DagMemo)  # what it derived from the DAGs it runs (their lifetime)
     engine: Any = None  # the RL engine bound to the units (agent.engine.live), once a driver binds one
+    received_at: float = 0.0  # when the command being run arrived (time.perf_counter, the host's clock)
 
     def enter(self, state: WorkerState) -> None:
         """Change state along an edge of ``TRANSITIONS`` (any other change is a bug here)."""
@@ -122,17 +123,26 @@ def _init_units(ctx: WorkerContext, cmd: InitUnits) -> list[str]:
     return held_units(ctx)
 
 
+# the last RunDag command here: when it arrived and how long its ``before`` took (seconds, the host's
+# time.perf_counter clock); with ``runner.LAST_RUN`` what bench/live_transition.py splits a transition into
+LAST_RUN_DAG: dict[str, float] = {}
+
+
 def _run_dag(ctx: WorkerContext, cmd: RunDag) -> Any:
     def on_round(model_stage: str, rnd: int) -> None:
         if cmd.kill_at == (model_stage, rnd):
             os.kill(os.getpid(), signal.SIGKILL)
 
+    start = time.perf_counter()
+    LAST_RUN_DAG.clear()
+    LAST_RUN_DAG.update(received_at=ctx.received_at, before_s=0.0)
     if cmd.before is not None:
         try:
             cmd.before(ctx)
         except Exception as exc:  # the peers are on their way to the run's opening barrier: fail them now
             ctx.channel.break_(f"{getattr(cmd.before, '__name__', 'before')} failed: {type(exc).__name__}: {exc}")
             raise
+        LAST_RUN_DAG["before_s"] = time.perf_counter() - start
     if cmd.drop_held:
         ctx.units.clear()  # a restore: the checkpoint's state replaces what was held
     return run_dag(cmd.dag, ctx.worker_id, ctx.units, ctx.channel, predicted_s=cmd.predicted_s,
@@ -220,6 +230,7 @@ def worker_main(worker_id: int, link: Any, device: str = "cpu", threads: int = 1
             break  # the coordinator is gone
         if isinstance(cmd, Exit):
             break
+        ctx.received_at = time.perf_counter()
         # the refill its last run asked for: every peer's run is over once the driver sends again
         warm_pool.POOL.start_pending()
         start = time.perf_counter()

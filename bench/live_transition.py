@@ -18,7 +18,9 @@ transfers, local copies, frees, the replies); ``apply_s`` adds the generations, 
           all workers at once, slowest worker;
   limit_s = wire_s + local_s;  ratio = transition_s / limit_s  (target <= 1.25);
   cold_ratio: the same with the old baseline, receive buffers fresh (torch.empty) as the old
-          bench/executor.py measured.
+          bench/executor.py measured;
+  overhead_s = transition_s - limit_s, and ``phases_s``: the transition split at the workers'
+          clocks (``phases``: dispatch, release, planning, the opening barrier, nodes, replies).
 
 Then every reported case's checkpoint/restart twin (bench/live_job.py's ``restart``: DCP save, the
 processes exit, new processes, join, DCP load, bind), ``--restart-samples`` of each, interleaved with
@@ -108,10 +110,34 @@ def set_pool(ctx: Any, *, nbytes: int) -> int:
 
 
 def last_run(ctx: Any) -> dict[str, float]:
-    """The worker's spans of its last run_dag (planning, groups, barrier, nodes), where recorded."""
+    """The worker's spans of its last run_dag (planning, groups, barrier, nodes), where recorded, and
+    of its last RunDag command (when it arrived, its ``before``)."""
+    import agent.worker
     from transitions.executor import runner
 
-    return dict(getattr(runner, "LAST_RUN", {}))
+    return dict(getattr(runner, "LAST_RUN", {})) | dict(getattr(agent.worker, "LAST_RUN_DAG", {}))
+
+
+# instants, not spans: what ``phases`` measures against the driver's start
+_INSTANTS = ("started_at", "ended_at", "received_at")
+
+
+def phases(spans: dict[int, dict[str, float]], start: float, end: float) -> dict[str, float]:
+    """Where the driver-seen transition went (seconds; workers' clocks are the host's, as the driver's):
+    ``dispatch`` until the last worker had its command (the driver's packing and sends, unpickling);
+    ``before`` (the engine's release), ``seed``, ``plan`` (the rest of the planning; ``seed_plan_cpu``
+    the CPU time of both, the rest of their span is waiting for a core) and ``early``
+    (early builds made before the barrier), each the slowest worker's; ``at_barrier`` when the last
+    worker reached the opening barrier; ``nodes`` from there until the last worker's nodes ended;
+    ``reply`` from the last worker's end until the driver had every reply."""
+    w = spans.values()
+    at_barrier = max(s["started_at"] + s["prepare_s"] + s["groups_s"] + s.get("early_s", 0.0) for s in w)
+    nodes_end = max(s["ended_at"] - s["destroy_groups_s"] for s in w)
+    return {"dispatch": max(s["received_at"] for s in w) - start, "before": max(s["before_s"] for s in w),
+            "seed": max(s["seed_s"] for s in w), "plan": max(s["prepare_s"] - s["seed_s"] for s in w),
+            "seed_plan_cpu": max(s["prepare_cpu_s"] for s in w), "early": max(s.get("early_s", 0.0) for s in w),
+            "at_barrier": at_barrier - start, "nodes": nodes_end - at_barrier,
+            "reply": end - max(s["ended_at"] for s in w)}
 
 
 def settle_pool(ctx: Any) -> None:
@@ -229,8 +255,10 @@ def live_sample(pool: LocalCoordinator, cfg: RunConfig, old: GlobalPlan, new: Gl
         "node_parts_max_s": {k: max(sum(getattr(r, k) for r in reps) for reps in outcome.reports.values())
                              for k in ("local_copy_s", "pack_s", "unpack_s")}}
     spans = pool.call(last_run, workers=needed)
-    fig["worker_spans_max_s"] = {k: max(sp.get(k, 0.0) for sp in spans.values()) for k in next(iter(spans.values()))} \
-        if all(spans.values()) else {}
+    fig["worker_spans_max_s"] = {k: max(sp.get(k, 0.0) for sp in spans.values()) for k in next(iter(spans.values()))
+                                 if k not in _INSTANTS} if all(spans.values()) else {}
+    if all("received_at" in sp and "seed_s" in sp for sp in spans.values()):
+        fig["phases_s"] = phases(spans, t2, t4)
     # the baselines, right after, between the same processes (the generation of ``needed``); not timed;
     # first the workers' warm pools finish refilling what the run emptied (their thread would slow them)
     pool.call(settle_pool, workers=needed)
@@ -319,9 +347,12 @@ def summary(raw: dict[str, Any]) -> dict[str, Any]:
             m = {k: med(f[k] for f in figs if k in f) for k in keys if any(k in f for f in figs)}
             spans = [f["worker_spans_max_s"] for f in figs if f.get("worker_spans_max_s")]
             m["worker_spans_max_s"] = {k: med(sp[k] for sp in spans) for k in spans[0]} if spans else {}
+            parts = [f["phases_s"] for f in figs if "phases_s" in f]
+            m["phases_s"] = {k: med(p[k] for p in parts) for k in parts[0]} if parts else {}
             case[f"pool {mode}"] = {
                 "samples": len(figs), "apply_includes_bind": all(f.get("bound_after", True) for f in figs), "ratio": med(ratios), "cold_ratio": med(cold), **m,
                 "limit_s": m["wire_s"] + m["local_s"],
+                "overhead_s": med(f["transition_s"] - f["wire_s"] - f["local_s"] for f in figs),
                 "wire_GBps": figs[0]["wire_bytes"] / m["wire_s"] / 1e9 if m["wire_s"] else None,
                 "transition_share": {"wire": m["wire_s"] / m["transition_s"], "local": m["local_s"] / m["transition_s"],
                                      "overhead": 1 - (m["wire_s"] + m["local_s"]) / m["transition_s"]},

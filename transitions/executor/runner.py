@@ -58,9 +58,12 @@ IN_PLACE = True
 # 1-15 ms (every worker calls new_group); DP1 -> DP4 of 382 MB: gloo broadcast 0.60 s vs three
 # point-to-point copies 0.73-0.78 s here, and NCCL pipelines broadcasts along a ring.
 FAN_OUT_MIN_BYTES = 32 << 20
-# this process's last run_dag in spans (seconds): planning (``_prepare``), forming the fan-out groups,
-# the opening barrier, the nodes, destroying the groups; and the minor page faults it took (first touches
-# of fresh memory); read by benchmarks (bench/live_transition.py)
+# this process's last run_dag in spans (seconds): planning (``prepare_s``: of it ``seed_s`` putting the
+# driver's shipped steps in the memo, ``prepare_cpu_s`` its CPU time: the rest is waiting for a core),
+# forming the fan-out groups, the first node's early builds (made before the barrier), the opening
+# barrier, the nodes, destroying the groups; the minor page faults it took (first touches of fresh
+# memory); when it started and ended (``time.perf_counter``, the host's monotonic clock, which every
+# process on it shares); read by benchmarks (bench/live_transition.py)
 LAST_RUN: dict[str, float] = {}
 
 
@@ -98,11 +101,12 @@ def run_dag(dag: TransitionDAG, worker: int, units: dict[str, RankState], channe
     memo = memo if memo is not None else DagMemo()
     warm_pool.POOL.settle()  # the last run's refill holds the pool's mappings: done first (bounded)
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.thread_time()
     if derived is not None:
         shipped.seed(memo, dag, derived)
+    t0s = time.perf_counter()
     prepared = _prepare(dag, worker, channel.device, predicted_s, max_bucket_bytes, in_place, fan_out, memo)
-    t1 = time.perf_counter()
+    t1, cpu1 = time.perf_counter(), time.thread_time()
     # every worker of the generation forms every group, in the same order (new_group is collective)
     groups = [[channel.new_group(tuple(sorted({src, *copies}))) for src, copies in fan.ranks]
               for fan in prepared.fans]
@@ -116,9 +120,11 @@ def run_dag(dag: TransitionDAG, worker: int, units: dict[str, RankState], channe
         for group in (g for per_fan in groups for g in per_fan):
             channel.destroy_group(group)
         LAST_RUN.clear()
-        LAST_RUN.update(prepare_s=t1 - t0, groups_s=t2 - t1, barrier_s=run.barrier_s, nodes_s=t3 - t2 - run.barrier_s,
+        LAST_RUN.update(prepare_s=t1 - t0, seed_s=t0s - t0, prepare_cpu_s=cpu1 - cpu0, groups_s=t2 - t1,
+                        early_s=run.early_s, barrier_s=run.barrier_s, nodes_s=t3 - t2 - run.barrier_s - run.early_s,
                         destroy_groups_s=time.perf_counter() - t3,
-                        minor_faults=resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
+                        minor_faults=resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults,
+                        started_at=t0, ended_at=time.perf_counter())
         if channel.device.type == "cpu" and warm_pool.WARM_POOL_BYTES > 0:
             # what this run emptied, populated before the next one; started by the worker's next
             # command (its peers may still be moving bytes on the same cores now)
@@ -176,6 +182,7 @@ class _DagRun:
     readers: dict[tuple[str, str], CheckpointReader] = field(default_factory=dict)  # (url, tag) -> reader
     lent: dict[str, Lent] = field(default_factory=dict)  # donor uid -> pages moved out of it, until it is freed
     barrier_s: float = 0.0  # the opening barrier's wait
+    early_s: float = 0.0  # the first node's early builds, made before the barrier
 
     def run(self) -> list[StepReport]:
         try:
@@ -199,11 +206,6 @@ class _DagRun:
         for build in prep.builds.values():
             build_before[build.readers[0]].append(build)
         fan_of = {node: i for i, fan in enumerate(prep.fans) for node in fan.nodes}
-        # every member is there before anything moves (and NCCL's communicator exists before p2p)
-        start = time.perf_counter()
-        self.channel.barrier(self.timeout_s)
-        self.barrier_s = time.perf_counter() - start
-        self._check_restores()
         # Merges whose parts all arrive in final shape move nothing and touch no GPU's timeline, so
         # they are in no worker's node list: each worker relabels its share as soon as it holds it; so
         # are Merges that copy on other GPUs but only relabel here (a part that arrived in final shape
@@ -211,15 +213,29 @@ class _DagRun:
         mine = set(prep.order)
         self.relabel = [prim for i, prim in enumerate(self.dag.nodes)
                         if isinstance(prim, Merge) and (relabels(prim) or i not in mine)]
+        # the first node's early builds are local work nothing before it waits for: made while the
+        # peers are still on their way to the barrier (a TP split's sender built its kept half after
+        # it: 7-24 ms in series before its send), unless a relabel would rename their units first
+        renamed = {u.uid for merge in self.relabel for u in (*merge.parts, merge.unit)}
+        first = build_before.get(prep.order[0], []) if prep.order else []
+        if first:
+            start = time.perf_counter()
+            for build in first:
+                if build.donor not in renamed and build.target.uid not in renamed:
+                    self._build(build)
+            self.early_s = time.perf_counter() - start
+        # every member is there before anything moves (and NCCL's communicator exists before p2p)
+        start = time.perf_counter()
+        self.channel.barrier(self.timeout_s)
+        self.barrier_s = time.perf_counter() - start
+        self._check_restores()
         _apply_relabels(self.relabel, self.worker, units)
         pool = BucketPool(device=self.channel.device)
         for index, node in enumerate(prep.order):
             if node in self.carried:
                 continue
             for build in build_before.get(node, ()):
-                if build.donor in units and build.target.uid not in units:
-                    made = self.built[build.donor] = build_early(build, units, self.dag, self.memo)
-                    self.build_stats[f"{self.dag.nodes[build.node].kind.value}#{build.node}"] = made
+                self._build(build)
             if node in fan_of:
                 self._fan_out(fan_of[node])
             elif isinstance(self.dag.nodes[node], Restore):
@@ -238,6 +254,12 @@ class _DagRun:
                 report.local_copy_s += extra.seconds
                 report.bytes_copied_locally += extra.copied
                 report.bytes_remapped += extra.moved_bytes
+
+    def _build(self, build: EarlyBuild) -> None:
+        """``build`` made from its donor's pages, unless the donor is gone or the target exists."""
+        if build.donor in self.units and build.target.uid not in self.units:
+            made = self.built[build.donor] = build_early(build, self.units, self.dag, self.memo)
+            self.build_stats[f"{self.dag.nodes[build.node].kind.value}#{build.node}"] = made
 
     def _fan_out(self, i: int) -> None:
         fan = self.prepared.fans[i]
