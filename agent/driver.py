@@ -53,12 +53,12 @@ from typing import Any
 
 from agent.coordinator import WorkerDied
 from agent.driver_recovery import Recovery, _Checkpoint, renamed_lost
+from agent.driver_verify import Verification
 from agent.hub import HubCoordinator
 from nereusd.wire import protocol
 from nereusd.wire.logs import configure_logging, get_logger
 from planner.errors import NereusError
 from planner.plan import GlobalPlan, Layout, StagePlan
-from transitions.executor.logical import logical_digests
 
 
 def plan_from_part(data: dict[str, Any]) -> GlobalPlan:
@@ -92,7 +92,7 @@ class DriverConfig:
     metrics_dir: Path | None = None  # metrics.jsonl and TensorBoard files (agent.metrics); None: none
 
 
-class JobDriver(Recovery):
+class JobDriver(Recovery, Verification):
     def __init__(self, cfg: Any, hub: HubCoordinator, link: Any, dc: DriverConfig, *, job_id: str,
                  node: str) -> None:
         self.cfg, self.hub, self.link, self.dc = cfg, hub, link, dc
@@ -260,37 +260,6 @@ class JobDriver(Recovery):
         if self.dc.verify:  # the verification's digests are this step's state: no second dump
             assert self.plan is not None
             self._snapshot_of(sorted(self.plan.gpus), self._verified_digests)
-
-    def _snapshot(self) -> None:
-        """Keep the logical digests of the state now (after a step or transition): the latest, and
-        those of checkpointed steps (a restore is checked against them)."""
-        assert self.plan is not None
-        self._snapshot_of(sorted(self.plan.gpus))
-
-    def _snapshot_of(self, workers: list[int], digests: dict[str, str] | None = None) -> None:
-        """``digests``: the state's, when the caller has just taken them (a transition's verification)."""
-        keep = {self.checkpoint.step} if self.checkpoint is not None else set()
-        self.snapshots = {s: d for s, d in self.snapshots.items() if s in keep}
-        if digests is None:
-            try:
-                digests = logical_digests(self.hub.dump(workers))
-            except WorkerDied as exc:  # a node went just now: the next step fails and recovery takes it
-                self.event("snapshot-skipped", step=self.step, error=str(exc))
-                return
-        self.snapshots[self.step] = digests
-        # in the events too: a later driver's (failover) state is checked against them
-        self.event("snapshot", step=self.step, plan_version=self.version, digests=digests)
-
-    def _verify(self, new: GlobalPlan) -> dict[str, Any] | None:
-        """Every logical tensor after the transition equals what the old layout held at this step."""
-        if not self.dc.verify:
-            return None
-        want = self.snapshots.get(self.step)
-        got = self._verified_digests = logical_digests(self.hub.dump(sorted(new.gpus)))
-        if want is None:
-            return {"equal": None, "why": f"no snapshot of step {self.step}"}
-        differ = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))
-        return {"equal": not differ, "tensors": len(got), "differ": differ[:8]}
 
     def _cfg_now(self) -> Any:
         lengths = [t for s, t in sorted(self.dc.response_schedule.items()) if s <= self.step]

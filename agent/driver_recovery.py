@@ -24,7 +24,7 @@ import dataclasses
 import re
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agent.coordinator import WorkerDied
 from agent.hub import HubCoordinator
@@ -150,8 +150,8 @@ class Recovery:
             self._snapshot_of(resumed)
         return True
 
-    def _snapshot_of(self, workers: list[int]) -> None:
-        raise NotImplementedError
+    if TYPE_CHECKING:  # agent.driver_verify.Verification's
+        def _snapshot_of(self, workers: list[int], digests: dict[str, str] | None = None) -> None: ...
 
     def _after_failure(self) -> None:
         """Survivors leave the broken generation (their units stay); the plan waits for a replan."""
