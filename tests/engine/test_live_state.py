@@ -23,18 +23,17 @@ from agent.coordinator import LocalCoordinator
 from agent.engine.grpo import GRPOConfig
 from agent.engine.live import (
     bind,
-    in_buffer,
     live_cluster,
     live_dag,
     live_placements,
     live_units,
-    local_of,
     rank_plan,
     release,
     stage_states,
     state_digest,
     train_step,
 )
+from agent.engine.live_views import in_buffer, local_of
 from agent.engine.loop import RunConfig
 from agent.engine.tasks import SortDigits
 from planner.errors import SpecError
