@@ -25,9 +25,10 @@ from transitions.covers import Cover, covers, derive_target
 from transitions.emu import EMU
 from transitions.geometry import Shard
 from transitions.layer_runs import Segment, segments, steps
-from transitions.layout import COUNTERS, COUNTERS_KIND, NUM_COUNTERS, contiguous_range, unit_slots
+from transitions.layout import COUNTERS, COUNTERS_KIND, NUM_COUNTERS, contiguous_range
 from transitions.planning_cache import PlanningCache
 from transitions.primitives import Extend, Primitive, Split
+from transitions.rank_table import unit_table
 from transitions.transfer_plan import Piece, messages
 from transitions.wire_stream import PairStream, Rec, per_round
 
@@ -130,8 +131,8 @@ def _counter_piece(prim: Primitive, target: EMU, gpu: int, role: Role) -> Piece:
     src = prim.sources[role[0]]
     src_gpu = src.gpus[role[1]]
     key = (COUNTERS, COUNTERS_KIND)
-    return Piece(src_worker=src_gpu, dst_worker=gpu, src_slot=unit_slots(src, src_gpu)[key],
-                 dst_slot=unit_slots(target, gpu)[key], box=((0,), (NUM_COUNTERS,)), src_unit=src.uid,
+    return Piece(src_worker=src_gpu, dst_worker=gpu, src_slot=unit_table(src, src_gpu).slot(key),
+                 dst_slot=unit_table(target, gpu).slot(key), box=((0,), (NUM_COUNTERS,)), src_unit=src.uid,
                  dst_unit=target.uid)
 
 
