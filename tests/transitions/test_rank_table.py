@@ -97,8 +97,9 @@ def test_every_slot_is_the_plain_slot_and_no_other_key_has_one() -> None:
         have = {s.key for s in want}
         for tensor, kind in itertools.product([*(t.name for t in model.tensors(head)), "nope"], StateKind):
             if (tensor, kind.value) not in have:
-                with pytest.raises(KeyError):
+                with pytest.raises(KeyError) as err:
                     table.slot((tensor, kind.value))
+                assert err.value.args == ((tensor, kind.value),)
         with pytest.raises(KeyError):
             table.slot((COUNTERS, "param"))
     assert paged > 0  # the page-aligned branch was taken
