@@ -17,7 +17,7 @@ from functools import lru_cache
 from planner.models import Parallel, TensorSpec
 from transitions.emu import EMU, Box, StateKey, UnitState
 from transitions.errors import CoverageError
-from transitions.geometry import Shard, tensor_stages
+from transitions.geometry import Shard, _tensors, tensor_stages
 from transitions.layout import COUNTERS, COUNTERS_KIND, NUM_COUNTERS, Slot
 from transitions.primitives import Merge, Primitive
 from transitions.rank_table import rank_table, unit_table
@@ -29,7 +29,7 @@ Cover = list[tuple[EMU, int, Box, int, int]]  # (source unit, source GPU, source
 
 @lru_cache(maxsize=256)
 def _tensor_index(state: UnitState) -> dict[str, TensorSpec]:
-    return {t.name: t for t in state.model.tensors(state.head)}
+    return {t.name: t for t in _tensors(state.model, state.head)}
 
 
 def _split_dim(t: TensorSpec) -> int:

@@ -19,7 +19,7 @@ from planner.models import Head, ModelSpec, TensorSpec
 from planner.plan import Layout
 from transitions.covers import Cover, covers, derive_target
 from transitions.emu import EMU, Box, UnitState
-from transitions.geometry import Shard, StateKind, layer_stages, make_shard
+from transitions.geometry import Shard, StateKind, _tensors, layer_stages, make_shard
 from transitions.primitives import Primitive
 from transitions.rank_table import NOT_HELD, rank_table
 from transitions.transfer_plan import Piece
@@ -45,7 +45,7 @@ def layer_tensors(model: ModelSpec, head: Head) -> dict[int, tuple[TensorSpec, .
     """Each decoder layer's tensors in order; None unless every layer's match the first's in shape,
     split and heads (then layer ``L``'s ``i``-th tensor stands where the first layer's ``i``-th does)."""
     out: dict[int, list[TensorSpec]] = {}
-    for t in model.tensors(head):
+    for t in _tensors(model, head):
         if t.layer is not None:
             out.setdefault(t.layer, []).append(t)
     shapes = {tuple((t.shape, t.parallel, t.num_heads) for t in ts) for ts in out.values()}
@@ -116,11 +116,6 @@ def _block_shards(state: UnitState, boxes: tuple[Box | None, ...], block: tuple[
         tensor, (offsets, lengths) = tensors[t], boxes[t]  # type: ignore[misc]
         out += [make_shard(tensor.name, kind, tensor.shape, offsets, lengths, nbytes) for kind, nbytes in per_kind]
     return out
-
-
-@lru_cache(maxsize=64)
-def _tensors(model: ModelSpec, head: Head) -> tuple[TensorSpec, ...]:
-    return model.tensors(head)
 
 
 def segments(prim: Primitive, target: EMU, gpu: int) -> list[Segment] | None:

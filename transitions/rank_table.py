@@ -17,10 +17,10 @@ from functools import lru_cache
 from math import prod
 
 from planner.errors import SpecError
-from planner.models import Head, ModelSpec, TensorSpec
+from planner.models import Head, ModelSpec
 from planner.plan import Layout
 from transitions.emu import EMU
-from transitions.geometry import StateKind, check_layout, layer_stages, tensor_stages, tp_box
+from transitions.geometry import StateKind, _tensors, check_layout, layer_stages, tensor_stages, tp_box
 from transitions.layout import (
     ALIGN_BYTES,
     COUNTERS,
@@ -91,7 +91,7 @@ class _ModelSlots:
     __slots__ = ("dtypes", "orders", "position", "shapes")
 
     def __init__(self, model: ModelSpec, head: Head) -> None:
-        tensors = model.tensors(head)
+        tensors = _tensors(model, head)
         orders = _storage_orders(model, head)
         self.position = {t.name: i for i, t in enumerate(tensors)}
         self.shapes = [t.shape for t in tensors]
@@ -108,11 +108,6 @@ def _model_slots(model: ModelSpec, head: Head) -> _ModelSlots:
 def _kind_index(kinds: tuple[StateKind, ...]) -> dict[str, int]:
     """Each kind's position in ``kinds``, by its name (as slots name it)."""
     return {kind.value: k for k, kind in enumerate(kinds)}
-
-
-@lru_cache(maxsize=64)
-def _tensors(model: ModelSpec, head: Head) -> tuple[TensorSpec, ...]:
-    return model.tensors(head)
 
 
 @lru_cache(maxsize=256)
@@ -170,16 +165,21 @@ def rank_table(model: ModelSpec, head: Head, layout: Layout, rank: int, kinds: t
 def _tp_sizes(model: ModelSpec, head: Head, tp: int, tp_rank: int, kinds: tuple[StateKind, ...]
               ) -> tuple[tuple[tuple[int, int], ...] | None, ...]:
     """Per tensor, per kind the bytes of TP rank ``tp_rank``'s slot of it and the alignment it starts
-    at (``layout.slot_start``'s: a page from PAGE_ALIGN_MIN_BYTES, else ALIGN_BYTES); None: an empty chunk."""
+    at (``layout.slot_start``'s: a page from PAGE_ALIGN_MIN_BYTES, else ALIGN_BYTES); None: an empty
+    chunk. Once per box (``_tp_boxes`` shares one per shape, split and heads)."""
     items = [DTYPE_BYTES[dtype_of(kind, model)] for kind in kinds]
+    per_box: dict[int, tuple[tuple[int, int], ...]] = {}
     out: list[tuple[tuple[int, int], ...] | None] = []
     for box in _tp_boxes(model, head, tp, tp_rank):
         if box is None:
             out.append(None)
             continue
-        numel = prod(box[1])
-        out.append(tuple((numel * item, PAGE_BYTES if numel * item >= PAGE_ALIGN_MIN_BYTES else ALIGN_BYTES)
-                         for item in items))
+        sizes = per_box.get(id(box))
+        if sizes is None:
+            numel = prod(box[1])
+            sizes = per_box[id(box)] = tuple(
+                (numel * item, PAGE_BYTES if numel * item >= PAGE_ALIGN_MIN_BYTES else ALIGN_BYTES) for item in items)
+        out.append(sizes)
     return tuple(out)
 
 
