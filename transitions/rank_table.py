@@ -17,10 +17,18 @@ from functools import lru_cache
 from math import prod
 
 from planner.errors import SpecError
-from planner.models import Head, ModelSpec
+from planner.models import Head, ModelSpec, TensorSpec
 from planner.plan import Layout
 from transitions.emu import EMU
-from transitions.geometry import StateKind, _tensors, check_layout, layer_stages, tensor_stages, tp_box
+from transitions.geometry import (
+    StateKind,
+    _box_rule,
+    _tensors,
+    check_layout,
+    layer_stages,
+    tensor_stages,
+    tp_box,
+)
 from transitions.layout import (
     ALIGN_BYTES,
     COUNTERS,
@@ -110,19 +118,33 @@ def _kind_index(kinds: tuple[StateKind, ...]) -> dict[str, int]:
     return {kind.value: k for k, kind in enumerate(kinds)}
 
 
+@lru_cache(maxsize=64)
+def _rules(model: ModelSpec, head: Head) -> tuple[tuple[int, ...], tuple[TensorSpec, ...]]:
+    """Per tensor the index of its box rule (geometry._box_rule: what ``tp_box`` reads), and one tensor
+    of each rule: every layer repeats a few."""
+    index: dict[object, int] = {}
+    first: list[TensorSpec] = []
+    of_rule: list[int] = []
+    for tensor in _tensors(model, head):
+        rule = _box_rule(tensor)
+        k = index.get(rule)
+        if k is None:
+            k = index[rule] = len(first)
+            first.append(tensor)
+        of_rule.append(k)
+    return tuple(of_rule), tuple(first)
+
+
 @lru_cache(maxsize=256)
 def _tp_boxes(model: ModelSpec, head: Head, tp: int, tp_rank: int) -> tuple[Box | None, ...]:
     """Per tensor, the box TP rank ``tp_rank`` of ``tp`` holds of it (None: an empty chunk); one
-    ``tp_box`` per shape, split and heads (every layer repeats a few)."""
-    boxes: dict[tuple[object, ...], Box | None] = {}
-    out: list[Box | None] = []
-    for tensor in _tensors(model, head):
-        rule = (tensor.shape, id(tensor.parallel), tensor.num_heads)
-        if rule not in boxes:
-            box = tp_box(tensor, model, tp, tp_rank)
-            boxes[rule] = None if 0 in box[1] else box
-        out.append(boxes[rule])
-    return tuple(out)
+    ``tp_box`` per rule, shared by its tensors."""
+    of_rule, first = _rules(model, head)
+    boxes: list[Box | None] = []
+    for tensor in first:
+        box = tp_box(tensor, model, tp, tp_rank)
+        boxes.append(None if 0 in box[1] else box)
+    return tuple([boxes[k] for k in of_rule])
 
 
 @lru_cache(maxsize=256)
@@ -166,21 +188,16 @@ def _tp_sizes(model: ModelSpec, head: Head, tp: int, tp_rank: int, kinds: tuple[
               ) -> tuple[tuple[tuple[int, int], ...] | None, ...]:
     """Per tensor, per kind the bytes of TP rank ``tp_rank``'s slot of it and the alignment it starts
     at (``layout.slot_start``'s: a page from PAGE_ALIGN_MIN_BYTES, else ALIGN_BYTES); None: an empty
-    chunk. Once per box (``_tp_boxes`` shares one per shape, split and heads)."""
+    chunk. Once per box rule (``_rules``)."""
     items = [DTYPE_BYTES[dtype_of(kind, model)] for kind in kinds]
-    per_box: dict[int, tuple[tuple[int, int], ...]] = {}
-    out: list[tuple[tuple[int, int], ...] | None] = []
-    for box in _tp_boxes(model, head, tp, tp_rank):
-        if box is None:
-            out.append(None)
-            continue
-        sizes = per_box.get(id(box))
-        if sizes is None:
-            numel = prod(box[1])
-            sizes = per_box[id(box)] = tuple(
-                (numel * item, PAGE_BYTES if numel * item >= PAGE_ALIGN_MIN_BYTES else ALIGN_BYTES) for item in items)
-        out.append(sizes)
-    return tuple(out)
+    of_rule, first = _rules(model, head)
+    sizes: list[tuple[tuple[int, int], ...] | None] = []
+    for tensor in first:
+        offsets, lengths = tp_box(tensor, model, tp, tp_rank)
+        numel = prod(lengths)
+        sizes.append(None if numel == 0 else tuple(
+            (numel * item, PAGE_BYTES if numel * item >= PAGE_ALIGN_MIN_BYTES else ALIGN_BYTES) for item in items))
+    return tuple([sizes[k] for k in of_rule])
 
 
 def unit_table(unit: EMU, gpu: int) -> RankTable:

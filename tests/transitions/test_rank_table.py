@@ -49,7 +49,7 @@ LAYOUTS = ((1, 1), (2, 1), (4, 2), (2, 4), (1, 3), (4, 1))
 def _cold() -> None:
     """Every test derives its tables, shards and slots afresh (the memos hide what made them)."""
     for memo in (rank_table.rank_table, rank_table._tp_boxes, rank_table._stage_holds, rank_table._model_slots,
-                 rank_table._kind_index, rank_table._tp_sizes, layer_runs._rank_blocks, layer_runs._run_shifts,
+                 rank_table._kind_index, rank_table._tp_sizes, rank_table._rules, layer_runs._rank_blocks, layer_runs._run_shifts,
                  geometry._tensors, geometry.rank_shard_tuple, geometry._tp_rank_shards, geometry._common_shards,
                  layout._layout_slots, layout._slot_index, layout.unit_slots, rank_shards):
         memo.cache_clear()
