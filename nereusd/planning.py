@@ -220,11 +220,12 @@ class PlannerBinding:
 
 
 def _warm_geometry(spec: dict[str, Any], plan: GlobalPlan, deadline: float) -> tuple[bool, int]:
-    """Derive the shards, boxes and slots of every unit rank of ``plan`` (memoised by value in
-    transitions.emu and transitions.layout): (all done before ``deadline`` (perf_counter), ranks done)."""
+    """Derive the buffer tables (boxes, slot offsets: transitions.rank_table, what a transition's covers
+    and pieces read of its units) and bytes of every unit rank of ``plan`` (memoised by value): (all
+    done before ``deadline`` (perf_counter), ranks done)."""
     from transitions.emu import job_states
-    from transitions.layout import unit_slots
     from transitions.local_dag import plan_units
+    from transitions.rank_table import unit_table
 
     states = job_states(job_spec(spec))
     ranks = 0
@@ -233,9 +234,8 @@ def _warm_geometry(spec: dict[str, Any], plan: GlobalPlan, deadline: float) -> t
             for gpu in unit.gpus:
                 if time.perf_counter() > deadline:
                     return False, ranks
-                unit.boxes(gpu)
+                unit_table(unit, gpu)
                 unit.bytes_on(gpu)
-                unit_slots(unit, gpu)
                 ranks += 1
     return True, ranks
 

@@ -11,15 +11,16 @@ shard raises transitions.errors.CoverageError.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from functools import lru_cache
 
 from planner.models import Parallel, TensorSpec
 from transitions.emu import EMU, Box, StateKey, UnitState
 from transitions.errors import CoverageError
-from transitions.geometry import Shard, tensor_stages
-from transitions.layout import COUNTERS, COUNTERS_KIND, NUM_COUNTERS, Slot, unit_slots
+from transitions.geometry import Shard, _tensors, tensor_stages
+from transitions.layout import COUNTERS, COUNTERS_KIND, NUM_COUNTERS, Slot
 from transitions.primitives import Merge, Primitive
+from transitions.rank_table import rank_table, unit_table
 from transitions.transfer_plan import Piece, make_piece
 
 Intervals = list[tuple[int, int]]
@@ -28,7 +29,7 @@ Cover = list[tuple[EMU, int, Box, int, int]]  # (source unit, source GPU, source
 
 @lru_cache(maxsize=256)
 def _tensor_index(state: UnitState) -> dict[str, TensorSpec]:
-    return {t.name: t for t in state.model.tensors(state.head)}
+    return {t.name: t for t in _tensors(state.model, state.head)}
 
 
 def _split_dim(t: TensorSpec) -> int:
@@ -59,6 +60,24 @@ def _remote_holders(src: EMU, tensor: TensorSpec, prefer_tp: int) -> Iterable[in
             yield src.gpus[lay.rank_of((prefer_tp + i) % lay.tp, stage)]
 
 
+BoxOf = Callable[[StateKey], Box | None]  # a source rank's box of a (tensor, kind), None if it holds none
+
+
+def _no_box(key: StateKey) -> Box | None:
+    return None
+
+
+def _box_of(unit: EMU, gpu: int) -> BoxOf:
+    """``unit.boxes(gpu).get`` from its buffer's table: a part in final shape holds its final unit's."""
+    home = unit
+    while home.final is not None and home.holds(gpu):
+        home = home.final
+    if not home.holds(gpu):
+        return _no_box
+    state = home.state
+    return rank_table(state.model, state.head, home.layout, home.gpus.index(gpu), state.kinds).box
+
+
 def _take(cover: Cover, need: Intervals, src: EMU, gpu: int, box: Box | None, dim: int) -> Intervals:
     """What of ``need`` the source box ``box`` (of ``src`` on ``gpu``) covers goes into ``cover``;
     returns what is still needed."""
@@ -70,21 +89,22 @@ def _take(cover: Cover, need: Intervals, src: EMU, gpu: int, box: Box | None, di
 
 
 class _Boxes:
-    """One ``covers`` call's memo of the sources' boxes per GPU and their holders per PP stage: a unit's
-    ``boxes`` and ``tensor_stages`` are lru-cached by value, and hashing a unit's state per shard cost
-    more than the cover itself. Keyed by the source's position, alive for one call only."""
+    """One ``covers`` call's memo of the sources' boxes per GPU and their holders per PP stage: a unit
+    rank's boxes come from its buffer's table (transitions.rank_table: the same as ``EMU.boxes``,
+    without a dict of every shard's), its holders from ``tensor_stages``; hashing a unit's state per
+    shard cost more than the cover itself. Keyed by the source's position, alive for one call only."""
 
     __slots__ = ("boxes", "holders", "sources")
 
     def __init__(self, sources: tuple[EMU, ...]) -> None:
         self.sources = sources
-        self.boxes: dict[tuple[int, int], dict[StateKey, Box]] = {}
+        self.boxes: dict[tuple[int, int], BoxOf] = {}
         self.holders: dict[tuple[int, int | None, str, int], tuple[int, ...]] = {}
 
-    def of(self, k: int, gpu: int) -> dict[StateKey, Box]:
+    def of(self, k: int, gpu: int) -> BoxOf:
         got = self.boxes.get((k, gpu))
         if got is None:
-            got = self.boxes[(k, gpu)] = self.sources[k].boxes(gpu)
+            got = self.boxes[(k, gpu)] = _box_of(self.sources[k], gpu)
         return got
 
     def holders_of(self, k: int, tensor: TensorSpec, tp_rank: int) -> tuple[int, ...]:
@@ -97,18 +117,18 @@ class _Boxes:
 
 
 def _tensor_cover(shard: Shard, dim: int, tensor: TensorSpec, memo: _Boxes, gpu: int,
-                  local: list[tuple[EMU, dict[StateKey, Box]]], tp_rank: int) -> tuple[Cover, Intervals]:
+                  local: list[tuple[EMU, BoxOf]], tp_rank: int) -> tuple[Cover, Intervals]:
     """Where each row of ``shard`` comes from: same-GPU sources first, then remote ones rank-aligned."""
     key = shard.key
     cover: Cover = []
     need = [(shard.offsets[dim], shard.offsets[dim] + shard.lengths[dim])]
-    for s, boxes in local:
-        need = _take(cover, need, s, gpu, boxes.get(key), dim)
+    for s, box_of in local:
+        need = _take(cover, need, s, gpu, box_of(key), dim)
         if not need:
             return cover, need
     for k, s in enumerate(memo.sources):
         for g in memo.holders_of(k, tensor, tp_rank):
-            need = _take(cover, need, s, g, memo.of(k, g).get(key), dim)
+            need = _take(cover, need, s, g, memo.of(k, g)(key), dim)
             if not need:
                 return cover, need
     return cover, need
@@ -150,22 +170,22 @@ def derive_target(target: EMU, sources: tuple[EMU, ...], gpu: int, from_gpu: int
     with ``from_gpu``, only those read from that GPU. ``covered``: ``covers(target, sources, gpu)``
     when the caller has it already."""
     out: list[Piece] = []
-    dst_slots = unit_slots(target, gpu)
-    src_slots: dict[tuple[int, int], dict[tuple[str, str], Slot]] = {}  # by (id(unit), GPU): no hashing
+    dst_slot_of = unit_table(target, gpu).slot  # slots made as pieces need them (transitions.rank_table)
+    src_slots: dict[tuple[int, int], Callable[[tuple[str, str]], Slot]] = {}  # by (id(unit), GPU): no hashing
     uid = target.uid
     for shard, dim, cover in covers(target, sources, gpu) if covered is None else covered:
         offsets, lengths = shard.offsets, shard.lengths
         key = (shard.key[0], shard.key[1].value)
-        dst_slot = dst_slots[key]
+        dst_slot = dst_slot_of(key)
         for s, g, _, lo, hi in cover:
             if from_gpu is not None and g != from_gpu:
                 continue
-            slots = src_slots.get((id(s), g))
-            if slots is None:
-                slots = src_slots[(id(s), g)] = unit_slots(s, g)
+            slot_of = src_slots.get((id(s), g))
+            if slot_of is None:
+                slot_of = src_slots[(id(s), g)] = unit_table(s, g).slot
             offs, lens = list(offsets), list(lengths)
             offs[dim], lens[dim] = lo, hi - lo
-            out.append(make_piece(g, gpu, slots[key], dst_slot, (tuple(offs), tuple(lens)), s.uid, uid))
+            out.append(make_piece(g, gpu, slot_of(key), dst_slot, (tuple(offs), tuple(lens)), s.uid, uid))
     return out
 
 
@@ -184,7 +204,7 @@ def counter_pieces(prim: Primitive) -> list[Piece]:
             local = [s for s in prim.sources if s.holds(g)]
             src = local[0] if local else prim.sources[0]
             src_gpu = g if local else src.gpus[target.gpus.index(g) % len(src.gpus)]
-            out.append(Piece(src_worker=src_gpu, dst_worker=g, src_slot=unit_slots(src, src_gpu)[key],
-                             dst_slot=unit_slots(target, g)[key], box=((0,), (NUM_COUNTERS,)),
+            out.append(Piece(src_worker=src_gpu, dst_worker=g, src_slot=unit_table(src, src_gpu).slot(key),
+                             dst_slot=unit_table(target, g).slot(key), box=((0,), (NUM_COUNTERS,)),
                              src_unit=src.uid, dst_unit=target.uid))
     return out

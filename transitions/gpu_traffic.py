@@ -25,9 +25,10 @@ from transitions.covers import Cover, covers, derive_target
 from transitions.emu import EMU
 from transitions.geometry import Shard
 from transitions.layer_runs import Segment, segments, steps
-from transitions.layout import COUNTERS, COUNTERS_KIND, NUM_COUNTERS, contiguous_range, unit_slots
+from transitions.layout import COUNTERS, COUNTERS_KIND, NUM_COUNTERS, contiguous_range
 from transitions.planning_cache import PlanningCache
 from transitions.primitives import Extend, Primitive, Split
+from transitions.rank_table import unit_table
 from transitions.transfer_plan import Piece, messages
 from transitions.wire_stream import PairStream, Rec, per_round
 
@@ -130,8 +131,8 @@ def _counter_piece(prim: Primitive, target: EMU, gpu: int, role: Role) -> Piece:
     src = prim.sources[role[0]]
     src_gpu = src.gpus[role[1]]
     key = (COUNTERS, COUNTERS_KIND)
-    return Piece(src_worker=src_gpu, dst_worker=gpu, src_slot=unit_slots(src, src_gpu)[key],
-                 dst_slot=unit_slots(target, gpu)[key], box=((0,), (NUM_COUNTERS,)), src_unit=src.uid,
+    return Piece(src_worker=src_gpu, dst_worker=gpu, src_slot=unit_table(src, src_gpu).slot(key),
+                 dst_slot=unit_table(target, gpu).slot(key), box=((0,), (NUM_COUNTERS,)), src_unit=src.uid,
                  dst_unit=target.uid)
 
 
@@ -150,15 +151,17 @@ def pair_wire(pieces: list[Piece], max_bucket_bytes: int | None = None) -> PairW
 
 
 def streamed(prim: Primitive, target: EMU, gpu: int, src: int, segs: list[Segment], counter: Piece | None,
-             max_bucket_bytes: int | None = None, cache: PlanningCache | None = None) -> PairWire | None:
+             max_bucket_bytes: int | None = None, cache: PlanningCache | None = None,
+             senders: list[dict[int, list[Piece]]] | None = None) -> PairWire | None:
     """The pair ``src -> gpu``'s wire, each run of like layers streamed from its first layer's pieces
     (transitions.wire_stream); None if some layer's slots are not the first's shifted. With ``cache``,
     memoised by the stream's own input (``PairStream.content_key``): pairs of other target GPUs whose
-    pieces lie alike in their buffers (middle PP stages, TP ranks) share one streaming."""
+    pieces lie alike in their buffers (middle PP stages, TP ranks) share one streaming. ``senders``:
+    ``by_sender(segs)``, when the caller streams several senders' pairs of these segments."""
     feeds: list[tuple[list[Piece], list[list[tuple[int, int]]] | None]] = []
     alone = True  # every piece a zero-copy message by itself
-    for seg in segs:
-        mine = [p for p in seg.pieces if p.src_worker == src]
+    for k, seg in enumerate(segs):
+        mine = [p for p in seg.pieces if p.src_worker == src] if senders is None else senders[k].get(src, [])
         shifts = None
         if seg.count > 1 and mine:
             shifts = steps(prim, target, gpu, src, mine, seg.layers)  # type: ignore[arg-type]
@@ -187,6 +190,17 @@ def streamed(prim: Primitive, target: EMU, gpu: int, src: int, segs: list[Segmen
     return wire
 
 
+def by_sender(segs: list[Segment]) -> list[dict[int, list[Piece]]]:
+    """Per segment, its pieces by sending GPU, in their order (what ``streamed`` picks for one sender)."""
+    out: list[dict[int, list[Piece]]] = []
+    for seg in segs:
+        mine: dict[int, list[Piece]] = {}
+        for p in seg.pieces:
+            mine.setdefault(p.src_worker, []).append(p)
+        out.append(mine)
+    return out
+
+
 def _direct_alone(p: Piece) -> bool:
     """Whether ``p`` would go as a zero-copy message on its own (transitions.transfer_plan.messages)."""
     return p.num_bytes >= transfer_plan.DIRECT_MIN_BYTES and contiguous_range(p.src_slot, p.box) is not None \
@@ -194,8 +208,8 @@ def _direct_alone(p: Piece) -> bool:
 
 
 def _wire(prim: Primitive, target: EMU, gpu: int, src: int, segs: list[Segment], counter: Piece | None,
-          cache: PlanningCache) -> PairWire:
-    wire = streamed(prim, target, gpu, src, segs, counter, cache=cache)
+          cache: PlanningCache, senders: list[dict[int, list[Piece]]] | None = None) -> PairWire:
+    wire = streamed(prim, target, gpu, src, segs, counter, cache=cache, senders=senders)
     if wire is not None:
         return wire
     every = ([] if counter is None else [counter]) + derive_target(target, prim.sources, gpu)
@@ -211,12 +225,14 @@ def dst_wires(prim: Primitive, target: EMU, gpu: int, key: tuple[object, ...], e
         senders.insert(0, prim.sources[entry.counter[0]].gpus[entry.counter[1]])
     counter = None if entry.counter is None else _counter_piece(prim, target, gpu, entry.counter)
     out: list[tuple[int, PairWire]] = []
+    by_src: list[dict[int, list[Piece]]] | None = None
     for src in dict.fromkeys(senders):
         pkey = (key, tuple(_position(s, src) for s in prim.sources))
         wire = cache.pair_wires.get(pkey)
         if wire is None:
             segs = gpu_segments(prim, target, gpu) if segs is None else segs
-            wire = cache.pair_wires.put(pkey, _wire(prim, target, gpu, src, segs, counter, cache))
+            by_src = by_sender(segs) if by_src is None else by_src  # once for every sender missed
+            wire = cache.pair_wires.put(pkey, _wire(prim, target, gpu, src, segs, counter, cache, by_src))
         out.append((src, wire))
     return out
 

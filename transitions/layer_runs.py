@@ -6,8 +6,8 @@ same PP stage of every unit involved (``layer_class``) get the same covers from 
 in its shards' order, into fixed segments (embedding, final norm, head: derived as they are) and runs
 of consecutive layers of one class, of which only the first layer is derived. Byte totals are the
 first layer's times the run's length; a pair's bucket memory streams the first layer's pieces once
-per layer, shifted to where that layer's slots are (``steps``: checked slot by slot, None where a
-layer's slots are not the first's moved as one block), transitions.wire_stream.
+per layer, shifted to where that layer's slots are (``steps``: from the slots' byte offsets, None where
+a rank does not hold some layer's counterpart), transitions.wire_stream.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from functools import lru_cache
 from planner.models import Head, ModelSpec, TensorSpec
 from planner.plan import Layout
 from transitions.covers import Cover, covers, derive_target
-from transitions.emu import EMU, UnitState, rank_shards
-from transitions.geometry import Shard, StateKind, layer_stages
-from transitions.layout import Slot, _slot_index
+from transitions.emu import EMU, Box, UnitState
+from transitions.geometry import Shard, StateKind, _tensors, layer_stages, make_shard
 from transitions.primitives import Primitive
+from transitions.rank_table import NOT_HELD, rank_table
 from transitions.transfer_plan import Piece
 
 Covers = list[tuple[Shard, int, Cover]]
@@ -45,7 +45,7 @@ def layer_tensors(model: ModelSpec, head: Head) -> dict[int, tuple[TensorSpec, .
     """Each decoder layer's tensors in order; None unless every layer's match the first's in shape,
     split and heads (then layer ``L``'s ``i``-th tensor stands where the first layer's ``i``-th does)."""
     out: dict[int, list[TensorSpec]] = {}
-    for t in model.tensors(head):
+    for t in _tensors(model, head):
         if t.layer is not None:
             out.setdefault(t.layer, []).append(t)
     shapes = {tuple((t.shape, t.parallel, t.num_heads) for t in ts) for ts in out.values()}
@@ -63,48 +63,59 @@ def layer_class(prim: Primitive, layer: int) -> tuple[int, ...]:
 
 def _groups(prim: Primitive, target: EMU, gpu: int) -> list[tuple[list[Shard], tuple[int, ...] | None]]:
     """The shards ``target`` holds on ``gpu`` in order: (shards, None) for fixed tensors, (first
-    layer's shards, layers) for a run of consecutive layers of one class."""
+    layer's shards, layers) for a run of consecutive layers of one class; only those shards are made."""
     home = target
     while home.final is not None:  # a part in final shape holds its final unit's shards (EMU.shards)
         home = home.final
+    state, rank = home.state, home.gpus.index(gpu)
+    boxes = rank_table(state.model, state.head, home.layout, rank, state.kinds).boxes
     out: list[tuple[list[Shard], tuple[int, ...] | None]] = []
     run_class: tuple[int, ...] | None = None
     # blocks are maximal (never two of fixed tensors, nor two of one layer, in a row): each fixed block is
     # a group, and a layer's block starts a run or extends the open one
-    for layer, shards in _rank_blocks(home.state, home.layout, home.gpus.index(gpu)):
+    for layer, block in _rank_blocks(state, home.layout, rank):
         last = out[-1][1] if out else None
         if layer is None:
-            out.append((list(shards), None))
+            out.append((_block_shards(state, boxes, block), None))
             continue
         cls = layer_class(prim, layer)
         if last is not None and cls == run_class and layer == last[-1] + 1:
             out[-1] = (out[-1][0], (*last, layer))
             continue
-        out.append((list(shards), (layer,)))
+        out.append((_block_shards(state, boxes, block), (layer,)))
         run_class = cls
     return out
 
 
 @lru_cache(maxsize=1024)
-def _rank_blocks(state: UnitState, layout: Layout, rank: int) -> tuple[tuple[int | None, tuple[Shard, ...]], ...]:
-    """A unit rank's shards (transitions.emu.rank_shards, in order) cut into blocks of one decoder
-    layer's or of consecutive fixed tensors' (layer None): ``_groups`` walks ~80 blocks where a 70B
-    rank holds ~3,000 shards. Keyed by value, bounded, like the shards it cuts."""
-    spec_layer = _spec_layers(state.model, state.head)
-    blocks: list[tuple[int | None, list[Shard]]] = []
-    for shard in rank_shards(state, layout, rank):
-        layer = spec_layer.get(shard.tensor)
+def _rank_blocks(state: UnitState, layout: Layout, rank: int) -> tuple[tuple[int | None, tuple[int, ...]], ...]:
+    """The tensors a unit rank holds (transitions.rank_table: a box, in model order), by their
+    positions, cut into blocks of one decoder layer's or of consecutive fixed tensors' (layer None):
+    ``_groups`` walks ~80 blocks where a 70B rank holds ~3,000 shards, and makes the shards of a run's
+    first layer only. Keyed by value, bounded."""
+    tensors = _tensors(state.model, state.head)
+    blocks: list[tuple[int | None, list[int]]] = []
+    for t, box in enumerate(rank_table(state.model, state.head, layout, rank, state.kinds).boxes):
+        if box is None:
+            continue
+        layer = tensors[t].layer
         if blocks and blocks[-1][0] == layer:
-            blocks[-1][1].append(shard)
+            blocks[-1][1].append(t)
         else:
-            blocks.append((layer, [shard]))
-    return tuple((layer, tuple(shards)) for layer, shards in blocks)
+            blocks.append((layer, [t]))
+    return tuple((layer, tuple(block)) for layer, block in blocks)
 
 
-@lru_cache(maxsize=64)
-def _spec_layers(model: ModelSpec, head: Head) -> dict[str, int]:
-    """The decoder layer of each layer tensor."""
-    return {t.name: t.layer for t in model.tensors(head) if t.layer is not None}
+def _block_shards(state: UnitState, boxes: tuple[Box | None, ...], block: tuple[int, ...]) -> list[Shard]:
+    """The shards of the tensors at ``block`` (positions in model order) with these boxes, tensor-major,
+    kinds in order: those transitions.emu.rank_shards lists for them, made here."""
+    model, tensors = state.model, _tensors(state.model, state.head)
+    per_kind = [(kind, kind.bytes_per_element(model)) for kind in state.kinds]
+    out = []
+    for t in block:
+        tensor, (offsets, lengths) = tensors[t], boxes[t]  # type: ignore[misc]
+        out += [make_shard(tensor.name, kind, tensor.shape, offsets, lengths, nbytes) for kind, nbytes in per_kind]
+    return out
 
 
 def segments(prim: Primitive, target: EMU, gpu: int) -> list[Segment] | None:
@@ -120,30 +131,30 @@ def segments(prim: Primitive, target: EMU, gpu: int) -> list[Segment] | None:
     return out
 
 
-def _same_place(a: Slot, b: Slot) -> bool:
-    return (a.kind, a.dtype, a.global_shape, a.offsets, a.lengths, a.order) == \
-        (b.kind, b.dtype, b.global_shape, b.offsets, b.lengths, b.order)
-
-
 @lru_cache(maxsize=1024)
 def _run_shifts(model: ModelSpec, head: Head, layout: Layout, rank: int, kinds: tuple[StateKind, ...],
                 run: tuple[int, ...]) -> dict[tuple[str, str], tuple[int, ...] | None]:
     """Per slot of ``run``'s first layer in a rank's buffer: the bytes from it to its counterpart in
-    each layer of the run (None if some counterpart is not the same box of the same kind)."""
+    each layer of the run (None if the rank holds some counterpart not). Every layer's ``i``-th tensor
+    has the first layer's shape, split and heads (``layer_tensors``), hence of each kind the same box,
+    dtype and storage order: wherever the rank holds it, its slot is the first's moved, by the
+    difference of their byte offsets (transitions.rank_table: no slot is made)."""
     layers = layer_tensors(model, head)
     assert layers is not None
-    slots = _slot_index(model, head, layout, rank, kinds)
+    table = rank_table(model, head, layout, rank, kinds)
+    position, offsets, width = table.position, table.offsets, len(kinds)
     out: dict[tuple[str, str], tuple[int, ...] | None] = {}
     for i, tensor in enumerate(layers[run[0]]):
-        for kind in kinds:
-            slot = slots.get((tensor.name, kind.value))
-            if slot is None:
+        rows: list[int] | None = None
+        first = position[tensor.name] * width
+        for k, kind in enumerate(kinds):
+            start = offsets[first + k]
+            if start == NOT_HELD:
                 continue
-            others = [slots.get((layers[layer][i].name, slot.kind)) for layer in run]
-            if any(o is None or not _same_place(slot, o) for o in others):
-                out[slot.key] = None
-            else:
-                out[slot.key] = tuple(o.byte_offset - slot.byte_offset for o in others)  # type: ignore[union-attr]
+            if rows is None:
+                rows = [position[layers[layer][i].name] * width for layer in run]
+            others = [offsets[row + k] for row in rows]
+            out[(tensor.name, kind.value)] = None if NOT_HELD in others else tuple([o - start for o in others])
     return out
 
 

@@ -21,7 +21,7 @@ from planner.errors import SpecError
 from planner.models import Head, ModelSpec, Parallel
 from planner.plan import Layout
 from transitions.emu import EMU
-from transitions.geometry import StateKind, check_layout, rank_shard_tuple
+from transitions.geometry import StateKind, _tensors, check_layout, rank_shard_tuple
 
 ALIGN_BYTES = 16
 # slots this big start on a page boundary (CPU pages; harmless padding on GPUs): a run kept by a new
@@ -148,7 +148,7 @@ def dtype_of(kind: StateKind, model: ModelSpec) -> str:
 @lru_cache(maxsize=256)
 def _storage_orders(model: ModelSpec, head: Head) -> dict[str, tuple[int, ...]]:
     """Per tensor, its storage order when not row-major: row-parallel weights go column-major."""
-    return {t.name: (1, 0, *range(2, len(t.shape))) for t in model.tensors(head)
+    return {t.name: (1, 0, *range(2, len(t.shape))) for t in _tensors(model, head)
             if t.parallel is Parallel.ROW and len(t.shape) >= 2}
 
 
