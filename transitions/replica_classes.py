@@ -37,7 +37,7 @@ from planner.plan import GlobalPlan, StagePlan
 from transitions.emu import UnitState, rank_bytes, t_sub
 from transitions.planning_cache import PlanningCache
 from transitions.replica_local import classes_of, gpu_array, local_plan, part_columns, stage_owners
-from transitions.replica_order import class_order, link
+from transitions.replica_order import link, order_classes
 from transitions.replica_plan import ReplicaClass, ReplicaPlan, ReplicaStage, ShapeEntry, StageClasses
 
 __all__ = ["MIN_UNITS", "ReplicaClass", "ReplicaPlan", "plan_replicas"]
@@ -186,9 +186,9 @@ def plan_replicas(states: Mapping[str, UnitState], cluster: ClusterSpec, old: Gl
             class_stage.append(k)
             first.append(base + c.first)
         base += sc.num_nodes
-    order = class_order(classes, edges, initial, capacity)
-    if order is None:
+    found = order_classes(classes, edges, initial, capacity, first)
+    if found is None:
         return None
     return ReplicaPlan(old_version=old.version, new_version=new.version, stages=stages, classes=classes,
-                       class_stage=class_stage, first=first, stage_base=stage_base, class_order=order,
-                       num_nodes=base, initial=initial, cache=cache)
+                       class_stage=class_stage, first=first, stage_base=stage_base, class_order=found.order,
+                       resource_edges=found.resource_edges, num_nodes=base, initial=initial, cache=cache)

@@ -101,6 +101,7 @@ class ReplicaPlan:
     stage_base: list[int]  # global node id of each stage's first node
     class_order: list[int]
     num_nodes: int
+    resource_edges: list[tuple[int, int]] = field(default_factory=list)  # where a class waited: global ids
     initial: np.ndarray  # bytes per GPU before the transition
     cache: PlanningCache | None = None  # the builder's, for the expansion's footprints (None: the default)
 
