@@ -1,9 +1,12 @@
 """Edges between replica classes and their memory order, over arrays. Pure.
 
 ``link`` derives one model-stage's unit-level data edges (global_dag.data_edges' rules) over the
-classes' member arrays and lifts them to edges between classes; ``class_order`` orders the classes
-greedily (release before acquire, gen -> inf -> train, longest path), checking each class against
-capacity on every GPU at once.
+classes' member arrays and lifts them to edges between classes; ``order_classes`` orders the classes
+greedily as transitions.feasibility orders units (release before acquire, gen -> inf -> train, longest
+path; a class that does not fit waits for a release on a GPU it is over on, its members' resource
+edges recorded; a blocked pass retried with the largest demand first, then the most freed by
+successors first), checking each class against capacity on every GPU at once. ``batched`` splits a
+class whose members share a GPU into batches that share none (used after a loss).
 """
 
 from __future__ import annotations
@@ -231,16 +234,49 @@ def _resource_edges(classes: list[ReplicaClass], order: list[int], waited: dict[
         ids = first[k] + np.arange(c.size, dtype=np.int64)
         gpu = waited.get(k)
         if gpu is not None:
-            m = np.flatnonzero(gpu >= 0)
-            src = last[gpu[m]]
+            waits = np.flatnonzero(gpu >= 0)
+            src = last[gpu[waits]]
             keep = src >= 0
-            out += zip(src[keep].tolist(), ids[m][keep].tolist(), strict=True)
+            out += zip(src[keep].tolist(), ids[waits][keep].tolist(), strict=True)
         rel = c.delta < 0
         if not rel.any():
             continue
         if c.single:
             last[c.g[:, rel]] = ids[:, None]
         else:
-            for m, row in enumerate(c.g[:, rel]):  # one after another: the last one on a GPU stays
-                last[row] = ids[m]
+            for member, row in enumerate(c.g[:, rel]):  # one after another: the last one on a GPU stays
+                last[row] = ids[member]
+    return out
+
+
+def batched(mine: list[ReplicaClass]) -> list[ReplicaClass]:
+    """Each class whose members share a GPU split into batches of members that share none (first fit in
+    member order), each batch a class of its own, so that a batch runs at once instead of its members
+    one after another; the stage's node ids renumbered in the new class order."""
+    out: list[ReplicaClass] = []
+    for c in mine:
+        if c.single:
+            out.append(c)
+            continue
+        taken: list[set[int]] = []
+        batch = np.empty(c.size, dtype=np.int64)
+        for m, row in enumerate(c.g.tolist()):
+            for b, gpus in enumerate(taken):
+                if gpus.isdisjoint(row):
+                    gpus.update(row)
+                    batch[m] = b
+                    break
+            else:
+                batch[m] = len(taken)
+                taken.append(set(row))
+        for b in range(len(taken)):
+            idx = np.flatnonzero(batch == b)
+            part = ReplicaClass(kind=c.kind, stage=c.stage, stage_order=c.stage_order, canon=c.canon,
+                                gpus=c.gpus[idx], unit=c.unit[idx], refs=c.refs[idx], touched=c.touched)
+            part._finish()
+            out.append(part)
+    first = 0
+    for c in out:
+        c.first = first
+        first += c.size
     return out
