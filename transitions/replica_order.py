@@ -125,7 +125,7 @@ def order_classes(classes: list[ReplicaClass], edges: list[tuple[int, int]], ini
         if done is not None:
             order, waited = done
             return ClassOrder(order=order, resource_edges=_resource_edges(classes, order, waited, first,
-                                                                          len(initial)) if waited else [])
+                                                                          len(initial)))
     return None
 
 
@@ -147,18 +147,17 @@ def _unlocks(classes: list[ReplicaClass]) -> list[float]:
     for k, c in enumerate(classes):
         by_stage.setdefault(c.stage, []).append(k)
     for ks in by_stage.values():
-        firsts = np.array([classes[k].first for k in ks], dtype=np.int64)
+        firsts = np.array([classes[k].first for k in ks])
         for j in ks:
             c = classes[j]
-            net = -int(c.delta.sum())
-            if net <= 0 or not c.preds.shape[1]:
+            net = max(0, -int(c.delta.sum()))  # what one member frees, less what it allocates
+            if not net or not c.preds.shape[1]:
                 continue
             rows = np.broadcast_to(np.arange(c.size)[:, None], c.preds.shape)
             ok = c.preds >= 0
-            pairs = np.unique(rows[ok] * (1 + int(c.preds.max())) + c.preds[ok])  # one per member and pred
-            pred = pairs % (1 + int(c.preds.max()))
+            pred = np.unique(np.stack((rows[ok], c.preds[ok]), axis=1), axis=0)[:, 1]  # once per member
             owner = np.searchsorted(firsts, pred, side="right") - 1
-            np.add.at(out, np.array(ks, dtype=np.int64)[owner], float(net))
+            np.add.at(out, np.array(ks)[owner], float(net))
     return [float(out[k]) / classes[k].size for k in range(len(classes))]
 
 
@@ -186,10 +185,9 @@ def _greedy(classes: list[ReplicaClass], succ: list[list[int]], indeg0: list[int
                 used[g] += c.delta
             else:
                 np.add.at(used, g, np.broadcast_to(c.delta, g.shape))
-            if parked and (c.delta < 0).any():
-                freed = np.zeros(len(used), dtype=bool)
-                freed[g[:, c.delta < 0]] = True
-                for j in [j for j, over in parked.items() if freed[over].any()]:
+            if parked:  # a class waiting on a GPU this one released on is tried again
+                freed = g[:, c.delta < 0]
+                for j in [j for j, over in parked.items() if np.isin(over, freed).any()]:
                     del parked[j]
                     heapq.heappush(heap, (keys[j], j))
         order.append(i)
@@ -227,17 +225,19 @@ def _resource_edges(classes: list[ReplicaClass], order: list[int], waited: dict[
                     first: list[int], n_gpus: int) -> list[tuple[int, int]]:
     """Replays ``order``: each member that waited, from the member that last released on the GPU it
     waited on (a member frees more than it allocates there) when it runs, as feasibility._greedy does."""
-    last = np.full(n_gpus, -1, dtype=np.int64)
+    if not waited:
+        return []
+    last = np.full(n_gpus, -1)
     out: list[tuple[int, int]] = []
     for k in order:
         c = classes[k]
-        ids = first[k] + np.arange(c.size, dtype=np.int64)
+        ids = first[k] + np.arange(c.size)
         gpu = waited.get(k)
         if gpu is not None:
             waits = np.flatnonzero(gpu >= 0)
             src = last[gpu[waits]]
-            keep = src >= 0
-            out += zip(src[keep].tolist(), ids[waits][keep].tolist(), strict=True)
+            keep = src != -1
+            out += [(a, b) for a, b in np.stack((src[keep], ids[waits][keep]), axis=1).tolist()]
         rel = c.delta < 0
         if not rel.any():
             continue
@@ -259,18 +259,18 @@ def batched(mine: list[ReplicaClass]) -> list[ReplicaClass]:
             out.append(c)
             continue
         taken: list[set[int]] = []
-        batch = np.empty(c.size, dtype=np.int64)
+        members: list[list[int]] = []
         for m, row in enumerate(c.g.tolist()):
             for b, gpus in enumerate(taken):
                 if gpus.isdisjoint(row):
                     gpus.update(row)
-                    batch[m] = b
+                    members[b].append(m)
                     break
             else:
-                batch[m] = len(taken)
                 taken.append(set(row))
-        for b in range(len(taken)):
-            idx = np.flatnonzero(batch == b)
+                members.append([m])
+        for batch in members:
+            idx = np.array(batch)
             part = ReplicaClass(kind=c.kind, stage=c.stage, stage_order=c.stage_order, canon=c.canon,
                                 gpus=c.gpus[idx], unit=c.unit[idx], refs=c.refs[idx], touched=c.touched)
             part._finish()

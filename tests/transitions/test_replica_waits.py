@@ -98,6 +98,21 @@ def test_a_class_is_retried_after_a_release_on_any_gpu_it_is_over_on() -> None:
     assert got.resource_edges == [(4, 0), (3, 1)]
 
 
+def test_only_a_class_that_frees_more_than_it_allocates_tries_a_waiting_one_again() -> None:
+    """A waits on GPU 0 (member 1, on GPU 1, fits then). X fills GPU 1; Z, on GPU 0, frees what it
+    allocates (a buffer only): no release, so A is not tried again then (else it would wait again, now
+    on both GPUs). W readies R, which frees GPUs 0 and 1: A runs, and only member 0 waited (edge from
+    R's member 0)."""
+    a = _cls([[0], [1]], alloc={0: 10})
+    x = _cls([[1]], alloc={0: 95}, stage_order=1)
+    z = _cls([[0]], buf={0: 1}, stage_order=2)
+    w = _cls([[2]], alloc={0: 1}, stage_order=3)
+    r = _cls([[0], [1]], free={0: 50})
+    got = _run([a, x, z, w, r], [(2, 3), (3, 4)], [95, 0, 0, 0], 100, first=[0, 2, 3, 4, 5])
+    assert got is not None and got.order == [1, 2, 3, 4, 0]
+    assert got.resource_edges == [(5, 0)]
+
+
 def test_a_member_that_fitted_gets_no_resource_edge() -> None:
     """Only member 1 (GPU 1) was over; member 0 (GPU 0) had room: one edge, into member 1."""
     a = _cls([[0], [1]], alloc={0: 10})
@@ -138,6 +153,9 @@ def test_blocked_members_sharing_a_gpu_count_all_their_allocations() -> None:
     assert not c.single
     over, first = _blocked(c, np.array([0, 95, 0, 0]), 100)  # type: ignore[misc]
     assert over.tolist() == [1] and first.tolist() == [-1, 1]
+    byte = _cls([[0, 1], [1, 2]], alloc={0: 1})  # one byte over on GPU 1: member 1's
+    over, first = _blocked(byte, np.array([0, 100, 0, 0]), 100)  # type: ignore[misc]
+    assert over.tolist() == [1] and first.tolist() == [-1, 1]
     both = _cls([[0], [0]], alloc={0: 10}, buf={0: 3})  # 80 + 10 + 10 + 3 = 103
     over, first = _blocked(both, np.array([80, 0, 0, 0]), 100)  # type: ignore[misc]
     assert over.tolist() == [0] and first.tolist() == [0, 0]
@@ -161,7 +179,12 @@ def test_the_last_member_to_release_on_a_gpu_gives_the_edge() -> None:
     single = _cls([[0], [1]], free={0: 10})
     assert _resource_edges([single, a, a], [0, 1, 2], {1: np.array([1]), 2: np.array([0])}, [5, 7, 8], 4) \
         == [(6, 7), (5, 8)]
-    assert _resource_edges([single, a], [0, 1], {1: np.array([-1])}, [5, 7], 4) == []
+    assert _resource_edges([single, a], [0, 1], {1: np.array([-1])}, [5, 7], 2) == []  # (not GPU 1's)
+    assert _resource_edges([single, a], [0, 1], {}, [5, 7], 2) == []
+    assert _resource_edges([single, a, a], [0, 1, 2], {1: np.array([1]), 2: np.array([1])}, [0, 7, 8], 2) \
+        == [(1, 7), (1, 8)]
+    first_member = _cls([[0]], free={0: 10})
+    assert _resource_edges([first_member, a], [0, 1], {1: np.array([0])}, [0, 1], 1) == [(0, 1)]
     assert _resource_edges([a, single], [0, 1], {0: np.array([0])}, [0, 1], 4) == []  # no release yet
 
 
