@@ -56,7 +56,7 @@ MIN_UNITS = 32
 
 
 def _stage_classes(state: UnitState, cp: StagePlan, tp: StagePlan, n_gpus: int,
-                   cache: PlanningCache, batch: bool = False) -> StageClasses | None:
+                   cache: PlanningCache, batch: bool) -> StageClasses | None:
     """The class-level local plan of one model-stage; memoised per pair of stage plans (by identity:
     a planner keeps proposing the same plans), None where it is not symmetric. ``batch``: classes whose
     members share a GPU are split into batches that share none (replica_order.batched)."""
@@ -65,7 +65,7 @@ def _stage_classes(state: UnitState, cp: StagePlan, tp: StagePlan, n_gpus: int,
 
 
 def _relabelled_stage(state: UnitState, cp: StagePlan, tp: StagePlan, n_gpus: int,
-                      cache: PlanningCache, batch: bool = False) -> StageClasses | None:
+                      cache: PlanningCache, batch: bool) -> StageClasses | None:
     """``_build_stage``'s plan, taken from ``cache.shape_stages`` when a pair of the same relative shape
     was built before. That key is the state, the layouts and the target GPUs as labels (a current GPU
     is labelled by its position in the current plan, a GPU only the target uses by its order of
@@ -129,7 +129,7 @@ def replica_stage(state: UnitState, cp: StagePlan, tp: StagePlan, cache: Plannin
 
 
 def _build_stage(state: UnitState, cp: StagePlan, tp: StagePlan, n_gpus: int,
-                 cache: PlanningCache, batch: bool = False) -> StageClasses | None:
+                 cache: PlanningCache, batch: bool) -> StageClasses | None:
     """One model-stage's class-level plan built afresh; its only caller, ``_relabelled_stage``, has
     checked that every GPU is in the cluster."""
     st = replica_stage(state, cp, tp, cache)
@@ -196,7 +196,7 @@ def plan_replicas(states: Mapping[str, UnitState], cluster: ClusterSpec, old: Gl
     old_names = [sp.model_stage for sp in old]
     if sorted(old_names) != sorted(sp.model_stage for sp in new):
         return None
-    lost = np.zeros(n_gpus, dtype=bool)
+    lost = np.full(n_gpus, False)
     lost[[g for g in lost_gpus if 0 <= g < n_gpus]] = True
     stages: list[StageClasses] = []
     survivors: list[np.ndarray | None] = []

@@ -178,8 +178,8 @@ def stage_units(state: UnitState, plan: StagePlan, version: int, index: np.ndarr
     is the unit numbered ``index[i]`` (the survivors of a loss keep their old plan's uids)."""
     name, layout = state.model_stage, plan.layout
     numbers = range(len(plan.gpu_sets)) if index is None else index.tolist()
-    return [make_emu(unit_uid(name, version, i), state, layout, tuple(g), version, None)
-            for i, g in zip(numbers, plan.gpu_sets, strict=True)]
+    return [make_emu(unit_uid(name, version, numbers[k]), state, layout, tuple(g), version, None)
+            for k, g in enumerate(plan.gpu_sets)]
 
 
 def stage_parts(st: ReplicaStage, tgt: list[EMU]) -> list[EMU]:

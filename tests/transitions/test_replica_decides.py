@@ -213,6 +213,17 @@ def test_by_default_a_loss_goes_over_classes_only_above_the_timed_limit() -> Non
     assert _build(states, WIDE, old, new, lost_gpus=lost, exact=False).replicas is not None
 
 
+def test_the_timed_limit_is_inclusive(monkeypatch: pytest.MonkeyPatch) -> None:
+    import transitions.replica_classes as rc
+
+    states, old, new, lost = _shifted(0, 4, old_tp=8)
+    nodes = _build(states, WIDE, old, new, lost_gpus=lost, exact=False).num_nodes
+    monkeypatch.setattr(rc, "TIMED_NODE_LIMIT", nodes)
+    assert _build(states, WIDE, old, new, lost_gpus=lost).replicas is None
+    monkeypatch.setattr(rc, "TIMED_NODE_LIMIT", nodes - 1)
+    assert _build(states, WIDE, old, new, lost_gpus=lost).replicas is not None
+
+
 def test_a_shifted_chain_of_extends_runs_in_batches(monkeypatch: pytest.MonkeyPatch) -> None:
     """TP8 replicas shifted by a node each read two old replicas, so neighbours share GPUs: one class
     of 7 whose members would run one after another. After a loss its members are split into batches
@@ -253,11 +264,11 @@ def test_what_a_loss_leaves_to_the_per_unit_path() -> None:
     with pytest.raises(SpecError, match="lost GPUs"):
         build_transition(states, WIDE, old, new, lost_gpus=on_lost, exact=False)
     # a lost GPU outside the cluster is nobody's
-    outside = plan_replicas(states, WIDE, old, new, ROOMY, lost_gpus=lost | {WIDE.num_gpus + 3}, cache=cache)
+    outside = plan_replicas(states, WIDE, old, new, ROOMY, lost_gpus=lost | {WIDE.num_gpus}, cache=cache)
     assert outside is not None and len(outside.lost_units) == 2
     # an old plan reaching outside the cluster: the per-unit path names the GPU
     far = GlobalPlan(version=1, stages=(old.stage("actor-gen"),
-                                        stage_plan("actor-train", Layout(4, 1), [*range(60), *range(64, 68)], 16)))
+                                        stage_plan("actor-train", Layout(4, 1), [*range(63), 64], 16)))
     assert plan_replicas(states, WIDE, far, new, ROOMY, lost_gpus=lost, cache=cache) is None
     # a loss that touches no replica changes nothing: the survivors are the plan itself
     none_lost = plan_replicas(states, WIDE, old, new, ROOMY, lost_gpus=frozenset({WIDE.num_gpus + 1}), cache=cache)
