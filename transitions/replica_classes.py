@@ -196,15 +196,14 @@ def plan_replicas(states: Mapping[str, UnitState], cluster: ClusterSpec, old: Gl
     old_names = [sp.model_stage for sp in old]
     if sorted(old_names) != sorted(sp.model_stage for sp in new):
         return None
-    lost = np.full(n_gpus, False)
-    lost[[g for g in lost_gpus if 0 <= g < n_gpus]] = True
+    lost = np.isin(np.arange(n_gpus), sorted(lost_gpus)) if lost_gpus else None  # a GPU outside is nobody's
     stages: list[StageClasses] = []
     survivors: list[np.ndarray | None] = []
     lost_units: list[EMU] = []
     initial = np.zeros(n_gpus, dtype=np.int64)
     for name in old_names:
         cp, kept = old.stage(name), None
-        if lost_gpus:
+        if lost is not None:
             left = _survivors(states[name], cp, lost, old.version, cache)
             if left is None:
                 return None
@@ -212,7 +211,7 @@ def plan_replicas(states: Mapping[str, UnitState], cluster: ClusterSpec, old: Gl
             survivors.append(kept)
             lost_units += gone
         sc = _stage_classes(states[name], cp, new.stage(name), n_gpus, cache, kept is not None)
-        if sc is None or (lost_gpus and lost[sc.stage.tgt].any()):
+        if sc is None or (lost is not None and lost[sc.stage.tgt].any()):
             return None
         stages.append(sc)
         initial += _initial(states[name], cp, n_gpus, cache)
