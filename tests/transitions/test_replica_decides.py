@@ -274,6 +274,8 @@ def test_what_a_loss_leaves_to_the_per_unit_path() -> None:
     none_lost = plan_replicas(states, WIDE, old, new, ROOMY, lost_gpus=frozenset({WIDE.num_gpus + 1}), cache=cache)
     assert none_lost is not None and none_lost.lost_units == () and none_lost.survivors == [None, None]
     assert none_lost.stages[0].stage.current is old.stage("actor-gen")
+    plain = plan_replicas(states, WIDE, old, new, ROOMY, cache=cache)  # no loss: no survivors to map
+    assert plain is not None and plain.survivors == [] and plain.lost_units == ()
 
 
 def test_survivors_keep_their_uids_and_the_lost_are_recorded() -> None:
