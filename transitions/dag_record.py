@@ -236,7 +236,8 @@ def _expand(plan: ReplicaPlan) -> DagBody:
     fps = [fp for sc in plan.stages for c in sc.classes for fp in member_footprints(c.canon, c.gpus.tolist())]
     order = tuple(plan.order())
     return DagBody(nodes=tuple(nodes), stage_order=tuple(stage_order), data_edges=tuple(data_edges(nodes)),
-                   resource_edges=(), order=order, old_units=tuple(old_units), lost_units=(),
+                   resource_edges=tuple(plan.resource_edges), order=order, old_units=tuple(old_units),
+                   lost_units=plan.lost_units,
                    new_units=tuple(new_units), renamed=tuple(renamed), stale_units=(),
                    peak_bytes=class_peaks(plan, held_bytes(old_units)), footprints=tuple(fps),
                    gpu_nodes=class_gpu_index(plan))

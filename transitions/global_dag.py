@@ -21,8 +21,8 @@ How one worker runs its part (everything derived locally from the frozen DAG):
             and buckets, the bucketizer the memory check counts too), unpacking each piece;
         free u.shards(gpu) for u in prim.frees.
     Units in ``renamed`` keep their tensors under the new uid; ``lost_units`` are simply gone.
-Plain plan changes (no lost GPUs, no weight sync, the same model-stages before and after) are
-planned over replica classes (transitions.replica_classes: DP replicas alike up to a renaming of
+Plan changes without a weight sync, with the same model-stages before and after (after a loss:
+from the surviving replicas) are planned over replica classes (transitions.replica_classes: DP replicas alike up to a renaming of
 GPUs), which keeps the 1,024-GPU build near a millisecond; the unit-level DAG above is expanded from
 them on first use, so consumers see the same attributes. Anything else, or ``exact=True``, is planned
 unit by unit. What a build derives is memoised in the caller's PlanningCache (``cache=``; see
@@ -111,10 +111,10 @@ def build_transition(
     if new.version <= old_version:
         raise SpecError("new.version", f"{new.version} must exceed the old plan's {old_version}")
     capacity = cluster.device.memory_bytes if capacity_bytes is None else capacity_bytes
-    if exact is not True and old is not None and not lost_gpus and not refresh and policy == "global" \
+    if exact is not True and old is not None and not refresh and policy == "global" \
             and all(sp.model_stage in states for sp in (*old, *new)):
         fast = plan_replicas(states, cluster, old, new, capacity, min_units=0 if exact is False else MIN_UNITS,
-                             cache=cache)
+                             lost_gpus=lost_gpus, cache=cache)
         if fast is not None:
             return TransitionDAG(old_version=old_version, new_version=new.version, capacity_bytes=capacity,
                                  replicas=fast)

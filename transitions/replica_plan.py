@@ -101,7 +101,12 @@ class ReplicaPlan:
     stage_base: list[int]  # global node id of each stage's first node
     class_order: list[int]
     num_nodes: int
+    resource_edges: list[tuple[int, int]] = field(default_factory=list)  # where a class waited: global ids
     initial: np.ndarray  # bytes per GPU before the transition
+    # after a loss, per stage: the old plan's index of each surviving replica (None: all survive), since
+    # a stage's ``current`` plan then holds the survivors alone; and the units that touched a lost GPU
+    survivors: list[np.ndarray | None] = field(default_factory=list)
+    lost_units: tuple[EMU, ...] = ()
     cache: PlanningCache | None = None  # the builder's, for the expansion's footprints (None: the default)
 
     def __getstate__(self) -> dict[str, object]:
@@ -131,9 +136,9 @@ class ReplicaPlan:
         old_units: list[EMU] = []
         new_units: list[EMU] = []
         renamed: list[tuple[str, str]] = []
-        for sc in self.stages:
+        for k, sc in enumerate(self.stages):
             st = sc.stage
-            cur = stage_units(st.state, st.current, self.old_version)
+            cur = stage_units(st.state, st.current, self.old_version, self.survivors[k] if self.survivors else None)
             tgt = stage_units(st.state, st.target, self.new_version)
             parts = tgt if st.nq == 1 else stage_parts(st, tgt)
             old_units += cur
@@ -168,11 +173,13 @@ def make_emu(uid: str, state: UnitState, layout: Layout, gpus: tuple[int, ...], 
     return unit
 
 
-def stage_units(state: UnitState, plan: StagePlan, version: int) -> list[EMU]:
-    """``plan_units(state, plan, version)``: the plan's units at ``version``."""
+def stage_units(state: UnitState, plan: StagePlan, version: int, index: np.ndarray | None = None) -> list[EMU]:
+    """``plan_units(state, plan, version)``: the plan's units at ``version``; with ``index``, replica i
+    is the unit numbered ``index[i]`` (the survivors of a loss keep their old plan's uids)."""
     name, layout = state.model_stage, plan.layout
-    return [make_emu(unit_uid(name, version, i), state, layout, tuple(g), version, None)
-            for i, g in enumerate(plan.gpu_sets)]
+    numbers = range(len(plan.gpu_sets)) if index is None else index.tolist()
+    return [make_emu(unit_uid(name, version, numbers[k]), state, layout, tuple(g), version, None)
+            for k, g in enumerate(plan.gpu_sets)]
 
 
 def stage_parts(st: ReplicaStage, tgt: list[EMU]) -> list[EMU]:

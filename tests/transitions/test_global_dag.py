@@ -118,11 +118,10 @@ def test_plain_changes_may_take_the_replica_class_path_and_nothing_else_does() -
     assert (fast.old_version, fast.new_version, fast.capacity_bytes) == (1, 2, CPU.memory_bytes)
     # by default a change this small (fewer units than replica_classes.MIN_UNITS) is planned unit by unit
     assert build_transition(STATES, CLUSTER, old, new).replicas is None
+    after_loss = _plan(2, ("actor-gen", 1, [0, 2], 2), ("actor-train", 2, [2, 3], 1))
     unit_level = {
         "exact": build_transition(STATES, CLUSTER, old, new, exact=True),
-        "lost GPUs": build_transition(STATES, CLUSTER, old, _plan(2, ("actor-gen", 1, [0, 2], 2),
-                                                                  ("actor-train", 2, [2, 3], 1)),
-                                      lost_gpus=frozenset({1}), exact=False),
+        "lost GPUs": build_transition(STATES, CLUSTER, old, after_loss, lost_gpus=frozenset({1})),
         "refresh": build_transition(STATES, CLUSTER, old, new, refresh={"actor-gen": "actor-train"}, exact=False),
         "per_stage": build_transition(STATES, CLUSTER, old, new, policy="per_stage", exact=False),
     }
@@ -134,6 +133,10 @@ def test_plain_changes_may_take_the_replica_class_path_and_nothing_else_does() -
     assert exact.stage_order == (2,) * len(exact.nodes) and len(exact.nodes) > 1
     assert set(unit_level["refresh"].stage_order) == {0, 2}
     assert [u.uid for u in unit_level["lost GPUs"].lost_units] == ["actor-gen@v1#1"]
+    # a loss moves from the survivors over replica classes too (by default only above TIMED_NODE_LIMIT nodes)
+    lost = build_transition(STATES, CLUSTER, old, after_loss, lost_gpus=frozenset({1}), exact=False)
+    assert lost.replicas is not None and [u.uid for u in lost.lost_units] == ["actor-gen@v1#1"]
+    replay(lost)
 
 
 def test_the_greedy_order_is_replaced_only_by_a_strictly_faster_one() -> None:

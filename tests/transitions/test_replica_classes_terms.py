@@ -222,7 +222,7 @@ def test_a_pair_of_a_seen_shape_gets_the_record_a_cold_build_gives() -> None:
             assert plan is not None and len(cache.shape_stages) == shapes
             for sc in plan.stages:
                 name = sc.stage.name
-                cold = rc._build_stage(states[name], cur.stage(name), cand.stage(name), n, PlanningCache())
+                cold = rc._build_stage(states[name], cur.stage(name), cand.stage(name), n, PlanningCache(), False)
                 assert cold is not None
                 _same_stage(sc, cold)
 
@@ -295,7 +295,7 @@ def test_the_memos_keyed_by_plan_identity_hold_their_plans() -> None:
     cp, tp = _sp(GEN, 1, list(range(n))), _sp(GEN, 2, list(range(n - 1)) + [n])  # GPU n: declined
     cache = PlanningCache()
     before = sys.getrefcount(tp)
-    assert rc._stage_classes(STATES[GEN], cp, tp, n, cache) is None
+    assert rc._stage_classes(STATES[GEN], cp, tp, n, cache, False) is None
     assert sys.getrefcount(tp) > before  # the None it memoised holds nothing: the memo pins tp
     cache.clear()
     assert sys.getrefcount(tp) == before
