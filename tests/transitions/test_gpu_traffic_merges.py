@@ -97,3 +97,16 @@ def test_merges_of_random_plan_changes_match_sharing_one_cache() -> None:
     partial = [p for p in merges if not relabels(p) and len(target_gpus(p, p.unit)) < len(p.unit.gpus)]
     assert len(merges) > 60 and len(partial) > 10  # parts in final shape on some of the unit's GPUs
     assert len(cache.dst_traffic)  # (the planner's Merges copy locally: parts arrive on the unit's GPUs)
+
+
+def test_a_gpu_read_under_two_roles_sums_into_one_pair() -> None:
+    """Two parts in other units' final shape on one GPU (each its final's TP rank: one half each of
+    every split tensor) fill a TP1 unit elsewhere: that GPU sends under both roles, one pair's bytes."""
+    half0, half1 = _u("h0", 2, (2, 3)), _u("h1", 2, (5, 2))
+    prim = Merge(parts=(_u("p0", 1, (2,), final=half0), _u("p1", 1, (2,), final=half1)), unit=_u("m", 1, (0,)))
+    _check(prim, PlanningCache())
+    cache = PlanningCache()
+    local, pair, _ = gpu_traffic.traffic(prim, cache)
+    entry = cache.dst_traffic.get(gpu_traffic.dst_key(prim, prim.unit, 0))
+    assert entry is not None and [role for role, _ in entry.received] == [(0, 0), (1, 0)]
+    assert not local and pair == {(2, 0): sum(n for _, n in entry.received)}
