@@ -7,8 +7,8 @@ executor's own bucketizer, ``transitions.transfer_plan.messages``). It is memois
 shape (GPU ids relabelled by first appearance) in the caller's PlanningCache
 (transitions.planning_cache), so the thousands of identical replicas of a large plan cost one
 derivation. ``traffic`` is the same without bucket memory: all a GPU deriving its own pieces needs
-(transitions.pieces), at no bucketizing cost; it is memoised in the same cache. A Split's or
-Extend's traffic and bucket memory come per target GPU (transitions.gpu_traffic: by runs of like
+(transitions.pieces), at no bucketizing cost; it is memoised in the same cache. A Split's, Merge's
+or Extend's traffic and bucket memory come per target GPU (transitions.gpu_traffic: by runs of like
 layers, the same figures); ``derive_footprint`` is the derivation from every piece at once.
 """
 
@@ -144,7 +144,7 @@ def _footprint(alloc: dict[int, int], free: dict[int, int], buffer: dict[int, in
 
 
 def _canonical_footprint(prim: Primitive, cache: PlanningCache, buffers: bool = True) -> Footprint:
-    """A Split's or Extend's footprint from the memoised entries of its target GPUs
+    """A Split's, Merge's or Extend's footprint from the memoised entries of its target GPUs
     (transitions.gpu_traffic: the same figures as ``derive_footprint``), any other from its pieces."""
     if not gpu_traffic.applies(prim):
         return derive_footprint(prim, buffers)

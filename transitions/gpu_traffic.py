@@ -1,4 +1,4 @@
-"""A Split's or Extend's traffic and bucket memory, derived per target GPU and memoised there. Pure.
+"""A Split's, Merge's or Extend's traffic and bucket memory, derived per target GPU and memoised there. Pure.
 
 What a target GPU ``d`` receives depends on the units alone, not on which GPUs they sit on: its
 shards and slots follow from the target's layout and ``d``'s rank, its covers (transitions.covers)
@@ -27,7 +27,7 @@ from transitions.geometry import Shard
 from transitions.layer_runs import Segment, segments, steps
 from transitions.layout import COUNTERS, COUNTERS_KIND, NUM_COUNTERS, contiguous_range
 from transitions.planning_cache import PlanningCache
-from transitions.primitives import Extend, Primitive, Split
+from transitions.primitives import Extend, Merge, Primitive, Split, target_gpus
 from transitions.rank_table import unit_table
 from transitions.transfer_plan import Piece, messages
 from transitions.wire_stream import PairStream, Rec, per_round
@@ -56,8 +56,9 @@ class PairWire:
 
 
 def applies(prim: Primitive) -> bool:
-    """Split and Extend whose targets share no GPU (every target GPU is filled by one target)."""
-    if not isinstance(prim, Split | Extend):
+    """Split, Merge and Extend whose targets share no GPU (every target GPU is filled by one target;
+    a Merge's one target on the GPUs no part in final shape holds, ``target_gpus``)."""
+    if not isinstance(prim, Split | Merge | Extend):
         return False
     gpus = [g for t in prim.targets for g in t.gpus]
     return len(set(gpus)) == len(gpus)
@@ -259,7 +260,7 @@ def traffic(prim: Primitive, cache: PlanningCache, buffers: bool = True
     pair: dict[tuple[int, int], int] = {}
     rounds: dict[int, list[int]] = {}
     for target in prim.targets:
-        for gpu in target.gpus:
+        for gpu in target_gpus(prim, target):
             key = dst_key(prim, target, gpu)
             entry, segs = dst_traffic(prim, target, gpu, key, cache)
             if entry.local is not None:

@@ -1,4 +1,4 @@
-"""A Split's or Extend's footprint from its target GPUs' memoised entries, by runs of like layers
+"""A Split's, Merge's or Extend's footprint from its target GPUs' memoised entries, by runs of like layers
 (transitions.gpu_traffic, layer_runs, wire_stream), equals the one derived from every piece at once
 (footprints.derive_footprint: covers, pieces, the executor's bucketizer): bytes, bucket memory and
 even dict order, on random plan changes that share one cache, as the daemon's builds do."""

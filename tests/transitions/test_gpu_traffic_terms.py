@@ -43,12 +43,12 @@ def test_rounds_add_up_per_gpu_and_grow_as_needed() -> None:
     assert into == {3: [4, 2, 5], 1: []}
 
 
-def test_it_serves_splits_and_extends_whose_targets_share_no_gpu() -> None:
+def test_it_serves_splits_merges_and_extends_whose_targets_share_no_gpu() -> None:
     unit = _u("u", 2, (0, 1))
     assert applies(Extend(sources=(unit,), target=_u("t", 1, (2,))))
     assert applies(Split(unit=unit, parts=(_u("p0", 1, (0,)), _u("p1", 1, (1,)))))
     assert not applies(Split(unit=unit, parts=(_u("p0", 1, (0,)), _u("p1", 1, (0,)))))
-    assert not applies(Merge(parts=(_u("p0", 1, (0,)), _u("p1", 1, (1,))), unit=_u("m", 2, (0, 1))))
+    assert applies(Merge(parts=(_u("p0", 1, (0,)), _u("p1", 1, (1,))), unit=_u("m", 2, (0, 1))))
     assert not applies(Destroy(unit=unit))
 
 

@@ -85,8 +85,8 @@ def test_a_build_fills_only_the_cache_it_is_given() -> None:
     fast = build_transition(STATES, CLUSTER, OLD, NEW, exact=False, cache=cache)
     assert fast.replicas is not None and not fast.expanded
     filled = cache.sizes()
-    # every memo served the fast path (the per-GPU ones serve Splits and Extends, which this change has
-    # none of: TP1 -> TP2 merges in place; tests/transitions/test_gpu_traffic.py fills them)
+    # every memo served the fast path (the per-GPU ones serve Splits, Merges and Extends that move bytes,
+    # which this change has none of: TP1 -> TP2 merges in place; tests/transitions/test_gpu_traffic.py fills them)
     assert all(n for memo, n in filled.items() if memo not in ("dst_traffic", "pair_wires", "pair_streams")), filled
     _ = fast.nodes  # expanding reads footprints: from the builder's cache too
     exact = build_transition(STATES, CLUSTER, OLD, NEW, exact=True, cache=cache)
