@@ -11,7 +11,8 @@
    record's unit-level body, derived by expanding the DAG, is stored after the orders leave and is
    counted in ``median_step_ms``, not in ``median_ms``). Samples interleave the cases and the two jobs
    (medians of ``--repeats``); beside them the first decision of a fresh daemon process on a stored
-   job (a new response length), after the daemon's start-up warm-up, whose time is reported too.
+   job (a new response length), after the daemon's start-up warm-up, whose time (wall and CPU, and
+   per step) is reported too: medians of ``--repeats`` fresh processes, each on a copy of one store.
    Target <= 30 ms for every case.
 1. Search only (secondary): replan (planner.search) + admission (planner.admission.decide, payback rule, with the
    transition time given as an input) for PPO on Llama-3.1-8B and Llama-3.3-70B at 8, 32, 128, 512,
@@ -34,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -174,28 +176,40 @@ def _median_or_none(values: list[float | None]) -> float | None:
     return round(statistics.median(got), 2) if got else None
 
 
-def daemon_first_decision(model: str) -> dict[str, Any]:
+def daemon_first_decision(model: str, samples: int = 5) -> dict[str, Any]:
     """A fresh daemon process on a stored, running job: its start-up warm-up, then the first decision
-    (a measurement with a new response length)."""
+    (a measurement with a new response length). ``samples`` fresh processes, each on its own copy of
+    the one placed store (a decision writes to it): medians, and every sample's row."""
     from bench.daemon_path import DaemonJob
     from nereusd.planning import PlannerBinding
 
     job = DaemonJob(model, 128, PlannerBinding())
     job.place()
+    job.store.close()
     # as nereusd starts: imports, the store and the job's controller restored, then the planner's warm-up
     # over the running plans (nereusd.daemon._warm_up_planner) and gc.freeze, then the first decision
     code = ("import json, sys, time, gc; sys.path.insert(0, '.'); from pathlib import Path; "
             "t0 = time.perf_counter(); from bench.daemon_path import DaemonJob; "
             "from nereusd.planning import PlannerBinding; b = PlannerBinding(); "
-            f"j = DaemonJob({model!r}, 0, b, Path({str(job.dir)!r})); t1 = time.perf_counter(); "
+            f"j = DaemonJob({model!r}, 0, b, Path(sys.argv[1])); t1, c1 = time.perf_counter(), time.process_time(); "
             "running = [(j.ctl._spec_now(), j.ctl.plan)]; new = 'running' in b.warm_up.__code__.co_varnames; "
             "w = b.warm_up(running=running) if new else b.warm_up(); "
-            "gc.freeze() if new else None; t2 = time.perf_counter(); "  # an older daemon froze nothing
+            "gc.freeze() if new else None; t2, c2 = time.perf_counter(), time.process_time(); "  # an older daemon froze nothing
             "row = j.new_length(5000); "
             "print(json.dumps({'start_ms': round((t1 - t0) * 1e3, 1), 'warm_up_ms': round((t2 - t1) * 1e3, 1), "
-            "'warm_up': w, **row}))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
-    return {"model": model, **json.loads(out.stdout.strip().splitlines()[-1])}
+            "'warm_up_cpu_ms': round((c2 - c1) * 1e3, 1), 'warm_up': w, **row}))")
+    rows = []
+    for k in range(max(1, samples)):
+        copy = job.dir.with_name(f"{job.dir.name}-{k}")
+        shutil.copytree(job.dir, copy)
+        out = subprocess.run([sys.executable, "-c", code, str(copy)], capture_output=True, text=True, check=True,
+                             cwd=ROOT)
+        shutil.rmtree(copy, ignore_errors=True)
+        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    shutil.rmtree(job.dir, ignore_errors=True)
+    med = {f"median_{k}": round(statistics.median(r[k] for r in rows), 2)
+           for k in ("ms", "cpu_ms", "warm_up_ms", "warm_up_cpu_ms")}
+    return {"model": model, "samples": len(rows), **med, "rows": rows}
 
 
 def first_in_process(model: str, gpus: int) -> dict[str, Any]:
@@ -273,7 +287,7 @@ def main() -> int:
     args = ap.parse_args()
     t0, c0 = time.perf_counter(), time.process_time()
     path = daemon_path(args.repeats)
-    fresh = [daemon_first_decision(m) for m in DECISION_MODELS]
+    fresh = [daemon_first_decision(m, args.repeats) for m in DECISION_MODELS]
     decisions = [decision_time(m, g, args.repeats) for m in DECISION_MODELS
                  for g in (QUICK_GPUS if args.quick else DECISION_GPUS)]
     at_1024 = [d["median_ms"] for d in decisions if d["gpus"] == 1024]

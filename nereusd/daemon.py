@@ -217,10 +217,11 @@ class Daemon(AgentSessions, SourceRequests, Transport):
                 "planner_warm_up_ms": self.warm_up_ms}
 
     def _warm_up_planner(self) -> None:
-        """The planner's bounded warm-up (imports, one small decision, the running plans' geometry: under
-        1 s), run before the first pass so the first decision pays none of it; then everything alive so far is moved out of the
-        cyclic collector's reach (gc.freeze: start-up objects and the planner's caches are not scanned
-        again by every full collection). Its time is logged and shown by ``status``."""
+        """The planner's bounded warm-up (imports, one small decision, what the running jobs' next
+        decisions read: under 1 s), run before serving so the first decision pays none of it; then
+        everything alive so far is moved out of the cyclic collector's reach (gc.freeze: start-up
+        objects and the planner's caches are not scanned again by every full collection). Its time is
+        logged and shown by ``status``."""
         warm_up = getattr(self.planner, "warm_up", None)
         t0 = time.monotonic()
         running = [(ctl._spec_now(), ctl.plan) for ctl in self.controllers.values() if ctl.plan is not None]
@@ -307,10 +308,13 @@ class Daemon(AgentSessions, SourceRequests, Transport):
         poller.register(self.admin.sock, zmq.POLLIN)
         poller.register(self.connections.monitor, zmq.POLLIN)
         if self.worker is not None:
-            self.worker.start()
-        self.log.info("serving", startup_ms=round(self.startup_s * 1e3, 1), **self.endpoints)
-        sd_notify("READY=1\nSTATUS=serving")
+            self.worker.start()  # the source's first poll (mostly waiting on Slurm) overlaps the warm-up
+        # warmed before anything is served or READY is told: the first decision pays none of it, and a
+        # supervisor's (or a test's) "ready" means decisions at full speed from the first message on
         self._warm_up_planner()
+        self.log.info("serving", startup_ms=round(self.startup_s * 1e3, 1), warm_up_ms=self.warm_up_ms,
+                      **self.endpoints)
+        sd_notify("READY=1\nSTATUS=serving")
         if ready is not None:
             ready()
         next_tick = next_flush = time.monotonic()

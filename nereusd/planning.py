@@ -38,6 +38,7 @@ if TYPE_CHECKING:  # the DAG's type only: transitions is imported where a transi
 # the start-up warm-up stops starting new work past this (issue 17: reported, < 1 s; the step under
 # way when it runs out still finishes, so the margin)
 WARM_UP_BUDGET_S = 0.8
+WARM_PP = 16  # the deepest pipeline whose rank-table factors the warm-up derives (_warm_rank_factors)
 SPEC_KEYS = ("model", "algo", "device", "gpus_per_node", "workload", "learned_reward", "old_logprob_pass", "elastic")
 
 
@@ -83,17 +84,21 @@ class PlannerBinding:
 
     def warm_up(self, budget_s: float = WARM_UP_BUDGET_S,
                 running: Iterable[tuple[dict[str, Any], GlobalPlan]] = ()) -> dict[str, float]:
-        """Run at daemon start-up, before the first pass (nereusd.daemon), within ``budget_s``: import
-        the numerical modules (numpy, search, DAG, cost); one small decision end to end (search, a
-        transition DAG and its cost on a tiny CPU job: every code path's lazy set-up); then the
-        geometry of the ``running`` jobs' plans (each unit rank's shards, boxes and buffer slots: the
-        old side of any transition away from them), plan by plan while time is left. Returns the ms
-        of each step (what the daemon logs)."""
+        """Run at daemon start-up, before serving (nereusd.daemon), within ``budget_s``: import every
+        module a decision reaches (numpy, search, DAG, cost, calibration, alternatives); one small
+        decision end to end (search, a transition DAG and its cost on a tiny CPU job: every code path's
+        lazy set-up); then, job by job while time is left, what any next decision of a ``running``
+        job reads whatever it decides (``_warm_job``). Returns the ms of each step (what the daemon
+        logs). Every memo it fills is a value memo: no decision depends on what it did."""
         t0 = time.perf_counter()
+        deadline = t0 + budget_s
+        import planner.alternatives  # noqa: F401
+        import planner.calibration  # noqa: F401  (the first measurement's fit)
         import planner.prediction  # noqa: F401
         import planner.search  # noqa: F401
         import transitions.cost  # noqa: F401
         import transitions.global_dag  # noqa: F401
+        import transitions.rank_table  # noqa: F401
 
         took = {"imports_ms": round((time.perf_counter() - t0) * 1e3, 1)}
         if time.perf_counter() - t0 < budget_s / 2:
@@ -107,17 +112,47 @@ class PlannerBinding:
             if sketch.detail is not None:  # the record's body too (the expansion's and to_dict's set-up)
                 sketch.detail()
             took["small_decision_ms"] = round((time.perf_counter() - t1) * 1e3, 1)
-        t2, plans, ranks = time.perf_counter(), 0, 0
+        plans = ranks = 0
+        spent = dict.fromkeys(("running_plans_ms", "running_tables_ms", "running_factors_ms"), 0.0)
         for spec, plan in running:
-            done, n = _warm_geometry(spec, plan, t0 + budget_s)
+            done, n = self._warm_job(spec, plan, deadline, spent)
             ranks += n
             if not done:
                 break
             plans += 1
         if ranks:
             took.update(running_plans=plans, running_ranks=ranks,
-                        running_plans_ms=round((time.perf_counter() - t2) * 1e3, 1))
+                        **{k: round(v * 1e3, 1) for k, v in spent.items() if v})
         return took
+
+    def _warm_job(self, spec: dict[str, Any], plan: GlobalPlan, deadline: float,
+                  spent: dict[str, float]) -> tuple[bool, int]:
+        """What any next decision of a job running ``plan`` reads, whatever its target: the geometry of
+        the plan's unit ranks (the old side of every transition away from it: ``_warm_geometry``);
+        the planner's tables at its pool (a search and a prediction for today's workload: the model's
+        and the cluster's per-layout memos, which a search for any other workload reads again); and
+        the rank-table factors of every TP and PP degree the search may pick for its units
+        (``_warm_rank_factors``: what the target side's tables are made of). Each step starts only
+        before ``deadline``; adds the seconds of each to ``spent``; (all done, ranks done)."""
+        t = time.perf_counter()
+        done, ranks = _warm_geometry(spec, plan, deadline)
+        spent["running_plans_ms"] += time.perf_counter() - t
+        if not done or time.perf_counter() > deadline:
+            return False, ranks
+        t = time.perf_counter()
+        pool = frozenset(plan.gpus)
+        try:  # the result is dropped, only the memos stay; a job its pool cannot hold plans nothing here
+            self.search(spec, pool, plan.version + 1)
+            self.predict(spec, pool, plan)
+        except (InfeasibleError, SpecError):
+            pass
+        spent["running_tables_ms"] += time.perf_counter() - t
+        if time.perf_counter() > deadline:
+            return False, ranks
+        t = time.perf_counter()
+        _warm_rank_factors(spec, len(pool))
+        spent["running_factors_ms"] += time.perf_counter() - t
+        return True, ranks
 
     def _eff(self, spec: dict[str, Any]) -> Any:
         from planner.cost import PRIORS
@@ -238,6 +273,29 @@ def _warm_geometry(spec: dict[str, Any], plan: GlobalPlan, deadline: float) -> t
                 unit.bytes_on(gpu)
                 ranks += 1
     return True, ranks
+
+
+def _warm_rank_factors(spec: dict[str, Any], num_gpus: int) -> None:
+    """The per-TP-rank boxes and slot sizes and the per-PP-rank holdings (transitions.rank_table's
+    factors of every rank table) of each of the job's (model, head, kinds), for every TP and PP degree
+    planner.options may give a unit on ``num_gpus`` GPUs (PP up to WARM_PP: 2 * 16 - 1 entries per
+    model and head keep two jobs' factors well inside _stage_holds' 256): a transition's target ranks
+    build their tables from these (about half a cold table's time), whatever layouts the search picks.
+    Memoised by value (lru_cache)."""
+    from planner.plan import power_of_two_upto
+    from transitions import rank_table as rt
+    from transitions.emu import job_states
+
+    per_node = int(spec.get("gpus_per_node") or 1)
+    for model, head, kinds in dict.fromkeys((s.model, s.head, s.kinds) for s in job_states(job_spec(spec)).values()):
+        for tp in power_of_two_upto(min(per_node, num_gpus)):
+            if model.valid_tp(tp):
+                for r in range(tp):
+                    rt._tp_boxes(model, head, tp, r)
+                    rt._tp_sizes(model, head, tp, r, kinds)
+        for pp in power_of_two_upto(min(model.num_layers, num_gpus, WARM_PP)):
+            for r in range(pp):
+                rt._stage_holds(model, head, pp, r)
 
 
 def _parts(dag: TransitionDAG, gpus: list[int], node_of_gpu: Callable[[int], str]) -> dict[str, dict[str, Any]]:

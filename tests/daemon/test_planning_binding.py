@@ -3,8 +3,12 @@ part of a transition (the DAG nodes touching that node's GPUs)."""
 
 from __future__ import annotations
 
-from nereusd.planning import PlannerBinding, cluster_for, job_spec
+import json
+
+from nereusd.planning import WARM_PP, PlannerBinding, cluster_for, job_spec
 from tests.daemon.conftest import DaemonHandle, wait_for
+from transitions import rank_table
+from transitions.emu import job_states
 from transitions.global_dag import build_transition
 
 SPEC = {"model": "tiny-3m", "algo": "grpo", "device": "cpu", "gpus_per_node": 2,
@@ -15,12 +19,60 @@ def test_warm_up_does_what_its_budget_allows() -> None:
     binding = PlannerBinding()
     plan = binding.search(SPEC, frozenset(range(4)), 1).plan
     steps = binding.warm_up(budget_s=600.0, running=[(SPEC, plan)])  # a budget no machine runs out of
-    assert set(steps) == {"imports_ms", "small_decision_ms", "running_plans", "running_ranks", "running_plans_ms"}
+    assert set(steps) == {"imports_ms", "small_decision_ms", "running_plans", "running_ranks", "running_plans_ms",
+                          "running_tables_ms", "running_factors_ms"}
     assert steps["running_ranks"] == sum(sp.layout.size for sp in plan.stages)  # one unit's ranks per stage
     # (the imports may all be done already: 0 ms)
     assert steps["running_plans"] == 1 and steps["small_decision_ms"] > 0 and steps["running_plans_ms"] > 0
+    assert steps["running_tables_ms"] > 0 and steps["running_factors_ms"] > 0
     # over budget from the start: the imports only (what a daemon on an overloaded machine does)
     assert set(PlannerBinding().warm_up(budget_s=0.0, running=[(SPEC, plan)])) == {"imports_ms"}
+
+
+def test_warm_up_derives_the_rank_table_factors_of_every_degree_the_search_may_pick() -> None:
+    """After the warm-up, a target unit of any TP (up to a node) and PP (up to WARM_PP) degree finds
+    its rank tables' factors derived: lookups only (whatever layout the next decision picks)."""
+    spec = {**SPEC, "gpus_per_node": 4}
+    pool = frozenset(range(8))
+    plan = PlannerBinding().search(spec, pool, 1).plan
+    for f in (rank_table._tp_boxes, rank_table._tp_sizes, rank_table._stage_holds):
+        f.cache_clear()
+    PlannerBinding().warm_up(budget_s=600.0, running=[(spec, plan)])
+    misses = [f.cache_info().misses for f in (rank_table._tp_boxes, rank_table._tp_sizes, rank_table._stage_holds)]
+    keys = {(s.model, s.head, s.kinds) for s in job_states(job_spec(spec)).values()}
+    model = next(iter(keys))[0]
+    assert min(model.num_layers, len(pool), WARM_PP) >= 4 and model.valid_tp(4)  # the degrees below are real
+    for m, head, kinds in keys:
+        for tp in (1, 2, 4):
+            for r in range(tp):
+                rank_table._tp_boxes(m, head, tp, r)
+                rank_table._tp_sizes(m, head, tp, r, kinds)
+        for pp in (1, 2, 4):
+            for r in range(pp):
+                rank_table._stage_holds(m, head, pp, r)
+    assert [f.cache_info().misses for f in (rank_table._tp_boxes, rank_table._tp_sizes,
+                                            rank_table._stage_holds)] == misses
+
+
+def test_a_decision_after_the_warm_up_is_the_one_without_it() -> None:
+    """The warm-up fills value memos only: the next decision of the running job (its search, its
+    transition's DAG, record and parts) is the same with or without it."""
+    pool, grown = frozenset(range(4)), frozenset(range(6))
+    later = {**SPEC, "workload": {**SPEC["workload"], "response_tokens": 96}}
+
+    def decide(binding: PlannerBinding) -> tuple[object, ...]:
+        running = binding.search(SPEC, pool, 1).plan
+        new = binding.search(later, grown, 2)
+        sketch = binding.transition(later, running, new.plan, grown, lambda g: f"n{g // 2}")
+        assert sketch.detail is not None
+        return new.plan, new.prediction, sketch.predicted_s, sketch.bytes_moved, sketch.dag, sketch.parts, \
+            sketch.detail()
+
+    cold = PlannerBinding()
+    warm = PlannerBinding()
+    warm.warm_up(budget_s=600.0, running=[(SPEC, warm.search(SPEC, pool, 1).plan)])
+    assert len(warm.planning_cache.footprints) > 0  # it did derive (and memoise) something
+    assert decide(warm) == decide(cold)
 
 
 def test_each_node_part_lists_the_dag_nodes_on_its_gpus() -> None:
@@ -49,5 +101,9 @@ def test_the_daemon_reports_its_planner_warm_up(daemon: DaemonHandle) -> None:
     daemon.start()
     took = wait_for(lambda: daemon.admin("status").get("planner_warm_up_ms"), 20, "the warm-up's time in status")
     assert took > 0
-    logged = [line for line in daemon.log().splitlines() if "planner-warm-up" in line]
-    assert logged and "imports_ms" in logged[0]
+    events = [json.loads(line) for line in daemon.log().splitlines() if line.startswith("{")]
+    names = [e.get("event") for e in events]
+    assert "planner-warm-up" in names and "imports_ms" in events[names.index("planner-warm-up")]["steps"]
+    # warmed before serving: "serving" (and READY) come after the warm-up, with its time
+    assert "serving" in names and names.index("serving") > names.index("planner-warm-up")
+    assert events[names.index("serving")]["warm_up_ms"] == took
