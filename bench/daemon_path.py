@@ -49,7 +49,8 @@ def job_spec(model: str, response_tokens: int = 3072) -> dict[str, Any]:
 class DaemonJob:
     """One job under a controller, its nodes named n0000.. in registration order."""
 
-    def __init__(self, model: str, nodes: int, binding: PlannerBinding, state_dir: Path | None = None) -> None:
+    def __init__(self, model: str, nodes: int, binding: PlannerBinding, state_dir: Path | None = None,
+                 response_tokens: int = 3072) -> None:
         self.dir = state_dir or Path(tempfile.mkdtemp(prefix="nereus-bench-"))
         self.store = Store(self.dir / "state.db")
         self.binding = binding
@@ -57,7 +58,7 @@ class DaemonJob:
         self.last_order_at = 0.0
         self.step_no = 10
         if self.store.job("j") is None:
-            self.store.add_job(job_id="j", user="bench", spec=job_spec(model))
+            self.store.add_job(job_id="j", user="bench", spec=job_spec(model, response_tokens))
         self.next_node = len(self.store.nodes("j"))  # a store reopened by a fresh daemon keeps its nodes
         self.ctl = self._controller()
         for _ in range(nodes):
@@ -101,6 +102,8 @@ class DaemonJob:
 
     def _timed(self, case: str, event: Any) -> dict[str, Any]:
         before = {d["id"] for d in self.store.decisions("j")}
+        shapes = self.binding.planning_cache.class_shapes
+        shapes_before = len(shapes)
         self.last_order_at = 0.0
         t0, c0 = time.perf_counter(), time.process_time()
         event()
@@ -112,7 +115,10 @@ class DaemonJob:
         row = {"case": case, "gpus": self.gpus(), "ms": round((end - t0) * 1e3, 2),
                "cpu_ms": round((c1 - c0) * 1e3, 2), "step_ms": round((t1 - t0) * 1e3, 2), "orders": ordered,
                "decided": dec is not None, "admitted": bool(dec and dec["admitted"]), "rule": dec and dec["rule"],
-               "decision_ms": dec and round(dec["decision_ms"], 2)}
+               "decision_ms": dec and round(dec["decision_ms"], 2),
+               # replica-class shapes whose footprints this decision derived (0: every target shape was
+               # met before in this process; the memo empties when full, hence the floor)
+               "new_class_shapes": max(0, len(shapes) - shapes_before)}
         reports = self.finish()
         row["reports_cpu_ms"] = None if reports is None else round(reports, 2)
         return row

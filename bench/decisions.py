@@ -13,7 +13,12 @@
    (medians of ``--repeats``); beside them the first decision of a fresh daemon process on a stored
    job (a new response length), after the daemon's start-up warm-up, whose time (wall and CPU, and
    per step) is reported too: medians of ``--repeats`` fresh processes, each on a copy of one store.
-   Target <= 30 ms for every case.
+   After those rounds, a job per model on the same daemon whose sequences grow 1.35x per decision
+   (``growing-responses``: 2,248 .. 9,845 response tokens), so its targets are plans never planned
+   before. The lengths of the interleaved rounds are new but their plans recur (the length swings
+   between two plans' ranges), so each row counts the replica-class shapes whose footprints it derived
+   (``new_class_shapes``) and each case's ``new_shapes`` gives the samples that derived any: what a
+   decision costs when its target is really new. Target <= 30 ms for every case.
 1. Search only (secondary): replan (planner.search) + admission (planner.admission.decide, payback rule, with the
    transition time given as an input) for PPO on Llama-3.1-8B and Llama-3.3-70B at 8, 32, 128, 512,
    1,024 and 4,096 H200 GPUs, 1,024 prompts of 1,024 + 4,096 tokens; the running plan is the one chosen
@@ -138,9 +143,17 @@ def fallback_time(model: str, gpus: int, repeats: int) -> dict[str, Any]:
             "note": "the replan itself is outside: this is the walk (one more search per plan tried)"}
 
 
+GROWTH = 1.35  # the growing-responses job: each sequence (prompt + response) this much longer than the last
+# (past the 30% drift threshold on the sequence length, so every measurement is a decision)
+
+
 def daemon_path(repeats: int) -> dict[str, Any]:
     """The controller's path, interleaved: each round, per job, a new response length, a node loss and
-    three nodes joining (every GPU count stays new: +24 and -8 per round)."""
+    three nodes joining (every GPU count stays new: +24 and -8 per round). Then, per model, a job on the
+    same daemon whose responses grow (from 1,400 tokens, each sequence GROWTH times the last: 2,248 ..
+    9,845 response tokens in 5 decisions, the drift RL runs see), where each decision's target plan is one the daemon has not planned before; its rows are
+    the case ``growing-responses``. Every row counts the replica-class shapes whose footprints it
+    derived (``new_class_shapes``); each case's summary gives the samples with new shapes apart."""
     from bench.daemon_path import DaemonJob
     from nereusd.planning import PlannerBinding
 
@@ -154,10 +167,18 @@ def daemon_path(repeats: int) -> dict[str, Any]:
             rows.append({"model": model, "round": k, **job.new_length(length)})
             rows.append({"model": model, "round": k, **job.lose(f"n{k:04d}")})
             rows.append({"model": model, "round": k, **job.grow(3)})
+    growing = {m: DaemonJob(m, DAEMON_NODES, binding, response_tokens=1400) for m in DECISION_MODELS}
+    for job in growing.values():
+        job.place()
+    for k in range(repeats):
+        for model, job in growing.items():
+            row = job.new_length(round((1024 + 1400) * GROWTH ** (k + 1)) - 1024)
+            rows.append({"model": model, "round": k, **row, "case": "growing-responses"})
     summary = {}
     for model in DECISION_MODELS:
-        for case in ("new-response-length", "node-loss", "new-gpu-count"):
-            got = [r for r in rows if r["model"] == model and r["case"] == case]
+        for case in ("new-response-length", "node-loss", "new-gpu-count", "growing-responses"):
+            got = [r for r in rows if r["model"] == model and r.get("case") == case and "round" in r]
+            fresh = [r for r in got if r["new_class_shapes"]]
             summary[f"{model}/{case}"] = {
                 "median_ms": round(statistics.median(r["ms"] for r in got), 2),
                 "max_ms": round(max(r["ms"] for r in got), 2),
@@ -165,6 +186,10 @@ def daemon_path(repeats: int) -> dict[str, Any]:
                 # the whole step: the orders, then the DAG record's unit-level body stored after them
                 "median_step_ms": round(statistics.median(r["step_ms"] for r in got), 2),
                 "admitted": sum(r["admitted"] for r in got), "samples": len(got),
+                # the samples whose decision derived footprints of class shapes new to the daemon
+                "new_shapes": {"samples": len(fresh), "median_ms": _median_or_none([r["ms"] for r in fresh]),
+                               "median_cpu_ms": _median_or_none([r["cpu_ms"] for r in fresh]),
+                               "median_class_shapes": _median_or_none([r["new_class_shapes"] for r in fresh])},
                 # every node's "part done" report of the admitted transition, through the controller
                 "median_reports_cpu_ms": _median_or_none([r["reports_cpu_ms"] for r in got]),
                 "gpus": [r["gpus"] for r in got]}
