@@ -29,7 +29,7 @@ from transitions import transfer_plan
 from transitions.covers import Cover, covers, derive_target
 from transitions.emu import EMU
 from transitions.geometry import Shard, tp_box
-from transitions.layer_runs import Segment, segments, steps
+from transitions.layer_runs import Segment, by_layer, piece_steps, segments
 from transitions.layout import COUNTERS, COUNTERS_KIND, NUM_COUNTERS, contiguous_range
 from transitions.planning_cache import PlanningCache
 from transitions.primitives import Extend, Merge, Primitive, Split, target_gpus
@@ -252,34 +252,41 @@ def streamed(prim: Primitive, target: EMU, gpu: int, src: int, segs: list[Segmen
     memoised by the stream's own input (``PairStream.content_key``): pairs of other target GPUs whose
     pieces lie alike in their buffers (middle PP stages, TP ranks) share one streaming. ``senders``:
     ``by_sender(segs)``, when the caller streams several senders' pairs of these segments."""
-    feeds: list[tuple[list[Piece], list[list[tuple[int, int]]] | None]] = []
+    feeds: list[tuple[list[Piece], list[tuple[tuple[int, ...], tuple[int, ...]]] | None]] = []
     alone = True  # every piece a zero-copy message by itself
     for k, seg in enumerate(segs):
         mine = [p for p in seg.pieces if p.src_worker == src] if senders is None else senders[k].get(src, [])
-        shifts = None
+        moves = None
         if seg.count > 1 and mine:
-            shifts = steps(prim, target, gpu, src, mine, seg.layers)  # type: ignore[arg-type]
-            if shifts is None:
+            moves = piece_steps(prim, target, gpu, src, mine, seg.layers)  # type: ignore[arg-type]
+            if moves is None:
                 return None
         alone = alone and all(_direct_alone(p) for p in mine)
-        feeds.append((mine, shifts))
+        feeds.append((mine, moves))
     if alone:
         # Every piece is contiguous on both sides and DIRECT_MIN_BYTES long, in every layer of a run
         # too (each is its first layer's moved), so every run the bucketizer coalesces goes direct; only
         # the counters may be packed, alone in a bucket that lies in place on both sides. Nothing is held.
         return PairWire((), ())
     stream = PairStream(max_bucket_bytes)
-    recs: list[tuple[list[Rec], list[list[tuple[int, int]]] | None]] = []
-    if counter is not None and counter.src_worker == src:
-        recs.append(([stream.rec(counter)], None))
-    recs += [([stream.rec(p) for p in mine], shifts) for mine, shifts in feeds]
+    head = [stream.rec(counter)] if counter is not None and counter.src_worker == src else []
+    recs = [[stream.rec(p) for p in mine] for mine, _ in feeds]
+
+    def laid_out() -> list[tuple[list[Rec], list[list[tuple[int, int]]] | None]]:
+        runs = [(r, None if m is None else by_layer(m)) for r, (_, m) in zip(recs, feeds)]
+        return [(head, None), *runs] if head else runs
+
     if cache is None:
-        stream.feed_all(recs)
+        stream.feed_all(laid_out())
         return PairWire(*stream.finish())
-    key = stream.content_key(recs)
+    # the stream's input: its records as fed one by one (``content_key``), then each run's moves by
+    # piece as they are (the same moves as by layer, not laid out: most pairs are met again)
+    plain: list[tuple[list[Rec], None]] = [(r, None) for r in recs]
+    key = (stream.content_key([(head, None), *plain] if head else plain),
+           tuple([None if m is None else tuple(m) for _, m in feeds]))
     wire = cache.pair_streams.get(key)
     if wire is None:
-        stream.feed_all(recs)
+        stream.feed_all(laid_out())
         wire = cache.pair_streams.put(key, PairWire(*stream.finish()))
     return wire
 
@@ -296,9 +303,12 @@ def by_sender(segs: list[Segment]) -> list[dict[int, list[Piece]]]:
 
 
 def _direct_alone(p: Piece) -> bool:
-    """Whether ``p`` would go as a zero-copy message on its own (transitions.transfer_plan.messages)."""
-    return p.num_bytes >= transfer_plan.DIRECT_MIN_BYTES and contiguous_range(p.src_slot, p.box) is not None \
-        and contiguous_range(p.dst_slot, p.box) is not None
+    """Whether ``p`` would go as a zero-copy message on its own (transitions.transfer_plan.messages): a
+    box as long as its slot is the whole slot (a piece lies within both), contiguous without asking."""
+    box, src, dst = p.box, p.src_slot, p.dst_slot
+    return p.num_bytes >= transfer_plan.DIRECT_MIN_BYTES \
+        and (box[1] == src.lengths or contiguous_range(src, box) is not None) \
+        and (box[1] == dst.lengths or contiguous_range(dst, box) is not None)
 
 
 def _wire(prim: Primitive, target: EMU, gpu: int, src: int, segs: list[Segment], counter: Piece | None,
