@@ -82,15 +82,16 @@ def _moved(position: int, tp: int, by: int) -> int:
     return position - x + (x + by) % tp
 
 
-def _unit_key(unit: EMU, gpu: int, tp: int = 1, by: int = 0) -> tuple[object, ...]:
+def _unit_key(unit: EMU, gpu: int, tp: int, by: int) -> tuple[object, ...]:
     home = unit.final
     final = None if home is None else (home.state, home.layout, tuple(home.gpus.index(g) for g in unit.gpus))
     return (unit.state, unit.layout, final, _moved(_position(unit, gpu), tp, by))
 
 
-def dst_key(prim: Primitive, target: EMU, gpu: int, tp: int = 1, by: int = 0) -> tuple[object, ...]:
-    """``gpu``'s relative key as a GPU of ``target``: what its pieces depend on (uids only by equality);
-    with ``tp_frame(prim) == tp``, its positions moved by ``by`` (``-tp_rank(...)``: the group's key)."""
+def dst_key(prim: Primitive, target: EMU, gpu: int, tp: int, by: int) -> tuple[object, ...]:
+    """``gpu``'s relative key as a GPU of ``target``: what its pieces depend on (uids only by equality),
+    its positions moved by ``by`` mod ``tp`` (1, 0: as they are; with ``tp_frame(prim) == tp`` and
+    ``by = -tp_rank(...)``, its TP group's key)."""
     units = (target, *prim.sources)
     uids = [u.uid for u in units]
     return (_unit_key(target, gpu, tp, by), tuple(_unit_key(s, gpu, tp, by) for s in prim.sources),
@@ -144,17 +145,17 @@ def tp_frame(prim: Primitive) -> int | None:
     positions moved by ``a``. Only the counters' role (``_counter_role``: a position modulo the first
     source's size) does not follow; it is found for each GPU itself."""
     units = [*prim.targets, *prim.sources]
-    tp = units[0].layout.tp
-    state = units[0].state
+    levels = [v for u in units for v in ((u,) if u.final is None else (u, u.final))]
+    shapes = {(v.layout.tp, v.state.model, v.state.head) for v in levels}
+    if len(shapes) != 1:
+        return None
+    ((tp, model, head),) = shapes
     for u in units:
         home = u.final
-        for v in (u,) if home is None else (u, home):
-            if v.layout.tp != tp or v.state.model != state.model or v.state.head != state.head:
-                return None
         if home is not None and (home.final is not None
                                  or not _commutes(tuple(home.gpus.index(g) for g in u.gpus), tp)):
             return None
-    return tp if regular(state.model, state.head, tp) else None
+    return tp if regular(model, head, tp) else None
 
 
 def tp_rank(target: EMU, gpu: int, tp: int) -> int:
@@ -200,19 +201,16 @@ def _derive_traffic(prim: Primitive, target: EMU, gpu: int, segs: list[Segment])
 
 
 def dst_traffic(prim: Primitive, target: EMU, gpu: int, key: tuple[object, ...], cache: PlanningCache,
-                tp: int = 1, by: int = 0) -> tuple[DstTraffic, list[Segment] | None]:
-    """``gpu``'s entry (memoised by ``key``) and, when derived now, its segments. With ``tp_frame(prim)
-    == tp``, ``key`` is the group's (positions moved by ``-by``, ``by = tp_rank(...)``): the memo holds
-    the entry with its roles moved alike, moved back by ``by`` here, the counters' role found anew."""
+                tp: int, by: int) -> tuple[DstTraffic, list[Segment] | None]:
+    """``gpu``'s entry (memoised by ``key``) and, when derived now, its segments. ``key`` is ``dst_key``'s
+    with positions moved by ``-by`` mod ``tp`` (``tp_frame``: its TP group's; 1, 0: its own): the memo
+    holds the entry with its roles moved alike, moved back by ``by`` here, the counters' role (which
+    does not follow the move) found for ``gpu`` itself."""
     got = cache.dst_traffic.get(key)
     if got is not None:
-        if tp == 1:
-            return got, None
         return DstTraffic(got.local, _moved_roles(got.received, tp, by), _counter_role(prim, target, gpu)), None
     segs = gpu_segments(prim, target, gpu)
     entry = _derive_traffic(prim, target, gpu, segs)
-    if tp == 1:
-        return cache.dst_traffic.put(key, entry), segs
     cache.dst_traffic.put(key, DstTraffic(entry.local, _moved_roles(entry.received, tp, -by), None))
     return entry, segs
 
@@ -271,24 +269,26 @@ def streamed(prim: Primitive, target: EMU, gpu: int, src: int, segs: list[Segmen
     stream = PairStream(max_bucket_bytes)
     head = [stream.rec(counter)] if counter is not None and counter.src_worker == src else []
     recs = [[stream.rec(p) for p in mine] for mine, _ in feeds]
-
-    def laid_out() -> list[tuple[list[Rec], list[list[tuple[int, int]]] | None]]:
-        runs = [(r, None if m is None else by_layer(m)) for r, (_, m) in zip(recs, feeds)]
-        return [(head, None), *runs] if head else runs
-
     if cache is None:
-        stream.feed_all(laid_out())
+        stream.feed_all(_laid_out(head, recs, feeds))
         return PairWire(*stream.finish())
-    # the stream's input: its records as fed one by one (``content_key``), then each run's moves by
-    # piece as they are (the same moves as by layer, not laid out: most pairs are met again)
-    plain: list[tuple[list[Rec], None]] = [(r, None) for r in recs]
-    key = (stream.content_key([(head, None), *plain] if head else plain),
+    # the stream's input: its records as fed one by one (``content_key``; the counters, if any, first),
+    # then each run's moves by piece as they are (the moves by layer, not laid out: most pairs are met again)
+    key = (stream.content_key([(head, None), *[(r, None) for r in recs]]),
            tuple([None if m is None else tuple(m) for _, m in feeds]))
     wire = cache.pair_streams.get(key)
     if wire is None:
-        stream.feed_all(laid_out())
+        stream.feed_all(_laid_out(head, recs, feeds))
         wire = cache.pair_streams.put(key, PairWire(*stream.finish()))
     return wire
+
+
+def _laid_out(head: list[Rec], recs: list[list[Rec]],
+              feeds: list[tuple[list[Piece], list[tuple[tuple[int, ...], tuple[int, ...]]] | None]]
+              ) -> list[tuple[list[Rec], list[list[tuple[int, int]]] | None]]:
+    """What ``PairStream.feed_all`` takes: the counters' records (if any) one by one, then each segment's,
+    a run's with its moves laid out by layer (transitions.layer_runs.by_layer)."""
+    return [(head, None), *[(r, None if m is None else by_layer(m)) for r, (_, m) in zip(recs, feeds)]]
 
 
 def by_sender(segs: list[Segment]) -> list[dict[int, list[Piece]]]:
@@ -321,8 +321,7 @@ def _wire(prim: Primitive, target: EMU, gpu: int, src: int, segs: list[Segment],
 
 
 def dst_wires(prim: Primitive, target: EMU, gpu: int, key: tuple[object, ...], entry: DstTraffic,
-              segs: list[Segment] | None, cache: PlanningCache, tp: int = 1, by: int = 0
-              ) -> list[tuple[int, PairWire]]:
+              segs: list[Segment] | None, cache: PlanningCache, tp: int, by: int) -> list[tuple[int, PairWire]]:
     """Per GPU sending to ``gpu`` (covers and counters), that pair's wire, memoised by ``key``, the
     sender's position in every source (moved by ``-by`` with ``key``, ``dst_traffic``) and whether it
     sends the counters; ``gpu``'s segments are derived once, on the first miss."""
@@ -368,7 +367,7 @@ def traffic(prim: Primitive, cache: PlanningCache, buffers: bool = True
     tp = tp_frame(prim) or 1  # 1: every GPU its own key
     for target in prim.targets:
         for gpu in target_gpus(prim, target):
-            by = 0 if tp == 1 else tp_rank(target, gpu, tp)
+            by = tp_rank(target, gpu, tp)
             key = dst_key(prim, target, gpu, tp, -by)
             entry, segs = dst_traffic(prim, target, gpu, key, cache, tp, by)
             if entry.local is not None:

@@ -6,6 +6,8 @@ of one TP degree, regular and not (uneven chunks, kv heads shared by ranks)."""
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 from test_gpu_traffic import DEEP, _items, _nodes
@@ -60,7 +62,7 @@ def test_tp_groups_share_entries_and_match_the_derivation_from_every_piece(model
     for prim in prims:  # one cache, as the daemon's builds share one
         assert _items(_canonical_footprint(prim, cache)) == _items(derive_footprint(prim)), prim
         assert _items(_canonical_footprint(prim, cache, buffers=False)) == _items(derive_footprint(prim, False))
-    gpus = {gpu_traffic.dst_key(p, t, g) for p in prims for t in p.targets for g in target_gpus(p, t)}
+    gpus = {gpu_traffic.dst_key(p, t, g, 1, 0) for p in prims for t in p.targets for g in target_gpus(p, t)}
     assert len(cache.dst_traffic) < len(gpus)  # groups shared what the GPUs' own keys would not
 
 
@@ -78,10 +80,10 @@ def test_each_gpu_of_a_group_gets_its_own_entry_and_wires(model: ModelSpec, tp: 
             entry, segs = gpu_traffic.dst_traffic(prim, target, gpu, key, shared, tp, by)
             wires = gpu_traffic.dst_wires(prim, target, gpu, key, entry, segs, shared, tp, by)
             alone = PlanningCache()
-            own = gpu_traffic.dst_key(prim, target, gpu)
-            want, want_segs = gpu_traffic.dst_traffic(prim, target, gpu, own, alone)
+            own = gpu_traffic.dst_key(prim, target, gpu, 1, 0)
+            want, want_segs = gpu_traffic.dst_traffic(prim, target, gpu, own, alone, 1, 0)
             assert entry == want
-            assert wires == gpu_traffic.dst_wires(prim, target, gpu, own, want, want_segs, alone)
+            assert wires == gpu_traffic.dst_wires(prim, target, gpu, own, want, want_segs, alone, 1, 0)
             met += segs is None and by != 0
     assert met > 20
 
@@ -128,3 +130,30 @@ def test_frame_needs_one_tp_one_model_and_commuting_finals() -> None:
     # a final with a final of its own is left to every GPU's own key
     deep = _unit("d", Layout(2, 2), (4, 5, 6, 7), _unit("e", Layout(2, 2), (4, 5, 6, 7)))
     assert tp_frame(Extend(sources=(a,), target=_unit("b", Layout(2, 2), (4, 5, 6, 7), deep))) is None
+
+
+def test_a_tp_group_is_derived_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every GPU of a TP group after the first is served from the memos: one segment derivation per
+    group key, one wire per pair entry, the segments laid out by sender once per GPU with a pair missed."""
+    calls = {"segments": 0, "wire": 0, "by_sender": 0}
+
+    def counted(name: str, real: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any) -> Any:
+            calls[name] += 1
+            return real(*args)
+        return call
+
+    for name, attr in (("segments", "gpu_segments"), ("wire", "_wire"), ("by_sender", "by_sender")):
+        monkeypatch.setattr(gpu_traffic, attr, counted(name, getattr(gpu_traffic, attr)))
+    shared = 0
+    for prim in (p for p in _framed(DEEP, 4, range(12)) if tp_frame(p) == 4):
+        cache = PlanningCache()
+        calls.update(segments=0, wire=0, by_sender=0)
+        gpu_traffic.traffic(prim, cache)
+        gpus = [(t, g) for t in prim.targets for g in target_gpus(prim, t)]
+        keys = {gpu_traffic.dst_key(prim, t, g, 4, -tp_rank(t, g, 4)) for t, g in gpus}
+        assert calls["segments"] == len(keys) == len(cache.dst_traffic)
+        assert calls["wire"] == len(cache.pair_wires)
+        assert calls["by_sender"] == len({pkey[0] for pkey in cache.pair_wires._data})
+        shared += len(gpus) - len(keys)
+    assert shared > 20
