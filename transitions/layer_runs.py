@@ -164,10 +164,12 @@ def _unit_shifts(unit: EMU, gpu: int, run: tuple[int, ...]) -> dict[tuple[str, s
     return _run_shifts(state.model, state.head, home.layout, home.gpus.index(gpu), state.kinds, run)
 
 
-def steps(prim: Primitive, target: EMU, gpu: int, src: int, pieces: list[Piece], run: tuple[int, ...]
-          ) -> list[list[tuple[int, int]]] | None:
-    """Per layer of ``run``, per piece ``src`` sends in its first layer: the (source, target) bytes the
-    piece's slots sit from the first layer's; None if some layer's slots are not the first's moved."""
+def piece_steps(prim: Primitive, target: EMU, gpu: int, src: int, pieces: list[Piece], run: tuple[int, ...]
+                ) -> list[tuple[tuple[int, ...], tuple[int, ...]]] | None:
+    """Per piece ``src`` sends in ``run``'s first layer: the (source, target) bytes its slots sit from the
+    first layer's in each layer of the run (``_run_shifts``' tuples, shared); None if some layer's slots
+    are not the first's moved. ``steps`` by piece: what tells a pair whose every piece goes direct
+    (transitions.gpu_traffic.streamed) without laying the moves out by layer."""
     src_tables = {u.uid: _unit_shifts(u, src, run) for u in prim.sources if u.holds(src)}
     dst_table = _unit_shifts(target, gpu, run)
     per_piece = []
@@ -175,5 +177,18 @@ def steps(prim: Primitive, target: EMU, gpu: int, src: int, pieces: list[Piece],
         ts, td = src_tables[p.src_unit].get(p.src_slot.key), dst_table.get(p.dst_slot.key)
         if ts is None or td is None:
             return None
-        per_piece.append(zip(ts, td))
-    return [list(layer) for layer in zip(*per_piece)]
+        per_piece.append((ts, td))
+    return per_piece
+
+
+def by_layer(per_piece: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> list[list[tuple[int, int]]]:
+    """``piece_steps`` laid out per layer: per layer of the run, per piece its (source, target) bytes."""
+    return [list(layer) for layer in zip(*(zip(ts, td) for ts, td in per_piece))]
+
+
+def steps(prim: Primitive, target: EMU, gpu: int, src: int, pieces: list[Piece], run: tuple[int, ...]
+          ) -> list[list[tuple[int, int]]] | None:
+    """Per layer of ``run``, per piece ``src`` sends in its first layer: the (source, target) bytes the
+    piece's slots sit from the first layer's; None if some layer's slots are not the first's moved."""
+    per_piece = piece_steps(prim, target, gpu, src, pieces, run)
+    return None if per_piece is None else by_layer(per_piece)

@@ -125,7 +125,8 @@ class PlanningCache:
 
     # primitives: relative shape of a primitive -> its footprint over GPU labels
     footprints: Memo[tuple[object, ...], Footprint] = field(default_factory=lambda: Memo(FOOTPRINT_ENTRIES))
-    # gpu_traffic: relative key of a target GPU -> its traffic; and with a sender's positions -> that pair's wire
+    # gpu_traffic: relative key of a target GPU (of its TP group where symmetric) -> its traffic, roles
+    # relative to it; and with a sender's positions -> that pair's wire
     dst_traffic: Memo[tuple[object, ...], DstTraffic] = field(default_factory=lambda: Memo(GPU_ENTRIES))
     pair_wires: Memo[tuple[object, ...], PairWire] = field(default_factory=lambda: Memo(GPU_ENTRIES))
     # gpu_traffic: a pair's streamed input (wire_stream.PairStream.content_key) -> its wire

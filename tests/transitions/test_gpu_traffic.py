@@ -168,3 +168,22 @@ def test_a_piece_goes_direct_alone_from_exactly_direct_min_bytes() -> None:
     wide = Piece(src_worker=0, dst_worker=1, src_slot=strided, dst_slot=strided, box=((0, 0), (2, n)), src_unit="a",
                  dst_unit="b")  # n columns of 2 rows of 2n: 2 * DIRECT_MIN_BYTES, not contiguous
     assert wide.num_bytes == 2 * DIRECT_MIN_BYTES and not gpu_traffic._direct_alone(wide)
+
+
+def test_a_piece_goes_direct_alone_only_if_contiguous_on_both_sides() -> None:
+    """A whole slot on one side, a strided box of the other's: not direct alone, whichever side it is."""
+    from transitions.layout import make_slot
+    from transitions.transfer_plan import DIRECT_MIN_BYTES
+
+    n = DIRECT_MIN_BYTES // 4
+    whole = make_slot("w", "param", "float32", (4, 2 * n), (0, 0), (2, n), 0, ())
+    strided = make_slot("w", "param", "float32", (4, 2 * n), (0, 0), (4, 2 * n), 0, ())
+    box = ((0, 0), (2, n))  # all of ``whole``, n columns of 2 rows of ``strided``
+
+    def piece(src: object, dst: object) -> Piece:
+        return Piece(src_worker=0, dst_worker=1, src_slot=src, dst_slot=dst, box=box, src_unit="a",  # type: ignore[arg-type]
+                     dst_unit="b")
+
+    assert gpu_traffic._direct_alone(piece(whole, whole))
+    assert not gpu_traffic._direct_alone(piece(strided, whole))
+    assert not gpu_traffic._direct_alone(piece(whole, strided))

@@ -107,6 +107,6 @@ def test_a_gpu_read_under_two_roles_sums_into_one_pair() -> None:
     _check(prim, PlanningCache())
     cache = PlanningCache()
     local, pair, _ = gpu_traffic.traffic(prim, cache)
-    entry = cache.dst_traffic.get(gpu_traffic.dst_key(prim, prim.unit, 0))
+    entry = cache.dst_traffic.get(gpu_traffic.dst_key(prim, prim.unit, 0, 1, 0))
     assert entry is not None and [role for role, _ in entry.received] == [(0, 0), (1, 0)]
     assert not local and pair == {(2, 0): sum(n for _, n in entry.received)}

@@ -57,21 +57,21 @@ def test_a_gpus_key_is_relative_to_the_units() -> None:
     state, another rank or a source that is also the target's final differ."""
     a = Extend(sources=(_u("s", 2, (0, 1)),), target=_u("t", 2, (1, 2)))
     b = Extend(sources=(_u("s'", 2, (5, 6)),), target=_u("t'", 2, (6, 7)))
-    assert dst_key(a, a.target, 1) == dst_key(b, b.target, 6)
-    assert dst_key(a, a.target, 2) == dst_key(b, b.target, 7)
-    assert dst_key(a, a.target, 1) != dst_key(a, a.target, 2)
+    assert dst_key(a, a.target, 1, 1, 0) == dst_key(b, b.target, 6, 1, 0)
+    assert dst_key(a, a.target, 2, 1, 0) == dst_key(b, b.target, 7, 1, 0)
+    assert dst_key(a, a.target, 1, 1, 0) != dst_key(a, a.target, 2, 1, 0)
     c = Extend(sources=(_u("s", 2, (0, 1), state=REF),), target=_u("t", 2, (1, 2), state=REF))
-    assert dst_key(c, c.target, 1) != dst_key(a, a.target, 1)
+    assert dst_key(c, c.target, 1, 1, 0) != dst_key(a, a.target, 1, 1, 0)
     # the same unit read twice is not two different sources
     twice = Extend(sources=(_u("s", 2, (0, 1)), _u("s", 2, (0, 1))), target=_u("t", 2, (1, 2)))
     other = Extend(sources=(_u("s", 2, (0, 1)), _u("r", 2, (0, 1))), target=_u("t", 2, (1, 2)))
-    assert dst_key(twice, twice.target, 1) != dst_key(other, other.target, 1)
+    assert dst_key(twice, twice.target, 1, 1, 0) != dst_key(other, other.target, 1, 1, 0)
     # a part headed into a merge: its final's rank map is part of the key
     home = _u("m", 2, (3, 4))
     home_swapped = _u("m", 2, (4, 3))
     p = Extend(sources=(_u("s", 2, (0, 1)),), target=_u("p", 1, (3,), final=home))
     q = Extend(sources=(_u("s", 2, (0, 1)),), target=_u("p", 1, (3,), final=home_swapped))
-    assert dst_key(p, p.target, 3) != dst_key(q, q.target, 3)
+    assert dst_key(p, p.target, 3, 1, 0) != dst_key(q, q.target, 3, 1, 0)
 
 
 def test_counters_come_from_the_rank_aligned_gpu_of_the_first_source_unless_held() -> None:
@@ -138,7 +138,7 @@ def test_a_gpus_entry_met_again_with_its_senders_placed_otherwise() -> None:
     cache = PlanningCache()
     first = Extend(sources=(_u("a", 2, (0, 1)), _u("b", 2, (4, 5))), target=_u("t", 1, (2,)))
     second = Extend(sources=(_u("a", 2, (0, 1)), _u("b", 2, (1, 5))), target=_u("t", 1, (2,)))
-    assert dst_key(first, first.target, 2) == dst_key(second, second.target, 2)
+    assert dst_key(first, first.target, 2, 1, 0) == dst_key(second, second.target, 2, 1, 0)
     for prim in (first, second):
         local, pair, buf = gpu_traffic.traffic(prim, cache)
         ref = derive_footprint(prim)

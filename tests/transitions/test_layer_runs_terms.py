@@ -10,7 +10,7 @@ from planner.plan import Layout
 from planner.workflow import ACTOR_GEN
 from transitions.covers import derive_target
 from transitions.emu import EMU
-from transitions.layer_runs import _groups, _run_shifts, layer_class, segments, steps
+from transitions.layer_runs import _groups, _run_shifts, by_layer, layer_class, piece_steps, segments, steps
 from transitions.primitives import Extend
 from transitions.scenarios import stage_states
 from transitions.transfer_plan import Piece
@@ -123,3 +123,20 @@ def test_no_steps_when_a_runs_layers_are_not_all_on_the_sending_or_receiving_ran
     assert first(ext, staged_target, 1)
     assert steps(ext, staged_target, 1, 0, first(ext, staged_target, 1), (1, 2)) is None
     assert steps(ext, staged_target, 1, 0, first(ext, staged_target, 0), (0, 1)) is not None
+
+
+def test_piece_steps_are_the_steps_by_piece() -> None:
+    """Per piece, its moves in every layer of the run (one tuple a side), the same as ``steps`` by layer."""
+    ext = Extend(sources=(WHOLE,), target=TARGET)
+    segs = segments(ext, TARGET, 1)
+    assert segs is not None
+    (run,) = [s for s in segs if s.layers is not None]
+    per = piece_steps(ext, TARGET, 1, 0, run.pieces, run.layers)  # type: ignore[arg-type]
+    assert per is not None and len(per) == len(run.pieces) and all(len(ts) == len(td) == 4 for ts, td in per)
+    assert by_layer(per) == steps(ext, TARGET, 1, 0, run.pieces, run.layers)  # type: ignore[arg-type]
+    assert [layer[0] for layer in by_layer(per)] == list(zip(*per[0]))
+    staged = Extend(sources=(STAGED,), target=TARGET)
+    firsts = [p for p in derive_target(TARGET, staged.sources, 1) if p.src_worker == 0
+              and _layer(p.dst_slot.tensor) == 1]
+    assert piece_steps(staged, TARGET, 1, 0, firsts, (1, 2)) is None
+    assert by_layer([]) == []

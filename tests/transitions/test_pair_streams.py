@@ -295,10 +295,10 @@ def test_a_pair_met_again_is_served_from_the_memo() -> None:
     for prim in nodes:
         for target in prim.targets:
             for gpu in target.gpus:
-                key = dst_key(prim, target, gpu)
-                entry, segs = dst_traffic(prim, target, gpu, key, cache)
-                first = dst_wires(prim, target, gpu, key, entry, segs, cache)
-                second = dst_wires(prim, target, gpu, key, *dst_traffic(prim, target, gpu, key, again), again)
+                key = dst_key(prim, target, gpu, 1, 0)
+                entry, segs = dst_traffic(prim, target, gpu, key, cache, 1, 0)
+                first = dst_wires(prim, target, gpu, key, entry, segs, cache, 1, 0)
+                second = dst_wires(prim, target, gpu, key, *dst_traffic(prim, target, gpu, key, again, 1, 0), again, 1, 0)
                 for (src, a), (src2, b) in zip(first, second, strict=True):
                     assert src == src2 and a == b
                     if a != PairWire((), ()):  # a streamed pair (zero-copy ones are answered without streaming)
