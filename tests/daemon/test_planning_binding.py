@@ -3,6 +3,8 @@ part of a transition (the DAG nodes touching that node's GPUs)."""
 
 from __future__ import annotations
 
+import json
+
 from nereusd.planning import PlannerBinding, cluster_for, job_spec
 from tests.daemon.conftest import DaemonHandle, wait_for
 from transitions.global_dag import build_transition
@@ -51,3 +53,50 @@ def test_the_daemon_reports_its_planner_warm_up(daemon: DaemonHandle) -> None:
     assert took > 0
     logged = [line for line in daemon.log().splitlines() if "planner-warm-up" in line]
     assert logged and "imports_ms" in logged[0]
+
+
+def test_predictions_are_memoised_on_all_they_are_made_of(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The controller predicts the running plan after each calibration and again when it decides: one
+    predict. A plan the search found is not predicted again, even on a pool with more nodes (a
+    prediction reads no node count); another spec, plan or efficiencies is predicted afresh."""
+    import planner.prediction
+    from nereusd.planning import _efficiency_key
+    from planner.cost import Efficiencies, OpClass
+
+    real = planner.prediction.predict
+    calls: list[int] = []
+
+    def counted(job, cluster, plan, eff):  # type: ignore[no-untyped-def]
+        calls.append(cluster.num_nodes)
+        return real(job, cluster, plan, eff)
+
+    monkeypatch.setattr(planner.prediction, "predict", counted)
+    binding = PlannerBinding()
+    pool = frozenset(range(4))
+    found = binding.search(SPEC, pool, 1)
+    wider = frozenset(range(8))  # two nodes more: a larger cluster
+    got = binding.predict(SPEC, wider, found.plan)
+    assert calls == [] and got == found.prediction
+    assert got == real(job_spec(SPEC), cluster_for(SPEC, wider), found.plan, binding._eff(SPEC))
+    longer = {**SPEC, "workload": {**SPEC["workload"], "response_tokens": 96}}
+    first = binding.predict(longer, pool, found.plan)
+    assert binding.predict(longer, pool, found.plan) is first and calls == [2]
+    assert first == real(job_spec(longer), cluster_for(longer, pool), found.plan, binding._eff(longer))
+    binding.efficiency[_efficiency_key(SPEC)] = Efficiencies({OpClass.GEMM: 0.3})  # as a calibration leaves it
+    slower = binding.predict(longer, pool, found.plan)
+    assert calls == [2, 2] and slower != first
+    other = binding.search(SPEC, frozenset(range(2)), 2).plan
+    binding.predict(longer, pool, other)
+    assert calls == [2, 2, 2]
+
+
+def test_the_prediction_memo_is_bounded() -> None:
+    from nereusd.planning import PREDICTIONS_KEPT
+
+    binding = PlannerBinding()
+    plan = binding.search(SPEC, frozenset(range(2)), 1).plan
+    for tokens in range(40, 40 + 2 * PREDICTIONS_KEPT):
+        binding.predict({**SPEC, "workload": {**SPEC["workload"], "response_tokens": tokens}}, frozenset(range(2)), plan)
+    assert len(binding._predictions) == PREDICTIONS_KEPT
+    newest = {**SPEC, "workload": {**SPEC["workload"], "response_tokens": 39 + 2 * PREDICTIONS_KEPT}}
+    assert next(reversed(binding._predictions))[0] == json.dumps(newest, sort_keys=True)
