@@ -175,10 +175,12 @@ class PlannerBinding:
         from planner.calibration import fit_from_stage_times
 
         key = _efficiency_key(job)
-        self.efficiency[key] = fit_from_stage_times(job_spec(job), plan, measurement.stage_times_s,
-                                                    self.efficiency.get(key),
-                                                    cluster=cluster_for(job, plan.gpus),
-                                                    step_latency_s=measurement.step_latency_s)
+        cluster, previous = cluster_for(job, plan.gpus), self.efficiency.get(key)
+        # the plan under the efficiencies of before: what the last re-prediction of the running plan was
+        predicted = self._predictions.get(_prediction_key(job, cluster, plan, self._eff(job)))
+        self.efficiency[key] = fit_from_stage_times(job_spec(job), plan, measurement.stage_times_s, previous,
+                                                    cluster=cluster, step_latency_s=measurement.step_latency_s,
+                                                    predicted=predicted)
 
     def observe_transition(self, job: dict[str, Any], transition: dict[str, Any]) -> None:
         """Feed one completed transition (its store row) into the job's L_tran correction. The row's

@@ -100,3 +100,29 @@ def test_the_prediction_memo_is_bounded() -> None:
     assert len(binding._predictions) == PREDICTIONS_KEPT
     newest = {**SPEC, "workload": {**SPEC["workload"], "response_tokens": 39 + 2 * PREDICTIONS_KEPT}}
     assert next(reversed(binding._predictions))[0] == json.dumps(newest, sort_keys=True)
+
+
+def test_calibration_prices_the_plan_from_its_last_prediction(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A calibration step reads the plan's terms under the efficiencies of before: the running plan's
+    last re-prediction (the memo's) when it has one, else one predict; the fit is the same either way."""
+    import planner.calibration
+    from nereusd.planning import _efficiency_key
+    from nereusd.wire import protocol
+
+    real = planner.calibration.predict
+    calls: list[int] = []
+    monkeypatch.setattr(planner.calibration, "predict", lambda *a: calls.append(1) or real(*a))
+    pool = frozenset(range(4))
+    plan = PlannerBinding().search(SPEC, pool, 1).plan
+    msg = protocol.Measurement(job_id="j", node="n0", step=3, plan_version=1, step_latency_s=9.0,
+                               stage_times_s={sp.model_stage: 1.0 for sp in plan.stages}, response_tokens=64)
+    cold = PlannerBinding()
+    cold.calibrate(SPEC, msg, plan)
+    assert calls == [1]
+    warm = PlannerBinding()
+    warm.predict(SPEC, pool, plan)  # the running plan re-predicted, as after the last calibration
+    warm.calibrate(SPEC, msg, plan)
+    assert calls == [1]
+    key = _efficiency_key(SPEC)
+    assert dict(warm.efficiency[key]) == dict(cold.efficiency[key])
+    assert warm.efficiency[key].stage_fit.observations == cold.efficiency[key].stage_fit.observations  # type: ignore[attr-defined]
