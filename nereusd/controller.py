@@ -370,7 +370,7 @@ class JobController(TransitionOrders, Drains):
                 sketch["s"] = self.planner.transition(spec, None, new_plan, self._participants(), self._node_of_gpu) \
                     if self.planner else TransitionSketch(predicted_s=0.0, bytes_moved=0, dag={})
             self.store.add_plan(job_id=self.job_id, version=new_plan.version, plan=plan_to_dict(new_plan),
-                                prediction=admission._plain(decision.candidate_prediction))
+                                prediction=inputs["candidate_prediction"])  # to_dict's plain copy of it
             self._order(did, new_plan, decision.candidate_prediction, sketch.get("s"))
         return did
 
