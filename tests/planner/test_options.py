@@ -131,3 +131,37 @@ def test_a_layout_line_reads_no_node_count(stage: str) -> None:
         assert len(got) == 1, (tp, pp, rec)
         fitted += None not in got
     assert fitted >= 3
+
+
+def test_a_new_workload_reuses_the_workload_free_part_of_each_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A length drift re-costs every layout's line but not its resident bytes, optimizer step and DP
+    all-reduce (no workload reads them): those are made once per model-stage, cluster and efficiencies,
+    and the tables are the ones a cold cache builds."""
+    import planner.options as options
+    from planner.cost import Efficiencies, OpClass
+
+    made: list[tuple[int, int]] = []
+    real = options._unit_part
+
+    def counted(model, ms, layout, *rest):  # type: ignore[no-untyped-def]
+        made.append((layout.tp, layout.pp))
+        return real(model, ms, layout, *rest)
+
+    monkeypatch.setattr(options, "_unit_part", counted)
+    options._UNITS_CACHE.clear()
+    first, second = job("ppo", prompts=64, response_tokens=2000), job("ppo", prompts=64, response_tokens=2100)
+    ms = first.workflow.stage("actor-train")
+    option_table(first, ms, h200(32), 32, PRIORS, OptionRules(allow_recompute=True))
+    layouts = len(made)
+    assert layouts == len(set(made)) > 4  # once per (tp, pp): recomputation shares them
+    warm = option_table(second, ms, h200(64), 32, PRIORS, OptionRules(allow_recompute=True))
+    assert len(made) == layouts  # another workload, another node count: none made again
+    option_table(second, ms, h200(32), 32, Efficiencies({OpClass.DP_ALLREDUCE_INTRA: 0.3}))
+    assert len(made) > layouts  # other efficiencies: made for them
+    options._LINES_CACHE.clear()
+    options._UNITS_CACHE.clear()
+    cold = option_table(second, ms, h200(64), 32, PRIORS, OptionRules(allow_recompute=True))
+    for col in ("tp", "pp", "dp", "b", "g", "recompute", "seconds", "gpus", "resident", "transient"):
+        assert np.array_equal(getattr(warm, col), getattr(cold, col)), col
+    line = options._layout_line(second.model_of(ms), ms, Layout(2, 4), second.workload, False, h200(8), PRIORS, 1e12)
+    assert line is not None and line[0] > 0 and len(line) == 19  # without a cache of parts: made on the spot
