@@ -407,8 +407,10 @@ class Store:
         with self._tx():
             if self._one("SELECT id FROM transitions WHERE id=?", transition_id) is None:
                 return
+            # the same text as json.dumps (a fresh record holds no cycle): without the cycle check's
+            # bookkeeping on its ~30,000 containers, ~15% less of ~7 ms at 1,024 GPUs
             self.db.execute("INSERT OR REPLACE INTO transition_details(transition_id, detail) VALUES (?, ?)",
-                            (transition_id, json.dumps(detail)))
+                            (transition_id, json.dumps(detail, check_circular=False)))
 
     def set_transition_state(self, transition_id: int, state: str, reason: str, *,
                              measured_s: float | None = None, parts_pending: list[str] | None = None) -> None:

@@ -263,8 +263,7 @@ class Decision:
     def to_dict(self) -> dict[str, Any]:
         """Plain data for storage and nereusctl (enums as values)."""
         return _plain({
-            "step": self.step,
-            "trigger": self.trigger,
+            "step": self.step, "trigger": self.trigger,
             "current_plan_version": self.current_plan_version,
             "candidate_plan_version": self.candidate_plan_version,
             "current_prediction": self.current_prediction,
@@ -318,6 +317,8 @@ def _plain(obj: Any, by_fields: bool = False) -> Any:
         return obj
     if kind is float:  # a prediction's seconds
         return obj if math.isfinite(obj) else None
+    if kind is tuple or kind is list:  # a plan's GPU sets, straight to their items (no class checks)
+        return [v if type(v) in _LEAVES else _plain(v, by_fields) for v in obj]
     if is_dataclass(obj) and not isinstance(obj, type):
         if not by_fields and hasattr(obj, "to_dict"):
             return _plain(obj.to_dict())
@@ -327,7 +328,7 @@ def _plain(obj: Any, by_fields: bool = False) -> Any:
     if isinstance(obj, Mapping):
         return {(_plain(k, by_fields) if isinstance(k, Enum) else str(k)):
                 v if type(v) in _LEAVES else _plain(v, by_fields) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple, set, frozenset)):  # a plan's GPU sets: its leaves kept without a call each
+    if isinstance(obj, (list, tuple, set, frozenset)):  # leaves kept as they are, without a call each
         items = [v if type(v) in _LEAVES else _plain(v, by_fields) for v in obj]
         return sorted(items) if isinstance(obj, (set, frozenset)) else items
     return None if isinstance(obj, float) and not math.isfinite(obj) else obj  # float subclasses (numpy's)
