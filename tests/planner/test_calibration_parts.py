@@ -281,6 +281,24 @@ def test_a_calibration_step_predicts_the_plan_only_when_a_stage_of_it_was_measur
                                                                 source="ref-inf")
 
 
+def test_a_calibration_step_prices_the_slowest_replica_under_the_efficiencies_in_use() -> None:
+    """Replicas on different links: which one is slowest, so whose terms a stage time is read against,
+    depends on the efficiencies, and the fit reads them under the ones in use (not the priors)."""
+    from planner.plan import GlobalPlan, Layout, StagePlan
+
+    j = job("ppo", model="tiny-25m", prompts=16, response_tokens=256)
+    cl = h200(16)
+    found = search(j, cl).plan
+    split = StagePlan(model_stage="actor-train", layout=Layout(2, 1), gpu_sets=((0, 1), (7, 8)), micro_batch_size=8)
+    plan = GlobalPlan(version=1, stages=tuple(split if s.model_stage == "actor-train" else s for s in found.stages))
+    prev = Efficiencies({OpClass.TP_ALLREDUCE_INTER: 1.5, OpClass.TP_ALLREDUCE_INTRA: 0.01})
+    under_prev, under_priors = (predict(j, cl, plan, e).terms["actor-train"] for e in (prev, PRIORS))
+    assert under_prev != under_priors  # the intra-node replica is the slow one only under ``prev``
+    step = fit_from_stage_times(j, plan, {"actor-train": 1.0}, prev, cluster=cl)
+    assert isinstance(step, CalibratedEfficiencies)
+    assert step.stage_fit.observations[0] == stage_observation(under_prev, 1.0, 0, source="actor-train")
+
+
 def test_the_step_overhead_observation_is_the_step_beyond_its_model_stages() -> None:
     j = job("ppo", model="tiny-25m", prompts=16, response_tokens=256)
     cl = h200(8)
