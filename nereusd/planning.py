@@ -267,17 +267,13 @@ def _warm_geometry(spec: dict[str, Any], plan: GlobalPlan, deadline: float) -> t
 def _parts(dag: TransitionDAG, gpus: list[int], node_of_gpu: Callable[[int], str]) -> dict[str, dict[str, Any]]:
     """Each node's part: its GPUs, and the ids of the DAG nodes that touch any of them (from the DAG's
     replica classes where it has them: no unit-level expansion)."""
-    parts: dict[str, dict[str, Any]] = {}
-    index: dict[str, int] = {}
-    group_of: dict[int, int] = {}
-    for gpu in gpus:
-        node = node_of_gpu(gpu)
-        if node not in parts:
-            parts[node] = {"gpus": [], "dag_nodes": []}
-            index[node] = len(index)
+    owners = list(map(node_of_gpu, gpus))
+    names = list(dict.fromkeys(owners))  # nodes in order of their first GPU
+    parts: dict[str, dict[str, Any]] = {node: {"gpus": [], "dag_nodes": []} for node in names}
+    index = {node: k for k, node in enumerate(names)}
+    for gpu, node in zip(gpus, owners):
         parts[node]["gpus"].append(gpu)
-        group_of[gpu] = index[node]
-    names = list(index)
+    group_of = {gpu: index[node] for gpu, node in zip(gpus, owners)}
     for k, ids in dag.ids_by_group(group_of).items():
         parts[names[k]]["dag_nodes"] = ids
     return parts
