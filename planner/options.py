@@ -185,11 +185,10 @@ def _unit_part(model: ModelSpec, ms: ModelStage, layout: Layout, cluster: Cluste
     """The scalars of a layout's line that no workload changes (None: its resident state alone does not
     fit): resident bytes, optimizer-update s, DP gradient bytes and per-link (s per byte, latency) for the
     all-reduce, the last bucket's share of it. A replan after a length drift finds them made."""
-    tp, gpn = layout.tp, cluster.gpus_per_node
     resident = resident_bytes(model, ms, layout).total_bytes
     if resident > usable:
         return None
-    links = Links(tp_intra=tp <= gpn, pp_intra=layout.size <= gpn, dp_intra=True)
+    links = Links()  # sync_raw reads only dp_intra: the all-reduce within a node (across, below)
     sync_mem = sum(raw_seconds(t, eff) for t in sync_raw(model, ms, layout, 1, cluster, links))
     grad_bytes = intra_s = intra_lat = inter_s = inter_lat = 0.0
     if ms.kind is StageKind.TRAINING:
