@@ -13,9 +13,11 @@ imports the numerical code and tests can hand it a port of their own.
 from __future__ import annotations
 
 import gc
+import json
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import lru_cache
 from typing import Any
 
 from nereusd.allocation import AllocationEvent, EventKind
@@ -46,6 +48,13 @@ TRANSITIONS_REPLAYED = 64  # completed transitions fed back on restart (more tha
 _GONE = frozenset({EventKind.NODE_DOWN, EventKind.SHRUNK, EventKind.PREEMPTED})  # these nodes left the job
 _ENDS = frozenset({EventKind.RELEASED, EventKind.COMPLETED, EventKind.CANCELLED, EventKind.FAILED,
                    EventKind.TIME_LIMIT})  # a Slurm job ended: the anchor's ends the job, a member's only its nodes
+
+
+@lru_cache(maxsize=64)
+def _device_indexes(devices_json: str) -> tuple[int, ...]:
+    """The device indexes of a node's stored device list: nodes of one kind register the same list, so a
+    pool of 1,024 nodes parses it once."""
+    return tuple(int(d["index"]) for d in json.loads(devices_json))
 
 
 @contextmanager
@@ -361,7 +370,7 @@ class JobController(TransitionOrders, Drains):
                 sketch["s"] = self.planner.transition(spec, None, new_plan, self._participants(), self._node_of_gpu) \
                     if self.planner else TransitionSketch(predicted_s=0.0, bytes_moved=0, dag={})
             self.store.add_plan(job_id=self.job_id, version=new_plan.version, plan=plan_to_dict(new_plan),
-                                prediction=admission._plain(decision.candidate_prediction))
+                                prediction=inputs["candidate_prediction"])  # to_dict's plain copy of it
             self._order(did, new_plan, decision.candidate_prediction, sketch.get("s"))
         return did
 
@@ -393,14 +402,15 @@ class JobController(TransitionOrders, Drains):
     def _refresh_pool(self) -> None:
         """GPU ids: node rank (by registration) * gpus_per_node + device index, for alive nodes only; the
         pool leaves out draining nodes (gpu_owner keeps them: they take part in the transition)."""
-        nodes = sorted(self.store.nodes(self.job_id), key=lambda n: (n["registered_at"], n["node"]))
-        per_node = int(self.job["spec"].get("gpus_per_node") or max((len(n["devices"]) for n in nodes), default=1))
+        nodes = sorted(self.store.node_devices(self.job_id), key=lambda n: (n["registered_at"], n["node"]))
+        indexes = [_device_indexes(n["devices_json"]) for n in nodes]
+        per_node = int(self.job["spec"].get("gpus_per_node") or max(map(len, indexes), default=1))
         owner: dict[int, str] = {}
-        for rank, n in enumerate(nodes):
+        for rank, (n, devices) in enumerate(zip(nodes, indexes)):
             if n["state"] != "alive":
                 continue
-            for d in n["devices"][:per_node]:
-                owner[rank * per_node + int(d["index"]) % per_node] = n["node"]
+            for index in devices[:per_node]:
+                owner[rank * per_node + index % per_node] = n["node"]
         self.gpu_owner = owner
         self.gpus_per_node = per_node
         self.pool = frozenset(g for g, n in owner.items() if n not in self.draining)

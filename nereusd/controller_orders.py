@@ -91,7 +91,8 @@ class TransitionOrders(ControllerState):
 
     def _order(self, decision_id: int, new_plan: GlobalPlan, prediction: Any, sketch: TransitionSketch | None) -> None:
         sketch = sketch or TransitionSketch(predicted_s=0.0, bytes_moved=0, dag={})
-        alive = [n["node"] for n in self.store.node_states(self.job_id) if n["state"] == "alive"]
+        states = self.store.node_states(self.job_id)
+        alive = [n["node"] for n in states if n["state"] == "alive"]
         from_version = self.plan.version if self.plan else 0
         # Stored as ordered (and the job as transitioning) in one commit *before* any order leaves: a
         # daemon killed in between comes back knowing the transition its agents may already be running.
@@ -105,23 +106,25 @@ class TransitionOrders(ControllerState):
         self.metrics.transition_cost.labels("predicted").observe(sketch.predicted_s)
         self._pending_prediction = prediction
         orders = self._orders[tid] = {}
-        shared = self._order_common(new_plan)
+        shared = self._order_common(new_plan, states)  # the nodes' rows as read above (no write touched them)
         for node in alive:
             orders[node] = self._make_order(tid, from_version, new_plan, sketch.parts.get(node, {}), shared)
             self.send_order(node, orders[node])
         if sketch.detail is not None:  # the DAG record's body, for nereusctl and the simulator: no order waits
             self.store.add_transition_detail(tid, sketch.detail())
 
-    def _order_common(self, new_plan: GlobalPlan) -> dict[str, Any]:
+    def _order_common(self, new_plan: GlobalPlan, states: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         """What every node's part carries: the plan, the pool map (node -> global GPU ids of every alive node,
         draining ones included), gpus_per_node and the draining nodes. With the map the job's driver turns
-        (node, device index) into the global GPU id, which is the worker id."""
+        (node, device index) into the global GPU id, which is the worker id. ``states``: the job's
+        Store.node_states, where the caller has just read them."""
         pool: dict[str, list[int]] = {}
         for gpu, owner in sorted(self.gpu_owner.items()):
             pool.setdefault(owner, []).append(gpu)
         # each node's agent incarnation: a driver takes only workers that agent started (a node released
         # and granted again has new workers; the old ones' beats may not have stopped yet)
-        incarnations = {n["node"]: n["incarnation"] for n in self.store.node_states(self.job_id) if n["node"] in pool}
+        states = self.store.node_states(self.job_id) if states is None else states
+        incarnations = {n["node"]: n["incarnation"] for n in states if n["node"] in pool}
         return {"plan": plan_to_dict(new_plan), "pool": pool, "gpus_per_node": self.gpus_per_node,
                 "draining": sorted(self.draining), "incarnations": incarnations}
 

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import json
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import replace
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +37,7 @@ from planner.workflow import JobSpec, Workload, same_model_job, without_old_logp
 if TYPE_CHECKING:  # the DAG's type only: transitions is imported where a transition is built
     from transitions.dag_record import TransitionDAG
 
+PREDICTIONS_KEPT = 8  # the binding's memo of recent predictions (see PlannerBinding.predict)
 # the start-up warm-up stops starting new work past this (issue 17: reported, < 1 s; the step under
 # way when it runs out still finishes, so the margin)
 WARM_UP_BUDGET_S = 0.8
@@ -81,6 +84,8 @@ class PlannerBinding:
         # every DAG this daemon builds (all its jobs' controllers share the binding) memoises here:
         # replanning the same job again costs lookups; bounded, so it lives as long as the daemon
         self.planning_cache = PlanningCache()
+        # (spec, cluster as one node, plan, efficiencies) -> prediction, recent ones (PlannerBinding.predict)
+        self._predictions: OrderedDict[tuple[object, ...], Any] = OrderedDict()
 
     def warm_up(self, budget_s: float = WARM_UP_BUDGET_S,
                 running: Iterable[tuple[dict[str, Any], GlobalPlan]] = ()) -> dict[str, float]:
@@ -173,14 +178,31 @@ class PlannerBinding:
     def search(self, job: dict[str, Any], pool: frozenset[int], version: int) -> admission.Candidate:
         from planner.search import search
 
-        res = search(job_spec(job), cluster_for(job, pool), pool=sorted(pool), eff=self._eff(job), version=version)
+        cluster, eff = cluster_for(job, pool), self._eff(job)
+        res = search(job_spec(job), cluster, pool=sorted(pool), eff=eff, version=version)
+        self._keep_prediction(_prediction_key(job, cluster, res.plan, eff), res.prediction)
         return admission.Candidate(plan=res.plan, prediction=res.prediction)
 
     def predict(self, job: dict[str, Any], pool: frozenset[int], plan: GlobalPlan) -> Any | None:
+        """The plan's prediction, memoised on all it is made of: the controller predicts the running plan
+        after each calibration and again when it decides (the same inputs: one predict), and a plan the
+        search found is predicted by the search (a later pool change finds it: nodes joining change
+        only the cluster's node count, which no prediction reads)."""
         from planner.prediction import predict
 
-        pred = predict(job_spec(job), cluster_for(job, pool), plan, self._eff(job))
+        cluster, eff = cluster_for(job, pool), self._eff(job)
+        key = _prediction_key(job, cluster, plan, eff)
+        pred = self._predictions.get(key)
+        if pred is None:
+            pred = predict(job_spec(job), cluster, plan, eff)
+        self._keep_prediction(key, pred)
         return pred if pred.feasible else None
+
+    def _keep_prediction(self, key: tuple[object, ...], pred: Any) -> None:
+        self._predictions[key] = pred
+        self._predictions.move_to_end(key)
+        while len(self._predictions) > PREDICTIONS_KEPT:
+            self._predictions.popitem(last=False)
 
     def calibrate(self, job: dict[str, Any], measurement: protocol.Measurement, plan: GlobalPlan) -> None:
         """One calibration step from the step's measured model-stage times; the fitted efficiencies
@@ -188,10 +210,12 @@ class PlannerBinding:
         from planner.calibration import fit_from_stage_times
 
         key = _efficiency_key(job)
-        self.efficiency[key] = fit_from_stage_times(job_spec(job), plan, measurement.stage_times_s,
-                                                    self.efficiency.get(key),
-                                                    cluster=cluster_for(job, plan.gpus),
-                                                    step_latency_s=measurement.step_latency_s)
+        cluster, previous = cluster_for(job, plan.gpus), self.efficiency.get(key)
+        # the plan under the efficiencies of before: what the last re-prediction of the running plan was
+        predicted = self._predictions.get(_prediction_key(job, cluster, plan, self._eff(job)))
+        self.efficiency[key] = fit_from_stage_times(job_spec(job), plan, measurement.stage_times_s, previous,
+                                                    cluster=cluster, step_latency_s=measurement.step_latency_s,
+                                                    predicted=predicted)
 
     def observe_transition(self, job: dict[str, Any], transition: dict[str, Any]) -> None:
         """Feed one completed transition (its store row) into the job's L_tran correction. The row's
@@ -301,17 +325,13 @@ def _warm_rank_factors(spec: dict[str, Any], num_gpus: int) -> None:
 def _parts(dag: TransitionDAG, gpus: list[int], node_of_gpu: Callable[[int], str]) -> dict[str, dict[str, Any]]:
     """Each node's part: its GPUs, and the ids of the DAG nodes that touch any of them (from the DAG's
     replica classes where it has them: no unit-level expansion)."""
-    parts: dict[str, dict[str, Any]] = {}
-    index: dict[str, int] = {}
-    group_of: dict[int, int] = {}
-    for gpu in gpus:
-        node = node_of_gpu(gpu)
-        if node not in parts:
-            parts[node] = {"gpus": [], "dag_nodes": []}
-            index[node] = len(index)
+    owners = list(map(node_of_gpu, gpus))
+    names = list(dict.fromkeys(owners))  # nodes in order of their first GPU
+    parts: dict[str, dict[str, Any]] = {node: {"gpus": [], "dag_nodes": []} for node in names}
+    index = {node: k for k, node in enumerate(names)}
+    for gpu, node in zip(gpus, owners):
         parts[node]["gpus"].append(gpu)
-        group_of[gpu] = index[node]
-    names = list(index)
+    group_of = {gpu: index[node] for gpu, node in zip(gpus, owners)}
     for k, ids in dag.ids_by_group(group_of).items():
         parts[names[k]]["dag_nodes"] = ids
     return parts
@@ -325,6 +345,12 @@ def _primitive_counts(dag: TransitionDAG) -> dict[str, int]:
             counts[c.kind.value] = counts.get(c.kind.value, 0) + c.size
         return dict(sorted(counts.items()))
     return dict(sorted(_count(p.kind.value for p in dag.nodes).items()))
+
+
+def _prediction_key(spec: dict[str, Any], cluster: ClusterSpec, plan: GlobalPlan, eff: Any) -> tuple[object, ...]:
+    """Everything a prediction is made of, by value: the spec, the cluster as one node (planner.prediction
+    reads the device, links, node size and overhead, never the node count), the plan and the efficiencies."""
+    return json.dumps(spec, sort_keys=True), replace(cluster, num_nodes=1), plan, eff
 
 
 def _transition_key(spec: dict[str, Any]) -> str:

@@ -41,8 +41,7 @@ class Signal(str, Enum):
 # Relative drift from the reference that triggers an opportunistic replan.
 DEFAULT_THRESHOLDS: Mapping[Signal, float] = MappingProxyType({
     Signal.SEQUENCE_LENGTH: 0.30,  # the paper's delta for sequence length
-    Signal.COMPUTE_EFFICIENCY: 0.20,
-    Signal.COMMUNICATION_EFFICIENCY: 0.20,
+    Signal.COMPUTE_EFFICIENCY: 0.20, Signal.COMMUNICATION_EFFICIENCY: 0.20,
 })
 
 
@@ -264,8 +263,7 @@ class Decision:
     def to_dict(self) -> dict[str, Any]:
         """Plain data for storage and nereusctl (enums as values)."""
         return _plain({
-            "step": self.step,
-            "trigger": self.trigger,
+            "step": self.step, "trigger": self.trigger,
             "current_plan_version": self.current_plan_version,
             "candidate_plan_version": self.candidate_plan_version,
             "current_prediction": self.current_prediction,
@@ -308,13 +306,19 @@ class NoReachablePlan(InfeasibleError):
         super().__init__(str(cause).splitlines()[0] + tried, cause.reasons)
 
 
+_LEAVES = frozenset({int, str, bool, type(None)})  # what _plain gives back as it is (not their subclasses: enums)
+
+
 def _plain(obj: Any, by_fields: bool = False) -> Any:
     """Plain data (enums as values, mapping keys as strings, sets sorted, non-finite floats as None). A
     dataclass goes through its ``to_dict`` if it has one, else field by field, and so does everything
     inside it (as ``_plain(dataclasses.asdict(obj))`` gave, without asdict's deep copy of every leaf)."""
-    kind = type(obj)
-    if kind is int or kind is str or kind is bool or obj is None:  # most leaves (GPU ids): no class checks
+    if (kind := type(obj)) in _LEAVES:  # most leaves (GPU ids): no class checks
         return obj
+    if kind is float:  # a prediction's seconds
+        return obj if math.isfinite(obj) else None
+    if kind is tuple or kind is list:  # a plan's GPU sets, straight to their items (no class checks)
+        return [v if type(v) in _LEAVES else _plain(v, by_fields) for v in obj]
     if is_dataclass(obj) and not isinstance(obj, type):
         if not by_fields and hasattr(obj, "to_dict"):
             return _plain(obj.to_dict())
@@ -322,13 +326,12 @@ def _plain(obj: Any, by_fields: bool = False) -> Any:
     if isinstance(obj, Enum):
         return obj.value
     if isinstance(obj, Mapping):
-        return {(_plain(k, by_fields) if isinstance(k, Enum) else str(k)): _plain(v, by_fields) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple, set, frozenset)):
-        items = [_plain(v, by_fields) for v in obj]
+        return {(_plain(k, by_fields) if isinstance(k, Enum) else str(k)):
+                v if type(v) in _LEAVES else _plain(v, by_fields) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple, set, frozenset)):  # leaves kept as they are, without a call each
+        items = [v if type(v) in _LEAVES else _plain(v, by_fields) for v in obj]
         return sorted(items) if isinstance(obj, (set, frozenset)) else items
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    return obj
+    return None if isinstance(obj, float) and not math.isfinite(obj) else obj  # float subclasses (numpy's)
 
 
 class CandidateLike(Protocol):

@@ -32,7 +32,7 @@ from planner.cost import PRIORS, Efficiencies, OpClass, OpTerm
 from planner.errors import SpecError
 from planner.hardware import ClusterSpec
 from planner.plan import GlobalPlan
-from planner.prediction import predict, schedule
+from planner.prediction import Prediction, predict, schedule
 from planner.workflow import JobSpec
 
 HUBER_K = 1.345  # 95% efficiency under Gaussian noise
@@ -273,7 +273,8 @@ class CalibratedEfficiencies(Efficiencies):
 
 def fit_from_stage_times(job: JobSpec, plan: GlobalPlan, stage_times_s: Mapping[str, float],
                          previous: Efficiencies | None = None, cluster: ClusterSpec | None = None,
-                         window: int = STAGE_WINDOW, step_latency_s: float | None = None) -> Efficiencies:
+                         window: int = STAGE_WINDOW, step_latency_s: float | None = None,
+                         predicted: Prediction | None = None) -> Efficiencies:
     """One calibration step from a step's measured model-stage times (what agents report).
 
     Predicts the plan's terms (the class mix of each model-stage on its slowest replica), adds one
@@ -281,17 +282,22 @@ def fit_from_stage_times(job: JobSpec, plan: GlobalPlan, stage_times_s: Mapping[
     (StageFit). Observations of earlier plans stay in the window: stages of other shapes are what tell
     classes apart. ``step_latency_s`` (the whole step, if known) also teaches the fixed per-step
     overhead: what the step took beyond its model-stages. ``cluster`` is needed to rebuild the terms;
-    without it nothing is learned and ``previous`` (or the priors) is returned.
+    without it nothing is learned and ``previous`` (or the priors) is returned. ``predicted``: the plan's
+    prediction under ``previous`` on ``cluster`` where the caller has it (the daemon's memo); the plan is
+    predicted only when some model-stage of it was measured (~1 ms at 1,024 GPUs).
     """
     base = previous if previous is not None else PRIORS
     if cluster is None:
         return base
     fit = previous.stage_fit if isinstance(previous, CalibratedEfficiencies) \
         else StageFit(window=window, half_life_steps=HALF_LIFE_STEPS)
-    pred = predict(job, cluster, plan, base)
-    observed = [stage_observation(pred.terms[name], seconds, fit.steps, source=name)
-                for name, seconds in stage_times_s.items()
-                if name in pred.terms and math.isfinite(seconds) and seconds > 0]
+    stages = {sp.model_stage for sp in plan}  # what a prediction of the plan has terms of
+    measured = [(name, seconds) for name, seconds in stage_times_s.items()
+                if name in stages and math.isfinite(seconds) and seconds > 0]
+    observed: list[StageObservation] = []
+    if measured:
+        terms = (predicted if predicted is not None else predict(job, cluster, plan, base)).terms
+        observed = [stage_observation(terms[name], seconds, fit.steps, source=name) for name, seconds in measured]
     overhead = _overhead_observation(job, plan, stage_times_s, step_latency_s, cluster, fit.steps)
     fit = fit.observe(observed + ([overhead] if overhead is not None else []))
     return CalibratedEfficiencies(fit.efficiencies(PRIORS).learned, stage_fit=fit)

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
+from typing import Any
 
 import numpy as np
 
@@ -130,8 +131,9 @@ def _seconds_line(t1: list[RawTerm], t2: list[RawTerm],
     does: the first GEMM and the MEMORY_BOUND term); every other term is affine in the micro-batch."""
     gemm_a = gemm_c = mem_c = other_a = other_c = 0.0
     roof = any(a[0] is OpClass.MEMORY_BOUND for a in t1)
-    for a, b in zip(t1, t2):
-        s1, s2 = raw_seconds(a, eff), raw_seconds(b, eff)
+    for a, b in zip(t1, t2):  # raw_seconds of each, inline (a replan of a new workload costs ~3,000 pairs)
+        s1 = a[1] / (a[2] * eff[a[0]]) + a[3] * a[4]
+        s2 = b[1] / (b[2] * eff[b[0]]) + b[3] * b[4]
         if roof and a[0] is OpClass.GEMM:
             gemm_a += s2 - s1
             gemm_c += 2 * s1 - s2
@@ -151,35 +153,42 @@ def _ring_hops(dp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 # Per-layout lines (the Python part of a table) for the last few (model-stage, workload, cluster,
-# efficiencies): a replan after a pool change reuses them. The key holds every input of the lines.
+# efficiencies): a replan after a pool change reuses them. The key holds every input of the lines, the
+# cluster as one node of it (``_one_node``): nothing a line is made of reads the number of nodes.
 _LINES_CACHE: OrderedDict[tuple[object, ...], dict[tuple[int, int, bool], tuple[float, ...] | None]] = OrderedDict()
 _LINES_CACHE_SIZE = 64
+# ... and their workload-free parts (_unit_part) by (tp, pp), per (model-stage, cluster, efficiencies)
+_UNITS_CACHE: OrderedDict[tuple[object, ...], dict[tuple[int, int], tuple[float, ...] | None]] = OrderedDict()
 
 
-def _lines_for(key: tuple[object, ...]) -> dict[tuple[int, int, bool], tuple[float, ...] | None]:
-    lines = _LINES_CACHE.get(key)
+def _lines_for(key: tuple[object, ...], cache: OrderedDict[tuple[object, ...], Any] = _LINES_CACHE) -> Any:
+    lines = cache.get(key)
     if lines is None:
-        lines = _LINES_CACHE[key] = {}
-        if len(_LINES_CACHE) > _LINES_CACHE_SIZE:
-            _LINES_CACHE.popitem(last=False)
+        lines = cache[key] = {}
+        if len(cache) > _LINES_CACHE_SIZE:
+            cache.popitem(last=False)
     else:
-        _LINES_CACHE.move_to_end(key)
+        cache.move_to_end(key)
     return lines
 
 
-def _layout_line(model: ModelSpec, ms: ModelStage, layout: Layout, workload: Workload, recompute: bool,
-                 cluster: ClusterSpec, eff: Mapping[OpClass, float], usable: float) -> tuple[float, ...] | None:
-    """One layout's scalars, from exact evaluations of the cost and memory models (None: its resident
-    state alone does not fit): resident bytes; decode GEMM s per sequence and fixed, weight-read s, other s
-    per sequence and fixed, of one micro-batch; optimizer-update s, DP gradient bytes and per-link (s per byte,
-    latency) for the all-reduce; transient bytes c0, c1, c2 (c0 + b * (c1 + (min(pp, g) - 1) * c2));
-    backward s per sequence and fixed (what the all-reduce hides behind), the last bucket's share of
-    the all-reduce, and the once-per-step seconds (generation tail, weight refit)."""
-    tp, gpn = layout.tp, cluster.gpus_per_node
+def _one_node(cluster: ClusterSpec) -> ClusterSpec:
+    """``cluster`` cut to one node: the same device, links, node size and overheads, which is all that a
+    layout's line reads (planner.cost and planner.memory never read ``num_nodes``). Lines are made from
+    it and keyed by it, so nodes joining or leaving (the daemon's cluster grows with its highest node)
+    find the lines already made instead of re-costing every layout (~4 ms a replan at 1,024 GPUs)."""
+    return replace(cluster, num_nodes=1)
+
+
+def _unit_part(model: ModelSpec, ms: ModelStage, layout: Layout, cluster: ClusterSpec, eff: Mapping[OpClass, float],
+               usable: float) -> tuple[float, ...] | None:
+    """The scalars of a layout's line that no workload changes (None: its resident state alone does not
+    fit): resident bytes, optimizer-update s, DP gradient bytes and per-link (s per byte, latency) for the
+    all-reduce, the last bucket's share of it. A replan after a length drift finds them made."""
     resident = resident_bytes(model, ms, layout).total_bytes
     if resident > usable:
         return None
-    links = Links(tp_intra=tp <= gpn, pp_intra=layout.size <= gpn, dp_intra=True)
+    links = Links()  # sync_raw reads only dp_intra: the all-reduce within a node (across, below)
     sync_mem = sum(raw_seconds(t, eff) for t in sync_raw(model, ms, layout, 1, cluster, links))
     grad_bytes = intra_s = intra_lat = inter_s = inter_lat = 0.0
     if ms.kind is StageKind.TRAINING:
@@ -188,14 +197,39 @@ def _layout_line(model: ModelSpec, ms: ModelStage, layout: Layout, workload: Wor
         grad_bytes = intra[1] / 1.0  # ring factor of dp=2 is 1: work is the bare gradient bytes
         intra_s, intra_lat = intra[2] * eff[intra[0]], intra[4]
         inter_s, inter_lat = inter[2] * eff[inter[0]], inter[4]
+    last_bucket = min(1.0, DP_BUCKET_PARAMS / max(params_per_gpu(model, ms.role.head, layout), 1))
+    return float(resident), sync_mem, grad_bytes, intra_s, intra_lat, inter_s, inter_lat, last_bucket
+
+
+def _layout_line(model: ModelSpec, ms: ModelStage, layout: Layout, workload: Workload, recompute: bool,
+                 cluster: ClusterSpec, eff: Mapping[OpClass, float], usable: float,
+                 units: dict[tuple[int, int], tuple[float, ...] | None] | None = None) -> tuple[float, ...] | None:
+    """One layout's scalars, from exact evaluations of the cost and memory models (None: its resident
+    state alone does not fit): resident bytes; decode GEMM s per sequence and fixed, weight-read s, other s
+    per sequence and fixed, of one micro-batch; optimizer-update s, DP gradient bytes and per-link (s per byte,
+    latency) for the all-reduce; transient bytes c0, c1, c2 (c0 + b * (c1 + (min(pp, g) - 1) * c2));
+    backward s per sequence and fixed (what the all-reduce hides behind), the last bucket's share of
+    the all-reduce, and the once-per-step seconds (generation tail, weight refit). ``units``: the
+    workload-free parts (:func:`_unit_part`) by (tp, pp), made where missing."""
+    key = (layout.tp, layout.pp)
+    if units is None or key not in units:
+        part = _unit_part(model, ms, layout, cluster, eff, usable)
+        if units is not None:
+            units[key] = part
+    else:
+        part = units[key]
+    if part is None:
+        return None
+    resident, sync_mem, grad_bytes, intra_s, intra_lat, inter_s, inter_lat, last_bucket = part
+    gpn = cluster.gpus_per_node
+    links = Links(tp_intra=layout.tp <= gpn, pp_intra=layout.size <= gpn, dp_intra=True)
     t1 = microbatch_raw(model, ms, layout, workload, 1, recompute, cluster, links)
     t2 = microbatch_raw(model, ms, layout, workload, 2, recompute, cluster, links)
     c0, c1, c2 = _transient_coeffs(model, ms, layout, workload, recompute)
     bwd1 = backward_seconds(model, ms, layout, workload, 1, recompute, cluster, eff)
     bwd2 = backward_seconds(model, ms, layout, workload, 2, recompute, cluster, eff)
-    last_bucket = min(1.0, DP_BUCKET_PARAMS / max(params_per_gpu(model, ms.role.head, layout), 1))
     fixed = sum(raw_seconds(t, eff) for t in fixed_raw(model, ms, layout, workload, cluster, links))
-    return (float(resident), *_seconds_line(t1, t2, eff), sync_mem, grad_bytes, intra_s, intra_lat, inter_s,
+    return (resident, *_seconds_line(t1, t2, eff), sync_mem, grad_bytes, intra_s, intra_lat, inter_s,
             inter_lat, float(c0), float(c1), float(c2), bwd2 - bwd1, 2 * bwd1 - bwd2, last_bucket, fixed)
 
 
@@ -218,7 +252,9 @@ def option_table(job: JobSpec, ms: ModelStage, cluster: ClusterSpec, num_gpus: i
     max_tp = num_gpus if rules.allow_cross_node_tp else min(num_gpus, gpn)
     recompute_opts = (False, True) if rules.allow_recompute and ms.kind is StageKind.TRAINING else (False,)
     eff = {c: eff[c] for c in OpClass}  # a plain dict: the cost terms look classes up many times
-    lines = _lines_for((model, ms, workload, cluster, tuple(eff.values())))
+    node = _one_node(cluster)
+    lines = _lines_for((model, ms, workload, node, tuple(eff.values())))
+    units = _lines_for((model, ms, node, tuple(eff.values())), _UNITS_CACHE)
     layouts: list[tuple[int, int, bool]] = []
     rows: list[tuple[float, ...]] = []
     for tp in power_of_two_upto(max_tp):
@@ -228,7 +264,8 @@ def option_table(job: JobSpec, ms: ModelStage, cluster: ClusterSpec, num_gpus: i
             for recompute in recompute_opts:
                 key = (tp, pp, recompute)
                 if key not in lines:
-                    lines[key] = _layout_line(model, ms, Layout(tp, pp), workload, recompute, cluster, eff, usable)
+                    lines[key] = _layout_line(model, ms, Layout(tp, pp), workload, recompute, node, eff, usable,
+                                              units)
                 line = lines[key]
                 if line is not None:
                     layouts.append(key)

@@ -107,3 +107,76 @@ def test_the_daemon_reports_its_planner_warm_up(daemon: DaemonHandle) -> None:
     # warmed before serving: "serving" (and READY) come after the warm-up, with its time
     assert "serving" in names and names.index("serving") > names.index("planner-warm-up")
     assert events[names.index("serving")]["warm_up_ms"] == took
+
+
+def test_predictions_are_memoised_on_all_they_are_made_of(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The controller predicts the running plan after each calibration and again when it decides: one
+    predict. A plan the search found is not predicted again, even on a pool with more nodes (a
+    prediction reads no node count); another spec, plan or efficiencies is predicted afresh."""
+    import planner.prediction
+    from nereusd.planning import _efficiency_key
+    from planner.cost import Efficiencies, OpClass
+
+    real = planner.prediction.predict
+    calls: list[int] = []
+
+    def counted(job, cluster, plan, eff):  # type: ignore[no-untyped-def]
+        calls.append(cluster.num_nodes)
+        return real(job, cluster, plan, eff)
+
+    monkeypatch.setattr(planner.prediction, "predict", counted)
+    binding = PlannerBinding()
+    pool = frozenset(range(4))
+    found = binding.search(SPEC, pool, 1)
+    wider = frozenset(range(8))  # two nodes more: a larger cluster
+    got = binding.predict(SPEC, wider, found.plan)
+    assert calls == [] and got == found.prediction
+    assert got == real(job_spec(SPEC), cluster_for(SPEC, wider), found.plan, binding._eff(SPEC))
+    longer = {**SPEC, "workload": {**SPEC["workload"], "response_tokens": 96}}
+    first = binding.predict(longer, pool, found.plan)
+    assert binding.predict(longer, pool, found.plan) is first and calls == [2]
+    assert first == real(job_spec(longer), cluster_for(longer, pool), found.plan, binding._eff(longer))
+    binding.efficiency[_efficiency_key(SPEC)] = Efficiencies({OpClass.GEMM: 0.3})  # as a calibration leaves it
+    slower = binding.predict(longer, pool, found.plan)
+    assert calls == [2, 2] and slower != first
+    other = binding.search(SPEC, frozenset(range(2)), 2).plan
+    binding.predict(longer, pool, other)
+    assert calls == [2, 2, 2]
+
+
+def test_the_prediction_memo_is_bounded() -> None:
+    from nereusd.planning import PREDICTIONS_KEPT
+
+    binding = PlannerBinding()
+    plan = binding.search(SPEC, frozenset(range(2)), 1).plan
+    for tokens in range(40, 40 + 2 * PREDICTIONS_KEPT):
+        binding.predict({**SPEC, "workload": {**SPEC["workload"], "response_tokens": tokens}}, frozenset(range(2)), plan)
+    assert len(binding._predictions) == PREDICTIONS_KEPT
+    newest = {**SPEC, "workload": {**SPEC["workload"], "response_tokens": 39 + 2 * PREDICTIONS_KEPT}}
+    assert next(reversed(binding._predictions))[0] == json.dumps(newest, sort_keys=True)
+
+
+def test_calibration_prices_the_plan_from_its_last_prediction(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A calibration step reads the plan's terms under the efficiencies of before: the running plan's
+    last re-prediction (the memo's) when it has one, else one predict; the fit is the same either way."""
+    import planner.calibration
+    from nereusd.planning import _efficiency_key
+    from nereusd.wire import protocol
+
+    real = planner.calibration.predict
+    calls: list[int] = []
+    monkeypatch.setattr(planner.calibration, "predict", lambda *a: calls.append(1) or real(*a))
+    pool = frozenset(range(4))
+    plan = PlannerBinding().search(SPEC, pool, 1).plan
+    msg = protocol.Measurement(job_id="j", node="n0", step=3, plan_version=1, step_latency_s=9.0,
+                               stage_times_s={sp.model_stage: 1.0 for sp in plan.stages}, response_tokens=64)
+    cold = PlannerBinding()
+    cold.calibrate(SPEC, msg, plan)
+    assert calls == [1]
+    warm = PlannerBinding()
+    warm.predict(SPEC, pool, plan)  # the running plan re-predicted, as after the last calibration
+    warm.calibrate(SPEC, msg, plan)
+    assert calls == [1]
+    key = _efficiency_key(SPEC)
+    assert dict(warm.efficiency[key]) == dict(cold.efficiency[key])
+    assert warm.efficiency[key].stage_fit.observations == cold.efficiency[key].stage_fit.observations  # type: ignore[attr-defined]

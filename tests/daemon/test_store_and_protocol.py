@@ -232,3 +232,28 @@ def test_an_unreadable_json_column_reads_as_damaged_not_as_a_crash(tmp_path: Pat
     row = s.job("j")
     assert row is not None and row["spec"] is None and "spec" in row["damaged"]
     assert [j["job_id"] for j in s.jobs()] == ["j"]
+
+
+def test_rows_read_the_same_whichever_queries_interleave(tmp_path: Path) -> None:
+    """Rows are built from their own query's columns even when two queries' reads interleave (the column
+    layout is kept for the last query only), and a damaged row keeps its columns in table order with
+    ``damaged`` before the column that does not parse."""
+    s = Store(tmp_path / "s.db")
+    s.add_job(job_id="j", user="alice", spec={"a": 1})
+    devices = [{"index": i, "kind": "gpu"} for i in range(2)]
+    for n in ("n0", "n1", "n2"):
+        s.register_node(job_id="j", node=n, devices=devices, slurm_job_id=None, host=n, incarnation="1")
+    nodes = s.db.execute("SELECT * FROM nodes WHERE job_id='j' ORDER BY node")
+    first = nodes.fetchone()
+    job = s.job("j")  # another query in between
+    rest = nodes.fetchall()
+    assert job is not None and job["spec"] == {"a": 1} and job["user"] == "alice"
+    assert [r["node"] for r in [first, *rest]] == ["n0", "n1", "n2"]
+    assert all(r["devices"] == devices and r["state"] == "alive" and "spec" not in r for r in [first, *rest])
+    assert list(first) == [d[0] for d in s.db.execute("SELECT * FROM nodes").description]
+    s.db.execute("UPDATE nodes SET devices='[' WHERE node='n1'")
+    bad = s.node("j", "n1")
+    assert bad is not None and bad["devices"] is None and "'devices'" in bad["damaged"]
+    keys = list(bad)
+    assert keys.index("damaged") == keys.index("devices") - 1 and keys[0] == "job_id"
+    assert "damaged" not in (s.node("j", "n2") or {"damaged": 1})

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from enum import Enum
+from enum import Enum, IntEnum
+from typing import NamedTuple
 
 import pytest
 
@@ -180,6 +181,62 @@ def test_plain_data_uses_to_dict_enum_values_sorted_sets_and_none_for_non_finite
     assert _plain({8, 1}) == [1, 8] and _plain(frozenset({8, 1, 3})) == [1, 3, 8]
     assert _plain((3, 1)) == [3, 1]  # a tuple keeps its order
     assert _plain([math.inf, -math.inf, math.nan, 1.5]) == [None, None, None, 1.5]
+
+
+class _Level(IntEnum):
+    HIGH = 7
+
+
+class _Ratio(float, Enum):
+    HALF = 0.5
+
+
+def test_plain_leaves_inside_lists_and_mappings_are_those_and_only_those_kept_as_they_are() -> None:
+    """Ints, strings, bools and None inside a list or a mapping are kept without a call each (a plan's
+    GPU sets); their subclasses (an IntEnum, a float enum) and floats still go the whole way."""
+    import numpy as np
+
+    got = _plain([1, "a", True, None, _Level.HIGH, _Ratio.HALF, math.nan, np.float64(math.inf), np.float64(2.5),
+                  (2, (3, _Level.HIGH)), {"k": _Level.HIGH, "n": math.inf, "b": False, 3: None}])
+    assert got == [1, "a", True, None, 7, 0.5, None, None, 2.5, [2, [3, 7]], {"k": 7, "n": None, "b": False, "3": None}]
+    assert [type(v) for v in got[:6]] == [int, str, bool, type(None), int, float]
+    assert type(got[8]) is np.float64  # a finite numpy float is kept as it is
+    assert _plain(math.inf) is None and _plain(-0.25) == -0.25 and _plain(_Level.HIGH) == 7
+    assert _plain({"x": {"y": [math.nan]}}) == {"x": {"y": [None]}}
+
+
+class _Shape(Enum):
+    SQUARE = "square"
+
+
+@dataclass(frozen=True)
+class _Shown:
+    x: int
+
+    def to_dict(self) -> dict[str, int]:
+        return {"shown": self.x}
+
+
+@dataclass(frozen=True)
+class _Holder:
+    inner: frozenset[_Shown]
+
+
+class _Pair(NamedTuple):
+    a: int
+    b: int
+
+
+def test_plain_items_of_sets_and_tuple_subclasses_go_the_whole_way() -> None:
+    """Sets, frozensets and list or tuple subclasses take the general path: their items are made plain
+    (a plain Enum becomes its value), keep by_fields (inside a record converted field by field, an item
+    with a to_dict is converted by its fields too), and only sets are sorted."""
+    got = _plain({_Shape.SQUARE})
+    assert got == ["square"] and type(got[0]) is str
+    assert _plain(_Holder(frozenset({_Shown(3)}))) == {"inner": [{"x": 3}]}
+    assert _plain(frozenset({_Shown(3)})) == [{"shown": 3}]  # at the top: its to_dict
+    assert _plain(_Pair(3, 1)) == [3, 1] and _plain([_Pair(2, 1)]) == [[2, 1]]
+    assert _plain({_Pair(9, 1), _Pair(2, 5)}) == [[2, 5], [9, 1]]
 
 
 def test_no_reachable_plan_keeps_its_cause_and_counts_the_plans_tried() -> None:

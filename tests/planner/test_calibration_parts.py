@@ -254,6 +254,51 @@ def test_one_calibration_step_observes_the_measured_stages_of_the_plan() -> None
     assert two.stage_fit.observations[2].step == 1
 
 
+def test_a_calibration_step_predicts_the_plan_only_when_a_stage_of_it_was_measured(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The plan's terms come from ``predicted`` where the caller has it, else from one predict; a step
+    measuring none of the plan's model-stages (no stage times, or only unknown, zero or NaN ones) needs
+    none. Either way the fit is the one a fresh prediction gives."""
+    import planner.calibration as calibration
+
+    j = job("ppo", model="tiny-25m", prompts=16, response_tokens=256)
+    cl = h200(8)
+    plan = search(j, cl).plan
+    prev = Efficiencies({G: 0.2})
+    times = {"actor-gen": 2.0, "no-such-stage": 1.0, "actor-train": 3.0}
+    fresh = fit_from_stage_times(j, plan, times, prev, cluster=cl)
+    calls: list[object] = []
+    monkeypatch.setattr(calibration, "predict", lambda *a: calls.append(a) or predict(*a))
+    given = fit_from_stage_times(j, plan, times, prev, cluster=cl, predicted=predict(j, cl, plan, prev))
+    assert calls == [] and isinstance(given, CalibratedEfficiencies) and isinstance(fresh, CalibratedEfficiencies)
+    assert given.stage_fit.observations == fresh.stage_fit.observations and dict(given) == dict(fresh)
+    for nothing in ({}, {"no-such-stage": 1.0, "actor-gen": 0.0, "actor-train": math.nan}):
+        none = fit_from_stage_times(j, plan, nothing, prev, cluster=cl)
+        assert calls == [] and isinstance(none, CalibratedEfficiencies)
+        assert none.stage_fit.steps == 1 and none.stage_fit.observations == ()
+    again = fit_from_stage_times(j, plan, {"ref-inf": 1.5}, prev, cluster=cl)
+    assert len(calls) == 1 and isinstance(again, CalibratedEfficiencies)
+    assert again.stage_fit.observations[0] == stage_observation(predict(j, cl, plan, prev).terms["ref-inf"], 1.5, 0,
+                                                                source="ref-inf")
+
+
+def test_a_calibration_step_prices_the_slowest_replica_under_the_efficiencies_in_use() -> None:
+    """Replicas on different links: which one is slowest, so whose terms a stage time is read against,
+    depends on the efficiencies, and the fit reads them under the ones in use (not the priors)."""
+    from planner.plan import GlobalPlan, Layout, StagePlan
+
+    j = job("ppo", model="tiny-25m", prompts=16, response_tokens=256)
+    cl = h200(16)
+    found = search(j, cl).plan
+    split = StagePlan(model_stage="actor-train", layout=Layout(2, 1), gpu_sets=((0, 1), (7, 8)), micro_batch_size=8)
+    plan = GlobalPlan(version=1, stages=tuple(split if s.model_stage == "actor-train" else s for s in found.stages))
+    prev = Efficiencies({OpClass.TP_ALLREDUCE_INTER: 1.5, OpClass.TP_ALLREDUCE_INTRA: 0.01})
+    under_prev, under_priors = (predict(j, cl, plan, e).terms["actor-train"] for e in (prev, PRIORS))
+    assert under_prev != under_priors  # the intra-node replica is the slow one only under ``prev``
+    step = fit_from_stage_times(j, plan, {"actor-train": 1.0}, prev, cluster=cl)
+    assert isinstance(step, CalibratedEfficiencies)
+    assert step.stage_fit.observations[0] == stage_observation(under_prev, 1.0, 0, source="actor-train")
+
+
 def test_the_step_overhead_observation_is_the_step_beyond_its_model_stages() -> None:
     j = job("ppo", model="tiny-25m", prompts=16, response_tokens=256)
     cl = h200(8)
