@@ -72,8 +72,15 @@ def _relabelled_stage(state: UnitState, cp: StagePlan, tp: StagePlan, n_gpus: in
     appearance). Everything ``_build_stage`` derives is equivariant under renaming GPUs (it only
     compares GPU ids for equality), so one entry serves every candidate of that shape."""
     cur, tgt = gpu_array(cp.gpu_sets, cache), gpu_array(tp.gpu_sets, cache)
-    if cur.min() < 0 or tgt.min() < 0 or cur.max() >= n_gpus or tgt.max() >= n_gpus:
+    if cur.min() < 0 or cur.max() >= n_gpus:
         return None  # the exact path names the offending GPU
+    if cp.layout == tp.layout and cp.gpu_sets == tp.gpu_sets:  # unchanged: every unit kept as it is
+        return StageClasses(stage=ReplicaStage(name=state.model_stage, state=state, current=cp, target=tp, sub=cp.layout,
+                                               nq=1, cur=cur, tgt=tgt, parts=tgt,
+                                               renamed=[(i, i) for i in range(len(cur))]),
+                            classes=[], edges=[], num_nodes=0)
+    if tgt.min() < 0 or tgt.max() >= n_gpus:
+        return None
     owner, rank = stage_owners(cp, n_gpus, cache)
     flat = tgt.ravel()
     own = owner[flat]
@@ -110,7 +117,7 @@ def _relabelled_stage(state: UnitState, cp: StagePlan, tp: StagePlan, n_gpus: in
                                     unit=c.unit, refs=c.refs, touched=c.touched, first=c.first,
                                     g=c.g if same_gpus else gpus[:, c.touched], single=c.single, alloc=c.alloc,
                                     buf=c.buf, delta=c.delta, acquire=c.acquire, preds=c.preds,
-                                    seconds=c.seconds if same_gpus else {}))
+                                    seconds=c.seconds if same_gpus else {}, shape=c.shape))
     return StageClasses(stage=stage, classes=classes, edges=b.edges, num_nodes=b.num_nodes)
 
 

@@ -20,6 +20,39 @@ from transitions.planning_cache import PlanningCache
 from transitions.primitives import Destroy, Extend, Footprint, Merge, Primitive, PrimitiveKind, Split
 
 
+@dataclass(kw_only=True, slots=True, eq=False)
+class ClassShape:
+    """What every class of one relative shape shares, derived once (memoised in
+    PlanningCache.class_shapes, so a never-seen pair of stage plans made of known shapes reuses it):
+    its canonical footprint, touched labels and their bytes, its pairs as arrays over labels, and
+    per-cluster member durations by intra-node pattern (transitions.cost's memo)."""
+
+    canon: Footprint
+    touched: np.ndarray
+    empty: bool  # no GPU touched and nothing renamed: the exact path deals with such a stage
+    alloc: np.ndarray  # per touched label
+    buf: np.ndarray
+    delta: np.ndarray  # alloc - free
+    acquire: bool
+    # transitions.cost's, filled on its first use: (source labels, destination labels, bytes) per pair in
+    # canon.pair_bytes' order, each pair onto its source and onto its destination (pairs x labels), and
+    # per cluster and intra-node pattern the members' durations
+    pairs: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
+    durations: dict[tuple[object, ...], tuple[object, tuple[np.ndarray, int, int]]] = field(default_factory=dict)
+
+
+def class_shape(canon: Footprint, touched: np.ndarray, empty: bool = False) -> ClassShape:
+    """``ClassShape`` of a canonical footprint, ``touched`` its labels occupied."""
+    at = touched.tolist()
+    alloc = np.array([canon.alloc_bytes.get(g, 0) for g in at], dtype=np.int64)
+    buf = np.array([canon.buffer_bytes.get(g, 0) for g in at], dtype=np.int64)
+    delta = alloc - np.array([canon.free_bytes.get(g, 0) for g in at], dtype=np.int64)
+    for a in (alloc, buf, delta):
+        a.setflags(write=False)
+    return ClassShape(canon=canon, touched=touched, empty=empty, alloc=alloc, buf=buf, delta=delta,
+                      acquire=bool(alloc.any() or buf.any()))
+
+
 @dataclass(kw_only=True, slots=True)
 class ReplicaClass:
     """Primitives of one model-stage, kind and relative shape; member m's label l is on gpus[m, l].
@@ -44,20 +77,19 @@ class ReplicaClass:
     acquire: bool = False
     preds: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.int64))  # stage-local, -1 pad
     seconds: dict[int, tuple[object, float, tuple[np.ndarray, int, int]]] = field(default_factory=dict)
+    shape: ClassShape | None = None  # canon's and touched's derived arrays (set by ``_finish`` if not given)
 
     @property
     def size(self) -> int:
         return int(self.gpus.shape[0])
 
     def _finish(self) -> None:
-        labels = self.touched.tolist()
-        fp = self.canon
-        self.alloc = np.array([fp.alloc_bytes.get(g, 0) for g in labels], dtype=np.int64)
-        self.buf = np.array([fp.buffer_bytes.get(g, 0) for g in labels], dtype=np.int64)
-        self.delta = self.alloc - np.array([fp.free_bytes.get(g, 0) for g in labels], dtype=np.int64)
-        self.acquire = bool(self.alloc.any() or self.buf.any())
+        if self.shape is None:
+            self.shape = class_shape(self.canon, self.touched)
+        sh = self.shape
+        self.alloc, self.buf, self.delta, self.acquire = sh.alloc, sh.buf, sh.delta, sh.acquire
         self.g = self.gpus[:, self.touched]
-        self.single = not labels or bool(np.bincount(self.g.ravel()).max() <= 1)
+        self.single = not len(self.touched) or bool(np.bincount(self.g.ravel()).max() <= 1)
 
 
 @dataclass(kw_only=True, slots=True)
