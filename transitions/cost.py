@@ -203,7 +203,8 @@ def _member_seconds(c: ReplicaClass, sh: ClassShape, intra: np.ndarray, cluster:
     return seconds, intra_bytes, int(nbytes.sum()) * c.size - intra_bytes
 
 
-_Seen = tuple[np.ndarray, np.ndarray, np.ndarray]  # per class: predecessor ends, GPU ends, GPU last nodes
+# per class, each (predecessors or touched GPUs) x members: predecessor ends, GPU ends, GPU last nodes
+_Seen = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 def replica_schedule(plan: ReplicaPlan, cluster: ClusterSpec, setup_s: float, fixed: FixedCosts | None = None
@@ -229,8 +230,10 @@ def replica_schedule(plan: ReplicaPlan, cluster: ClusterSpec, setup_s: float, fi
         intra += a
         inter += b
         has_preds = c.preds.shape[1] > 0
-        pe = end[c.preds] if has_preds else empty
-        t = pe.max(axis=1) if has_preds else np.zeros(c.size)
+        if has_preds and c.preds_t is None:
+            c.preds_t = np.ascontiguousarray(c.preds.T)
+        pe = end[c.preds_t] if has_preds else empty  # predecessors x members
+        t = pe.max(axis=0) if has_preds else np.zeros(c.size)
         lo, hi = c.first, c.first + c.size
         if not len(c.touched):
             starts[st][lo:hi] = t
@@ -239,13 +242,16 @@ def replica_schedule(plan: ReplicaPlan, cluster: ClusterSpec, setup_s: float, fi
             continue
         g = c.g
         if c.single:
-            ge = gpu_end[g]
-            gl = gpu_last[g]
-            t = np.maximum(t, ge.max(axis=1))
+            if c.g_t is None:
+                c.g_t = np.ascontiguousarray(g.T)
+            g_t = c.g_t  # touched GPUs x members
+            ge = gpu_end[g_t]
+            gl = gpu_last[g_t]
+            t = np.maximum(t, ge.max(axis=0))
             starts[st][lo:hi] = t
             end[lo:hi] = t + dur
-            gpu_end[g] = end[lo:hi, None]
-            gpu_last[g] = np.arange(plan.first[k], plan.first[k] + c.size)[:, None]
+            gpu_end[g_t] = end[lo:hi]
+            gpu_last[g_t] = np.arange(plan.first[k], plan.first[k] + c.size)
             seen[k] = (pe, ge, gl)
             continue
         ge_rows = np.zeros(g.shape)
@@ -258,7 +264,7 @@ def replica_schedule(plan: ReplicaPlan, cluster: ClusterSpec, setup_s: float, fi
             gpu_last[row] = plan.first[k] + m
         starts[st][lo:hi] = t
         end[lo:hi] = t + dur
-        seen[k] = (pe, ge_rows, gl_rows)
+        seen[k] = (pe, ge_rows.T, gl_rows.T)
     start = np.concatenate(starts) if starts else np.zeros(0)
     end_all = np.concatenate([e[:-1] for e in ends]) if ends else np.zeros(0)
     return start, end_all, _critical_path(plan, start, end_all, seen), intra, inter
@@ -277,10 +283,10 @@ def _critical_path(plan: ReplicaPlan, start: np.ndarray, end: np.ndarray, seen: 
         pe, ge, gl = seen[k]
         s = float(start[i])
         by = -1
-        if s > 0 and pe.shape[1] and float(pe[m].max()) >= s:
-            by = int(c.preds[m, int(pe[m].argmax())]) + plan.stage_base[plan.class_stage[k]]
-        elif s > 0 and ge.shape[1] and float(ge[m].max()) >= s:
-            by = int(gl[m, int(ge[m].argmax())])
+        if s > 0 and pe.shape[0] and float(pe[:, m].max()) >= s:
+            by = int(c.preds[m, int(pe[:, m].argmax())]) + plan.stage_base[plan.class_stage[k]]
+        elif s > 0 and ge.shape[0] and float(ge[:, m].max()) >= s:
+            by = int(gl[int(ge[:, m].argmax()), m])
         if by < 0:
             return path[::-1]
         path.append(by)

@@ -93,15 +93,19 @@ def pattern_groups(x: np.ndarray, neg: bool) -> list[tuple[np.ndarray, list[int]
         row = rest[0].tolist()
         first = [seen.setdefault(g, i) for i, g in enumerate(row)]  # small: plain Python
         labels = list(seen.values())  # first appearances, in position order
-        slot = {p: k for k, p in enumerate(labels)}
-        lab = rest[:, labels]
-        ok = (lab[:, [slot[f] for f in first]] == rest).all(1)
-        if len(labels) > 1:
-            srt = np.sort(lab, axis=1)
-            ok &= (srt[:, 1:] != srt[:, :-1]).all(1)
         key = tuple(first) + (tuple(int(g < 0) for g in row) if neg else ())
+        same = rest[:, first] == rest  # each entry equals the one at its first appearance in row 0
         if neg:
-            ok &= ((rest < 0) == (np.array(row) < 0)).all(1)
+            same &= (rest < 0) == (np.array(row) < 0)
+        lab = rest[:, labels] if len(labels) > 1 else None
+        if same.all() and (lab is None or _distinct(lab)):  # flat checks first: the usual case
+            found.append((key, at))
+            rest = rest[:0]
+            break
+        ok = rows_all(same)
+        if lab is not None:
+            srt = np.sort(lab, axis=1)
+            ok &= rows_all(srt[:, 1:] != srt[:, :-1])
         if ok.all():
             found.append((key, at))
             rest = rest[:0]
@@ -115,6 +119,16 @@ def pattern_groups(x: np.ndarray, neg: bool) -> list[tuple[np.ndarray, list[int]
     mix = _mix(len(found[0][0]))
     found.sort(key=lambda kv: (_wrap(sum(a * b for a, b in zip(kv[0], mix, strict=True))), kv[0]))
     return [(idx, list(key[: x.shape[1]])) for key, idx in found]
+
+
+def _distinct(lab: np.ndarray) -> bool:
+    """Whether every row of ``lab`` holds distinct values: at once where no value repeats anywhere
+    (classes whose members share no GPU), else row by row."""
+    flat = lab.ravel()
+    if flat.min() >= 0 and np.bincount(flat).max() <= 1:
+        return True
+    srt = np.sort(lab, axis=1)
+    return bool((srt[:, 1:] != srt[:, :-1]).all())
 
 
 def _patterns(x: np.ndarray, neg: bool) -> list[tuple[np.ndarray, list[int]]]:
@@ -193,16 +207,25 @@ def _reuse_or_split(st: ReplicaStage, own: np.ndarray, rk: np.ndarray) -> tuple[
     """Per part: whether a current unit is reused as it, and else the column of the one current
     unit it is split from (-1: none; it is extended)."""
     sub, lc, lt = st.sub, st.current.layout, st.target.layout
-    one_owner = (own == own[:, :1]).all(1) & (own[:, 0] >= 0)
+    one_owner = rows_all(own == own[:, :1]) & (own[:, 0] >= 0)
     split_c = np.full(len(st.parts), -1, dtype=np.int64)
     if lc == sub:
-        reuse = one_owner & (rk == np.arange(sub.size)).all(1)
+        reuse = one_owner & rows_all(rk == np.arange(sub.size))
         if lt != sub and not layouts_nest(st.state.model, st.state.head, sub, lt):
             reuse[:] = False
         return reuse, split_c
+    rk_t = rk.T.copy()  # ranks x parts: each column compared along axis 0
     for k, cols in enumerate(part_columns(lc, sub)):
-        split_c[one_owner & (rk == cols).all(1)] = k
+        split_c[one_owner & (rk_t == cols[:, None]).all(axis=0)] = k
     return np.zeros(len(st.parts), dtype=bool), split_c
+
+
+def rows_all(eq: np.ndarray) -> np.ndarray:
+    """``eq.all(axis=1)`` of a boolean array: at once where it all holds (the usual case), else along
+    axis 0 of its transpose (numpy reduces many short rows ~3x slower than few long ones)."""
+    if eq.all():
+        return np.ones(len(eq), dtype=bool)
+    return eq.T.copy().all(axis=0)
 
 
 def _extends(e_ids: np.ndarray, own: np.ndarray, dc: int) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -211,8 +234,9 @@ def _extends(e_ids: np.ndarray, own: np.ndarray, dc: int) -> list[tuple[np.ndarr
     if not len(e_ids):
         return out
     e_own = own[e_ids]
-    alone = (e_own < 0).all(1)
-    if alone.any():  # parts on GPUs no replica holds: one source each, round-robin (as local_dag)
+    neg = e_own < 0
+    alone = rows_all(neg) if neg.any() else None
+    if alone is not None and alone.any():  # parts on GPUs no replica holds: one source each, round-robin (as local_dag)
         rr = np.arange(int(alone.sum()), dtype=np.int64) % dc
         out.append((e_ids[alone], rr[:, None]))
         e_ids, e_own = e_ids[~alone], e_own[~alone]
@@ -236,7 +260,10 @@ def _splits(s_ids: np.ndarray, own: np.ndarray, dc: int) -> list[tuple[np.ndarra
     s_unit, s_ids = s_unit[order], s_ids[order]
     counts = np.bincount(s_unit, minlength=dc)
     units = np.flatnonzero(counts)
-    for k in np.unique(counts[units]):
+    ks = np.unique(counts[units])
+    if len(ks) == 1:  # every unit split into as many parts (the usual case): all of them, in order
+        return [(units, s_ids.reshape(-1, int(ks[0])))]
+    for k in ks:
         chosen = units[counts[units] == k]
         rows = np.isin(s_unit, chosen)
         out.append((chosen, s_ids[rows].reshape(-1, int(k))))

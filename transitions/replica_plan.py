@@ -78,6 +78,10 @@ class ReplicaClass:
     preds: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.int64))  # stage-local, -1 pad
     seconds: dict[int, tuple[object, float, tuple[np.ndarray, int, int]]] = field(default_factory=dict)
     shape: ClassShape | None = None  # canon's and touched's derived arrays (set by ``_finish`` if not given)
+    # transitions.cost's, filled on first use: ``g`` and ``preds`` transposed (C order), so that a gather
+    # by them reduces over members' GPUs or predecessors along axis 0 (4x faster than along axis 1)
+    g_t: np.ndarray | None = None
+    preds_t: np.ndarray | None = None
 
     @property
     def size(self) -> int:
@@ -88,7 +92,8 @@ class ReplicaClass:
             self.shape = class_shape(self.canon, self.touched)
         sh = self.shape
         self.alloc, self.buf, self.delta, self.acquire = sh.alloc, sh.buf, sh.delta, sh.acquire
-        self.g = self.gpus[:, self.touched]
+        # every label touched (labels are sorted): the GPUs as they are
+        self.g = self.gpus if len(self.touched) == self.gpus.shape[1] else self.gpus[:, self.touched]
         self.single = not len(self.touched) or bool(np.bincount(self.g.ravel()).max() <= 1)
 
 
@@ -262,9 +267,20 @@ def unit_emu(st: ReplicaStage, version: int, index: int, current: bool) -> EMU:
 class ShapeEntry:
     """A stage's class-level plan over GPU labels (what ``_build_stage`` gives for every pair of
     stage plans with the same relative shape): the plan built for the first such pair, and its
-    classes' and parts' GPUs as labels. Held in PlanningCache.shape_stages."""
+    classes' and parts' GPUs as labels, derived on the first pair that reuses it (a shape seen once
+    never pays for them). Held in PlanningCache.shape_stages."""
 
     built: StageClasses | None
-    labels: list[np.ndarray]  # per class: labels of ``gpus``
-    parts: np.ndarray  # labels of the stage's T_sub parts
     gpu_of: np.ndarray  # the GPU of each label in ``built``
+    num_gpus: int
+    labels: list[np.ndarray] | None = None  # per class: labels of ``gpus``
+    parts: np.ndarray | None = None  # labels of the stage's T_sub parts
+
+    def label_arrays(self, built: StageClasses) -> tuple[list[np.ndarray], np.ndarray]:
+        """(per class: labels of its ``gpus``, labels of the parts) of ``built`` (this entry's)."""
+        if self.labels is None or self.parts is None:
+            label_of = np.full(self.num_gpus, -1, dtype=np.int64)
+            label_of[self.gpu_of] = np.arange(len(self.gpu_of), dtype=np.int64)
+            self.labels = [label_of[c.gpus] for c in built.classes]
+            self.parts = label_of[built.stage.parts]
+        return self.labels, self.parts
