@@ -143,13 +143,20 @@ def _class_seconds(c: ReplicaClass, cluster: ClusterSpec, setup_s: float,
     sh = c.shape if c.shape is not None else class_shape(c.canon, c.touched)
     if sh.pairs is None:
         sh.pairs = _pair_arrays(c.canon, c.gpus.shape[1])
-    src, dst = sh.pairs[0], sh.pairs[1]
-    per_node = cluster.gpus_per_node
-    intra = c.gpus[:, src] // per_node == c.gpus[:, dst] // per_node
-    key = (id(cluster), setup_s, intra.shape, intra.tobytes())
+    nodes = c.gpus // cluster.gpus_per_node
+    intra: np.ndarray | None = None
+    if (nodes == nodes[:, :1]).all():  # each member on one node (the usual case): every pair intra-node
+        key: tuple[object, ...] = (id(cluster), setup_s, c.size)
+    else:
+        intra = nodes[:, sh.pairs[0]] == nodes[:, sh.pairs[1]]
+        key = (id(cluster), setup_s, intra.shape, intra.tobytes())
     done = sh.durations.get(key) if fixed is None else None
-    out = done[1] if done is not None and done[0] is cluster else _member_seconds(c, sh, intra, cluster, setup_s,
-                                                                                    fixed)
+    if done is not None and done[0] is cluster:
+        out = done[1]
+    else:
+        if intra is None:
+            intra = np.ones((c.size, len(sh.pairs[0])), dtype=bool)
+        out = _member_seconds(c, sh, intra, cluster, setup_s, fixed)
     if fixed is not None:  # the opt-in path is not memoised (the memo is keyed on the set-up alone)
         return out
     if done is None:

@@ -77,7 +77,7 @@ def _relabelled_stage(state: UnitState, cp: StagePlan, tp: StagePlan, n_gpus: in
     if cp.layout == tp.layout and cp.gpu_sets == tp.gpu_sets:  # unchanged: every unit kept as it is
         return StageClasses(stage=ReplicaStage(name=state.model_stage, state=state, current=cp, target=tp, sub=cp.layout,
                                                nq=1, cur=cur, tgt=tgt, parts=tgt,
-                                               renamed=[(i, i) for i in range(len(cur))]),
+                                               renamed=list(zip(range(len(cur)), range(len(cur))))),
                             classes=[], edges=[], num_nodes=0)
     if tgt.min() < 0 or tgt.max() >= n_gpus:
         return None

@@ -191,11 +191,19 @@ def local_plan(st: ReplicaStage, num_gpus: int, cache: PlanningCache) -> LocalAr
     reuse, split_c = _reuse_or_split(st, own, rk)
     out = LocalArrays()
     kept = np.zeros(len(st.cur), dtype=bool)
-    kept[own[reuse, 0]] = True
-    if st.nq == 1:
-        st.renamed = list(zip(own[reuse, 0].tolist(), np.flatnonzero(reuse).tolist()))
+    reused = reuse.any()
+    if reused:
+        kept_units = own[reuse, 0]
+        kept[kept_units] = True
+        if st.nq == 1:
+            st.renamed = list(zip(kept_units.tolist(), np.flatnonzero(reuse).tolist()))
+    elif st.nq == 1:
+        st.renamed = []
     out.extends = _extends(np.flatnonzero(~reuse & (split_c < 0)), own, len(st.cur))
-    if st.nq > 1:  # every target unit made of several parts
+    if st.nq > 1 and not reused:  # every target unit merged from its own parts alone: one group
+        inputs = np.arange(len(st.parts)).reshape(-1, st.nq)
+        out.merges = [(np.arange(len(inputs)), inputs)]
+    elif st.nq > 1:  # every target unit made of several parts
         inputs = np.where(reuse, -1 - own[:, 0], np.arange(len(st.parts))).reshape(-1, st.nq)
         out.merges = [(idx, inputs[idx]) for idx in group_rows((inputs < 0).astype(np.int64))]
     out.splits = _splits(np.flatnonzero(split_c >= 0), own, len(st.cur))
@@ -282,12 +290,16 @@ def classes_of(st: ReplicaStage, local: LocalArrays, order: int, cache: Planning
         shapes = _shape_groups(x) if kind is not PrimitiveKind.DESTROY else [
             (np.arange(len(x)), np.arange(x.shape[1]), np.arange(x.shape[1]))]
         for idx, labels, first in shapes:
-            g = (x if len(idx) == len(x) else x[idx])[:, labels]
+            whole = len(idx) == len(x)  # one class of every member: the arrays as they are
+            g = x if whole else x[idx]
+            if len(labels) < g.shape[1]:
+                g = g[:, labels]
             shape = _class_shape(st, kind, unit, refs, idx, first, g, cache)
             if shape.empty:
                 return []
-            c = ReplicaClass(kind=kind, stage=st.name, stage_order=order, canon=shape.canon, gpus=g, unit=unit[idx],
-                             refs=refs[idx], touched=shape.touched, first=sum(x.size for x in out), shape=shape)
+            c = ReplicaClass(kind=kind, stage=st.name, stage_order=order, canon=shape.canon, gpus=g,
+                             unit=unit if whole else unit[idx], refs=refs if whole else refs[idx],
+                             touched=shape.touched, first=sum(x.size for x in out), shape=shape)
             c._finish()
             out.append(c)
     return out
@@ -301,11 +313,11 @@ def _groups(st: ReplicaStage, local: LocalArrays) -> list[Group]:
         return [parts[pid]] if nq == 1 else [parts[pid], tgt[pid // nq]]
 
     groups: list[Group] = []
-    for u, refs in local.splits:
-        seq = [cur[u]] + [a for k in range(refs.shape[1]) for a in part_seq(refs[:, k])]
-        groups.append((PrimitiveKind.SPLIT, u, refs, np.concatenate(seq, axis=1)))
-    for pid, refs in local.extends:
-        seq = part_seq(pid) + [cur[refs[:, k]] for k in range(refs.shape[1])]
+    for u, refs in local.splits:  # each part's GPUs (then its final unit's), part after part: one gather
+        each = parts[refs] if nq == 1 else np.concatenate([parts[refs], tgt[refs // nq]], axis=2)
+        groups.append((PrimitiveKind.SPLIT, u, refs, np.concatenate([cur[u], each.reshape(len(u), -1)], axis=1)))
+    for pid, refs in local.extends:  # the sources' GPUs, source after source: one gather
+        seq = part_seq(pid) + [cur[refs].reshape(len(pid), -1)]
         groups.append((PrimitiveKind.EXTEND, pid, refs, np.concatenate(seq, axis=1)))
     for j, refs in local.merges:
         seq = []

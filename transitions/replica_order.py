@@ -29,23 +29,28 @@ def _edges(st: ReplicaStage, mine: list[ReplicaClass]) -> tuple[np.ndarray, np.n
     destroy_node = np.full(dc, -1, dtype=np.int64)
     merge_node = np.full(len(st.tgt), -1, dtype=np.int64)
     kept_into = np.full(dc, -1, dtype=np.int64)  # merge node freeing a kept unit
-    for c in mine:
-        ids = np.arange(c.first, c.first + c.size)
+    node_ids = [np.arange(c.first, c.first + c.size) for c in mine]
+    for c, ids in zip(mine, node_ids, strict=True):
         if c.kind is PrimitiveKind.DESTROY:
             destroy_node[c.unit] = ids
         elif c.kind is PrimitiveKind.MERGE:
             merge_node[c.unit] = ids
             neg = c.refs < 0
-            kept_into[-1 - c.refs[neg]] = np.broadcast_to(ids[:, None], c.refs.shape)[neg]
+            if neg.any():
+                kept_into[-1 - c.refs[neg]] = np.broadcast_to(ids[:, None], c.refs.shape)[neg]
     freer = np.where(destroy_node >= 0, destroy_node, kept_into)  # who frees each current unit
     src: list[np.ndarray] = []
     dst: list[np.ndarray] = []
-    for c in mine:
-        ids = np.arange(c.first, c.first + c.size)
+    for c, ids in zip(mine, node_ids, strict=True):
         if c.kind is PrimitiveKind.EXTEND:
             f = freer[c.refs]
-            src.append(np.broadcast_to(ids[:, None], f.shape)[f >= 0])
-            dst.append(f[f >= 0])
+            freed = f >= 0
+            if freed.all():  # every source freed by someone (the usual case): no mask
+                src.append(np.repeat(ids, f.shape[1]))
+                dst.append(f.ravel())
+            else:
+                src.append(np.broadcast_to(ids[:, None], f.shape)[freed])
+                dst.append(f[freed])
             if st.nq > 1:
                 src.append(ids)
                 dst.append(merge_node[c.unit // st.nq])
