@@ -87,9 +87,7 @@ def _cold_start() -> None:
 
 def _time_once(states: dict[str, UnitState], cluster: ClusterSpec, old: GlobalPlan, new: GlobalPlan,
                exact: bool) -> tuple[float, float, float, TransitionDAG, float]:
-    """(build s, schedule s, CPU s, dag, L_tran) of one build_transition + transition_cost, after a
-    collection: what the previous case left for the collector is not this path's cost."""
-    gc.collect()
+    """(build s, schedule s, CPU s, dag, L_tran) of one build_transition + transition_cost."""
     c0, t0 = time.process_time(), time.perf_counter()
     dag = build_transition(states, cluster, old, new, exact=exact, cache=CACHE)  # False: classes at any size
     t1 = time.perf_counter()
@@ -124,7 +122,10 @@ def plan_time(num_gpus: int, name: str, repeats: int, exact: bool) -> dict[str, 
     fresh_ms = 1e3 * min(f[0] + f[1] for f in fresh)
     novel_ms = 1e3 * min(f[0] + f[1] for f in novel)
     fresh_cpu_ms, novel_cpu_ms = 1e3 * min(f[2] for f in fresh), 1e3 * min(f[2] for f in novel)
-    gc.collect()  # as in _time_once: the garbage of the builds above is not the expansion's
+    # the ~10k objects the expansion makes trigger collections whose cost is what the builds above left
+    # alive, not the expansion's: collected first (not before the sub-ms rows, where a collection just
+    # before costs more, in cold CPU caches, than the rare collection it spares them)
+    gc.collect()
     t0, c0 = time.perf_counter(), time.process_time()
     nodes = len(dag.nodes)  # the unit-level DAG (expanded on first use on the fast path)
     expand_ms, expand_cpu_ms = 1e3 * (time.perf_counter() - t0), 1e3 * (time.process_time() - c0)

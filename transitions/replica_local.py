@@ -233,7 +233,7 @@ def rows_all(eq: np.ndarray) -> np.ndarray:
     axis 0 of its transpose (numpy reduces many short rows ~3x slower than few long ones)."""
     if eq.all():
         return np.ones(len(eq), dtype=bool)
-    return eq.T.copy().all(axis=0)
+    return np.asarray(eq.T.copy().all(axis=0))
 
 
 def _extends(e_ids: np.ndarray, own: np.ndarray, dc: int) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -15,7 +15,16 @@ from bench.transition_dag import CHANGES
 from planner.errors import InfeasibleError
 from planner.hardware import ClusterSpec
 from planner.plan import GlobalPlan, Layout
-from transitions.cost import DEFAULT_COMMUNICATOR_SETUP_S, FixedCosts, _class_seconds, _member_seconds, _pair_arrays
+from transitions.cost import (
+    DEFAULT_COMMUNICATOR_SETUP_S,
+    FixedCosts,
+    _class_seconds,
+    _member_seconds,
+    _pair_arrays,
+    primitive_seconds,
+    schedule,
+    transition_cost,
+)
 from transitions.dag_record import class_data_edges, data_edges
 from transitions.emu import UnitState
 from transitions.global_dag import TransitionDAG, build_transition
@@ -100,6 +109,9 @@ def test_splits_of_equal_and_unequal_part_counts() -> None:
         ([0, 1, 2], [[0, 1], [2, 3], [4, 5]])]
     assert [(u.tolist(), r.tolist()) for u, r in _splits(np.array([6, 0, 4, 1, 5]), own, 3)] == [
         ([0], [[0, 1]]), ([2], [[4, 5, 6]])]
+    # two units of two parts, one of three: one group per count, each of its units a row
+    assert [(u.tolist(), r.tolist()) for u, r in _splits(np.arange(7), own, 3)] == [
+        ([0, 1], [[0, 1], [2, 3]]), ([2], [[4, 5, 6]])]
 
 
 def _cases() -> list[tuple[TransitionDAG, ClusterSpec]]:
@@ -206,3 +218,16 @@ def test_a_reused_shape_entry_labels_its_classes_and_parts_as_built() -> None:
         assert [c.gpus.tolist() for c in hit.classes] == [c.gpus.tolist() for c in built.classes]
         assert [c.g.tolist() for c in hit.classes] == [c.g.tolist() for c in built.classes]
         assert hit.stage.parts.tolist() == built.stage.parts.tolist()
+
+
+@pytest.mark.parametrize("seed", [14, 42, 56])  # classes with one data predecessor per member among them
+def test_the_class_schedule_is_the_unit_schedule_of_its_order(seed: int) -> None:
+    sc = random_scenario(random.Random(seed), loss_probability=0.3)
+    dag = build_transition(sc.states, sc.cluster, sc.old, sc.new, lost_gpus=sc.lost_gpus, cache=PlanningCache(),
+                           exact=False)
+    assert dag.replicas is not None and any(c.preds.shape[1] == 1 for c in dag.replicas.classes)
+    cost = transition_cost(dag, sc.cluster)
+    durations = [primitive_seconds(fp, sc.cluster, DEFAULT_COMMUNICATOR_SETUP_S) for fp in dag.footprints]
+    start, end, _ = schedule(dag, durations)
+    assert list(cost.start_s) == pytest.approx(start, rel=1e-12, abs=1e-15)
+    assert list(cost.end_s) == pytest.approx(end, rel=1e-12, abs=1e-15)
