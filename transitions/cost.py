@@ -23,6 +23,7 @@ from planner.hardware import ClusterSpec
 from transitions.global_dag import TransitionDAG
 from transitions.primitives import Footprint
 from transitions.replica_classes import ReplicaClass, ReplicaPlan
+from transitions.replica_plan import ClassShape, class_shape
 
 # NCCL communicator creation for a transition's new rank pairs: tens of ms at small scale; used
 # once per primitive that moves bytes (its communicators are created in parallel).
@@ -134,50 +135,83 @@ def schedule(dag: TransitionDAG, durations: list[float]) -> tuple[list[float], l
 def _class_seconds(c: ReplicaClass, cluster: ClusterSpec, setup_s: float,
                    fixed: FixedCosts | None = None) -> tuple[np.ndarray, int, int]:
     """primitive_seconds of every member of a replica class (the links depend on where its members
-    sit), and its intra- and inter-node bytes; memoised on the class per cluster."""
+    sit), and its intra- and inter-node bytes; memoised on the class per cluster, and on its shape
+    per cluster and intra-node pattern (a class of a never-seen pair of stage plans often has both)."""
     hit = c.seconds.get(id(cluster))  # by identity: hashing a ClusterSpec costs more than a lookup
     if fixed is None and hit is not None and hit[0] is cluster and hit[1] == setup_s:
         return hit[2]
-    fp = c.canon
-    labels = c.gpus.shape[1]
-    local = np.zeros(labels)
-    for g, v in fp.local_bytes.items():
-        local[g] = 2.0 * v / cluster.device.hbm_bytes_per_s
-    touched = c.touched
-    out: tuple[np.ndarray, int, int]
-    if not fp.pair_bytes:
-        seconds = np.full(c.size, local[touched].max() if len(touched) else 0.0)
-        out = (seconds, 0, 0)
+    sh = c.shape if c.shape is not None else class_shape(c.canon, c.touched)
+    if sh.pairs is None:
+        sh.pairs = _pair_arrays(c.canon, c.gpus.shape[1])
+    nodes = c.gpus // cluster.gpus_per_node
+    intra: np.ndarray | None = None
+    if (nodes == nodes[:, :1]).all():  # each member on one node (the usual case): every pair intra-node
+        key: tuple[object, ...] = (id(cluster), setup_s, c.size)
     else:
-        pairs = list(fp.pair_bytes.items())
-        src = np.array([s for (s, _), _ in pairs], dtype=np.int64)
-        dst = np.array([d for (_, d), _ in pairs], dtype=np.int64)
-        nbytes = np.array([b for _, b in pairs], dtype=np.float64)
-        per_node = cluster.gpus_per_node
-        intra = c.gpus[:, src] // per_node == c.gpus[:, dst] // per_node
-        fast, slow = cluster.intra_node_link, cluster.inter_node_link
-        t = np.where(intra, nbytes / fast.bytes_per_s + fast.latency_s, nbytes / slow.bytes_per_s + slow.latency_s)
-        onto = np.eye(labels)  # pair k's time summed onto its source (sends) and destination (receives)
-        send = t @ onto[src]
-        recv = t @ onto[dst]
-        per_gpu = np.maximum(send, recv) + local
-        setup = setup_s
-        if fixed is not None:
-            if fixed.allocation_bytes_per_s is not None:
-                per_gpu = per_gpu + (nbytes @ onto[dst]) / fixed.allocation_bytes_per_s
-            peers = np.ones(len(pairs)) @ (onto[src] + onto[dst])
-            setup = fixed.communicator_per_peer_s * float(peers.max())
-        intra_bytes = int((intra * nbytes).sum())
-        out = (per_gpu[:, touched].max(axis=1) + setup, intra_bytes, int(nbytes.sum()) * c.size - intra_bytes)
+        intra = nodes[:, sh.pairs[0]] == nodes[:, sh.pairs[1]]
+        key = (id(cluster), setup_s, intra.shape, intra.tobytes())
+    done = sh.durations.get(key) if fixed is None else None
+    if done is not None and done[0] is cluster:
+        out = done[1]
+    else:
+        if intra is None:
+            intra = np.ones((c.size, len(sh.pairs[0])), dtype=bool)
+        out = _member_seconds(c, sh, intra, cluster, setup_s, fixed)
     if fixed is not None:  # the opt-in path is not memoised (the memo is keyed on the set-up alone)
         return out
+    if done is None:
+        if len(sh.durations) > 16:
+            sh.durations.clear()
+        sh.durations[key] = (cluster, out)
     if len(c.seconds) > 8:
         c.seconds.clear()
     c.seconds[id(cluster)] = (cluster, setup_s, out)
     return out
 
 
-_Seen = tuple[np.ndarray, np.ndarray, np.ndarray]  # per class: predecessor ends, GPU ends, GPU last nodes
+def _pair_arrays(fp: Footprint, labels: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A canonical footprint's pairs as arrays: source labels, destination labels, bytes (float), and
+    each pair onto its source and onto its destination (pairs x ``labels``)."""
+    pairs = list(fp.pair_bytes.items())
+    src = np.array([s for (s, _), _ in pairs], dtype=np.int64)
+    dst = np.array([d for (_, d), _ in pairs], dtype=np.int64)
+    onto = np.eye(labels)
+    return src, dst, np.array([b for _, b in pairs], dtype=np.float64), onto[src], onto[dst]
+
+
+def _member_seconds(c: ReplicaClass, sh: ClassShape, intra: np.ndarray, cluster: ClusterSpec, setup_s: float,
+                    fixed: FixedCosts | None) -> tuple[np.ndarray, int, int]:
+    """``_class_seconds`` computed: per member, its slowest touched GPU's sends or receives (each pair's
+    time summed onto its source and destination) plus local copies, and the set-up."""
+    fp = c.canon
+    local = np.zeros(c.gpus.shape[1])
+    for g, v in fp.local_bytes.items():
+        local[g] = 2.0 * v / cluster.device.hbm_bytes_per_s
+    touched = c.touched
+    if not fp.pair_bytes:
+        seconds = np.full(c.size, local[touched].max() if len(touched) else 0.0)
+        seconds.setflags(write=False)
+        return seconds, 0, 0
+    _, _, nbytes, onto_src, onto_dst = sh.pairs  # type: ignore[misc]
+    fast, slow = cluster.intra_node_link, cluster.inter_node_link
+    t = np.where(intra, nbytes / fast.bytes_per_s + fast.latency_s, nbytes / slow.bytes_per_s + slow.latency_s)
+    send = t @ onto_src
+    recv = t @ onto_dst
+    per_gpu = np.maximum(send, recv) + local
+    setup = setup_s
+    if fixed is not None:
+        if fixed.allocation_bytes_per_s is not None:
+            per_gpu = per_gpu + (nbytes @ onto_dst) / fixed.allocation_bytes_per_s
+        peers = np.ones(len(nbytes)) @ (onto_src + onto_dst)
+        setup = fixed.communicator_per_peer_s * float(peers.max())
+    intra_bytes = int((intra * nbytes).sum())
+    seconds = per_gpu[:, touched].max(axis=1) + setup
+    seconds.setflags(write=False)
+    return seconds, intra_bytes, int(nbytes.sum()) * c.size - intra_bytes
+
+
+# per class, each (predecessors or touched GPUs) x members: predecessor ends, GPU ends, GPU last nodes
+_Seen = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 def replica_schedule(plan: ReplicaPlan, cluster: ClusterSpec, setup_s: float, fixed: FixedCosts | None = None
@@ -203,8 +237,10 @@ def replica_schedule(plan: ReplicaPlan, cluster: ClusterSpec, setup_s: float, fi
         intra += a
         inter += b
         has_preds = c.preds.shape[1] > 0
-        pe = end[c.preds] if has_preds else empty
-        t = pe.max(axis=1) if has_preds else np.zeros(c.size)
+        if has_preds and c.preds_t is None:
+            c.preds_t = np.ascontiguousarray(c.preds.T)
+        pe = end[c.preds_t] if has_preds else empty  # predecessors x members
+        t = pe.max(axis=0) if has_preds else np.zeros(c.size)
         lo, hi = c.first, c.first + c.size
         if not len(c.touched):
             starts[st][lo:hi] = t
@@ -213,13 +249,16 @@ def replica_schedule(plan: ReplicaPlan, cluster: ClusterSpec, setup_s: float, fi
             continue
         g = c.g
         if c.single:
-            ge = gpu_end[g]
-            gl = gpu_last[g]
-            t = np.maximum(t, ge.max(axis=1))
+            if c.g_t is None:
+                c.g_t = np.ascontiguousarray(g.T)
+            g_t = c.g_t  # touched GPUs x members
+            ge = gpu_end[g_t]
+            gl = gpu_last[g_t]
+            t = np.maximum(t, ge.max(axis=0))
             starts[st][lo:hi] = t
             end[lo:hi] = t + dur
-            gpu_end[g] = end[lo:hi, None]
-            gpu_last[g] = np.arange(plan.first[k], plan.first[k] + c.size)[:, None]
+            gpu_end[g_t] = end[lo:hi]
+            gpu_last[g_t] = np.arange(plan.first[k], plan.first[k] + c.size)
             seen[k] = (pe, ge, gl)
             continue
         ge_rows = np.zeros(g.shape)
@@ -232,7 +271,7 @@ def replica_schedule(plan: ReplicaPlan, cluster: ClusterSpec, setup_s: float, fi
             gpu_last[row] = plan.first[k] + m
         starts[st][lo:hi] = t
         end[lo:hi] = t + dur
-        seen[k] = (pe, ge_rows, gl_rows)
+        seen[k] = (pe, ge_rows.T, gl_rows.T)
     start = np.concatenate(starts) if starts else np.zeros(0)
     end_all = np.concatenate([e[:-1] for e in ends]) if ends else np.zeros(0)
     return start, end_all, _critical_path(plan, start, end_all, seen), intra, inter
@@ -251,10 +290,10 @@ def _critical_path(plan: ReplicaPlan, start: np.ndarray, end: np.ndarray, seen: 
         pe, ge, gl = seen[k]
         s = float(start[i])
         by = -1
-        if s > 0 and pe.shape[1] and float(pe[m].max()) >= s:
-            by = int(c.preds[m, int(pe[m].argmax())]) + plan.stage_base[plan.class_stage[k]]
-        elif s > 0 and ge.shape[1] and float(ge[m].max()) >= s:
-            by = int(gl[m, int(ge[m].argmax())])
+        if s > 0 and pe.shape[0] and float(pe[:, m].max()) >= s:
+            by = int(c.preds[m, int(pe[:, m].argmax())]) + plan.stage_base[plan.class_stage[k]]
+        elif s > 0 and ge.shape[0] and float(ge[:, m].max()) >= s:
+            by = int(gl[int(ge[:, m].argmax()), m])
         if by < 0:
             return path[::-1]
         path.append(by)

@@ -12,6 +12,7 @@ import numpy as np
 from transitions.emu import EMU, rank_bytes
 from transitions.primitives import Footprint, Primitive
 from transitions.replica_classes import ReplicaPlan
+from transitions.replica_order import _edges as stage_edges
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -235,12 +236,28 @@ def _expand(plan: ReplicaPlan) -> DagBody:
     # relabelling every member to look it up): node ids run stage by stage, class by class
     fps = [fp for sc in plan.stages for c in sc.classes for fp in member_footprints(c.canon, c.gpus.tolist())]
     order = tuple(plan.order())
-    return DagBody(nodes=tuple(nodes), stage_order=tuple(stage_order), data_edges=tuple(data_edges(nodes)),
+    return DagBody(nodes=tuple(nodes), stage_order=tuple(stage_order), data_edges=tuple(class_data_edges(plan)),
                    resource_edges=tuple(plan.resource_edges), order=order, old_units=tuple(old_units),
                    lost_units=plan.lost_units,
                    new_units=tuple(new_units), renamed=tuple(renamed), stale_units=(),
                    peak_bytes=class_peaks(plan, held_bytes(old_units)), footprints=tuple(fps),
                    gpu_nodes=class_gpu_index(plan))
+
+
+def class_data_edges(plan: ReplicaPlan) -> list[tuple[int, int]]:
+    """``data_edges`` of the expanded nodes, from the class arrays: each stage's unit-level edges as
+    ``link`` derived them (replica_order._edges: data_edges' rules over arrays, stage-local node ids;
+    units never cross stages), offset by the stage's first node, sorted, each once.
+    tests/transitions/test_replica_expand.py checks it against data_edges."""
+    keys: list[np.ndarray] = []
+    for sc, base in zip(plan.stages, plan.stage_base, strict=True):
+        if sc.classes:
+            src, dst = stage_edges(sc.stage, sc.classes)
+            keys.append((src + base) * plan.num_nodes + (dst + base))
+    if not keys:
+        return []
+    key = np.unique(np.concatenate(keys)).tolist()
+    return [(k // plan.num_nodes, k % plan.num_nodes) for k in key]
 
 
 _new = object.__new__
@@ -258,13 +275,13 @@ def member_footprints(canon: Footprint, rows: list[list[int]]) -> list[Footprint
     alloc, free, buf = list(canon.alloc_bytes.items()), list(canon.free_bytes.items()), list(canon.buffer_bytes.items())
     local, pair = list(canon.local_bytes.items()), list(canon.pair_bytes.items())
     out: list[Footprint] = []
-    for g in rows:
+    for g in rows:  # a map the class leaves empty is an empty dict, without running a comprehension
         fp = _new(Footprint)
-        _put_alloc(fp, {g[k]: v for k, v in alloc})
-        _put_free(fp, {g[k]: v for k, v in free})
-        _put_buffer(fp, {g[k]: v for k, v in buf})
-        _put_local(fp, {g[k]: v for k, v in local})
-        _put_pair(fp, {(g[s], g[d]): v for (s, d), v in pair})
+        _put_alloc(fp, {g[k]: v for k, v in alloc} if alloc else {})
+        _put_free(fp, {g[k]: v for k, v in free} if free else {})
+        _put_buffer(fp, {g[k]: v for k, v in buf} if buf else {})
+        _put_local(fp, {g[k]: v for k, v in local} if local else {})
+        _put_pair(fp, {(g[s], g[d]): v for (s, d), v in pair} if pair else {})
         out.append(fp)
     return out
 

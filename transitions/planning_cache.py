@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
     from transitions.gpu_traffic import DstTraffic, PairWire
     from transitions.primitives import Footprint
-    from transitions.replica_plan import ShapeEntry, StageClasses
+    from transitions.replica_plan import ClassShape, ShapeEntry, StageClasses
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
@@ -131,8 +131,8 @@ class PlanningCache:
     pair_wires: Memo[tuple[object, ...], PairWire] = field(default_factory=lambda: Memo(GPU_ENTRIES))
     # gpu_traffic: a pair's streamed input (wire_stream.PairStream.content_key) -> its wire
     pair_streams: Memo[tuple[object, ...], PairWire] = field(default_factory=lambda: Memo(STREAM_ENTRIES))
-    # replica_classes: relative shape of a class -> (canonical footprint, touched labels, empty)
-    class_shapes: Memo[tuple[object, ...], tuple[Footprint, np.ndarray, bool]] = field(
+    # replica_classes: relative shape of a class -> its canonical footprint and what derives from it
+    class_shapes: Memo[tuple[object, ...], ClassShape] = field(
         default_factory=lambda: Memo(CLASS_SHAPE_ENTRIES))
     # replica_classes: relative shape of a pair of stage plans -> its class-level plan over labels
     shape_stages: Memo[tuple[object, ...], ShapeEntry] = field(

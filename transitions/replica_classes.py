@@ -72,8 +72,15 @@ def _relabelled_stage(state: UnitState, cp: StagePlan, tp: StagePlan, n_gpus: in
     appearance). Everything ``_build_stage`` derives is equivariant under renaming GPUs (it only
     compares GPU ids for equality), so one entry serves every candidate of that shape."""
     cur, tgt = gpu_array(cp.gpu_sets, cache), gpu_array(tp.gpu_sets, cache)
-    if cur.min() < 0 or tgt.min() < 0 or cur.max() >= n_gpus or tgt.max() >= n_gpus:
+    if cur.min() < 0 or cur.max() >= n_gpus:
         return None  # the exact path names the offending GPU
+    if cp.layout == tp.layout and cp.gpu_sets == tp.gpu_sets:  # unchanged: every unit kept as it is
+        return StageClasses(stage=ReplicaStage(name=state.model_stage, state=state, current=cp, target=tp, sub=cp.layout,
+                                               nq=1, cur=cur, tgt=tgt, parts=tgt,
+                                               renamed=list(zip(range(len(cur)), range(len(cur))))),
+                            classes=[], edges=[], num_nodes=0)
+    if tgt.min() < 0 or tgt.max() >= n_gpus:
+        return None
     owner, rank = stage_owners(cp, n_gpus, cache)
     flat = tgt.ravel()
     own = owner[flat]
@@ -89,28 +96,26 @@ def _relabelled_stage(state: UnitState, cp: StagePlan, tp: StagePlan, n_gpus: in
     entry = cache.shape_stages.get(key)  # least recently used evicted first: a planner's hot shapes stay
     if entry is None:
         built = _build_stage(state, cp, tp, n_gpus, cache, batch)
-        label_of = np.full(n_gpus, -1, dtype=np.int64)
-        label_of[gpu_of] = np.arange(len(gpu_of), dtype=np.int64)
-        cache.shape_stages.put(key, ShapeEntry(
-            built=built, labels=[] if built is None else [label_of[c.gpus] for c in built.classes],
-            parts=np.zeros(0, dtype=np.int64) if built is None else label_of[built.stage.parts], gpu_of=gpu_of))
+        cache.shape_stages.put(key, ShapeEntry(built=built, gpu_of=gpu_of, num_gpus=n_gpus))
         return built
     b = entry.built
     if b is None:
         return None
     st = b.stage
+    labels, parts = entry.label_arrays(b)
     stage = ReplicaStage(name=st.name, state=state, current=cp, target=tp, sub=st.sub, nq=st.nq, cur=cur, tgt=tgt,
-                   parts=gpu_of[entry.parts], renamed=st.renamed)
+                         parts=gpu_of[parts], renamed=st.renamed)
     # on the very same GPUs the classes' durations (transitions.cost memo, per cluster) are the same too
     same_gpus = len(gpu_of) == len(entry.gpu_of) and bool((gpu_of == entry.gpu_of).all())
     classes = []
-    for c, lab in zip(b.classes, entry.labels, strict=True):
+    for c, lab in zip(b.classes, labels, strict=True):
         gpus = c.gpus if same_gpus else gpu_of[lab]
         classes.append(ReplicaClass(kind=c.kind, stage=c.stage, stage_order=c.stage_order, canon=c.canon, gpus=gpus,
                                     unit=c.unit, refs=c.refs, touched=c.touched, first=c.first,
                                     g=c.g if same_gpus else gpus[:, c.touched], single=c.single, alloc=c.alloc,
                                     buf=c.buf, delta=c.delta, acquire=c.acquire, preds=c.preds,
-                                    seconds=c.seconds if same_gpus else {}))
+                                    seconds=c.seconds if same_gpus else {}, shape=c.shape,
+                                    g_t=c.g_t if same_gpus else None, preds_t=c.preds_t))
     return StageClasses(stage=stage, classes=classes, edges=b.edges, num_nodes=b.num_nodes)
 
 

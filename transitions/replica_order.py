@@ -29,23 +29,28 @@ def _edges(st: ReplicaStage, mine: list[ReplicaClass]) -> tuple[np.ndarray, np.n
     destroy_node = np.full(dc, -1, dtype=np.int64)
     merge_node = np.full(len(st.tgt), -1, dtype=np.int64)
     kept_into = np.full(dc, -1, dtype=np.int64)  # merge node freeing a kept unit
-    for c in mine:
-        ids = np.arange(c.first, c.first + c.size)
+    node_ids = [np.arange(c.first, c.first + c.size) for c in mine]
+    for c, ids in zip(mine, node_ids, strict=True):
         if c.kind is PrimitiveKind.DESTROY:
             destroy_node[c.unit] = ids
         elif c.kind is PrimitiveKind.MERGE:
             merge_node[c.unit] = ids
             neg = c.refs < 0
-            kept_into[-1 - c.refs[neg]] = np.broadcast_to(ids[:, None], c.refs.shape)[neg]
+            if neg.any():
+                kept_into[-1 - c.refs[neg]] = np.broadcast_to(ids[:, None], c.refs.shape)[neg]
     freer = np.where(destroy_node >= 0, destroy_node, kept_into)  # who frees each current unit
     src: list[np.ndarray] = []
     dst: list[np.ndarray] = []
-    for c in mine:
-        ids = np.arange(c.first, c.first + c.size)
+    for c, ids in zip(mine, node_ids, strict=True):
         if c.kind is PrimitiveKind.EXTEND:
             f = freer[c.refs]
-            src.append(np.broadcast_to(ids[:, None], f.shape)[f >= 0])
-            dst.append(f[f >= 0])
+            freed = f >= 0
+            if freed.all():  # every source freed by someone (the usual case): no mask
+                src.append(np.repeat(ids, f.shape[1]))
+                dst.append(f.ravel())
+            else:
+                src.append(np.broadcast_to(ids[:, None], f.shape)[freed])
+                dst.append(f[freed])
             if st.nq > 1:
                 src.append(ids)
                 dst.append(merge_node[c.unit // st.nq])
@@ -64,6 +69,8 @@ def _edges(st: ReplicaStage, mine: list[ReplicaClass]) -> tuple[np.ndarray, np.n
 def link(st: ReplicaStage, mine: list[ReplicaClass]) -> list[tuple[int, int]] | None:
     """Each class's data predecessors per member (``preds``) and the edges between classes; None if
     members of one class would depend on each other (not a block)."""
+    if not mine:
+        return []
     src, dst = _edges(st, mine)
     num = sum(c.size for c in mine)
     if len(dst) and (dst.min() < 0 or dst.max() >= num):  # checked before node ids index node_class
@@ -75,12 +82,18 @@ def link(st: ReplicaStage, mine: list[ReplicaClass]) -> list[tuple[int, int]] | 
         return None
     order = np.argsort(dst, kind="stable")
     src, dst = src[order], dst[order]
-    for c in mine:
-        lo, hi = np.searchsorted(dst, [c.first, c.first + c.size])
+    bounds = np.searchsorted(dst, [c.first for c in mine] + [num]).tolist()
+    counts = np.bincount(dst, minlength=num)  # per node: its predecessors
+    for k, c in enumerate(mine):
+        lo, hi = bounds[k], bounds[k + 1]
+        mine_counts = counts[c.first:c.first + c.size]
+        most = int(mine_counts.max())  # a class has at least one member
+        if most == int(mine_counts.min()):  # as many per member: they come member by member, in order
+            c.preds = src[lo:hi].reshape(c.size, most)
+            continue
         d, p = dst[lo:hi] - c.first, src[lo:hi]
-        counts = np.bincount(d, minlength=c.size)  # one per member (a class has at least one)
-        preds = np.full((c.size, int(counts.max())), -1, dtype=np.int64)
-        starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        preds = np.full((c.size, most), -1, dtype=np.int64)
+        starts = np.concatenate([[0], np.cumsum(mine_counts)[:-1]])
         preds[d, np.arange(len(d)) - starts[d]] = p
         c.preds = preds
     return edges
@@ -272,7 +285,8 @@ def batched(mine: list[ReplicaClass]) -> list[ReplicaClass]:
         for batch in members:
             idx = np.array(batch)
             part = ReplicaClass(kind=c.kind, stage=c.stage, stage_order=c.stage_order, canon=c.canon,
-                                gpus=c.gpus[idx], unit=c.unit[idx], refs=c.refs[idx], touched=c.touched)
+                                gpus=c.gpus[idx], unit=c.unit[idx], refs=c.refs[idx], touched=c.touched,
+                                shape=c.shape)
             part._finish()
             out.append(part)
     first = 0

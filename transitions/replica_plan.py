@@ -20,6 +20,39 @@ from transitions.planning_cache import PlanningCache
 from transitions.primitives import Destroy, Extend, Footprint, Merge, Primitive, PrimitiveKind, Split
 
 
+@dataclass(kw_only=True, slots=True, eq=False)
+class ClassShape:
+    """What every class of one relative shape shares, derived once (memoised in
+    PlanningCache.class_shapes, so a never-seen pair of stage plans made of known shapes reuses it):
+    its canonical footprint, touched labels and their bytes, its pairs as arrays over labels, and
+    per-cluster member durations by intra-node pattern (transitions.cost's memo)."""
+
+    canon: Footprint
+    touched: np.ndarray
+    empty: bool  # no GPU touched and nothing renamed: the exact path deals with such a stage
+    alloc: np.ndarray  # per touched label
+    buf: np.ndarray
+    delta: np.ndarray  # alloc - free
+    acquire: bool
+    # transitions.cost's, filled on its first use: (source labels, destination labels, bytes) per pair in
+    # canon.pair_bytes' order, each pair onto its source and onto its destination (pairs x labels), and
+    # per cluster and intra-node pattern the members' durations
+    pairs: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
+    durations: dict[tuple[object, ...], tuple[object, tuple[np.ndarray, int, int]]] = field(default_factory=dict)
+
+
+def class_shape(canon: Footprint, touched: np.ndarray, empty: bool = False) -> ClassShape:
+    """``ClassShape`` of a canonical footprint, ``touched`` its labels occupied."""
+    at = touched.tolist()
+    alloc = np.array([canon.alloc_bytes.get(g, 0) for g in at], dtype=np.int64)
+    buf = np.array([canon.buffer_bytes.get(g, 0) for g in at], dtype=np.int64)
+    delta = alloc - np.array([canon.free_bytes.get(g, 0) for g in at], dtype=np.int64)
+    for a in (alloc, buf, delta):
+        a.setflags(write=False)
+    return ClassShape(canon=canon, touched=touched, empty=empty, alloc=alloc, buf=buf, delta=delta,
+                      acquire=bool(alloc.any() or buf.any()))
+
+
 @dataclass(kw_only=True, slots=True)
 class ReplicaClass:
     """Primitives of one model-stage, kind and relative shape; member m's label l is on gpus[m, l].
@@ -44,20 +77,24 @@ class ReplicaClass:
     acquire: bool = False
     preds: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.int64))  # stage-local, -1 pad
     seconds: dict[int, tuple[object, float, tuple[np.ndarray, int, int]]] = field(default_factory=dict)
+    shape: ClassShape | None = None  # canon's and touched's derived arrays (set by ``_finish`` if not given)
+    # transitions.cost's, filled on first use: ``g`` and ``preds`` transposed (C order), so that a gather
+    # by them reduces over members' GPUs or predecessors along axis 0 (4x faster than along axis 1)
+    g_t: np.ndarray | None = None
+    preds_t: np.ndarray | None = None
 
     @property
     def size(self) -> int:
         return int(self.gpus.shape[0])
 
     def _finish(self) -> None:
-        labels = self.touched.tolist()
-        fp = self.canon
-        self.alloc = np.array([fp.alloc_bytes.get(g, 0) for g in labels], dtype=np.int64)
-        self.buf = np.array([fp.buffer_bytes.get(g, 0) for g in labels], dtype=np.int64)
-        self.delta = self.alloc - np.array([fp.free_bytes.get(g, 0) for g in labels], dtype=np.int64)
-        self.acquire = bool(self.alloc.any() or self.buf.any())
-        self.g = self.gpus[:, self.touched]
-        self.single = not labels or bool(np.bincount(self.g.ravel()).max() <= 1)
+        if self.shape is None:
+            self.shape = class_shape(self.canon, self.touched)
+        sh = self.shape
+        self.alloc, self.buf, self.delta, self.acquire = sh.alloc, sh.buf, sh.delta, sh.acquire
+        # every label touched (labels are sorted): the GPUs as they are
+        self.g = self.gpus if len(self.touched) == self.gpus.shape[1] else self.gpus[:, self.touched]
+        self.single = not len(self.touched) or bool(np.bincount(self.g.ravel()).max() <= 1)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -230,9 +267,20 @@ def unit_emu(st: ReplicaStage, version: int, index: int, current: bool) -> EMU:
 class ShapeEntry:
     """A stage's class-level plan over GPU labels (what ``_build_stage`` gives for every pair of
     stage plans with the same relative shape): the plan built for the first such pair, and its
-    classes' and parts' GPUs as labels. Held in PlanningCache.shape_stages."""
+    classes' and parts' GPUs as labels, derived on the first pair that reuses it (a shape seen once
+    never pays for them). Held in PlanningCache.shape_stages."""
 
     built: StageClasses | None
-    labels: list[np.ndarray]  # per class: labels of ``gpus``
-    parts: np.ndarray  # labels of the stage's T_sub parts
     gpu_of: np.ndarray  # the GPU of each label in ``built``
+    num_gpus: int
+    labels: list[np.ndarray] | None = None  # per class: labels of ``gpus``
+    parts: np.ndarray | None = None  # labels of the stage's T_sub parts
+
+    def label_arrays(self, built: StageClasses) -> tuple[list[np.ndarray], np.ndarray]:
+        """(per class: labels of its ``gpus``, labels of the parts) of ``built`` (this entry's)."""
+        if self.labels is None or self.parts is None:
+            label_of = np.full(self.num_gpus, -1, dtype=np.int64)
+            label_of[self.gpu_of] = np.arange(len(self.gpu_of), dtype=np.int64)
+            self.labels = [label_of[c.gpus] for c in built.classes]
+            self.parts = label_of[built.stage.parts]
+        return self.labels, self.parts

@@ -287,7 +287,8 @@ NONE = np.zeros((1, 0))
 def _walk(preds: list[list[int]], start: list[float], end: list[float],
           seen: list[tuple[list[list[float]], list[list[float]], list[list[int]]]]) -> list[int]:
     plan = _Plan([_Class(np.array(p, dtype=np.int64).reshape(1, -1)) for p in preds])
-    arrays = {k: tuple(np.array(a, dtype=np.float64 if j < 2 else np.int64).reshape(1, -1) for j, a in enumerate(s))
+    # replica_schedule keeps them (predecessors or GPUs) x members: one member each here
+    arrays = {k: tuple(np.array(a, dtype=np.float64 if j < 2 else np.int64).reshape(-1, 1) for j, a in enumerate(s))
               for k, s in enumerate(seen)}
     return _critical_path(cast(ReplicaPlan, plan), np.array(start), np.array(end), arrays)  # type: ignore[arg-type]
 
