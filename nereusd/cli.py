@@ -22,7 +22,7 @@ import argparse
 import json
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +60,16 @@ def make_planner(log: Any) -> tuple[Any, str]:
     return PlannerBinding(), "planner.search"
 
 
+def stop_handler(daemon: Any) -> Callable[[int, Any], None]:
+    """SIGTERM/SIGINT's handler: only a plain assignment. It runs on the main thread between any two
+    bytecodes, maybe inside the logger's write with its lock held (a handler that logged deadlocked a
+    daemon on SIGTERM, for good) or inside an Event's lock; the serve loop sees ``signalled`` within a
+    tick, logs it and stops."""
+    def stop(signum: int, _frame: Any) -> None:
+        daemon.signalled = signum
+    return stop
+
+
 def serve(args: argparse.Namespace) -> int:
     from nereusd.daemon import Daemon
     from nereusd.wire.logs import configure_logging, get_logger
@@ -71,10 +81,7 @@ def serve(args: argparse.Namespace) -> int:
     daemon = Daemon(settings, source=make_source(settings, log), planner=planner, planner_name=planner_name,
                     new_store=args.new_store)
 
-    def stop(signum: int, _frame: Any) -> None:
-        log.info("signal", signal=signal.Signals(signum).name)
-        daemon.stopping.set()
-
+    stop = stop_handler(daemon)
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     try:

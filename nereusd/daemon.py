@@ -33,6 +33,7 @@ from __future__ import annotations
 import gc
 import os
 import queue
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -139,6 +140,7 @@ class Daemon(AgentSessions, SourceRequests, Transport):
         self.leaving: dict[tuple[str, str], str] = {}
         self.admin_ops = AdminOps(self)
         self.stopping = threading.Event()
+        self.signalled: int | None = None  # SIGTERM/SIGINT's number, set by nereusd.cli's handler (no lock there)
         self.fatal: str | None = None  # set when the daemon must stop with an error (exit 1)
         self.started_at = time.time()
         self.started_monotonic = t0
@@ -324,7 +326,7 @@ class Daemon(AgentSessions, SourceRequests, Transport):
             if self.last_seen.get(key) is not None:
                 self.last_seen[key] = next_tick + RESTART_GRACE_S
         self.restored.clear()
-        while not self.stopping.is_set():
+        while not self.stopping.is_set() and self.signalled is None:
             timeout_ms = max(0, int((next_tick - time.monotonic()) * 1e3))
             ready_socks = dict(poller.poll(timeout_ms))
             # admin first and bounded agent batches: nereusctl answers promptly under any agent traffic
@@ -349,6 +351,8 @@ class Daemon(AgentSessions, SourceRequests, Transport):
                 self._guarded(self._flush_heartbeats)
                 next_flush = now + HEARTBEAT_FLUSH_S
         sd_notify("STOPPING=1")
+        if self.signalled is not None:
+            self.log.info("signal", signal=signal.Signals(self.signalled).name)
         self.log.info("stopping", error=self.fatal)
 
     def _guarded(self, fn: Callable[[], None]) -> None:

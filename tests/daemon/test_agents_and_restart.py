@@ -258,3 +258,47 @@ def test_an_ipc_folder_too_long_for_a_unix_socket_is_one_clear_error(tmp_path: P
     no_keys = agent(tmp_path / "empty", Path("/tmp"))  # an incomplete bundle: one line too
     assert no_keys.returncode == 2 and "incomplete key bundle" in no_keys.stderr, no_keys.stderr
     assert "Traceback" not in too_deep.stderr + no_keys.stderr
+
+
+@pytest.mark.multiprocess
+def test_a_burst_of_sigterms_stops_the_daemon_cleanly(daemon: DaemonHandle) -> None:
+    """The signal handler runs on the main thread between any two bytecodes, so it may land inside the
+    logger's write (its lock held): a handler that logged deadlocked the daemon on SIGTERM (seen in CI,
+    a daemon stuck for good in structlog's PrintLogger). A burst of signals, each landing in the
+    previous one's handling, made that near-certain; the handler now only records the signal, and the
+    loop logs it and stops."""
+    daemon.start()
+    assert daemon.proc is not None
+    for _ in range(300):
+        daemon.proc.send_signal(signal.SIGTERM)
+    try:
+        rc = daemon.proc.wait(30)
+    except subprocess.TimeoutExpired:
+        daemon.proc.kill()
+        raise AssertionError(f"nereusd did not stop within 30 s of a SIGTERM burst; log:\n{daemon.log()}") from None
+    assert rc == 0, daemon.log()
+    events = [line for line in daemon.log().splitlines() if '"event": "signal"' in line or '"stopping"' in line]
+    assert any('"SIGTERM"' in e for e in events) and any('"stopping"' in e for e in events), events
+
+
+def test_the_stop_handler_takes_no_lock_the_interrupted_code_may_hold() -> None:
+    """The handler runs wherever the main thread was interrupted: here the log's write lock is held (as
+    inside any log line), and the handler, called meanwhile, must return at once and record the signal
+    (the one that logged waited on that lock for good)."""
+    import threading
+    from types import SimpleNamespace
+
+    import structlog
+
+    from nereusd.cli import stop_handler
+    from nereusd.wire.logs import configure_logging
+
+    configure_logging("json", "info", stream=sys.stderr)  # as nereusd.cli.serve configures it
+    lock = structlog._output._get_lock_for_file(sys.stderr)  # PrintLogger's write lock on that stream
+    daemon = SimpleNamespace(signalled=None)
+    with lock:
+        done = threading.Thread(target=stop_handler(daemon), args=(signal.SIGTERM, None), daemon=True)
+        done.start()
+        done.join(10)
+        assert not done.is_alive(), "the stop handler waited on the log's lock"
+    assert daemon.signalled == signal.SIGTERM
