@@ -52,6 +52,7 @@ from nereusd.control import (
     SessionTable,
 )
 from nereusd.controller import JobController, PlannerPort
+from nereusd.growth import make_growth
 from nereusd.metrics import Metrics
 from nereusd.settings import Settings
 from nereusd.source_requests import SourceRequests
@@ -78,23 +79,6 @@ SLOW_HANDLER_S = 0.2
 AGENT_BATCH_S = 0.05  # agent messages served per pass before the admin socket is looked at again
 ADMIN_BATCH = 16
 RESTART_GRACE_S = 5.0  # added to the heartbeat time-out for nodes restored from the store
-
-
-
-
-def make_growth(d: Daemon) -> Any:
-    """The growth policy for a Slurm source (None otherwise: the local source grows on request only)."""
-    if d.source is None or d.worker is None or d.source.name != "slurm" or not d.settings.slurm.grow:
-        return None
-    from nereusd.growth import GrowthPolicy
-
-    worker, s = d.worker, d.settings.slurm
-    return GrowthPolicy(source=d.source, controllers=d.controllers,  # type: ignore[arg-type]
-                        request=lambda op, job, arg: worker.requests.put((op, (job, arg))),
-                        add_event=lambda job, kind, data: d.store.add_event(kind, data, job_id=job),
-                        shrink=lambda job, nodes, why: d.source_request("shrink", job, nodes),
-                        interval_s=s.grow_interval_s, horizon_steps=s.grow_horizon_steps,
-                        time_limit_lead_s=s.time_limit_lead_s)
 
 
 class Daemon(AgentSessions, SourceRequests, Transport):

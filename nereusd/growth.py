@@ -183,3 +183,17 @@ class GrowthPolicy:
             self._said[job_id] = key
             self.add_event(job_id, kind, {**data, "reason": reason})
         return kind.removeprefix("growth-")
+
+
+def make_growth(d: Any) -> GrowthPolicy | None:
+    """The growth policy of daemon ``d`` (nereusd.daemon.Daemon) for a Slurm source (None otherwise: the
+    local source grows on request only)."""
+    if d.source is None or d.worker is None or d.source.name != "slurm" or not d.settings.slurm.grow:
+        return None
+    worker, s = d.worker, d.settings.slurm
+    return GrowthPolicy(source=d.source, controllers=d.controllers,  # type: ignore[arg-type]
+                        request=lambda op, job, arg: worker.requests.put((op, (job, arg))),
+                        add_event=lambda job, kind, data: d.store.add_event(kind, data, job_id=job),
+                        shrink=lambda job, nodes, why: d.source_request("shrink", job, nodes),
+                        interval_s=s.grow_interval_s, horizon_steps=s.grow_horizon_steps,
+                        time_limit_lead_s=s.time_limit_lead_s)

@@ -7,8 +7,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from nereusd.daemon import make_growth
-from nereusd.growth import GrowthPolicy
+from nereusd.growth import GrowthPolicy, make_growth
 from nereusd.settings import load_settings
 
 
